@@ -1,0 +1,1 @@
+"""Ember: an OpenAI- and Anthropic-compatible LLM inference server."""

@@ -1,0 +1,41 @@
+"""The seam through which structured output (``ember.grammar``) restricts sampling.
+
+Bitmask format (llguidance's): ``int32 [rows, ceil(vocab/32)]``; bit ``j`` of word ``i`` set means token ``32*i + j``
+is allowed. The engine allocates the batch's bitmask, asks the filler to fill the rows of constrained requests, masks
+those rows' logits to -inf where the bit is clear, samples, then calls ``accept_token`` with the sampled token.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+
+class Constraint(Protocol):
+    """Per-request (per-choice) token constraint."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]``."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a sampled token; False (or an exception) ends the request with finish_reason ``error``."""
+
+    def is_terminated(self) -> bool:
+        """True once the constraint allows nothing further; the engine then finishes the request with ``stop``."""
+
+    def error_message(self) -> str | None:
+        """Why the constraint failed, for the ``error`` field of the request's output."""
+
+
+BitmaskFiller = Callable[[Sequence[Constraint], torch.Tensor], None]
+"""Fills ``bitmask[i]`` for ``constraints[i]``; the grammar backend supplies a parallel one."""
+
+
+def fill_bitmasks_serial(constraints: Sequence[Constraint], bitmask: torch.Tensor) -> None:
+    """Default filler: one constraint after another."""
+    for row, c in enumerate(constraints):
+        c.fill_bitmask(bitmask, row)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32

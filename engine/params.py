@@ -1,0 +1,56 @@
+"""Plain data crossing the engine's boundary: what a request asks for and what each step returns.
+
+The engine deals in token IDs only; text, stop strings and parsing belong to the output pipeline (`ember.parsers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""`stop`: EOS, a stop token ID or the constraint terminated; `length`: max_tokens or max model length;
+`abort`: the caller aborted; `error`: the request's constraint rejected a token or failed."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, named as in vLLM / the OpenAI API."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; 0: the sampled token's logprob; N: plus the top-N alternatives
+    logit_bias: dict[int, float] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives (token ID, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per new token when requested
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the EOS / stop token that ended it (also in new_token_ids)
+    error: str | None = None  # set with finish_reason "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,1 @@
+"""Compute kernels: torch references (the CPU path) and Triton kernels (the CUDA path) behind one interface."""

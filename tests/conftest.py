@@ -1,0 +1,32 @@
+"""Shared test setup: Triton's interpreter on CPU, the location of ../shared."""
+import os
+import pathlib
+
+import pytest
+import torch
+
+# Must be set before any module that defines @triton.jit kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+SHARED_DATA = SHARED / "data"
+
+
+def shared_path(*parts: str) -> pathlib.Path:
+    """Path under ../shared/data, skipping the calling test where it is absent."""
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.exists():
+        pytest.skip(f"../shared/data/{'/'.join(parts)} is absent")
+    return p
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> pathlib.Path:
+    """The built-in demo model, built once per test session."""
+    from ember.engine import demo
+
+    path = tmp_path_factory.mktemp("demo-model")
+    demo.build(path)
+    return path
