@@ -1,0 +1,237 @@
+"""Continuous batching under a per-step token budget (vLLM v1's scheduling model).
+
+Each step hands out at most ``max_num_batched_tokens`` token positions to at most ``max_num_seqs`` sequences:
+running sequences first (one decode token each, then the rest of chunked prefills, to the budget), then waiting ones
+in FIFO order, their prefill chunked to the budget that is left. When a running sequence needs a block and none is
+free, the newest running sequence is preempted by recompute (blocks freed, back to the front of the queue, outputs
+kept). The oldest request is never preempted for a newer one, so every request that fits the cache completes.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.params import FinishReason
+from ember.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions ``start .. start+num_tokens-1`` of ``seq`` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool
+    """True when the chunk reaches ``seq.num_tokens``: a new token is sampled from its last position."""
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """Running sequences first (decodes, then prefill continuations, each oldest first), then newly admitted ones
+    in FIFO order."""
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides, step by step, which token positions of which sequences the model computes."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, watermark: float = 0.01) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.watermark_blocks = max(1, int(watermark * kv.num_blocks)) if watermark > 0 else 0
+        """Blocks left free when admitting next to running sequences, so they can grow without thrashing."""
+        self.waiting: deque[Sequence] = deque()  # sorted by arrival: preempted ones return to the front
+        self.running: list[Sequence] = []  # sorted by arrival
+        self._by_id: dict[str, Sequence] = {}
+        self._next_arrival = 0
+        self.num_preemptions = 0
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; ValueError when it could never be served."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request_id {seq.request_id!r} is already in the engine")
+        n_prompt = seq.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if n_prompt > self.max_model_len:
+            raise ValueError(f"the prompt has {n_prompt} tokens, more than the maximum model length of "
+                             f"{self.max_model_len}")
+        if not self.enable_chunked_prefill and n_prompt > self.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n_prompt} tokens, more than max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+        max_tokens = seq.params.max_tokens
+        longest = self.max_model_len if max_tokens is None else min(self.max_model_len, n_prompt + max_tokens)
+        longest = max(longest, n_prompt)
+        need = self.kv.blocks_for(longest)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"the request can reach {longest} tokens (prompt {n_prompt}, max_tokens {max_tokens}), "
+                             f"which needs {need} KV blocks of {self.kv.block_size}, but the whole cache has "
+                             f"{self.kv.num_blocks}; lower max_tokens or enlarge the KV cache")
+        seq.status = SequenceStatus.WAITING
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove the request wherever it is and free its blocks; None when it is not here."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark ``seq`` finished, free its blocks and forget it."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+
+    # ---- steps -------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's chunks; every scheduled position has a slot in its sequence's ``block_ids``."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # Decodes before prefill continuations (so a long prompt does not stall them), each group oldest first.
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
+        scheduled: dict[Sequence, ScheduledChunk] = {}
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._num_new_tokens(seq, budget)
+            if n <= 0:  # waiting for the engine to append its sampled token, or at max_model_len
+                continue
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running[-1]  # the newest
+                dropped = scheduled.pop(victim, None)
+                if dropped is not None:
+                    budget += dropped.num_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = self._chunk(seq, n)
+                budget -= n
+        out.chunks.extend(scheduled.values())
+
+        if out.preempted:
+            return out  # admitting now would only thrash
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.lookup(seq)
+            num_computed = len(hits) * self.kv.block_size
+            n = seq.num_tokens - num_computed
+            if n > budget:
+                if self.enable_chunked_prefill:
+                    n = budget
+                elif n > self.max_num_batched_tokens and budget == self.max_num_batched_tokens:
+                    n = budget  # a preempted sequence longer than any step: its recompute must be chunked
+                else:
+                    break
+            reserve = self.watermark_blocks if self.running else 0
+            if not self.kv.allocate_slots(seq, n, hits, reserve=reserve):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            out.chunks.append(self._chunk(seq, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record a step's results: computed positions advance, sampling chunks get ``sampled[request_id]``.
+
+        Sequences finished or aborted since ``schedule`` are skipped.
+        """
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"request {seq.request_id!r}: update for a chunk at {chunk.start} but "
+                                   f"{seq.num_computed_tokens} tokens are computed (update called twice?)")
+            seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                try:
+                    seq.append_token(sampled[seq.request_id])
+                except KeyError:
+                    raise KeyError(f"request {seq.request_id!r} sampled this step but no token was given") from None
+            self.kv.cache_full_blocks(seq)
+
+    def check_integrity(self) -> None:
+        """The KV invariants, with every block held by exactly the running sequences' block tables."""
+        self.kv.check_integrity(self.running)
+        for seq in self.waiting:
+            if seq.block_ids or seq.num_computed_tokens:
+                raise AssertionError(f"waiting request {seq.request_id!r} holds blocks or computed tokens")
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        end = min(seq.num_tokens, self.max_model_len)
+        return min(end - seq.num_computed_tokens, budget)
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq=seq, start=start, num_tokens=n, samples=start + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,80 @@
+"""One request's state inside the engine: its tokens, how many of them have KV in the cache, and its block table.
+
+A sequence only tracks ``num_computed_tokens`` against its token list (vLLM v1's model): the scheduler hands out
+the positions ``num_computed_tokens .. num_tokens-1`` over one or more steps, and a new token is sampled once
+every position is computed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ember.engine.params import FinishReason, SamplingParams
+
+if TYPE_CHECKING:  # constraint.py imports torch; the scheduling core stays pure Python
+    from ember.engine.constraint import Constraint
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request in flight. Identity equality: two sequences are the same only if they are the same object."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    constraint: Constraint | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens (from the start of ``all_token_ids``) whose KV is in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    """The block table, in order: position ``p`` lives in block ``block_ids[p // block_size]``."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served by the prefix cache at the first admission."""
+    arrival: int = -1
+    """Admission order, set by ``Scheduler.add``; lower is older."""
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Content hashes of this sequence's full blocks (a prefix of them, extended lazily by the KV cache manager)."""
+    num_registered_blocks: int = 0
+    """Leading entries of ``block_ids`` that are in the prefix cache (hit at admission or registered since)."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
