@@ -1,0 +1,190 @@
+"""Triton paged attention and KV writes against the torch reference (run under TRITON_INTERPRET=1 on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.kernels import attention, reference
+
+BLOCK = 16
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _batch(specs, hq, hkv, d, dtype, *, seed, cache_dtype=None, num_blocks=None):
+    """A random batch: ``specs`` lists (context_len, query_len) per sequence; blocks are scattered at random."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(c + q + BLOCK - 1) // BLOCK for c, q in specs]
+    max_blocks = max(max(need), 1) + 1
+    nb = num_blocks or sum(need) + 3
+    k_cache = torch.randn(nb, BLOCK, hkv, d, generator=g)
+    v_cache = torch.randn(nb, BLOCK, hkv, d, generator=g)
+    cache_dtype = cache_dtype or dtype
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    perm = torch.randperm(nb, generator=g)
+    table = torch.randint(0, nb, (len(specs), max_blocks), generator=g, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n].int()
+        used += n
+    qlens = torch.tensor([q for _, q in specs])
+    cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(qlens, 0)
+    seq_lens = torch.tensor([c + q for c, q in specs], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(dtype)
+    return q, k_cache, v_cache, cu, seq_lens, table
+
+
+def _run_both(specs, hq, hkv, d, dtype, *, seed, k_scale=None, v_scale=None, cache_dtype=None, **kw):
+    q, kc, vc, cu, seq_lens, table = _batch(specs, hq, hkv, d, dtype, seed=seed, cache_dtype=cache_dtype)
+    max_q = max(ql for _, ql in specs)
+    max_k = int(seq_lens.max())
+    scale = d ** -0.5
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, max_q, max_k, scale, k_scale, v_scale)
+    out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+    kc0, vc0 = kc.clone(), vc.clone()
+    attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, max_q, max_k, scale, k_scale, v_scale, **kw)
+    assert torch.equal(kc.view(torch.uint8), kc0.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vc0.view(torch.uint8))
+    assert not out.isnan().any(), "some output rows were never written"
+    return out, ref
+
+
+# (specs, hq, hkv, head_dim): context lengths are deliberately not multiples of the block size
+PREFILL_CASES = [
+    pytest.param([(0, 23), (0, 9)], 2, 2, 64, id="prefill-gqa1-hd64"),
+    pytest.param([(21, 13), (37, 1), (0, 0), (0, 17), (5, 1)], 8, 2, 128, id="mixed-chunked-prefix-decode-gqa4-hd128"),
+    pytest.param([(33, 7), (50, 1), (0, 5)], 8, 1, 64, id="mixed-gqa8-hd64"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("specs,hq,hkv,d", PREFILL_CASES)
+def test_prefill_and_mixed_batches_match_reference(specs, hq, hkv, d, dtype):
+    out, ref = _run_both(specs, hq, hkv, d, dtype, seed=hq * 100 + hkv * 10 + d)
+    assert _rel_err(out, ref) < 1e-3
+
+
+DECODE_CASES = [
+    pytest.param([(40, 1), (3, 1), (70, 1)], 4, 4, 64, id="gqa1-hd64"),
+    pytest.param([(17, 1), (95, 1)], 8, 2, 128, id="gqa4-hd128"),
+    pytest.param([(60, 1), (1, 1), (33, 1)], 8, 1, 64, id="gqa8-hd64"),
+    pytest.param([(44, 1), (9, 1)], 4, 1, 96, id="gqa4-hd96-padded-dim"),
+]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("specs,hq,hkv,d", DECODE_CASES)
+def test_decode_matches_reference_with_split_on_and_off(specs, hq, hkv, d, dtype, split):
+    out, ref = _run_both(specs, hq, hkv, d, dtype, seed=len(specs) * d + hq, split_kv=split)
+    assert _rel_err(out, ref) < 1e-3
+
+
+def test_split_kv_segments_with_no_keys_are_weighed_out():
+    # 1 tile for the short sequence but 8 segments: seven of its segments see no key at all
+    specs = [(2, 1), (80, 1)]
+    out, ref = _run_both(specs, 8, 2, 64, torch.float32, seed=7, split_kv=True, num_segments=8)
+    assert _rel_err(out, ref) < 1e-3
+    for segs, tile in [(2, 32), (1, 16)]:
+        out2, _ = _run_both(specs, 8, 2, 64, torch.float32, seed=7, split_kv=True, num_segments=segs, tile_size=tile)
+        assert _rel_err(out2, ref) < 1e-3
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+def test_cuda_graph_padding_rows_are_finite_and_leave_real_rows_exact(split):
+    """Rows padded in for a captured batch size (seq_len 0, one query token) give zeros, and change nothing else."""
+    specs = [(30, 1), (-1, 1), (12, 1), (-1, 1)]  # context -1 + 1 query = seq_len 0
+    q, kc, vc, cu, seq_lens, table = _batch([(max(c, 0), 1) for c, _ in specs], 4, 2, 64, torch.float16, seed=3)
+    seq_lens[1] = 0
+    seq_lens[3] = 0
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, 1, 31, 0.125)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, 1, 31, 0.125, split_kv=split)
+    assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+    assert _rel_err(out[[0, 2]], ref[[0, 2]]) < 1e-3
+
+
+def test_split_kv_refuses_prefill_batches():
+    q, kc, vc, cu, seq_lens, table = _batch([(3, 4)], 2, 2, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="decode-only"):
+        attention.paged_attention(q, kc, vc, torch.empty_like(q), cu, seq_lens, table, 4, 7, 0.1, split_kv=True)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+def test_fp8_kv_cache_with_per_tensor_scales_matches_reference(split):
+    specs = [(26, 1), (47, 1)] if split else [(26, 1), (10, 9)]
+    out, ref = _run_both(specs, 8, 2, 64, torch.float16, seed=11, cache_dtype=torch.float8_e4m3fn,
+                         k_scale=0.07, v_scale=0.2, split_kv=split)
+    assert _rel_err(out, ref) < 1e-3
+
+
+def test_dispatch_splits_only_small_decode_batches(monkeypatch):
+    calls = []
+    real_3d = attention._unified_attention_3d
+    real_2d = attention._unified_attention_2d
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            calls.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(attention, "_unified_attention_3d", Spy("3d", real_3d))
+    monkeypatch.setattr(attention, "_unified_attention_2d", Spy("2d", real_2d))
+    monkeypatch.setattr(attention, "SPLIT_KV_MAX_PROGRAMS", 4)
+    for specs, want in [([(5, 1), (9, 1)], "3d"), ([(5, 1), (9, 1), (3, 1)], "2d"), ([(5, 2)], "2d")]:
+        calls.clear()
+        out, ref = _run_both(specs, 4, 2, 64, torch.float32, seed=5)
+        assert calls == [want] and _rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(0)
+    key = torch.randn(9, 2, 64, generator=g).to(dtype)
+    value = torch.randn(9, 2, 64, generator=g).to(dtype)
+    slots = torch.tensor([3, -1, 17, 40, -1, 5, 63, 16, -1])
+    k_cache = torch.randn(4, BLOCK, 2, 64, generator=g).to(dtype)
+    v_cache = torch.randn(4, BLOCK, 2, 64, generator=g).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    attention.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    written = slots[slots >= 0]
+    assert torch.equal(k_cache.view(-1, 2, 64)[written], key[slots >= 0])
+
+
+def test_reshape_and_cache_strided_inputs_from_a_fused_qkv():
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 4 + 2 + 2, 64, generator=g, dtype=torch.float16)
+    key, value = qkv[:, 4:6], qkv[:, 6:8]
+    slots = torch.tensor([0, 31, -1, 2, 17])
+    k_cache = torch.zeros(2, BLOCK, 2, 64, dtype=torch.float16)
+    v_cache = torch.zeros(2, BLOCK, 2, 64, dtype=torch.float16)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
+    attention.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_reshape_and_cache_fp8_divides_by_the_scale():
+    # values exactly representable in e4m3 after the division: the interpreter's fp32->fp8 rounding is unreliable
+    # near binade edges, so rounding itself is checked on a GPU (benchmarks/gpu_check.py)
+    g = torch.Generator().manual_seed(2)
+    exact_k = torch.randn(6, 2, 64, generator=g).to(torch.float8_e4m3fn).float()
+    exact_v = torch.randn(6, 2, 64, generator=g).to(torch.float8_e4m3fn).float()
+    key, value = (exact_k * 0.25).half(), (exact_v * 2.0).half()
+    slots = torch.tensor([-1, 4, 9, -1, 30, 1])
+    k_cache = torch.randn(2, BLOCK, 2, 64, generator=g).to(torch.float8_e4m3fn)
+    v_cache = torch.randn(2, BLOCK, 2, 64, generator=g).to(torch.float8_e4m3fn)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.reshape_and_cache(key, value, k_ref, v_ref, slots, 0.25, 2.0)
+    attention.reshape_and_cache(key, value, k_cache, v_cache, slots, 0.25, 2.0)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
