@@ -1,0 +1,66 @@
+"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU-and-mul); also usable on CPU.
+
+Each computes in fp32 and returns the input dtype, as the Triton kernels in `norm`, `rotary` and `activation` do.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension."""
+    xf = x.float()
+    var = xf.pow(2).mean(dim=-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps) * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the pre-norm of the next sublayer and the new residual stream.
+
+    The sum is rounded to the residual's dtype before normalising, as a model that stores the residual would.
+    """
+    new_residual = (x.float() + residual.float()).to(residual.dtype)
+    return rms_norm(new_residual, weight, eps).to(x.dtype), new_residual
+
+
+def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str | None = None) -> torch.Tensor:
+    """``[max_position, rotary_dim]``: cos of each position's angles in the first half, sin in the second (vLLM)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim))
+    t = torch.arange(max_position, dtype=torch.float64, device=device)
+    freqs = torch.outer(t, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def rotary_neox(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding of ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` at ``positions``.
+
+    Only the first ``rotary_dim = cos_sin_cache.shape[1]`` dims rotate; returns new tensors.
+    """
+    rot = cos_sin_cache.shape[1]
+    half = rot // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1 = xf[..., :half]
+        x2 = xf[..., half:rot]
+        out = xf.clone()
+        out[..., :half] = x1 * cos - x2 * sin
+        out[..., half:rot] = x2 * cos + x1 * sin
+        return out.to(x.dtype)
+
+    return apply(q), apply(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for ``x`` ``[..., 2I]`` (gate first, as a fused gate_up projection)."""
+    i = x.shape[-1] // 2
+    xf = x.float()
+    return (torch.nn.functional.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
