@@ -1,0 +1,497 @@
+"""Triton fused mixture of experts, and the dense NVFP4 linear through the same grouped GEMM.
+
+Design (vLLM's ``fused_moe_kernel``, reimplemented):
+1. routing: :func:`ember.kernels.moe_reference.topk_routing` (softmax fp32, top-k, optional renormalisation);
+2. :func:`moe_align_block_size` (torch): the ``M*k`` (token, slot) pairs sorted by expert, each expert's group
+   padded to a multiple of ``BLOCK_M`` with the sentinel ``M*k``; buffers sized to a static upper bound;
+3. GEMM 1 (``w13``): rows gathered as ``pair // k``; gate and up tiles of the same columns are accumulated side by
+   side and SiLU-and-mul is fused into the epilogue, writing ``[M*k, I]``;
+4. GEMM 2 (``w2``): rows are the pairs themselves, scaled by their routing weight in the epilogue, written
+   ``[M*k, H]`` (fp32) and summed over ``k`` (the weighted combine).
+
+Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) or NVFP4 stacks
+(:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): the packed byte of each K element
+is loaded, its nibble decoded, multiplied by its E4M3 block scale (decoded with integer ops, so no FP8 hardware
+support is needed) and cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the
+epilogue. This uses only Triton features present in 3.6 and supported by the interpreter.
+
+On Blackwell (capability >= 10.0) :func:`fused_moe_nvfp4` can instead run W4A4: activations quantized per 16
+(:func:`ember.kernels.nvfp4.quantize_activations`) and ``tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1")``. Triton's
+interpreter (3.9) decodes E4M3 ``dot_scaled`` scales as E8M0, so that path is only checked where
+:func:`dot_scaled_nvfp4_works` says the installed Triton computes it correctly.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels import nvfp4
+from ember.kernels.nvfp4 import NVFP4Tensor
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile sizes of one grouped-GEMM launch."""
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 32
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_config(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> GemmConfig:
+    """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU."""
+    if device.type != "cuda" or _interpreting():
+        return GemmConfig()
+    m = num_tokens
+    if m <= 2:
+        return GemmConfig(16, 64, 64, 1, 4, 4)
+    if m <= 16:
+        return GemmConfig(16, 64, 128, 1, 4, 4)
+    if m <= 64:
+        return GemmConfig(16, 128, 128, 1, 8, 3)
+    if m <= 256:
+        return GemmConfig(32, 128, 128, 8, 8, 3)
+    if m <= 512:
+        return GemmConfig(64, 128, 64, 8, 4, 3)
+    return GemmConfig(128, 128, 64, 8, 8, 3)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``M*k`` (token, slot) pairs by expert, padding each expert's group to a multiple of ``block_m``.
+
+    Returns ``sorted_ids`` int32 ``[cap]`` (pair index ``token*k + slot``; padding is ``M*k``), ``expert_ids`` int32
+    ``[cap // block_m]`` (the expert of each block of ``block_m`` rows) and ``num_tokens_post_padded`` int32 ``[1]``,
+    with ``cap = roundup(M*k + E*(block_m-1), block_m)``, a static upper bound.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    dev = flat.device
+    cap = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(n, device=dev) - first_of_expert[sorted_experts]
+    sorted_ids = torch.full((cap,), n, dtype=torch.int32, device=dev)
+    sorted_ids[starts[sorted_experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, cap, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).clamp(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _e4m3_to_f32(u):
+    """E4M3FN bytes (as int32) -> float32 with integer ops only (no NaN handling: scales are finite)."""
+    sign = (u >> 7) & 1
+    exp = (u >> 3) & 15
+    man = u & 7
+    normal = ((exp + 120) << 23) | (man << 20)
+    v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    return tl.where(sign == 1, -v, v)
+
+
+@triton.jit
+def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, kk, k_mask,
+                 stride_bn, stride_bk, stride_sn, stride_sk,
+                 NVFP4: tl.constexpr, DTYPE: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], kk[k]]`` of one expert, dequantized to DTYPE."""
+    mask = k_mask[:, None] & row_mask[None, :]
+    if NVFP4:
+        byte = tl.load(b_ptr + rows[None, :] * stride_bn + (kk // 2)[:, None] * stride_bk, mask=mask, other=0)
+        code = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
+        mag = code & 7
+        v = ((mag << 22) + 0x3F000000).to(tl.float32, bitcast=True)
+        v = tl.where(mag == 0, 0.0, tl.where(mag == 1, 0.5, v))
+        v = tl.where(code >= 8, -v, v)
+        s = tl.load(bs_ptr + rows[None, :] * stride_sn + (kk // 16)[:, None] * stride_sk, mask=mask, other=0)
+        return (v * _e4m3_to_f32(s.to(tl.int32))).to(DTYPE)
+    else:
+        w = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk, mask=mask, other=0.0)
+        return w.to(DTYPE)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, bs_ptr, bs2_ptr, c_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    N, K, EM, num_valid, up_off,
+    stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_se, stride_sn, stride_sk,
+    stride_s2e, stride_s2p,
+    stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr,
+    NVFP4: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T) (* routing weight), rows in sorted order."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % group_size)
+    pid_n = (pid % in_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+
+    tok = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    tok_mask = tok < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = a_ptr.dtype.element_ty
+
+    a_ptrs = a_ptr + (tok // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert * stride_be
+    s_base = bs_ptr + expert * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = k0 * BLOCK_K + offs_k
+        k_mask = kk < K
+        a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
+        b = _load_b_tile(b_base, s_base, offs_n, n_mask, kk, k_mask,
+                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype)
+        acc = tl.dot(a, b, acc)
+        if FUSE_SILU:
+            b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, kk, k_mask,
+                                stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype)
+            acc_up = tl.dot(a, b_up, acc_up)
+        a_ptrs += BLOCK_K * stride_ak
+
+    if NVFP4:
+        acc = acc * tl.load(bs2_ptr + expert * stride_s2e)
+        if FUSE_SILU:
+            acc_up = acc_up * tl.load(bs2_ptr + expert * stride_s2e + stride_s2p)
+    if FUSE_SILU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + tok.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _moe_gemm_w4a4_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, c_ptr, topk_w_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    N, K, EM, num_valid, up_off,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk,
+    stride_se, stride_sn, stride_sk,
+    stride_ae, stride_ap,
+    stride_cm, stride_cn,
+    A_ROW_DIV: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """W4A4 variant: A is packed E2M1 ``[rows, K/2]`` with E4M3 scales ``[rows, K/16]``; ``tl.dot_scaled``; the
+    epilogue multiplies by ``alpha[e] = input_scale * weight_scale_2[e]``. Blackwell only."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % in_group) % group_size)
+    pid_n = (pid % in_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+        return
+
+    tok = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    tok_mask = tok < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_kp = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 16)
+    rows = (tok // A_ROW_DIV).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_base = b_ptr + expert * stride_be
+    s_base = bs_ptr + expert * stride_se
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        kp = k0 * (BLOCK_K // 2) + offs_kp
+        ks = k0 * (BLOCK_K // 16) + offs_ks
+        kp_mask = kp < K // 2
+        ks_mask = ks < K // 16
+        a = tl.load(a_ptr + rows[:, None] * stride_am + kp[None, :] * stride_ak,
+                    mask=tok_mask[:, None] & kp_mask[None, :], other=0)
+        a_s = tl.load(as_ptr + rows[:, None] * stride_asm + ks[None, :] * stride_ask,
+                      mask=tok_mask[:, None] & ks_mask[None, :], other=0.0)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + kp[:, None] * stride_bk,
+                    mask=kp_mask[:, None] & n_mask[None, :], other=0)
+        b_s = tl.load(s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
+                      mask=n_mask[:, None] & ks_mask[None, :], other=0.0)
+        acc = tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1", acc)
+        if FUSE_SILU:
+            rows_up = offs_n + up_off
+            b_up = tl.load(b_base + rows_up[None, :] * stride_bn + kp[:, None] * stride_bk,
+                           mask=kp_mask[:, None] & n_mask[None, :], other=0)
+            b_s_up = tl.load(s_base + rows_up[:, None] * stride_sn + ks[None, :] * stride_sk,
+                             mask=n_mask[:, None] & ks_mask[None, :], other=0.0)
+            acc_up = tl.dot_scaled(a, a_s, "e2m1", b_up, b_s_up, "e2m1", acc_up)
+
+    acc = acc * tl.load(alpha_ptr + expert * stride_ae)
+    if FUSE_SILU:
+        acc_up = acc_up * tl.load(alpha_ptr + expert * stride_ae + stride_ap)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
+        acc = acc * w[:, None]
+    c_ptrs = c_ptr + tok.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
+
+
+def _grid(em: int, n: int, cfg: GemmConfig) -> tuple[int]:
+    return (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+
+
+def _invoke(
+    a: torch.Tensor,
+    w,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_post: torch.Tensor,
+    n: int,
+    a_row_div: int,
+    fuse_silu: bool,
+    num_valid: int,
+    cfg: GemmConfig,
+) -> None:
+    """One grouped-GEMM launch over a dense (``[E, N', K]``) or NVFP4 weight stack."""
+    if isinstance(w, NVFP4Tensor):
+        b = w.weight
+        scale = w.weight_scale.view(torch.uint8)
+        s2 = w.weight_scale_2.float().reshape(b.shape[0], -1)
+        k = b.shape[-1] * 2
+        s_strides = scale.stride()
+        s2_strides = (s2.stride(0), s2.stride(1) if s2.shape[1] > 1 else 0)
+    else:
+        b = w
+        scale = s2 = b  # unused
+        k = b.shape[-1]
+        s_strides = (0, 0, 0)
+        s2_strides = (0, 0)
+    _moe_gemm_kernel[_grid(sorted_ids.numel(), n, cfg)](
+        a, b, scale, s2, c, topk_weights if topk_weights is not None else c,
+        sorted_ids, expert_ids, num_post,
+        n, k, sorted_ids.numel(), num_valid, n,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        *s_strides,
+        *s2_strides,
+        c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div,
+        NVFP4=isinstance(w, NVFP4Tensor),
+        FUSE_SILU=fuse_silu,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``[M, H]`` = sum over each token's ``k`` experts of ``w * down(silu(gate(x)) * up(x))``.
+
+    ``w13``/``w2`` are dense stacks ``[E, 2I, H]`` / ``[E, H, I]`` or NVFP4 stacks of the same logical shapes
+    (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``). ``x`` is fp16/bf16/fp32; the output has its
+    dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``.
+    """
+    m, h = x.shape
+    top_k = topk_ids.shape[1]
+    shape13 = w13.shape if isinstance(w13, NVFP4Tensor) else tuple(w13.shape)
+    e, n2 = shape13[0], shape13[1]
+    inter_size = n2 // 2
+    cfg = config or default_config(m * top_k, e, top_k, x.device)
+    x = x.contiguous()
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
+    inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
+    _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, m * top_k, cfg)
+    out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg)
+    return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
+
+
+def nvfp4_linear(
+    x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """``x @ dequant(w).T (+ bias)`` through the grouped GEMM with one expert and no gather (W4A16)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    m = x2.shape[0]
+    n = w.weight.shape[0]
+    cfg = config or default_config(m, 1, 1, x.device)
+    cap = triton.cdiv(max(m, 1), cfg.block_m) * cfg.block_m
+    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
+    sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
+    expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
+    num_post = torch.tensor([cap], dtype=torch.int32, device=x.device)
+    stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        _invoke(x2, stack, out, None, sorted_ids, expert_ids, num_post, n, 1, False, m, cfg)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.view(*lead, n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# W4A4 (Blackwell)
+
+
+def w4a4_available(device: torch.device) -> bool:
+    """True on CUDA devices of capability >= 10.0 whose Triton has ``tl.dot_scaled``."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(tl, "dot_scaled"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def dot_scaled_nvfp4_works(device_str: str = "cpu") -> bool:
+    """One-tile known-answer probe: does this Triton (or its interpreter) compute e2m1 x e2m1 ``dot_scaled`` with
+    E4M3 block-16 scales correctly? (Triton 3.9's interpreter reads the scales as E8M0.)"""
+    if not hasattr(tl, "dot_scaled"):
+        return False
+    dev = torch.device(device_str)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=g).to(dev)
+    w = nvfp4.quantize(torch.randn(16, 64, generator=g).to(dev))
+    w.weight_scale_2 = w.weight_scale_2.reshape(1)
+    try:
+        got = _w4a4_dense(x, w, torch.tensor(1.0, device=dev))
+    except Exception:  # noqa: BLE001 - any compile/run failure means "not supported"
+        return False
+    xq, xs = nvfp4.quantize_activations(x, torch.tensor(1.0, device=dev))
+    want = nvfp4.dequantize_activations(xq, xs, torch.tensor(1.0, device=dev)) @ w.dequantize().T
+    return bool(((got.float() - want).abs().max() <= 1e-3 * want.abs().max()).item())
+
+
+def _launch_w4a4(
+    aq: torch.Tensor, a_s: torch.Tensor, w: NVFP4Tensor, alpha: torch.Tensor, c: torch.Tensor,
+    topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_post: torch.Tensor, n: int, a_row_div: int, fuse_silu: bool, num_valid: int, cfg: GemmConfig,
+) -> None:
+    b, s = w.weight, w.weight_scale
+    alpha = alpha.reshape(b.shape[0], -1)
+    _moe_gemm_w4a4_kernel[_grid(sorted_ids.numel(), n, cfg)](
+        aq, a_s, b, s, alpha, c, topk_weights if topk_weights is not None else c,
+        sorted_ids, expert_ids, num_post,
+        n, b.shape[-1] * 2, sorted_ids.numel(), num_valid, n,
+        aq.stride(0), aq.stride(1), a_s.stride(0), a_s.stride(1),
+        b.stride(0), b.stride(1), b.stride(2),
+        s.stride(0), s.stride(1), s.stride(2),
+        alpha.stride(0), alpha.stride(1) if alpha.shape[1] > 1 else 0,
+        c.stride(0), c.stride(1),
+        A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, 32), GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
+    return nvfp4.tensor_scale(x.float().abs().amax().clamp(min=1e-12))
+
+
+def _w4a4_dense(x: torch.Tensor, w: NVFP4Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    m = x.shape[0]
+    cfg = GemmConfig(block_k=64)
+    cap = triton.cdiv(m, cfg.block_m) * cfg.block_m
+    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
+    sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
+    expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
+    num_post = torch.tensor([cap], dtype=torch.int32, device=x.device)
+    aq, a_s = nvfp4.quantize_activations(x, input_scale)
+    stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
+    alpha = (input_scale.float() * w.weight_scale_2.float()).reshape(1)
+    out = torch.empty(m, w.weight.shape[0], dtype=torch.float32, device=x.device)
+    _launch_w4a4(aq, a_s, stack, alpha, out, None, sorted_ids, expert_ids, num_post,
+                 w.weight.shape[0], 1, False, m, cfg)
+    return out
+
+
+def fused_moe_nvfp4_w4a4(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """W4A4 fused MoE: activations quantized per 16 with the static ``input_scale`` of each GEMM, or, where the
+    checkpoint has none (``ember quantize-nvfp4`` without data), a dynamic per-tensor ``amax/(6*448)``."""
+    m, h = x.shape
+    top_k = topk_ids.shape[1]
+    e, n2 = w13.weight.shape[0], w13.weight.shape[1]
+    inter_size = n2 // 2
+    cfg = config or default_config(m * top_k, e, top_k, x.device)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
+    s13 = _dynamic_scale(x) if a13_scale is None else a13_scale.float().reshape(())
+    xq, xs = nvfp4.quantize_activations(x, s13)
+    alpha13 = s13 * w13.weight_scale_2.float().reshape(e, -1)
+    inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
+    _launch_w4a4(xq, xs, w13, alpha13, inter, None, sorted_ids, expert_ids, num_post,
+                 inter_size, top_k, True, m * top_k, cfg)
+    s2 = _dynamic_scale(inter) if a2_scale is None else a2_scale.float().reshape(())
+    iq, is_ = nvfp4.quantize_activations(inter, s2)
+    alpha2 = (s2 * w2.weight_scale_2.float()).reshape(e)
+    out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
+    _launch_w4a4(iq, is_, w2, alpha2, out, topk_weights.reshape(-1).float().contiguous(), sorted_ids,
+                 expert_ids, num_post, h, 1, False, m * top_k, cfg)
+    return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
+
+
+def fused_moe_nvfp4(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+    w4a4: bool | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """NVFP4 fused MoE: W4A4 (``dot_scaled``) where :func:`w4a4_available` (or when forced with ``w4a4=True``),
+    otherwise W4A16 with in-kernel dequantization."""
+    use_w4a4 = w4a4_available(x.device) if w4a4 is None else w4a4
+    if use_w4a4:
+        return fused_moe_nvfp4_w4a4(x, w13, w2, topk_weights, topk_ids, a13_scale, a2_scale, config)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, config)

@@ -1,0 +1,126 @@
+"""Plain torch references for the MoE and NVFP4 GEMM kernels in ``ember.kernels.moe``; also the CPU path.
+
+Weight layouts (stacked per layer, as the kernels take them):
+- ``w13 [E, 2I, H]``: each expert's gate rows then up rows (transformers 5's fused ``gate_up_proj``);
+- ``w2 [E, H, I]``: each expert's down projection.
+NVFP4 stacks are :class:`ember.kernels.nvfp4.NVFP4Tensor` with ``weight_scale_2`` of shape ``[E]`` (``w2``) or
+``[E, 2]`` (``w13``: gate's and up's tensor scales, usually equal).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels import nvfp4
+from ember.kernels.nvfp4 import NVFP4Tensor
+
+
+def topk_routing(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts in fp32, top-k, optional renormalisation (Qwen3-MoE's ``norm_topk_prob``).
+
+    Returns ``topk_weights`` float32 ``[M, k]`` and ``topk_ids`` int32 ``[M, k]``.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids.to(torch.int32)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts, looping over hit experts.
+
+    Computes in ``x``'s dtype (as transformers does) and returns ``[M, H]`` in that dtype.
+    """
+    m, h = x.shape
+    out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1)
+    k = topk_ids.shape[1]
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tok = pairs // k
+        hidden = silu_and_mul(F.linear(x[tok], w13[e].to(x.dtype)))
+        y = F.linear(hidden, w2[e].to(x.dtype))
+        out.index_add_(0, tok, (y * flat_w[pairs].unsqueeze(1).to(y.dtype)).float())
+    return out.to(x.dtype)
+
+
+def dequantize_w13(w13: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[E, 2I, H]`` from an NVFP4 stack whose ``weight_scale_2`` is ``[E, 2]`` (gate, up)."""
+    e, n2, _ = w13.weight.shape
+    i = n2 // 2
+    s2 = w13.weight_scale_2.float().reshape(e, 2)
+    gate = nvfp4.dequantize(w13.weight[:, :i], w13.weight_scale[:, :i], s2[:, 0], dtype)
+    up = nvfp4.dequantize(w13.weight[:, i:], w13.weight_scale[:, i:], s2[:, 1], dtype)
+    return torch.cat((gate, up), dim=1)
+
+
+def fused_moe_nvfp4(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """W4A16 reference: dequantize each stack (fp32), then :func:`fused_moe`."""
+    return fused_moe(
+        x, dequantize_w13(w13, x.dtype), w2.dequantize(x.dtype), topk_weights, topk_ids
+    )
+
+
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense NVFP4 linear: dequantize, then ``F.linear`` in ``x``'s dtype."""
+    return F.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def fake_quant_activations(x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` per 16 as the W4A4 path sees it; ``input_scale=None`` uses the dynamic per-tensor
+    rule ``amax(|x|) / (6 * 448)``."""
+    if input_scale is None:
+        input_scale = nvfp4.tensor_scale(x.float().abs().amax().clamp(min=1e-12))
+    q, s = nvfp4.quantize_activations(x, input_scale)
+    return nvfp4.dequantize_activations(q, s, input_scale).to(x.dtype)
+
+
+def fused_moe_nvfp4_w4a4(
+    x: torch.Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a13_scale: torch.Tensor | None = None,
+    a2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A4 reference: activations fake-quantized per 16 before each GEMM, then the W4A16 reference."""
+    m, h = x.shape
+    xq = fake_quant_activations(x, a13_scale).float()
+    wg = dequantize_w13(w13)
+    wd = w2.dequantize()
+    out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    k = topk_ids.shape[1]
+    inter = torch.empty(m * k, wd.shape[-1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        inter[pairs] = silu_and_mul(F.linear(xq[pairs // k], wg[e]))
+    inter = fake_quant_activations(inter.to(x.dtype), a2_scale).float()
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        out.index_add_(0, pairs // k, F.linear(inter[pairs], wd[e]) * flat_w[pairs].unsqueeze(1))
+    return out.to(x.dtype)
