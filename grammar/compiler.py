@@ -1,0 +1,457 @@
+"""From a request's structured-output settings to ONE llguidance grammar (design D, A.8, A.9).
+
+Pure: no tokenizer, no llguidance calls. Inputs are the request fields (``response_format``, ``tools``,
+``tool_choice``, ``parallel_tool_calls``, a thinking budget), the model family's `Profile`, the request's
+`InitialState` (the same value the parser starts from) and the delimiter token IDs (terminal text -> single token
+ID, as `parsers.tokens.resolve_delimiters` found them; a terminal absent from it is spelled as text).
+
+The grammar is ``reasoning region, optional whitespace, answer``:
+
+* initial state REASONING: free text that ends only at the close delimiter referenced by its token ID (``<[151668]>``),
+  so ``</think>`` spelled in ordinary pieces stays reasoning and no special token (EOS included) can appear before it;
+* initial state CONTENT with a profile whose model may open a thought itself: an optional ``<think> .. </think>``
+  block (both by token ID) before the answer, which is what the parser does with a ``<think>`` token at the start;
+* the answer: a JSON schema, a regex, a user Lark grammar, or tool calls in the family's native syntax.
+
+A thinking budget is not part of the grammar (a ``max_tokens=`` lexeme option would break rollback); it travels in
+`GrammarPlan.budget` and the matcher enforces it by allowing only the close delimiter once it is spent.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ember.parsers.initial import InitialState
+from ember.parsers.profiles import Profile
+
+__all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS"]
+
+
+class GrammarError(ValueError):
+    """A request's structured-output settings cannot be turned into a grammar; the message names the field and the
+    problem (the server answers 400 with it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most ``tokens`` generated tokens inside the thought; once spent only ``close_id`` may be sampled.
+
+    ``open_id`` (when the model may open a thought itself) and ``close_id`` are the same delimiter token IDs the parser
+    switches on; ``starts_in_reasoning`` is the request's initial state.
+    """
+
+    tokens: int
+    close_id: int
+    open_id: int | None
+    starts_in_reasoning: bool
+
+
+@dataclass(frozen=True)
+class GrammarPlan:
+    """What constrains one request: an llguidance grammar (None: the tokens are free) and/or a thinking budget."""
+
+    grammar: str | None
+    budget: ThinkingBudget | None
+
+
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON layout of structured answers and Hermes tool calls: ``{"a": 1, "b": [2, 3]}``, as the Qwen/Hermes templates
+render tool calls (Jinja ``tojson``). Flexible whitespace lets a model pad JSON with newlines forever; a schema's own
+``x-guidance`` overrides these."""
+
+_HARMONY_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+"""gpt-oss writes compact tool arguments: ``{"city":"Tokyo"}``."""
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+_TEXT = "/(?s:.*)/"
+_WS = "/[ \\t\\r\\n]*/"
+
+
+# ---------------------------------------------------------------------------------------------------- request parsing
+
+@dataclass(frozen=True)
+class _Tool:
+    name: str
+    parameters: dict
+    strict: bool
+
+
+def _tools(tools: Sequence[Mapping] | None) -> list[_Tool]:
+    out: list[_Tool] = []
+    seen: set[str] = set()
+    for i, t in enumerate(tools or ()):
+        if not isinstance(t, Mapping):
+            raise GrammarError(f"tools[{i}] must be an object")
+        fn = t.get("function", t) if t.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping):
+            raise GrammarError(f"tools[{i}].type must be 'function'")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise GrammarError(f"tools[{i}].function.name must match {_TOOL_NAME.pattern}, got {name!r}")
+        if name in seen:
+            raise GrammarError(f"tools[{i}].function.name {name!r} is not unique")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            params = fn.get("input_schema", {"type": "object", "properties": {}})
+        if not isinstance(params, Mapping):
+            raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out.append(_Tool(name, dict(params), bool(fn.get("strict", False))))
+    return out
+
+
+def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", the named tool's name)."""
+    if tool_choice is None:
+        return ("auto" if tools else "none"), None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise GrammarError(f"tool_choice must be 'none', 'auto', 'required' or a named function, "
+                               f"got {tool_choice!r}")
+        if tool_choice == "required" and not tools:
+            raise GrammarError("tool_choice 'required' needs at least one entry in tools")
+        return tool_choice, None
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
+        if not isinstance(name, str):
+            raise GrammarError("tool_choice.function.name is missing")
+        if name not in {t.name for t in tools}:
+            raise GrammarError(f"tool_choice names function {name!r}, which is not in tools")
+        return "named", name
+    raise GrammarError(f"tool_choice must be a string or an object, got {type(tool_choice).__name__}")
+
+
+def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) -> dict:
+    """A copy of ``schema`` with our JSON layout (and leniency) as defaults under its top-level ``x-guidance``."""
+    out = dict(schema)
+    x = dict(options)
+    if lenient:
+        x["lenient"] = True
+    user = schema.get("x-guidance")
+    if isinstance(user, Mapping):
+        x.update(user)
+    out["x-guidance"] = x
+    return out
+
+
+def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenient: bool = False) -> str:
+    try:
+        body = json.dumps(_with_options(schema, options, lenient), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise GrammarError(f"schema is not JSON: {e}") from None
+    return "%json " + body
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of ``text``."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+class _Lark:
+    """Accumulates named rules; ``start`` is written first."""
+
+    def __init__(self) -> None:
+        self.rules: dict[str, str] = {}
+        self.subgrammars: list[tuple[str, str]] = []
+
+    def add(self, name: str, body: str, attrs: str = "") -> str:
+        self.rules[name + attrs] = body
+        return name
+
+    def source(self, start: str) -> str:
+        lines = ["%llguidance {}", f"start: {start}"]
+        lines += [f"{k}: {v}" for k, v in self.rules.items()]
+        lark = "\n".join(lines) + "\n"
+        if not self.subgrammars:
+            return lark
+        grammars: list[dict[str, str]] = [{"lark_grammar": lark}]
+        grammars += [{"name": n, "lark_grammar": g} for n, g in self.subgrammars]
+        return json.dumps({"grammars": grammars}, ensure_ascii=False)
+
+
+class _Delims:
+    """Terminal name -> Lark fragment: ``<[id]>`` for a single-token delimiter, a quoted literal otherwise."""
+
+    def __init__(self, profile: Profile, delimiter_ids: Mapping[str, int]) -> None:
+        self.profile = profile
+        self.ids = delimiter_ids
+
+    def id(self, name: str) -> int | None:
+        text = self.profile.terminals.get(name)
+        if text is None or name not in self.profile.token_id_terminals:
+            return None
+        return self.ids.get(text)
+
+    def ref(self, name: str) -> str:
+        tid = self.id(name)
+        if tid is not None:
+            return f"<[{tid}]>"
+        text = self.profile.terminals.get(name)
+        if text is None:
+            raise GrammarError(f"profile {self.profile.name!r} has no terminal {name!r}")
+        return _lit(text)
+
+
+# ------------------------------------------------------------------------------------------------------------ answers
+
+def _response_format_answer(g: _Lark, rf: Mapping | None) -> str | None:
+    """The answer rule of ``response_format``, None for plain text."""
+    if rf is None:
+        return None
+    if not isinstance(rf, Mapping):
+        raise GrammarError("response_format must be an object")
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return g.add("answer", _json_rule({"type": "object"}))
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, Mapping):
+            raise GrammarError("response_format.json_schema must be an object")
+        schema = js.get("schema", js.get("schema_", {}))
+        if not isinstance(schema, Mapping):
+            raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
+        strict = bool(js.get("strict", False))
+        return g.add("answer", _json_rule(schema, lenient=not strict))
+    if kind == "regex":
+        pattern = rf.get("regex", rf.get("pattern"))
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("response_format.regex must be a non-empty string")
+        g.subgrammars.append(("user_regex", "start: " + _regex_literal(pattern) + "\n"))
+        return g.add("answer", "@user_regex")
+    if kind == "grammar":
+        lark = rf.get("grammar")
+        if not isinstance(lark, str) or not lark.strip():
+            raise GrammarError("response_format.grammar must be a non-empty Lark grammar")
+        g.subgrammars.append(("user_grammar", lark))
+        return g.add("answer", "@user_grammar")
+    raise GrammarError(f"response_format.type must be one of text, json_object, json_schema, regex, grammar; "
+                       f"got {kind!r}")
+
+
+def _regex_literal(pattern: str) -> str:
+    """``pattern`` (Python/Rust syntax, whole-match) as a Lark ``/.../`` terminal."""
+    import llguidance  # only its pure string helper: escapes "/" and fixes \\d, \\w, \\s to ASCII
+
+    try:
+        return "/" + llguidance.regex_to_lark(pattern, "") + "/"
+    except Exception as e:  # noqa: BLE001 - any failure here is the user's regex
+        raise GrammarError(f"response_format.regex is not a valid regex: {e}") from None
+
+
+def _hermes_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
+    """``<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>`` with one schema per tool keyed by name."""
+    entries = [{"type": "object",
+                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = entries[0] if len(entries) == 1 else {"anyOf": entries}
+    g.add("call_json", _json_rule(schema, lenient=not all(t.strict for t in tools)))
+    return g.add("call", f'{d.ref("tool_open")} "\\n" call_json "\\n" {d.ref("tool_close")}')
+
+
+def _is_text_param(schema: Mapping) -> bool:
+    """A parameter whose value Qwen3-Coder writes raw (a string), not as JSON."""
+    if "enum" in schema:
+        return all(isinstance(v, str) for v in schema["enum"]) and bool(schema["enum"])
+    if "const" in schema:
+        return isinstance(schema["const"], str)
+    return schema.get("type") == "string"
+
+
+def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
+    """Rule for one parameter value, ending with its ``\\n</parameter>\\n``."""
+    close = '"\\n</parameter>\\n"'
+    if _is_text_param(schema):
+        values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
+        if values is not None:
+            return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
+        lo = int(schema.get("minLength", 0) or 0)
+        hi = schema.get("maxLength")
+        span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
+        term = rule.upper() + "_TEXT"
+        # A value never contains `</parameter>`: the parser ends the value at its first occurrence.
+        g.add(term, f"/(?s:.{span})/ & ~/(?s:.*)<\\/parameter>(?s:.*)/")
+        return g.add(rule, term, '[suffix="\\n</parameter>\\n"]')
+    g.add(rule + "_json", _json_rule(schema, lenient=lenient))
+    return g.add(rule, f"{rule}_json {close}")
+
+
+def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
+    """``<tool_call>\\n<function=NAME>\\n(<parameter=K>\\nV\\n</parameter>\\n)*</function>\\n</tool_call>`` with each
+    parameter at most once, in any order, required ones present, each value constrained by its schema."""
+    alts = []
+    for k, t in enumerate(tools):
+        props = t.parameters.get("properties") or {}
+        if not isinstance(props, Mapping):
+            raise GrammarError(f"tool {t.name!r}: parameters.properties must be an object")
+        required = [p for p in t.parameters.get("required", []) if p in props]
+        names = required + [p for p in props if p not in required]
+        if len(names) > 64:
+            raise GrammarError(f"tool {t.name!r} has {len(names)} parameters; at most 64 are supported")
+        lenient = not t.strict
+        head = _lit("<function=" + t.name + ">" + chr(10))
+        if not names:
+            alts.append(g.add(f"t{k}_fn", f'{head} "</function>\\n"'))
+            continue
+        perm = f"t{k}_params"
+        rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
+        for b, p in enumerate(names):
+            ps = props[p] if isinstance(props[p], Mapping) else {}
+            value = _coder_value(g, f"t{k}_p{b}", ps, lenient)
+            rows.append(f'{_lit("<parameter=" + p + ">" + chr(10))} {value} {perm}::set_bit({b}) %if bit_clear({b})')
+        g.add(f"{perm}::_", "\n    | ".join(rows))
+        alts.append(g.add(f"t{k}_fn", f'{head} {perm}::0x0 "</function>\\n"'))
+    g.add("fn", " | ".join(alts))
+    return g.add("call", f'{d.ref("tool_open")} "\\n" fn {d.ref("tool_close")}')
+
+
+def _harmony_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
+    """``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`` (the turn ends after it)."""
+    alts = []
+    for k, t in enumerate(tools):
+        g.add(f"t{k}_args", _json_rule(t.parameters, _HARMONY_JSON_OPTIONS, lenient=not t.strict))
+        alts.append(g.add(f"t{k}_call", f'{d.ref("channel")} {_lit("commentary to=functions." + t.name + " ")} '
+                                         f'{d.ref("constrain")} "json" {d.ref("message")} t{k}_args'))
+    return g.add("call", " | ".join(alts))
+
+
+# ------------------------------------------------------------------------------------------------------------ compose
+
+def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None], *,
+                    response_format: Mapping | None = None, tools: Sequence[Mapping] | None = None,
+                    tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
+                    thinking_budget: int | None = None) -> GrammarPlan | None:
+    """The request's `GrammarPlan`, or None when nothing constrains its tokens.
+
+    ``tool_choice``: ``none`` ignores tools; ``auto`` constrains each call that starts when any tool is ``strict``
+    (text stays free); ``required`` forces at least one call (exactly one without ``parallel_tool_calls``); a named
+    function forces that tool once. With tools forced, ``response_format`` does not apply (the reply is calls);
+    ``auto`` with a ``response_format`` allows either the formatted answer or tool calls.
+
+    Raises `GrammarError` (HTTP 400) naming the offending field.
+    """
+    ids = {k: v for k, v in delimiter_ids.items() if v is not None}
+    d = _Delims(profile, ids)
+    g = _Lark()
+    tool_list = _tools(tools)
+    mode, named = _choice(tool_choice, tool_list)
+    if mode == "none":
+        tool_list = []
+    if named is not None:
+        tool_list = [t for t in tool_list if t.name == named]
+    if tool_list and profile.tool_format is None:
+        if mode in ("required", "named"):
+            raise GrammarError(f"tool_choice {mode!r}: model family {profile.name!r} has no tool-call syntax")
+        tool_list = []
+
+    budget = _budget(profile, initial, d, thinking_budget)
+    answer = _answer(g, d, profile, mode, tool_list, response_format, parallel_tool_calls)
+    if answer is None:
+        return GrammarPlan(None, budget) if budget is not None else None
+    if profile.tool_format == "harmony":
+        start = _harmony_start(g, d, answer)
+    else:
+        start = _reasoning_start(g, d, profile, initial, answer)
+    return GrammarPlan(g.source(start), budget)
+
+
+def build_grammar(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None],
+                  **request: Any) -> str | None:
+    """Just the grammar source of `compile_request` (None when the tokens are free)."""
+    plan = compile_request(profile, initial, delimiter_ids, **request)
+    return plan.grammar if plan is not None else None
+
+
+def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | None) -> ThinkingBudget | None:
+    if tokens is None:
+        return None
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise GrammarError(f"thinking budget must be a non-negative integer, got {tokens!r}")
+    if profile.reasoning is None:
+        if profile.tool_format == "harmony":
+            raise GrammarError(f"a thinking budget is not supported for model family {profile.name!r}")
+        return None  # the model never thinks: nothing to bound
+    close = d.id("think_close")
+    if close is None:
+        raise GrammarError(f"a thinking budget needs {profile.reasoning.close!r} to be a single token in this "
+                           f"model's vocabulary")
+    return ThinkingBudget(tokens, close, _may_open(profile, d), initial is InitialState.REASONING)
+
+
+def _may_open(profile: Profile, d: _Delims) -> int | None:
+    """The open delimiter's ID when the model may start a thought itself in this family."""
+    spec = profile.reasoning
+    if spec is None or spec.open is None or spec.start_mode == "never":
+        return None
+    return d.id("think_open")
+
+
+def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool], rf: Mapping | None,
+            parallel: bool) -> str | None:
+    harmony = profile.tool_format == "harmony"
+    formatted = _response_format_answer(g, rf)
+    if harmony and formatted is not None:
+        formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
+    if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):
+        return formatted
+    if profile.tool_format == "hermes":
+        call = _hermes_call(g, d, tools)
+    elif profile.tool_format == "qwen3_coder":
+        call = _coder_call(g, d, tools)
+    else:
+        call = _harmony_call(g, d, tools)
+    if harmony:
+        # A harmony call ends the turn (`<|call|>` is an end-of-turn token): one call per reply.
+        if mode in ("required", "named"):
+            return g.add("tools", call)
+        free = formatted or g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} TEXT')
+        g.add("TEXT", _TEXT)
+        return g.add("tools", f"{free} | {call}")
+    g.add("WS", _WS)
+    calls = g.add("calls", f"(call WS)+" if parallel and mode != "named" else "call WS")
+    if mode in ("required", "named"):
+        return calls
+    if formatted is not None:
+        return g.add("tools", f"{formatted} | {calls}")
+    if d.id("tool_open") is None:
+        return None  # the trigger is text: free text cannot be told apart from a call's start
+    g.add("TEXT", _TEXT)
+    tail = "(TEXT call)+ TEXT | TEXT" if parallel else "TEXT call TEXT | TEXT"
+    return g.add("tools", tail)
+
+
+def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str) -> str:
+    spec = profile.reasoning
+    if spec is None:
+        return answer
+    g.add("WS", _WS)
+    close_id = d.id("think_close")
+    if initial is InitialState.REASONING:
+        if close_id is not None:
+            g.add("REASONING", _TEXT)
+            return f"REASONING <[{close_id}]> WS {answer}"
+        g.add("thought", _TEXT, f"[suffix={_lit(spec.close)}]")
+        return f"thought WS {answer}"
+    open_id = _may_open(profile, d)
+    if open_id is None or close_id is None:
+        return answer
+    g.add("REASONING", _TEXT)
+    return f"(<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
+
+
+def _harmony_start(g: _Lark, d: _Delims, answer: str) -> str:
+    """Any number of analysis messages (reasoning), each ``<|end|><|start|>assistant``, then the answer."""
+    g.add("ANALYSIS", _TEXT)
+    g.add("analysis", f'{d.ref("channel")} "analysis" {d.ref("message")} ANALYSIS {d.ref("end")} '
+                      f'{d.ref("start")} "assistant"')
+    return f"analysis* {answer}"

@@ -1,0 +1,252 @@
+"""llguidance at run time: one tokenizer per model, compiled grammars cached by source, one matcher per request.
+
+`GrammarBackend` is built once per model (building the llguidance tokenizer takes about two seconds on the 151k-token
+Qwen3 vocabulary). `GrammarBackend.validate` turns a grammar llguidance rejects into a `GrammarError` before anything
+is scheduled; `GrammarBackend.constraint` gives each request (each choice) its own `GrammarConstraint`, the engine's
+``Constraint``; `GrammarBackend.bitmask_filler` fills the masks of a whole batch in parallel, off the GIL, with an
+``LLExecutor``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch as llgt
+import torch
+
+from .compiler import GrammarError, GrammarPlan, ThinkingBudget
+
+__all__ = ["GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids", "model_vocab_size"]
+
+_MAX_MESSAGE = 600
+
+
+def build_ll_tokenizer(hf_tokenizer: Any, *, vocab_size: int | None = None,
+                       eos_ids: Iterable[int] = ()) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer of a transformers fast tokenizer.
+
+    ``vocab_size`` is the model's (the width of its logits, which may exceed the tokenizer's token count); ``eos_ids``
+    are every token that ends generation (the tokenizer's EOS is added), so a finished grammar can always be left.
+    """
+    eos = list(dict.fromkeys([*eos_ids, *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None
+                                          else [])]))
+    n_vocab = max(int(vocab_size or 0), len(hf_tokenizer))
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos or None)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_eos_ids(model_dir: str | Path) -> list[int]:
+    """EOS IDs of a checkpoint: ``generation_config.json`` and ``config.json`` (the tokenizer's is added later)."""
+    d = Path(model_dir)
+    out: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(d / name)
+        out += _ids(cfg.get("eos_token_id"))
+        out += _ids(cfg.get("text_config", {}).get("eos_token_id") if isinstance(cfg.get("text_config"), dict)
+                    else None)
+    return list(dict.fromkeys(out))
+
+
+def model_vocab_size(model_dir: str | Path) -> int | None:
+    cfg = _read_json(Path(model_dir) / "config.json")
+    v = cfg.get("vocab_size")
+    if v is None and isinstance(cfg.get("text_config"), dict):
+        v = cfg["text_config"].get("vocab_size")
+    return int(v) if v is not None else None
+
+
+def _clean(message: str) -> str:
+    """llguidance's message without the echo of our generated grammar source."""
+    keep = []
+    for line in message.splitlines():
+        if line.startswith("<grammar>") or line.startswith("<state>"):
+            break
+        if line.lstrip().startswith("|") or (line.strip().startswith("^") and set(line.strip()) <= {"^"}):
+            continue
+        if line.strip() and line.lstrip()[:1].isdigit() and " | " in line:
+            continue
+        keep.append(line.strip())
+    text = " ".join(k for k in keep if k)
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
+
+
+class GrammarConstraint:
+    """One request's (one choice's) constraint: an llguidance matcher and/or a thinking budget.
+
+    Implements the engine's ``Constraint`` protocol. A rejected token ends the request with ``error_message()``; a
+    matcher that only allows EOS reports ``is_terminated()``.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher | None, budget: ThinkingBudget | None, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.budget = budget
+        self.vocab_size = vocab_size
+        self.in_reasoning = bool(budget and budget.starts_in_reasoning)
+        self.reasoning_tokens = 0
+        self._error: str | None = None
+
+    def budget_spent(self) -> bool:
+        """True when only the close delimiter may come next."""
+        b = self.budget
+        return b is not None and self.in_reasoning and self.reasoning_tokens >= b.tokens
+
+    def needs_matcher_mask(self) -> bool:
+        return self.matcher is not None and not self.budget_spent() and self._error is None
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.budget_spent():
+            _only(bitmask, row, self.budget.close_id)
+        elif self.matcher is not None and self._error is None:
+            if bitmask.is_cpu:
+                llgt.fill_next_token_bitmask(self.matcher, bitmask, row)
+            else:
+                tmp = torch.empty((1, bitmask.shape[1]), dtype=torch.int32)
+                llgt.fill_next_token_bitmask(self.matcher, tmp, 0)
+                bitmask[row].copy_(tmp[0])
+        else:
+            bitmask[row].fill_(-1)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._error is not None:
+            return False
+        b = self.budget
+        if b is not None:
+            if self.in_reasoning:
+                if token_id == b.close_id:
+                    self.in_reasoning = False
+                elif self.reasoning_tokens >= b.tokens:
+                    self._error = f"thinking budget of {b.tokens} tokens is spent but token {token_id} is not the " \
+                                  f"close delimiter {b.close_id}"
+                    return False
+                else:
+                    self.reasoning_tokens += 1
+            elif b.open_id is not None and token_id == b.open_id:
+                self.in_reasoning = True
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
+            self._error = f"structured output: token {token_id} rejected by the grammar: " \
+                          f"{_clean(self.matcher.get_error())}"
+            return False
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self._error is None and self.matcher.is_stopped() \
+            and not self.matcher.is_error()
+
+    def error_message(self) -> str | None:
+        return self._error
+
+
+def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
+    bitmask[row].zero_()
+    word, bit = divmod(token_id, 32)
+    value = 1 << bit
+    bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
+class GrammarBackend:
+    """llguidance for one model: its tokenizer, an executor, and compiled grammars cached by their source text."""
+
+    def __init__(self, ll_tokenizer: llguidance.LLTokenizer, *, threads: int | None = None,
+                 cache_size: int = 256, limits: llguidance.LLParserLimits | None = None) -> None:
+        self.ll_tokenizer = ll_tokenizer
+        self.vocab_size: int = ll_tokenizer.vocab_size
+        self.eos_ids: tuple[int, ...] = tuple(ll_tokenizer.eos_tokens)
+        self.executor = llguidance.LLExecutor(threads) if threads else llguidance.LLExecutor()
+        self.limits = limits
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tokenizer(cls, hf_tokenizer: Any, *, vocab_size: int | None = None, eos_ids: Iterable[int] = (),
+                       **kwargs: Any) -> "GrammarBackend":
+        return cls(build_ll_tokenizer(hf_tokenizer, vocab_size=vocab_size, eos_ids=eos_ids), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, hf_tokenizer: Any | None = None,
+                        **kwargs: Any) -> "GrammarBackend":
+        """From a checkpoint folder: its tokenizer, ``config.json`` vocab size and every EOS ID it declares."""
+        if hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return cls.from_tokenizer(hf_tokenizer, vocab_size=model_vocab_size(model_dir),
+                                  eos_ids=model_eos_ids(model_dir), **kwargs)
+
+    # -------------------------------------------------------------------------------------------- admission
+
+    def validate(self, grammar: str, field: str = "response_format") -> None:
+        """Raise `GrammarError` naming ``field`` and llguidance's reason when ``grammar`` cannot be used."""
+        self._compiled(grammar, field)
+
+    def _compiled(self, grammar: str, field: str) -> llguidance.LLMatcher:
+        with self._lock:
+            m = self._cache.get(grammar)
+            if m is not None:
+                self._cache.move_to_end(grammar)
+                return m
+        kwargs = {"limits": self.limits} if self.limits is not None else {}
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
+                                                                                 **kwargs)
+        if is_error:
+            raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(messages[0])}")
+        m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, **kwargs)
+        if m.is_error():
+            raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(m.get_error())}")
+        with self._lock:
+            self._cache[grammar] = m
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def constraint(self, plan: GrammarPlan, field: str = "response_format") -> GrammarConstraint:
+        """A fresh constraint for one request/choice (a copy of the cached compiled matcher)."""
+        if plan.budget is not None and plan.budget.close_id >= self.vocab_size:
+            raise GrammarError(f"{field}: close delimiter {plan.budget.close_id} is outside the vocabulary")
+        matcher = self._compiled(plan.grammar, field).deep_copy() if plan.grammar is not None else None
+        return GrammarConstraint(matcher, plan.budget, self.vocab_size)
+
+    # ------------------------------------------------------------------------------------------------ steps
+
+    def bitmask_filler(self):
+        """The engine's ``BitmaskFiller``: rows of grammar constraints in parallel off the GIL, others in turn."""
+        words = (self.vocab_size + 31) // 32
+
+        def fill(constraints: Sequence[Any], bitmask: torch.Tensor) -> None:
+            target = bitmask if bitmask.is_cpu and bitmask.is_contiguous() else \
+                torch.empty(bitmask.shape, dtype=torch.int32)
+            if target.dtype != torch.int32 or target.dim() != 2 or target.shape[1] != words:
+                raise ValueError(f"bitmask must be int32 [rows, {words}] for a {self.vocab_size}-token vocabulary, "
+                                 f"got {target.dtype} {tuple(target.shape)}")
+            par: list[tuple[llguidance.LLMatcher, int]] = []
+            for row, c in enumerate(constraints):
+                if isinstance(c, GrammarConstraint) and c.needs_matcher_mask():
+                    par.append((c.matcher, row))
+                else:
+                    c.fill_bitmask(target, row)
+            if par:
+                llgt.fill_next_token_bitmask_par(self.executor, par, target)
+            if target is not bitmask:
+                bitmask.copy_(target)
+
+        return fill
