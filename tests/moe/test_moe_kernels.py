@@ -1,0 +1,119 @@
+"""Triton fused MoE and NVFP4 GEMM (interpreter on CPU, fp16 activations) against the torch references."""
+import pytest
+import torch
+
+from ember.kernels import moe, nvfp4
+from ember.kernels import moe_reference as ref
+from ember.kernels.nvfp4 import NVFP4Tensor
+
+# Interpreter-sized tiles; hidden sizes below are deliberately not multiples of BLOCK_K / BLOCK_N.
+CFG = moe.GemmConfig(block_m=16, block_n=64, block_k=64)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
+    """Per-expert NVFP4 of ``[E, N, K]``; with ``parts=2`` gate and up rows share one tensor scale (ModelOpt)."""
+    e, n, k = w.shape
+    q = [nvfp4.quantize(w[i]) for i in range(e)]
+    s2 = torch.stack([x.weight_scale_2 for x in q])
+    return NVFP4Tensor(
+        torch.stack([x.weight for x in q]),
+        torch.stack([x.weight_scale for x in q]),
+        s2.unsqueeze(1).expand(e, parts).contiguous() if parts == 2 else s2,
+    )
+
+
+def make_case(e: int, k: int, m: int, h: int, i: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, h, generator=g).half()
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), k, renormalize=seed % 2 == 0)
+    return x, w13, w2, tw, ti
+
+
+def test_align_block_size_matches_the_documented_example():
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])
+    sorted_ids, expert_ids, num_post = moe.moe_align_block_size(ids, 4, 5)
+    assert num_post.item() == 16
+    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    assert expert_ids[:4].tolist() == [1, 2, 3, 4]
+    assert sorted_ids.numel() >= 12 + 5 * 3
+
+
+@pytest.mark.parametrize(
+    "e,k,m,h,i",
+    [(8, 2, 300, 80, 48), (64, 8, 23, 48, 32), (128, 1, 1, 112, 32), (128, 8, 9, 48, 16)],
+)
+def test_fused_moe_fp16_matches_reference(e, k, m, h, i):
+    x, w13, w2, tw, ti = make_case(e, k, m, h, i, seed=e + k + m)
+    w13, w2 = w13.half(), w2.half()
+    got = moe.fused_moe(x, w13, w2, tw, ti, config=CFG)
+    want = ref.fused_moe(x.float(), w13.float(), w2.float(), tw, ti)
+    assert got.dtype == torch.float16 and got.shape == (m, h)
+    assert rel_err(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("e,k,m,h,i", [(8, 1, 137, 80, 48), (64, 2, 40, 48, 32), (128, 8, 3, 48, 16)])
+def test_fused_moe_nvfp4_w4a16_matches_dequantized_reference(e, k, m, h, i):
+    x, w13, w2, tw, ti = make_case(e, k, m, h, i, seed=3 * e + k + m)
+    q13, q2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+    got = moe.fused_moe_nvfp4(x, q13, q2, tw, ti, config=CFG)
+    want = ref.fused_moe_nvfp4(x.float(), q13, q2, tw, ti)
+    assert rel_err(got, want) < 2e-3
+    # and the quantized layer is still the same layer, up to 4-bit error
+    assert rel_err(got, ref.fused_moe(x.float(), w13, w2, tw, ti)) < 0.25
+
+
+def test_gate_and_up_may_carry_different_tensor_scales():
+    x, w13, w2, tw, ti = make_case(8, 2, 20, 48, 32, seed=11)
+    w13[:, 32:] *= 7.0  # up rows much larger: a separate weight_scale_2 for up
+    gate = quantize_stack(w13[:, :32].contiguous(), 1)
+    up = quantize_stack(w13[:, 32:].contiguous(), 1)
+    q13 = NVFP4Tensor(torch.cat((gate.weight, up.weight), 1), torch.cat((gate.weight_scale, up.weight_scale), 1),
+                      torch.stack((gate.weight_scale_2, up.weight_scale_2), 1))
+    q2 = quantize_stack(w2, 1)
+    got = moe.fused_moe(x, q13, q2, tw, ti, config=CFG)
+    assert rel_err(got, ref.fused_moe_nvfp4(x.float(), q13, q2, tw, ti)) < 2e-3
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 40, 80), (37, 72, 48)])
+def test_nvfp4_linear_matches_reference(m, n, k):
+    g = torch.Generator().manual_seed(m)
+    w = nvfp4.quantize(torch.randn(n, k, generator=g))
+    x = torch.randn(2, m, k, generator=g).half()
+    bias = torch.randn(n, generator=g)
+    got = moe.nvfp4_linear(x, w, bias, config=CFG)
+    assert got.shape == (2, m, n)
+    assert rel_err(got, ref.nvfp4_linear(x.float(), w, bias)) < 2e-3
+
+
+def test_routing_softmax_topk_and_renormalisation():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    w, ids = ref.topk_routing(logits, 2, renormalize=False)
+    p = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(w, p[:, [1, 2]])
+    wn, _ = ref.topk_routing(logits, 2, renormalize=True)
+    assert torch.allclose(wn.sum(-1), torch.ones(1)) and torch.allclose(wn, p[:, [1, 2]] / p[:, [1, 2]].sum())
+
+
+def test_w4a4_is_gated_to_blackwell():
+    assert not moe.w4a4_available(torch.device("cpu"))
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        assert moe.w4a4_available(torch.device("cuda")) == (cap >= (10, 0))
+
+
+@pytest.mark.skipif(not moe.dot_scaled_nvfp4_works("cuda" if torch.cuda.is_available() else "cpu"),
+                    reason="this Triton (or its interpreter) does not compute NVFP4 (e4m3/16) dot_scaled correctly")
+def test_fused_moe_w4a4_matches_fake_quant_reference():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w13, w2, tw, ti = make_case(8, 2, 20, 64, 32, seed=5)
+    q13, q2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+    to = lambda t: NVFP4Tensor(t.weight.to(dev), t.weight_scale.to(dev), t.weight_scale_2.to(dev))  # noqa: E731
+    got = moe.fused_moe_nvfp4(x.to(dev), to(q13), to(q2), tw.to(dev), ti.to(dev), w4a4=True, config=CFG)
+    want = ref.fused_moe_nvfp4_w4a4(x.float(), q13, q2, tw, ti)
+    assert rel_err(got.cpu(), want) < 2e-2
