@@ -39,7 +39,7 @@ MODEL_CONFIG = {
     "rope_scaling": None,
     "attention_bias": False,
     "attention_dropout": 0.0,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "use_sliding_window": False,
     "sliding_window": None,
     "initializer_range": 0.02,
@@ -356,6 +356,7 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
         w[p + "mlp.up_proj.weight"] = rnd(inter, h)
         w[p + "mlp.down_proj.weight"] = rnd(h, inter)
     w["model.norm.weight"] = torch.ones(h)
+    w["lm_head.weight"] = rnd(c["vocab_size"], h, std=0.5)
     return w
 
 

@@ -1,0 +1,184 @@
+"""An asyncio front for `Engine`: the step loop runs in one background thread; callers get per-request async
+iterators of `RequestOutput`.
+
+The thread sleeps on a condition when there is nothing to do (no busy spin). `add`/`abort` travel to it through a
+command queue, so the `Engine` is only ever touched by that thread. Closing or cancelling a `generate` iterator (a
+client that disconnects) aborts its request, which frees its KV blocks. A step that raises ends the requests it
+carried with finish_reason "error"; the loop keeps running.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from ember.engine.constraint import Constraint
+from ember.engine.engine import Engine, EngineStats
+from ember.engine.params import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+class EngineShutdown(RuntimeError):
+    """The engine stopped while a request was in flight or was being added."""
+
+
+class AsyncEngine:
+    """Thread-backed async wrapper around one `Engine`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: deque[tuple[Any, ...]] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, **options: Any) -> "AsyncEngine":
+        """`Engine.from_pretrained` with the same options, wrapped."""
+        return cls(Engine.from_pretrained(model_dir, **options))
+
+    # ---- public API --------------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None,
+                       constraint: Constraint | None = None) -> AsyncIterator[RequestOutput]:
+        """Each step's output for this request, the last one with ``finished`` set.
+
+        Raises ValueError (before the first output) when the request is invalid.
+        """
+        loop = asyncio.get_running_loop()
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = _Stream(loop, asyncio.Queue())
+        added = loop.create_future()
+        finished = False
+        self._submit(("add", rid, list(prompt_ids), params or SamplingParams(), constraint, stream, added))
+        try:
+            await added
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); its iterator then ends with finish_reason "abort"."""
+        self._submit(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop thread; requests still in flight end with `EngineShutdown`."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    # ---- the loop thread ---------------------------------------------------------------------------------------
+
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
+        with self._cond:
+            if self._stopped:
+                if cmd[0] == "add":
+                    stream, fut = cmd[5], cmd[6]
+                    stream.loop.call_soon_threadsafe(_resolve, fut, EngineShutdown("the engine is shut down"))
+                return
+            self._commands.append(cmd)
+            self._cond.notify()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
+
+    def _apply(self, cmd: tuple[Any, ...]) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, constraint, stream, fut = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=rid, constraint=constraint)
+            except Exception as e:
+                stream.loop.call_soon_threadsafe(_resolve, fut, e)
+                return
+            self._streams[rid] = stream
+            stream.loop.call_soon_threadsafe(_resolve, fut, None)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self._commands and not self.engine.has_unfinished():
+                    self._cond.wait()
+                if self._stopped:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            try:
+                for cmd in commands:
+                    self._apply(cmd)
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+            except Exception as e:  # a bug outside the forward: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                try:
+                    self._deliver(self.engine.fail_all(f"engine error: {type(e).__name__}: {e}"))
+                except Exception:
+                    log.exception("could not fail the in-flight requests")
+        self._close_streams()
+
+    def _close_streams(self) -> None:
+        with self._cond:
+            leftover = list(self._commands)
+            self._commands.clear()
+        for cmd in leftover:
+            if cmd[0] == "add":
+                cmd[5].loop.call_soon_threadsafe(_resolve, cmd[6], EngineShutdown("the engine is shut down"))
+        for stream in self._streams.values():
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineShutdown("the engine shut down"))
+            except RuntimeError:
+                pass
+        self._streams.clear()

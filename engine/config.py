@@ -1,0 +1,120 @@
+"""What the engine knows about a model (read from config.json) and how it was asked to run (the vLLM-named options)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config is missing something or names something Ember does not support."""
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    try:
+        return _DTYPES[str(value).removeprefix("torch.").lower()]
+    except KeyError:
+        raise ConfigError(f"unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the model code needs, normalised across transformers v4/v5 config spellings."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    torch_dtype: torch.dtype | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError(f"{source}: no 'architectures' entry")
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ConfigError(f"{source}: missing required field {key!r}")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None and isinstance(rope_scaling, dict):
+            rope_theta = rope_scaling.get("rope_theta")
+        if isinstance(rope_scaling, dict):
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
+        eos = cfg.get("eos_token_id")
+        eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        return cls(
+            architecture=archs[0],
+            model_type=cfg.get("model_type", ""),
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=act,
+            torch_dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list,
+            raw=cfg,
+        )
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs; names follow vLLM's flags."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None

@@ -1,0 +1,290 @@
+"""The synchronous engine: add requests (token IDs + SamplingParams), step, get each request's new tokens.
+
+One `step()` = schedule -> one forward over every scheduled chunk -> sample -> stop checks. Text never enters here:
+the output pipeline decodes and may end a request early through `abort`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ember.engine import loader
+from ember.engine.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from ember.engine.constraint import BitmaskFiller, Constraint
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
+from ember.engine.models import get_model_class
+from ember.engine.params import FinishReason, RequestOutput, SamplingParams
+from ember.engine.sampler import Sampler, validate_params
+from ember.engine.scheduler import Scheduler, SchedulerOutput
+from ember.engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_hit_rate: float
+    prefix_cache_hits: int
+    prefix_cache_queries: int
+    num_preemptions: int
+    last_batch_size: int
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def _skip_init(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in ``dtype`` and skip the random initialisation the checkpoint overwrites."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    saved_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+        torch.set_default_dtype(saved_dtype)
+
+
+def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int, device: torch.device,
+               dtype: torch.dtype):
+    """Instantiate the architecture named in config.json on ``device`` and fill it from the safetensors files."""
+    cls = get_model_class(cfg.architecture, source=str(loader.checkpoint_dir(model_dir) / "config.json"))
+    with torch.device(device), _skip_init(dtype):
+        model = cls(cfg, max_position)
+    model = model.to(dtype)
+    model.load_weights(loader.iter_weights(model_dir), source=str(model_dir))
+    model.rope.build_cache(device, dtype)
+    return model.eval()
+
+
+class Engine:
+    """Continuous-batching inference over a paged KV cache."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig,
+                 bitmask_filler: BitmaskFiller | None = None) -> None:
+        self.model_dir = loader.checkpoint_dir(model_dir)
+        self.config = config
+        self.model_config = loader.load_model_config(self.model_dir)
+        self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
+        self.tokenizer = loader.load_tokenizer(self.model_dir)
+        self.eos_token_ids: set[int] = loader.eos_token_ids(self.tokenizer, self.generation_config,
+                                                            self.model_config)
+        mc = self.model_config
+        self.device = torch.device(config.device) if config.device is not None else _default_device()
+        self.dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                              f"({mc.max_position_embeddings}) in {self.model_dir / 'config.json'}")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.vocab_size = mc.vocab_size
+        model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
+        self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype)
+        num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
+        self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
+        self._pending: list[RequestOutput] = []
+        self.last_batch_size = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, *, max_num_seqs: int = 64,
+                        max_num_batched_tokens: int = 2048, max_model_len: int | None = None, block_size: int = 16,
+                        num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                        enable_prefix_caching: bool = True, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
+                        enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9) -> "Engine":
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
+            device=torch.device(device) if device is not None else None,
+        )
+        return cls(model_dir, config, bitmask_filler)
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_kv_blocks is not None:
+            if c.num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
+            return c.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
+        if c.kv_cache_memory is not None:
+            n = c.kv_cache_memory // per_block
+            if n < 1:
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block ({per_block} bytes each)")
+            return int(n)
+        one_seq = -(-self.max_model_len // c.block_size)
+        if self.device.type == "cuda":
+            act = self.runner.profile_activation_bytes(min(c.max_num_batched_tokens, self.max_model_len),
+                                                       c.max_num_seqs)
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * c.gpu_memory_utilization) - (total - free) - act
+            n = budget // per_block
+            if n < one_seq:
+                raise RuntimeError(f"KV cache budget {budget} bytes holds {n} blocks; one {self.max_model_len}-token "
+                                   f"sequence needs {one_seq}: raise gpu_memory_utilization or lower max_model_len")
+            log.info("KV cache: %d blocks (%.2f GiB), activations %.2f GiB", n, n * per_block / 2**30, act / 2**30)
+            return int(n)
+        wanted = c.max_num_seqs * one_seq
+        return int(max(one_seq, min(wanted, _CPU_DEFAULT_KV_BYTES // per_block)))
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, constraint: Constraint | None = None) -> str:
+        """Queue a request; ValueError (naming the problem) when it is invalid or can never fit."""
+        params = params if params is not None else SamplingParams()
+        validate_params(params, self.vocab_size)
+        ids = [int(t) for t in prompt_ids]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}, "
+                             f"which leaves no room for output")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        self.scheduler.add(Sequence(rid, ids, params, constraint=constraint))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """End the request now and free its blocks; its final output (finish_reason "abort") comes with the next
+        `step()`. False when the request is not in the engine."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self.sampler.forget(request_id)
+        self._pending.append(self._output(seq, [], None, finished=True, reason="abort"))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        q = self.kv.prefix_queries
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
+            prefix_cache_hit_rate=(self.kv.prefix_hits / q) if q else 0.0, prefix_cache_hits=self.kv.prefix_hits,
+            prefix_cache_queries=q, num_preemptions=self.scheduler.num_preemptions,
+            last_batch_size=self.last_batch_size,
+        )
+
+    # ---- steps -------------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; outputs for every request that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        try:
+            outputs.extend(self._run(sched))
+        except Exception as e:  # a failed forward ends the requests it carried, never the engine
+            log.exception("engine step failed")
+            msg = f"engine step failed: {type(e).__name__}: {e}"
+            for chunk in sched.chunks:
+                seq = chunk.seq
+                if seq.status is not SequenceStatus.FINISHED:
+                    outputs.append(self._finish(seq, [], None, "error", error=msg))
+        return outputs
+
+    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        logits = self.runner.execute(sched)
+        self.last_batch_size = self.runner.last_batch_size
+        sampling = [c.seq for c in sched.chunks if c.samples]
+        outputs: list[RequestOutput] = []
+        if not sampling:
+            self.scheduler.update(sched, {})
+            return outputs
+        result = self.sampler(logits, sampling, self.eos_token_ids)
+        sampled: dict[str, int] = {}
+        for i, seq in enumerate(sampling):
+            if i in result.errors:
+                outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
+                continue
+            tok = result.token_ids[i]
+            if seq.constraint is not None:
+                try:
+                    ok = seq.constraint.accept_token(tok)
+                    err = None if ok else (seq.constraint.error_message() or f"the constraint rejected token {tok}")
+                except Exception as e:
+                    err = f"constraint failed on token {tok}: {type(e).__name__}: {e}"
+                if err is not None:
+                    outputs.append(self._finish(seq, [], None, "error", error=err))
+                    continue
+            sampled[seq.request_id] = tok
+        self.scheduler.update(sched, sampled)
+        for i, seq in enumerate(sampling):
+            if seq.request_id not in sampled or seq.status is not SequenceStatus.RUNNING:
+                continue
+            tok = sampled[seq.request_id]
+            lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
+            reason, stop_tok = self._stop_reason(seq, tok)
+            if reason is None:
+                outputs.append(self._output(seq, [tok], lp))
+            else:
+                outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
+        p = seq.params
+        if seq.constraint is not None:
+            try:
+                if seq.constraint.is_terminated():
+                    return "stop", None
+            except Exception:
+                log.exception("constraint.is_terminated failed for %s", seq.request_id)
+                return "stop", None
+        if seq.num_output_tokens >= p.min_tokens and (tok in p.stop_token_ids
+                                                      or (not p.ignore_eos and tok in self.eos_token_ids)):
+            return "stop", tok
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _output(self, seq: Sequence, new: list[int], lp, finished: bool = False,
+                reason: FinishReason | None = None, stop_token_id: int | None = None,
+                error: str | None = None) -> RequestOutput:
+        return RequestOutput(request_id=seq.request_id, new_token_ids=new, logprobs=lp, finished=finished,
+                             finish_reason=reason, stop_token_id=stop_token_id, error=error,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+
+    def _finish(self, seq: Sequence, new: list[int], lp, reason: FinishReason, stop_token_id: int | None = None,
+                error: str | None = None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        self.sampler.forget(seq.request_id)
+        return self._output(seq, new, lp, True, reason, stop_token_id, error)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every unfinished request with finish_reason "error" (used when the step loop itself breaks)."""
+        outs, self._pending = self._pending, []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            outs.append(self._finish(seq, [], None, "error", error=message))
+        return outs

@@ -1,0 +1,110 @@
+"""Reading a local Hugging Face checkpoint directory: config, safetensors weights (single or sharded), tokenizer,
+generation config. Every failure names the file (and tensor) that is missing or wrong."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from ember.engine.config import ConfigError, ModelConfig
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing a file or holds something unreadable."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+
+
+def checkpoint_dir(model_dir: str | os.PathLike) -> Path:
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (Ember loads local checkpoint directories only)")
+    return path
+
+
+def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
+    path = checkpoint_dir(model_dir) / "config.json"
+    try:
+        return ModelConfig.from_dict(_read_json(path), source=str(path))
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def load_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """generation_config.json, or {} when the checkpoint has none."""
+    path = checkpoint_dir(model_dir) / "generation_config.json"
+    return _read_json(path) if path.exists() else {}
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files that make up the checkpoint, sharded index first if present."""
+    root = checkpoint_dir(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map'")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{f}: shard named in {index.name} not found")
+        return files
+    single = root / "model.safetensors"
+    if single.exists():
+        return [single]
+    found = sorted(root.glob("*.safetensors"))
+    if found:
+        return found
+    raise CheckpointError(f"{root}: no model.safetensors, model.safetensors.index.json or *.safetensors file")
+
+
+def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every weight file, loaded on CPU."""
+    for f in weight_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        except (OSError, RuntimeError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The checkpoint's tokenizer (a transformers PreTrainedTokenizerBase)."""
+    from transformers import AutoTokenizer
+
+    root = checkpoint_dir(model_dir)
+    if not any((root / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise CheckpointError(f"{root}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except Exception as e:  # transformers raises many types here; name the directory
+        raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+def eos_token_ids(tokenizer, generation_config: dict[str, Any], model_config: ModelConfig) -> set[int]:
+    """The tokenizer's EOS plus generation_config's (and config.json's) eos_token_id(s)."""
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = generation_config.get("eos_token_id")
+    if isinstance(gen, int):
+        ids.add(gen)
+    elif isinstance(gen, list):
+        ids.update(int(x) for x in gen)
+    if not generation_config:
+        ids.update(model_config.eos_token_id)
+    return ids

@@ -1,0 +1,130 @@
+"""Runs the model for one scheduler step: builds the step's metadata, owns the paged KV cache, and returns the
+logits of the sequences that sample. One forward per step over every scheduled chunk (mixed prefill + decode)."""
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+
+import torch
+
+from ember.engine.attention import AttentionMetadata, get_backend
+from ember.engine.config import ModelConfig
+from ember.engine.models.layers import DecoderForCausalLM
+from ember.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    """Owns the model, its KV cache and the attention backend; turns a `SchedulerOutput` into logits."""
+
+    def __init__(self, model: DecoderForCausalLM, cfg: ModelConfig, block_size: int, device: torch.device,
+                 dtype: torch.dtype, backend: ModuleType | None = None) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.block_size = block_size
+        self.device = device
+        self.dtype = dtype
+        self.backend = backend if backend is not None else get_backend(device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.last_batch_size = 0
+        self.last_num_tokens = 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.cfg.num_hidden_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Flat input ids ``[T]`` and the step's metadata; sampling rows follow the order of ``out.chunks``."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        for chunk in out.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids_slice(start, end))
+            blocks = seq.block_ids
+            for p in range(start, end):
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            tables.append(blocks[: (end + bs - 1) // bs])
+            if chunk.samples:
+                logits_indices.append(cu[-1] - 1)
+        width = max(len(t) for t in tables)
+        table = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            max_seqlen_q=max(c.num_tokens for c in out.chunks),
+            max_seqlen_k=max(seq_lens),
+        )
+        return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order."""
+        input_ids, meta = self.prepare(out)
+        self.last_batch_size = meta.num_seqs
+        self.last_num_tokens = meta.num_tokens
+        hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
+        if meta.logits_indices.numel() == 0:
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """Peak CUDA bytes a forward of ``num_tokens`` (plus logits for ``num_seqs`` rows) needs beyond the weights."""
+        assert self.device.type == "cuda"
+        bs = self.block_size
+        nblocks = (num_tokens + bs - 1) // bs
+        shape = (nblocks, bs, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.cfg.num_hidden_layers)]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_table=torch.arange(nblocks, dtype=torch.int32, device=dev).unsqueeze(0),
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=dev),
+            positions=torch.arange(num_tokens, dtype=torch.int64, device=dev),
+            logits_indices=torch.arange(num_tokens - min(num_seqs, num_tokens), num_tokens, device=dev),
+            max_seqlen_q=num_tokens,
+            max_seqlen_k=num_tokens,
+        )
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        hidden = self.model(ids, meta, caches, self.backend)
+        logits = self.model.compute_logits(hidden[meta.logits_indices]).float()
+        logits.sort(dim=-1, descending=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del caches, hidden, logits
+        torch.cuda.empty_cache()
+        return max(0, peak - base)

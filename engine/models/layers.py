@@ -1,0 +1,251 @@
+"""Layers shared by the decoder-only models: RMSNorm, RoPE (with rope_scaling), paged-KV attention, gated MLP, and
+the decoder stack with its Hugging Face weight-name mapping (q/k/v and gate/up are fused on load)."""
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.engine.attention import AttentionMetadata
+from ember.engine.config import ConfigError, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """``w * (x * rsqrt(mean(x^2) + eps))`` computed in fp32, cast back before the weight (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for RoPE types default, linear, llama3 and yarn."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out), 1.0
+    if kind == "yarn":
+        orig = scaling.get("original_max_position_embeddings") or max_position
+        beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+            attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+        def corr_dim(rot: float) -> float:
+            return (head_dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if scaling.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        extra = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+        return inv, float(attn)
+    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate_half) RoPE with a cos/sin cache indexed by position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
+        self.cos = self.sin = torch.empty(0)
+
+    def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq, attn_scale = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position)
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * attn_scale).to(device=device, dtype=dtype)
+        self.sin = (emb.sin() * attn_scale).to(device=device, dtype=dtype)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3) before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.hq % self.hkv:
+            raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if qk_norm else None
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.reshape(t, self.hq, self.d)
+        k = k.reshape(t, self.hkv, self.d)
+        v = v.reshape(t, self.hkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(meta.positions, q, k)
+        k_cache, v_cache = kv
+        backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
+                                meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
+        return self.o_proj(out.reshape(t, self.hq * self.d))
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qk_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), meta, rope, kv, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+# HF per-projection names -> (fused parameter, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A Llama-family decoder over the paged KV cache; subclasses choose ``qk_norm``."""
+
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg, self.qk_norm)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
+        """Hidden states ``[T, H]`` after the final norm; writes this step's K/V into ``kv_caches``."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            h = layer(h, meta, self.rope, kv, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            d = cfg.head_dim
+            return [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be covered once."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            parts = name.split(".")
+            target, shard = name, None
+            if len(parts) >= 3 and parts[-2] in _FUSED:
+                fused, shard = _FUSED[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = params.get(target)
+            if param is None:
+                raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+            if shard is None:
+                dest = param
+            else:
+                sizes = self._shard_sizes(target.split(".")[-2])
+                start = sum(sizes[:shard])
+                dest = param.narrow(0, start, sizes[shard])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dtype=dest.dtype))
+            filled[target] = filled.get(target, 0) + 1
+        for pname, param in params.items():
+            expected = 1
+            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                expected = 3
+            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                expected = 2
+            if filled.get(pname, 0) != expected:
+                raise ConfigError(f"{source}: missing tensor(s) for parameter {pname!r}")
