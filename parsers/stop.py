@@ -1,0 +1,60 @@
+"""Stop strings matched on the raw output text, withholding what may still become a match (design A.11).
+
+The matcher sees the text of every token that is not a single-token delimiter, before any parsing; a delimiter token
+is structure, not text, so it ends any partial match (the pipeline flushes the matcher before routing it). On a match
+the text is cut at the start of the stop string (or just after it with ``include_stop_str_in_output``) and the
+caller ends the request; nothing after the match is ever released. The match is the stop string that is complete
+first (the earliest end; of those, the longest), which makes the result independent of how the text is chunked. Work per call is bounded by the text fed plus the
+longest stop string.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["StopMatcher"]
+
+
+class StopMatcher:
+    """Per request: ``feed(text)`` returns the text that can no longer be part of a match."""
+
+    __slots__ = ("stops", "include", "stopped", "matched", "_held", "_prefixes", "_longest")
+
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+        self.include = include_stop_str_in_output
+        self.stopped = False
+        self.matched: str | None = None
+        self._held = ""
+        self._prefixes = frozenset(s[:k] for s in self.stops for k in range(1, len(s)))
+        self._longest = max((len(s) for s in self.stops), default=0)
+
+    @property
+    def held(self) -> str:
+        """Text withheld as a possible start of a stop string."""
+        return self._held
+
+    def feed(self, text: str) -> str:
+        if self.stopped or not text:
+            return ""
+        s = self._held + text if self._held else text
+        best, best_end, best_stop = -1, -1, ""
+        for stop in self.stops:
+            i = s.find(stop)
+            if i >= 0:
+                end = i + len(stop)
+                if best < 0 or end < best_end or (end == best_end and i < best):
+                    best, best_end, best_stop = i, end, stop
+        if best >= 0:
+            self.stopped, self.matched, self._held = True, best_stop, ""
+            return s[: best + len(best_stop)] if self.include else s[:best]
+        for k in range(min(len(s), self._longest - 1), 0, -1):
+            if s[-k:] in self._prefixes:
+                self._held = s[-k:]
+                return s[:-k]
+        self._held = ""
+        return s
+
+    def flush(self) -> str:
+        """Release the withheld text: no later text can complete a match (a delimiter came, or the output ended)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
