@@ -1,0 +1,573 @@
+"""The FastAPI app: endpoints, admission (validation, prompt, limits, grammar), streaming and errors.
+
+`create_app(runtime, config)` builds an app around a loaded `ModelRuntime`; `load_runtime(config)` loads one (the
+demo model when `config.model_dir` is None). `BackgroundServer` runs the app on uvicorn in a thread (tests,
+benchmarks, embedding).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import threading
+import time
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import chat
+from . import protocol_anthropic as pa
+from . import protocol_openai as po
+from .anthropic_encoder import MessageEncoder, fold_message, sse as anthropic_sse
+from .choice import ChoiceStep
+from .config import ServeConfig
+from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
+                     validation_error)
+from .generation import (ChoiceSpec, GenRequest, ModelRuntime, ParserSetup, dumps, make_pipeline, run_choices,
+                         sampling_params, seeded)
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, fold_chat, fold_completion,
+                             usage, usage_chunk)
+
+log = logging.getLogger("ember.server")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    """The app's state: the one place mutable server-wide data lives."""
+
+    config: ServeConfig
+    runtime: ModelRuntime
+    metrics: Metrics
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ember
+
+
+# ---------------------------------------------------------------------------------------------------------- admission
+
+async def require_api_key(request: Request) -> None:
+    key = _state(request).config.api_key
+    if key is None:
+        return
+    auth = request.headers.get("authorization", "")
+    bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
+    given = request.headers.get("x-api-key") or bearer
+    if not given or not hmac.compare_digest(given.encode(), key.encode()):
+        raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                       code="invalid_api_key")
+
+
+def _check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.runtime.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{st.runtime.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def _max_tokens(st: ServerState, prompt_len: int, requested: int | None) -> int:
+    """Tokens the reply may have: the request's limit, clamped to what the context leaves."""
+    limit = st.runtime.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
+                            f"{limit} tokens (prompt plus at least one generated token)", param="messages",
+                       code="context_length_exceeded")
+    room = limit - prompt_len
+    return room if requested is None else min(requested, room)
+
+
+def _check_capacity(st: ServerState) -> None:
+    stats = st.runtime.engine.stats()
+    if stats.num_waiting >= st.config.max_waiting:
+        raise ApiError(503, f"The server is overloaded: {stats.num_waiting} requests are waiting; retry later",
+                       code="overloaded")
+
+
+def _logit_bias(st: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    vocab = st.runtime.engine.engine.vocab_size
+    for k, v in bias.items():
+        tid = int(k)
+        if not 0 <= tid < vocab:
+            raise bad_request(f"logit_bias names token {tid}, outside the vocabulary [0, {vocab})", param="logit_bias")
+        out[tid] = float(v)
+    return out
+
+
+def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
+    vocab = st.runtime.engine.engine.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
+                 tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
+                 thinking_budget: int | None) -> list[Any]:
+    """One engine Constraint per choice for the request's structured output / forced tools / thinking budget,
+    or Nones when generation is free. Grammar problems are the request's fault (400)."""
+    backend = st.runtime.grammar
+    if backend is None:
+        forced = tool_choice not in (None, "auto", "none")
+        if (response_format and response_format.get("type") != "text") or forced:
+            raise bad_request("structured output is not available on this server",
+                              param="response_format" if response_format else "tool_choice")
+        return [None] * n
+    return backend.constraints(n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
+                               response_format=response_format, tools=tools, tool_choice=tool_choice,
+                               parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
+
+
+def _response_format(rf: po.ResponseFormat | None) -> dict | None:
+    if rf is None or rf.type == "text":
+        return None
+    out = rf.model_dump(by_alias=True, exclude_none=True)
+    if out["type"] == "lark":
+        out["type"] = "grammar"
+    return out
+
+
+def _new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str) -> GenRequest:
+    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop)
+
+
+# ----------------------------------------------------------------------------------------------------- chat (OpenAI)
+
+@dataclass
+class _Run:
+    """Outcome of streaming one request: counts for usage and any generation errors."""
+
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run) -> AsyncIterator[dict]:
+    tb = st.runtime.token_bytes.token_bytes
+    encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
+    for i, e in enumerate(encs):
+        yield e.start(req.choices[0].prompt_ids if i == 0 else None)
+    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
+        async for step in steps:
+            run.completion_tokens += len(step.tokens)
+            if step.end is not None and step.end.reason == "error":
+                run.errors.append(step.end.error or "generation failed")
+            for ch in encs[step.index].step(step):
+                yield ch
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+def _stream_error(message: str) -> str:
+    return _sse(openai_error_body(ApiError(500, message)))
+
+
+async def chat_completions(body: po.ChatCompletionRequest, request: Request,
+                           _: None = Depends(require_api_key)) -> Response:
+    st = _state(request)
+    rt = st.runtime
+    _check_model(st, body.model)
+    if body.n > st.config.max_n:
+        raise bad_request(f"n may be at most {st.config.max_n}", param="n")
+    messages = chat.openai_messages(body.messages)
+    tools = chat.openai_tools(body.tools)
+    if isinstance(body.tool_choice, po.NamedToolChoice):
+        tool_choice: Any = {"type": "function", "function": {"name": body.tool_choice.function.name}}
+    else:
+        tool_choice = body.tool_choice or ("auto" if tools else "none")
+    text = chat.render(rt.tokenizer, rt.chat_template, messages, tools=tools,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
+    prompt_ids = chat.encode(rt.tokenizer, text)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _max_tokens(st, len(prompt_ids), requested)
+    stop = body.stop_list
+    parse_tools = tools if tool_choice != "none" else None
+    setup: ParserSetup = rt.parser if parse_tools else rt.parser_no_tools
+    base = sampling_params(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        logit_bias=_logit_bias(st, body.logit_bias), stop_token_ids=body.stop_token_ids or (),
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+    choices = []
+    initial = None
+    for i in range(body.n):
+        pipe, initial = make_pipeline(rt, setup, prompt_ids, stop=stop,
+                                      include_stop_str_in_output=body.include_stop_str_in_output, tools=parse_tools)
+        choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
+    constraints = _constraints(
+        st, body.n, setup=setup, initial=initial, response_format=_response_format(body.response_format),
+        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+        thinking_budget=body.max_thinking_tokens)
+    for c, k in zip(choices, constraints):
+        c.constraint = k
+    _check_capacity(st)
+    st.metrics.prompt_tokens.inc(len(prompt_ids))
+    req = _new_request(choices, stop, "chatcmpl")
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
+                     top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
+                     include_usage=include_usage)
+    run = _Run()
+    if body.stream:
+        async def stream() -> AsyncIterator[str]:
+            async with aclosing(_chat_chunks(st, req, meta, run)) as chunks:
+                async for ch in chunks:
+                    yield _sse(ch)
+            for err in run.errors:
+                yield _stream_error(err)
+            if include_usage:
+                yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens)))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    collected = [ch async for ch in _chat_chunks(st, req, meta, run)]
+    if run.errors:
+        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    return JSONResponse(fold_chat(collected, usage_body=usage(len(prompt_ids), run.completion_tokens)))
+
+
+# ----------------------------------------------------------------------------------------------- completions (OpenAI)
+
+async def completions(body: po.CompletionRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
+    st = _state(request)
+    rt = st.runtime
+    _check_model(st, body.model)
+    prompts = body.prompts()
+    if len(prompts) * body.n > st.config.max_n * 4:
+        raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
+    stop = body.stop_list
+    choices, echoes, prompt_total = [], [], 0
+    for p_i, p in enumerate(prompts):
+        if isinstance(p, str):
+            ids = list(rt.tokenizer.encode(p, add_special_tokens=True))
+            text = p
+        else:
+            ids = list(p)
+            _check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
+            text = rt.token_bytes.decode(ids)
+        if not ids:
+            raise bad_request("prompt is empty", param="prompt")
+        max_tokens = _max_tokens(st, len(ids), body.max_tokens)
+        prompt_total += len(ids)
+        base = sampling_params(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            logprobs=body.logprobs, logit_bias=_logit_bias(st, body.logit_bias),
+            stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+        for j in range(body.n):
+            pipe, _init = make_pipeline(rt, rt.parser_plain, ids, stop=stop,
+                                        include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
+            choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
+            echoes.append(text if body.echo else None)
+    _check_capacity(st)
+    st.metrics.prompt_tokens.inc(prompt_total)
+    req = _new_request(choices, stop, "cmpl")
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
+                     logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+                     return_token_ids=body.return_token_ids, include_usage=include_usage)
+    run = _Run()
+
+    async def chunks() -> AsyncIterator[dict]:
+        tb = rt.token_bytes.token_bytes
+        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
+        for i, e in enumerate(encs):
+            for ch in e.start(choices[i].prompt_ids):
+                yield ch
+        async with aclosing(run_choices(rt, req, st.metrics)) as steps:
+            async for step in steps:
+                run.completion_tokens += len(step.tokens)
+                if step.end is not None and step.end.reason == "error":
+                    run.errors.append(step.end.error or "generation failed")
+                for ch in encs[step.index].step(step):
+                    yield ch
+
+    if body.stream:
+        async def stream() -> AsyncIterator[str]:
+            async with aclosing(chunks()) as it:
+                async for ch in it:
+                    yield _sse(ch)
+            for err in run.errors:
+                yield _stream_error(err)
+            if include_usage:
+                yield _sse(usage_chunk(meta, usage(prompt_total, run.completion_tokens), "text_completion"))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    collected = [ch async for ch in chunks()]
+    if run.errors:
+        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    return JSONResponse(fold_completion(collected, usage_body=usage(prompt_total, run.completion_tokens)))
+
+
+# ------------------------------------------------------------------------------------------------- messages (Anthropic)
+
+def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[list[int], list[dict] | None, dict]:
+    rt = st.runtime
+    messages = chat.anthropic_messages(body.system, body.messages)
+    tools = chat.anthropic_tools(body.tools)
+    kwargs: dict[str, Any] = {}
+    if body.thinking is not None:
+        kwargs["enable_thinking"] = body.thinking.type != "disabled"
+    else:
+        kwargs["enable_thinking"] = False
+    continue_final = bool(messages) and messages[-1]["role"] == "assistant"
+    text = chat.render(rt.tokenizer, rt.chat_template, messages, tools=tools,
+                       add_generation_prompt=not continue_final, continue_final_message=continue_final,
+                       kwargs=kwargs)
+    return chat.encode(rt.tokenizer, text), tools, kwargs
+
+
+async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
+    st = _state(request)
+    rt = st.runtime
+    _check_model(st, body.model)
+    prompt_ids, tools, _kw = _anthropic_prompt(st, body)
+    max_tokens = _max_tokens(st, len(prompt_ids), body.max_tokens)
+    tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
+    tool_choice: Any = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
+    parse_tools = tools if tool_choice != "none" else None
+    setup = rt.parser if parse_tools else rt.parser_no_tools
+    stop = list(body.stop_sequences or ())
+    params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                             top_k=body.top_k, min_p=None, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+                             repetition_penalty=1.0, logprobs=None, logit_bias=None)
+    pipe, initial = make_pipeline(rt, setup, prompt_ids, stop=stop, include_stop_str_in_output=False,
+                                  tools=parse_tools)
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
+    if tool_choice == "named":
+        tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
+    [constraint] = _constraints(st, 1, setup=setup, initial=initial, response_format=None, tools=parse_tools,
+                                tool_choice=tool_choice, parallel_tool_calls=parallel, thinking_budget=budget)
+    _check_capacity(st)
+    st.metrics.prompt_tokens.inc(len(prompt_ids))
+    req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg")
+    enc = MessageEncoder(req.request_id.replace("-", "_"), rt.model_name, len(prompt_ids))
+    run = _Run()
+
+    async def events() -> AsyncIterator[dict]:
+        for ev in enc.start():
+            yield ev
+        async with aclosing(run_choices(rt, req, st.metrics)) as steps:
+            async for step in steps:
+                for ev in _message_step(enc, step, run):
+                    yield ev
+
+    if body.stream:
+        async def stream() -> AsyncIterator[str]:
+            async with aclosing(events()) as it:
+                async for ev in it:
+                    yield anthropic_sse(ev)
+            for err in run.errors:
+                yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    collected = [ev async for ev in events() if ev["type"] != "ping"]
+    if run.errors:
+        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    return JSONResponse(fold_message(collected))
+
+
+def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict]:
+    run.completion_tokens += len(step.tokens)
+    out = enc.events(step.events, len(step.tokens))
+    if step.end is not None:
+        if step.end.reason == "error":
+            run.errors.append(step.end.error or "generation failed")
+        out += enc.finish(step.end)
+    return out
+
+
+async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = Depends(require_api_key)) -> dict:
+    st = _state(request)
+    _check_model(st, body.model)
+    prompt_ids, _tools, _kw = _anthropic_prompt(st, body)
+    return {"input_tokens": len(prompt_ids)}
+
+
+# --------------------------------------------------------------------------------------------------------- the rest
+
+async def list_models(request: Request, _: None = Depends(require_api_key)) -> dict:
+    st = _state(request)
+    name = st.runtime.model_name
+    if "anthropic-version" in request.headers:
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
+        return {"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}],
+                "has_more": False, "first_id": name, "last_id": name}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": st.started, "owned_by": "ember",
+                                        "max_model_len": st.runtime.max_model_len}]}
+
+
+async def health(request: Request) -> dict:
+    s = _state(request).runtime.engine.stats()
+    return {"status": "ok", "num_running": s.num_running, "num_waiting": s.num_waiting}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_response(request: Request, err: ApiError) -> JSONResponse:
+    body = anthropic_error_body(err) if is_anthropic_path(request.url.path) else openai_error_body(err)
+    return JSONResponse(body, status_code=err.status)
+
+
+class _RequestCounter:
+    """Pure ASGI middleware counting responses by endpoint and status (does not buffer streams)."""
+
+    def __init__(self, app: Any, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in _ROUTES else "other"
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+
+_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+           "/health", "/metrics")
+
+
+def create_app(runtime: ModelRuntime, config: ServeConfig) -> FastAPI:
+    """The HTTP app serving `runtime`; shuts the engine down when the app stops."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        shutdown = getattr(runtime.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
+    st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats))
+    app.state.ember = st
+
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/messages", messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error_response(request, validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(request, ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}"))
+
+    app.add_middleware(_RequestCounter, metrics=st.metrics)
+    return app
+
+
+# ------------------------------------------------------------------------------------------------------------ loading
+
+def load_runtime(config: ServeConfig) -> ModelRuntime:
+    """Load the engine for `config.model_dir` (building the demo model when None) and the parser/grammar setup."""
+    from ember.engine.async_engine import AsyncEngine
+
+    model_dir = config.model_dir
+    if model_dir is None:
+        from ember.engine import demo
+
+        model_dir = demo.ensure()
+    model_dir = Path(model_dir)
+    template = chat.load_chat_template(config.chat_template)
+    grammar = _structured(model_dir)
+    engine = AsyncEngine.from_pretrained(
+        str(model_dir), max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+        num_kv_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
+        enable_prefix_caching=config.enable_prefix_caching,
+        bitmask_filler=grammar.bitmask_filler() if grammar is not None else None)
+    return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar)
+
+
+def _structured(model_dir: Path) -> Any:
+    """The model's grammar backend; None (structured output refused with 400) if llguidance cannot load it."""
+    try:
+        from .structured import Structured
+
+        return Structured.from_pretrained(model_dir)
+    except Exception as e:  # an exotic tokenizer llguidance cannot read must not stop the server
+        log.warning("structured output disabled: %s", e)
+        return None
+
+
+class BackgroundServer:
+    """The app on uvicorn in a daemon thread, on a free loopback port unless one is given."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
+                                                    lifespan="on", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="ember-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["create_app", "load_runtime", "BackgroundServer", "ServerState", "free_port"]

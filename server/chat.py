@@ -1,0 +1,208 @@
+"""Chat prompts: request messages (OpenAI or Anthropic) -> the plain dicts a Jinja chat template reads -> prompt text.
+
+Templates read `message.content` as a string, `message.reasoning_content`, and `message.tool_calls[i].function`
+with `arguments` as a mapping (Hermes-style templates `tojson` it; Qwen3's accepts either), so content parts are
+joined into one string and JSON arguments are parsed back into objects.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from . import protocol_anthropic as pa
+from . import protocol_openai as po
+from .errors import bad_request
+
+# apply_chat_template's own parameters, which chat_template_kwargs may not override.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
+})
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a path to a Jinja file, or the template text itself."""
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    try:
+        if p.is_file():
+            return p.read_text()
+    except OSError:
+        pass
+    return value
+
+
+def _join_text(parts: Iterable[Any], field: str) -> str:
+    out = []
+    for i, part in enumerate(parts):
+        if getattr(part, "type", None) != "text":
+            raise bad_request(f"content part type {part.type!r} is not supported by this text-only model",
+                              param=f"{field}[{i}].type")
+        out.append(part.text)
+    return "".join(out)
+
+
+def _arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    if arguments.strip() == "":
+        return {}
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise bad_request(f"tool call arguments are not valid JSON", param=field) from None
+
+
+def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> template messages (`developer` becomes `system`, `function` becomes `tool`)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        content: str
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            content = _join_text(m.content, f"messages[{i}].content")
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if role == "assistant" and reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {
+                        "name": tc.function.name,
+                        "arguments": _arguments_object(tc.function.arguments,
+                                                       f"messages[{i}].tool_calls[{j}].function.arguments"),
+                    },
+                }
+                for j, tc in enumerate(m.tool_calls)
+            ]
+        if role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def openai_tools(tools: Sequence[po.Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as OpenAI-style plain dicts (what templates and the parsers read)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        fn["parameters"] = t.function.parameters if t.function.parameters is not None else {"type": "object",
+                                                                                             "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def anthropic_tools(tools: Sequence[pa.ToolDef] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        fn["parameters"] = t.input_schema
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_result_text(block: pa.ToolResultBlock, field: str) -> str:
+    if block.content is None:
+        return ""
+    if isinstance(block.content, str):
+        return block.content
+    return _join_text(block.content, f"{field}.content")
+
+
+def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
+                       messages: Sequence[pa.Message]) -> list[dict[str, Any]]:
+    """Anthropic system + messages -> template messages: `thinking` blocks become the assistant's
+    `reasoning_content`, `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages."""
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        text = system if isinstance(system, str) else _join_text(system, "system")
+        out.append({"role": "system", "content": text})
+    for i, m in enumerate(messages):
+        field = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "assistant":
+            text, thinking, calls = [], [], []
+            for j, b in enumerate(m.content):
+                if b.type == "text":
+                    text.append(b.text)
+                elif b.type == "thinking":
+                    thinking.append(b.thinking)
+                elif b.type == "redacted_thinking":
+                    continue
+                elif b.type in ("tool_use", "server_tool_use"):
+                    calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+                else:
+                    raise bad_request(f"content block type {b.type!r} is not allowed in an assistant message",
+                                      param=f"{field}[{j}].type")
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            if thinking:
+                msg["reasoning_content"] = "".join(thinking)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        pending_text: list[str] = []
+        for j, b in enumerate(m.content):
+            if b.type == "text":
+                pending_text.append(b.text)
+            elif b.type == "tool_result":
+                if pending_text:
+                    out.append({"role": "user", "content": "".join(pending_text)})
+                    pending_text = []
+                content = _tool_result_text(b, f"{field}[{j}]")
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
+            else:
+                raise bad_request(f"content block type {b.type!r} is not supported in a user message by this "
+                                  "text-only model", param=f"{field}[{j}].type")
+        if pending_text or not m.content:
+            out.append({"role": "user", "content": "".join(pending_text)})
+    return out
+
+
+def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], *,
+           tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text; a template that fails on these messages is the request's fault (400)."""
+    extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    bad = sorted(set(kwargs or {}) - set(extra))
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("this model has no chat template; use /v1/completions or start the server with "
+                          "--chat-template")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **extra)
+    except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template, type errors on odd input
+        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
+    if not isinstance(text, str):
+        raise bad_request("the chat template did not produce text", param="messages")
+    return text
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Prompt text -> token IDs; the template already wrote any BOS, so no special tokens are added."""
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,38 @@
+"""What one choice of a request produced, step by step: the plain data between generation and the wire encoders."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ember.parsers.events import Event
+
+EndReason = Literal["eos", "stop_string", "length", "abort", "error"]
+"""`eos`: an EOS / stop token or the constraint ended the turn; `stop_string`: a request stop string matched;
+`length`: max_tokens or the model's length; `abort`: the engine aborted it; `error`: generation failed."""
+
+
+@dataclass
+class TokenInfo:
+    """One generated token with its log-probability data and the channel its first byte went to."""
+
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # top alternatives (token ID, logprob), best first
+    channel: str | None = None  # "content" | "reasoning" | "tool" | None (delimiter, dropped or withheld)
+
+
+@dataclass
+class ChoiceEnd:
+    reason: EndReason
+    stop_string: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class ChoiceStep:
+    """Generated tokens of one choice and the events they completed; `end` is set on the choice's last step."""
+
+    index: int
+    tokens: list[TokenInfo] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    end: ChoiceEnd | None = None

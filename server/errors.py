@@ -1,0 +1,100 @@
+"""API errors and their two wire shapes: OpenAI error objects and Anthropic error events.
+
+Handlers raise `ApiError`; the app turns it into the shape of the API the request came through (paths under
+`/v1/messages` get Anthropic's, everything else OpenAI's). Validation failures become 400 naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+# HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+# HTTP status -> OpenAI error type.
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answered to the client; `param` names the offending request field when there is one."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def openai_error_body(err: ApiError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": err.message,
+            "type": _OPENAI_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "server_error"),
+            "param": err.param,
+            "code": err.code,
+        }
+    }
+
+
+def anthropic_error_body(err: ApiError) -> dict[str, Any]:
+    etype = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": etype, "message": err.message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root)."""
+    parts = list(loc)
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out
+
+
+def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
+    """A 400 from pydantic/FastAPI validation errors, naming the first bad field."""
+    if not errors:
+        return bad_request("Invalid request body")
+    first = errors[0]
+    loc = first.get("loc", ())
+    name = field_path(loc)
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return bad_request(f"Request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", code="json_invalid")
+    if not name:
+        return bad_request(f"Invalid request body: {msg}")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return bad_request(f"Invalid value for '{name}': {msg}{more}", param=name)

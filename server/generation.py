@@ -1,0 +1,283 @@
+"""Request -> engine -> output pipeline -> `ChoiceStep`s, per choice.
+
+`ModelRuntime` holds what is built once per served model (engine, tokenizer facts, parser profile, delimiter IDs,
+grammar backend). `run_choices` drives the `n` independent choices of one request and yields their steps as they
+come; closing it (a client that went away) closes every engine iterator, which aborts those requests and frees
+their KV blocks. Every generated token ID is reported in exactly one step, with the events it completed.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+from ember.engine.params import SamplingParams
+from ember.parsers.initial import InitialState, initial_state
+from ember.parsers.profiles import Profile, detect_profile, get_profile
+from ember.parsers.tokens import TokenBytes, resolve_delimiters
+
+from .choice import ChoiceEnd, ChoiceStep, TokenInfo
+from .config import ServeConfig
+from .metrics import Metrics
+
+log = logging.getLogger("ember.server")
+
+
+def new_call_id(_index: int = 0) -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def without_tools(profile: Profile) -> Profile:
+    """The profile with tool-call parsing switched off (tool_choice none / no tools): tool markup stays content."""
+    if profile.tool_format is None:
+        return profile
+    transitions = {k: r for k, r in profile.transitions.items() if r.action != "tool_open"}
+    return dataclasses.replace(profile, tool_format=None, transitions=transitions)
+
+
+def without_reasoning(profile: Profile) -> Profile:
+    """The profile with reasoning parsing switched off (`--reasoning-parser none`): thoughts stay content."""
+    if profile.reasoning is None:
+        return profile
+    transitions = {k: r for k, r in profile.transitions.items() if not k[1].startswith("think_")}
+    return dataclasses.replace(profile, reasoning=None, transitions=transitions)
+
+
+def choose_profile(chat_template: str | None, model_type: str | None, reasoning_parser: str | None,
+                   tool_parser: str | None) -> Profile:
+    """`--tool-parser` names the family (its tool syntax and, with it, its reasoning syntax); `--reasoning-parser`
+    names it when no tool parser is given; "none" switches that part off; unset, the family is detected."""
+    base_name = next((n for n in (tool_parser, reasoning_parser) if n and n != "none"), None)
+    profile = get_profile(base_name or detect_profile(chat_template, model_type))
+    if tool_parser == "none":
+        profile = without_tools(profile)
+    if reasoning_parser == "none":
+        profile = without_reasoning(profile)
+    return profile
+
+
+@dataclass
+class ParserSetup:
+    """A profile with its delimiter token IDs resolved against the served tokenizer."""
+
+    profile: Profile
+    delimiter_ids: dict[str, int]
+
+
+def parser_setup(tokenizer: Any, profile: Profile) -> ParserSetup:
+    texts = [profile.terminals[n] for n in profile.token_id_terminals if n in profile.terminals]
+    resolved = resolve_delimiters(tokenizer, texts)
+    return ParserSetup(profile, {t: i for t, i in resolved.items() if i is not None})
+
+
+@dataclass
+class ModelRuntime:
+    """Everything built once per served model."""
+
+    engine: Any  # ember.engine.async_engine.AsyncEngine
+    tokenizer: Any
+    token_bytes: TokenBytes
+    model_name: str
+    max_model_len: int
+    chat_template: str | None
+    parser: ParserSetup  # the model's family, tools on
+    parser_no_tools: ParserSetup
+    parser_plain: ParserSetup  # the "none" profile, for /v1/completions
+    drop_ids: frozenset[int]
+    grammar: Any = None  # ember.server.structured.GrammarBackend, when the grammar package is available
+
+    @classmethod
+    def build(cls, engine: Any, config: ServeConfig, model_dir: Path, chat_template: str | None,
+              grammar: Any = None) -> "ModelRuntime":
+        core = engine.engine
+        tok = core.tokenizer
+        template = chat_template if chat_template is not None else getattr(tok, "chat_template", None)
+        model_type = getattr(core.model_config, "model_type", None) if core.model_config is not None else None
+        if model_type is None and isinstance(core.model_config, dict):
+            model_type = core.model_config.get("model_type")
+        profile = choose_profile(template, model_type, config.reasoning_parser, config.tool_parser)
+        tb = TokenBytes.from_tokenizer(tok)
+        setup = parser_setup(tok, profile)
+        drop = set(core.eos_token_ids)
+        for text in profile.end_of_turn:
+            tid = resolve_delimiters(tok, [text]).get(text)
+            if tid is not None:
+                drop.add(tid)
+        for attr in ("pad_token_id", "bos_token_id"):
+            tid = getattr(tok, attr, None)
+            if isinstance(tid, int):
+                drop.add(tid)
+        name = config.served_model_name or model_dir.name
+        log.info("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
+                 setup.delimiter_ids)
+        return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=core.max_model_len,
+                   chat_template=template, parser=setup, parser_no_tools=parser_setup(tok, without_tools(profile)),
+                   parser_plain=ParserSetup(get_profile("none"), {}), drop_ids=frozenset(drop), grammar=grammar)
+
+
+@dataclass
+class ChoiceSpec:
+    """One choice, ready to run: its sampling parameters, its pipeline and its constraint (None if free)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    pipeline: Any  # ember.parsers.pipeline.OutputPipeline
+    constraint: Any = None
+
+
+@dataclass
+class GenRequest:
+    """An admitted request: its choices (each with its prompt: `n` copies of one, or a batch of prompts)."""
+
+    request_id: str
+    choices: list[ChoiceSpec]
+    stop: list[str] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+
+
+def make_pipeline(rt: ModelRuntime, setup: ParserSetup, prompt_ids: Sequence[int], *, stop: Sequence[str],
+                  include_stop_str_in_output: bool, tools: Sequence[dict] | None) -> tuple[Any, InitialState]:
+    from ember.parsers.pipeline import OutputPipeline
+
+    initial = initial_state(prompt_ids, setup.profile, rt.token_bytes, setup.delimiter_ids)
+    pipe = OutputPipeline(rt.token_bytes, setup.profile, setup.delimiter_ids, initial, stop=list(stop),
+                          include_stop_str_in_output=include_stop_str_in_output, special_ids_to_drop=rt.drop_ids,
+                          tools=list(tools) if tools else None, call_id=new_call_id)
+    return pipe, initial
+
+
+def _matched_stop(step: Any, stop: Sequence[str]) -> str | None:
+    s = getattr(step, "stop_string", None)
+    if s is None and len(stop) == 1:
+        return stop[0]
+    return s
+
+
+def _end_reason(engine_reason: str | None) -> str:
+    return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
+
+
+async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None
+                     ) -> AsyncIterator[ChoiceStep]:
+    """The steps of choice `index`: one per generated token, the last one carrying `end`."""
+    spec = req.choices[index]
+    pipe = spec.pipeline
+    rid = f"{req.request_id}-{index}"
+    last_t: float | None = None
+    ntok = 0
+    end: ChoiceEnd | None = None
+    try:
+        gen = rt.engine.generate(spec.prompt_ids, spec.params, request_id=rid, constraint=spec.constraint)
+        async with aclosing(gen):
+            async for out in gen:
+                lps = out.logprobs
+                for k, tid in enumerate(out.new_token_ids):
+                    now = time.monotonic()
+                    if metrics is not None:
+                        if last_t is None:
+                            metrics.ttft.observe(now - req.arrival)
+                        else:
+                            metrics.itl.observe(now - last_t)
+                    last_t = now
+                    ntok += 1
+                    pstep = pipe.feed([tid])
+                    lp = lps[k] if lps is not None and k < len(lps) else None
+                    channels = getattr(pstep, "token_channels", None) or [None]
+                    tok = TokenInfo(tid, lp.logprob if lp else None, list(lp.top) if lp else None, channels[0])
+                    step = ChoiceStep(index, [tok], list(pstep.events))
+                    if pstep.stopped:
+                        step.events += pipe.finish("stop")
+                        end = ChoiceEnd("stop_string", stop_string=_matched_stop(pstep, req.stop))
+                        step.end = end
+                        yield step
+                        return  # leaving `aclosing` aborts the engine request
+                    if out.finished and k == len(out.new_token_ids) - 1:
+                        reason = _end_reason(out.finish_reason)
+                        step.events += pipe.finish(out.finish_reason or "stop")
+                        end = ChoiceEnd(reason, error=out.error)  # type: ignore[arg-type]
+                        step.end = end
+                    yield step
+                    if end is not None:
+                        return
+                if out.finished:
+                    reason = _end_reason(out.finish_reason)
+                    end = ChoiceEnd(reason, error=out.error)  # type: ignore[arg-type]
+                    yield ChoiceStep(index, [], pipe.finish(out.finish_reason or "stop"), end)
+                    return
+        end = ChoiceEnd("abort")
+        yield ChoiceStep(index, [], pipe.finish("abort"), end)
+    except (asyncio.CancelledError, GeneratorExit):
+        pipe.abort()
+        raise
+    except Exception as e:  # an engine or pipeline failure ends this choice, never the server
+        log.exception("choice %s failed", rid)
+        end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
+        yield ChoiceStep(index, [], [], end)
+    finally:
+        if metrics is not None:
+            metrics.generation_tokens.inc(ntok)
+            metrics.finished.labels(end.reason if end else "cancelled").inc()
+            if last_t is not None:
+                metrics.e2e.observe(last_t - req.arrival)
+
+
+async def run_choices(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None = None
+                      ) -> AsyncIterator[ChoiceStep]:
+    """All choices' steps, interleaved as they are produced; each choice ends with a step carrying `end`."""
+    if len(req.choices) == 1:
+        async with aclosing(run_choice(rt, req, 0, metrics)) as it:
+            async for step in it:
+                yield step
+        return
+    queue: asyncio.Queue[ChoiceStep] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        async with aclosing(run_choice(rt, req, i, metrics)) as it:
+            async for step in it:
+                await queue.put(step)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(req.choices))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            step = await queue.get()
+            if step.end is not None:
+                remaining -= 1
+            yield step
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
+                    min_p: float | None, seed: int | None, presence_penalty: float, frequency_penalty: float,
+                    repetition_penalty: float, logprobs: int | None, logit_bias: dict[int, float] | None,
+                    stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False
+                    ) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
+        min_p=0.0 if min_p is None else min_p, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+        seed=None if seed is None else seed % (2**63), logprobs=logprobs, logit_bias=logit_bias,
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+
+
+def seeded(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a seeded request samples with seed + index, so the `n` choices differ but repeat."""
+    if params.seed is None or index == 0:
+        return dataclasses.replace(params)
+    return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+

@@ -1,0 +1,345 @@
+"""Pipeline events -> OpenAI `chat.completion.chunk`s / `text_completion` chunks, and their fold into the
+non-streaming body (so a response always equals the fold of the stream it would have sent).
+
+Per design A.11-A.12: one channel per chunk, order preserved; reasoning under `reasoning_content` and `reasoning`;
+a tool call's first delta has id, type, name and `arguments` "", later ones index + argument fragments; every
+generated token ID rides in exactly one chunk (a token-only chunk when its text is withheld), with its logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
+                                  ToolCallEnd, ToolCallStart)
+
+from .choice import ChoiceEnd, ChoiceStep, TokenInfo
+
+TokenBytesFn = Callable[[int], bytes]
+
+
+@dataclass
+class ChunkMeta:
+    """Per-response constants of every chunk, and which optional parts the request asked for."""
+
+    id: str
+    created: int
+    model: str
+    logprobs: bool = False
+    top_logprobs: int = 0
+    return_token_ids: bool = False
+    include_usage: bool = False
+
+
+def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
+    """Group events into chat deltas, one channel per delta, in order. `Malformed` text is content;
+    `Dropped` and `ToolCallEnd` surface nothing."""
+    deltas: list[dict[str, Any]] = []
+    kind: str | None = None
+    for ev in events:
+        if isinstance(ev, ReasoningDelta):
+            if not ev.text:
+                continue
+            if kind == "reasoning":
+                deltas[-1]["reasoning_content"] += ev.text
+                deltas[-1]["reasoning"] += ev.text
+            else:
+                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
+                kind = "reasoning"
+        elif isinstance(ev, (ContentDelta, Malformed)):
+            if not ev.text:
+                continue
+            if kind == "content":
+                deltas[-1]["content"] += ev.text
+            else:
+                deltas.append({"content": ev.text})
+                kind = "content"
+        elif isinstance(ev, ToolCallStart):
+            entry = {"index": ev.index, "id": ev.id, "type": "function",
+                     "function": {"name": ev.name, "arguments": ""}}
+            if kind == "tool":
+                deltas[-1]["tool_calls"].append(entry)
+            else:
+                deltas.append({"tool_calls": [entry]})
+                kind = "tool"
+        elif isinstance(ev, ToolCallArguments):
+            if not ev.fragment:
+                continue
+            if kind == "tool" and deltas[-1]["tool_calls"][-1]["index"] == ev.index:
+                deltas[-1]["tool_calls"][-1]["function"]["arguments"] += ev.fragment
+            else:
+                entry = {"index": ev.index, "function": {"arguments": ev.fragment}}
+                if kind == "tool":
+                    deltas[-1]["tool_calls"].append(entry)
+                else:
+                    deltas.append({"tool_calls": [entry]})
+                    kind = "tool"
+        elif isinstance(ev, (ToolCallEnd, Dropped)):
+            continue
+    return deltas
+
+
+def _token_str(tb: TokenBytesFn, token_id: int) -> tuple[str, list[int]]:
+    b = tb(token_id)
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def logprob_entry(tb: TokenBytesFn, tok: TokenInfo, top_n: int) -> dict[str, Any]:
+    text, raw = _token_str(tb, tok.token_id)
+    top = []
+    for tid, lp in (tok.top or [])[:top_n]:
+        t, r = _token_str(tb, tid)
+        top.append({"token": t, "logprob": lp, "bytes": r})
+    return {"token": text, "logprob": tok.logprob, "bytes": raw, "top_logprobs": top}
+
+
+def _chat_logprobs(tb: TokenBytesFn, tokens: Sequence[TokenInfo], top_n: int) -> dict[str, Any]:
+    """`content` holds tokens that went to content; reasoning tokens go to the `reasoning_content` extension;
+    delimiter, tool and dropped tokens are omitted (design decision 9)."""
+    content, reasoning = [], []
+    for t in tokens:
+        if t.logprob is None:
+            continue
+        if t.channel == "content":
+            content.append(logprob_entry(tb, t, top_n))
+        elif t.channel == "reasoning":
+            reasoning.append(logprob_entry(tb, t, top_n))
+    out: dict[str, Any] = {"content": content}
+    if reasoning:
+        out["reasoning_content"] = reasoning
+    return out
+
+
+class ChatChoiceEncoder:
+    """Turns one choice's steps into `chat.completion.chunk` dicts."""
+
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn):
+        self.meta = meta
+        self.index = index
+        self.tb = token_bytes
+        self.completed_calls = 0
+        self.num_tokens = 0
+
+    def _chunk(self, delta: dict[str, Any], *, tokens: Sequence[TokenInfo] = (), finish_reason: str | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": finish_reason}
+        if tokens and self.meta.logprobs:
+            choice["logprobs"] = _chat_logprobs(self.tb, tokens, self.meta.top_logprobs)
+        if self.meta.return_token_ids:
+            choice["token_ids"] = [t.token_id for t in tokens]
+        chunk: dict[str, Any] = {"id": self.meta.id, "object": "chat.completion.chunk", "created": self.meta.created,
+                                 "model": self.meta.model, "choices": [choice]}
+        if self.meta.include_usage:
+            chunk["usage"] = None
+        if extra:
+            chunk.update(extra)
+        return chunk
+
+    def start(self, prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+        """The role chunk that opens the choice (with `prompt_token_ids` when asked for)."""
+        extra = {"prompt_token_ids": list(prompt_token_ids)} if (self.meta.return_token_ids
+                                                                  and prompt_token_ids is not None) else None
+        return self._chunk({"role": "assistant", "content": ""}, extra=extra)
+
+    def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
+        self.completed_calls += sum(isinstance(e, ToolCallEnd) for e in step.events)
+        self.num_tokens += len(step.tokens)
+        deltas = event_deltas(step.events)
+        chunks = []
+        carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
+        if not deltas and carries_tokens:
+            deltas = [{}]
+        for i, d in enumerate(deltas):
+            chunks.append(self._chunk(d, tokens=step.tokens if i == 0 else ()))
+        if step.end is not None:
+            chunks.append(self._chunk({}, finish_reason=self.finish_reason(step.end)))
+        return chunks
+
+    def finish_reason(self, end: ChoiceEnd) -> str:
+        if end.reason == "length":
+            return "length"
+        if end.reason == "eos" and self.completed_calls:
+            return "tool_calls"
+        if end.reason == "error":
+            return "error"
+        return "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def usage_chunk(meta: ChunkMeta, u: dict[str, Any], object_name: str = "chat.completion.chunk") -> dict[str, Any]:
+    return {"id": meta.id, "object": object_name, "created": meta.created, "model": meta.model, "choices": [],
+            "usage": u}
+
+
+@dataclass
+class _ChoiceFold:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lp_content: list[dict] = field(default_factory=list)
+    lp_reasoning: list[dict] = field(default_factory=list)
+    has_logprobs: bool = False
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+
+
+def fold_chat(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, Any] | None) -> dict[str, Any]:
+    """The non-streaming `chat.completion` body: the fold of the chunks a stream would carry."""
+    head: dict[str, Any] | None = None
+    prompt_token_ids = None
+    choices: dict[int, _ChoiceFold] = {}
+    for ch in chunks:
+        head = head or ch
+        if "prompt_token_ids" in ch:
+            prompt_token_ids = ch["prompt_token_ids"]
+        for c in ch["choices"]:
+            f = choices.setdefault(c["index"], _ChoiceFold())
+            d = c["delta"]
+            if d.get("content"):
+                f.content.append(d["content"])
+            if d.get("reasoning_content"):
+                f.reasoning.append(d["reasoning_content"])
+            for tc in d.get("tool_calls") or ():
+                call = f.calls.setdefault(tc["index"], {"id": None, "type": "function",
+                                                        "function": {"name": "", "arguments": ""}})
+                if "id" in tc:
+                    call["id"] = tc["id"]
+                fn = tc.get("function", {})
+                if "name" in fn:
+                    call["function"]["name"] = fn["name"]
+                call["function"]["arguments"] += fn.get("arguments", "")
+            if c.get("logprobs") is not None:
+                f.has_logprobs = True
+                f.lp_content.extend(c["logprobs"].get("content") or ())
+                f.lp_reasoning.extend(c["logprobs"].get("reasoning_content") or ())
+            if "token_ids" in c:
+                f.token_ids = (f.token_ids or []) + c["token_ids"]
+            if c.get("finish_reason") is not None:
+                f.finish_reason = c["finish_reason"]
+    assert head is not None, "a response has at least its role chunk"
+    out_choices = []
+    for idx in sorted(choices):
+        f = choices[idx]
+        content = "".join(f.content)
+        calls = [f.calls[i] for i in sorted(f.calls)]
+        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+        if f.reasoning:
+            r = "".join(f.reasoning)
+            msg["reasoning_content"] = r
+            msg["reasoning"] = r
+        if calls:
+            msg["tool_calls"] = calls
+        choice: dict[str, Any] = {"index": idx, "message": msg, "finish_reason": f.finish_reason, "logprobs": None}
+        if f.has_logprobs:
+            lp: dict[str, Any] = {"content": f.lp_content}
+            if f.lp_reasoning:
+                lp["reasoning_content"] = f.lp_reasoning
+            choice["logprobs"] = lp
+        if f.token_ids is not None:
+            choice["token_ids"] = f.token_ids
+        out_choices.append(choice)
+    body: dict[str, Any] = {"id": head["id"], "object": "chat.completion", "created": head["created"],
+                            "model": head["model"], "choices": out_choices, "usage": usage_body}
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = prompt_token_ids
+    return body
+
+
+class CompletionChoiceEncoder:
+    """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
+
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None):
+        self.meta = meta
+        self.index = index
+        self.tb = token_bytes
+        self.echo = echo
+        self.offset = 0
+        self.num_tokens = 0
+
+    def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.meta.logprobs and tokens:
+            lp: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for t in tokens:
+                s, _ = _token_str(self.tb, t.token_id)
+                lp["tokens"].append(s)
+                lp["token_logprobs"].append(t.logprob)
+                lp["top_logprobs"].append({_token_str(self.tb, tid)[0]: v
+                                           for tid, v in (t.top or [])[:self.meta.top_logprobs]})
+                lp["text_offset"].append(self.offset)
+            choice["logprobs"] = lp
+        if self.meta.return_token_ids:
+            choice["token_ids"] = [t.token_id for t in tokens]
+        self.offset += len(text)
+        chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
+                                 "model": self.meta.model, "choices": [choice]}
+        if self.meta.include_usage:
+            chunk["usage"] = None
+        if extra:
+            chunk.update(extra)
+        return chunk
+
+    def start(self, prompt_token_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        extra = {"prompt_token_ids": list(prompt_token_ids)} if (self.meta.return_token_ids
+                                                                  and prompt_token_ids is not None) else None
+        if self.echo or extra:
+            return [self._chunk(self.echo or "", (), None, extra)]
+        return []
+
+    def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
+        self.num_tokens += len(step.tokens)
+        text = "".join(d.get("content", "") + d.get("reasoning_content", "") for d in event_deltas(step.events))
+        chunks = []
+        carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
+        if text or carries_tokens:
+            chunks.append(self._chunk(text, step.tokens, None))
+        if step.end is not None:
+            reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
+            chunks.append(self._chunk("", (), reason))
+        return chunks
+
+
+def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, Any] | None) -> dict[str, Any]:
+    """The non-streaming `text_completion` body: the fold of its chunks."""
+    head = None
+    prompt_ids: dict[int, list[int]] = {}
+    texts: dict[int, list[str]] = {}
+    lps: dict[int, dict[str, list]] = {}
+    tids: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    for ch in chunks:
+        head = head or ch
+        for c in ch["choices"]:
+            i = c["index"]
+            texts.setdefault(i, []).append(c["text"])
+            reasons.setdefault(i, None)
+            if "prompt_token_ids" in ch:
+                prompt_ids[i] = ch["prompt_token_ids"]
+            if c.get("logprobs"):
+                acc = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+                for k in acc:
+                    acc[k].extend(c["logprobs"][k])
+            if "token_ids" in c:
+                tids.setdefault(i, []).extend(c["token_ids"])
+            if c.get("finish_reason") is not None:
+                reasons[i] = c["finish_reason"]
+    assert head is not None
+    out = []
+    for i in sorted(texts):
+        choice: dict[str, Any] = {"index": i, "text": "".join(texts[i]), "logprobs": lps.get(i),
+                                  "finish_reason": reasons[i]}
+        if i in tids or i in prompt_ids:
+            choice["token_ids"] = tids.get(i, [])
+            choice["prompt_token_ids"] = prompt_ids.get(i)
+        out.append(choice)
+    return {"id": head["id"], "object": "text_completion", "created": head["created"], "model": head["model"],
+            "choices": out, "usage": usage_body}

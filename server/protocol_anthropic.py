@@ -1,0 +1,120 @@
+"""Request bodies of the Anthropic-compatible endpoints (`/v1/messages`, `/v1/messages/count_tokens`).
+
+Field names follow the Anthropic Messages API reference. Unknown fields are accepted and ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Lenient):
+    type: Literal["image", "document", "search_result", "container_upload"]
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use", "server_tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock] | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDef(_Lenient):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
+
+
+class ToolChoice(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> "ToolChoice":
+        if self.type == "tool" and not self.name:
+            raise ValueError("tool_choice of type tool needs a name")
+        return self
+
+
+class ThinkingConfig(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class _MessagesBase(_Lenient):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> "_MessagesBase":
+        for i, t in enumerate(self.tools or ()):
+            if t.type not in (None, "custom"):
+                raise ValueError(f"tools[{i}]: server tool type {t.type!r} is not supported")
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.tool_choice is not None and self.tool_choice.type == "tool":
+            if self.tool_choice.name not in {t.name for t in self.tools or ()}:
+                raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in tools")
+        return self
+
+
+class MessagesRequest(_MessagesBase):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _stops(self) -> "MessagesRequest":
+        if any(s == "" for s in self.stop_sequences or ()):
+            raise ValueError("stop_sequences must be non-empty strings")
+        return self
+
+
+class CountTokensRequest(_MessagesBase):
+    pass

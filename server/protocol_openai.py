@@ -1,0 +1,223 @@
+"""Request bodies of the OpenAI-compatible endpoints (`/v1/chat/completions`, `/v1/completions`).
+
+Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
+`return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
+`max_thinking_tokens`). Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url", "input_image", "input_audio", "file", "image"]
+
+
+ContentPart = TextPart | ImagePart
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> "ChatMessage":
+        if self.role != "assistant" and self.tool_calls:
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar", "lark"]
+    json_schema: JsonSchemaSpec | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_payload(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        if self.type == "regex" and not self.regex:
+            raise ValueError("type regex needs a regex")
+        if self.type in ("grammar", "lark") and not self.grammar:
+            raise ValueError(f"type {self.type} needs a grammar")
+        return self
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def _check_stop(v: str | list[str] | None) -> list[str]:
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else list(v)
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    return stops
+
+
+class _SamplingFields(_Lenient):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    n: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        _check_stop(v)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        for k, b in v.items():
+            if not k.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token IDs, got {k!r}")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return _check_stop(self.stop)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    max_thinking_tokens: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            if not self.tools:
+                raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _consistency(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each a text or a list of token IDs."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
