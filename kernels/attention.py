@@ -334,12 +334,14 @@ def paged_attention(
     split_kv: bool | None = None,
     num_segments: int | None = None,
     tile_size: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` ``[T, Hq, D]`` (see module doc).
 
     Same contract as ``reference.paged_attention``. ``split_kv`` forces (True) or forbids (False) the split-KV decode
-    path, which needs ``max_seqlen_q <= 1``; ``None`` dispatches by batch shape. ``num_segments`` (a power of two) and
-    ``tile_size`` (KV tokens per inner step, a power of two >= 16) override the defaults; ``max_seqlen_k`` is unused.
+    path, which needs ``max_seqlen_q <= 1``; ``None`` dispatches by batch shape. ``num_segments`` (a power of two),
+    ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
+    of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused.
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -350,7 +352,9 @@ def paged_attention(
     group = hq // hkv
     block_size = k_cache.shape[1]
     head_pad = triton.next_power_of_2(d)
-    block_m = _block_m(group)
+    block_m = block_m or _block_m(group)
+    if block_m < group or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= the GQA group size {group}")
     ks = float(k_scale if k_scale is not None else 1.0)
     vs = float(v_scale if v_scale is not None else 1.0)
     decode_only = max_seqlen_q <= 1
@@ -369,7 +373,7 @@ def paged_attention(
         _unified_attention_3d[(num_seqs, hkv, segs)](
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
-            GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE=tile,
+            GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
             NUM_SEGMENTS=segs,
         )
         _reduce_segments[(num_seqs, hq)](

@@ -67,6 +67,13 @@ def test_prefill_and_mixed_batches_match_reference(specs, hq, hkv, d, dtype):
     assert _rel_err(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("block_m,tile", [(64, 32), (32, 64)])
+def test_larger_query_blocks_and_tiles_match_reference(block_m, tile):
+    specs = [(21, 40), (37, 1), (0, 19)]
+    out, ref = _run_both(specs, 8, 2, 64, torch.float16, seed=block_m + tile, block_m=block_m, tile_size=tile)
+    assert _rel_err(out, ref) < 1e-3
+
+
 DECODE_CASES = [
     pytest.param([(40, 1), (3, 1), (70, 1)], 4, 4, 64, id="gqa1-hd64"),
     pytest.param([(17, 1), (95, 1)], 8, 2, 128, id="gqa4-hd128"),
