@@ -544,11 +544,16 @@ class ParserMachine:
         chan_words = chan_part.split()
         channel = chan_words[0] if chan_words else ""
         recipient = next((w[3:] for w in words if w.startswith("to=")), "")
-        self._drop(header + text, "harmony header")
         if recipient and recipient not in ("assistant", "user"):
-            self._start_call(recipient.removeprefix("functions."))
+            name = recipient.removeprefix("functions.")
+            at = header.find(name, header.find("to=" + recipient))
+            self._drop(header[:at], "harmony header")
+            self._start_call(name)
+            self._drop(header[at + len(name):] + text, "harmony header")
             self.state = H_TOOL
-        elif channel == "analysis":
+            return
+        self._drop(header + text, "harmony header")
+        if channel == "analysis":
             self.state = H_ANALYSIS
         else:
             self.state = H_FINAL
