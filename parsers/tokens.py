@@ -61,6 +61,16 @@ class TokenBytes:
         self.added: dict[str, int] = dict(added or {})
         self.strips_leading_space: bool = strips_leading_space
 
+    @property
+    def bytes_table(self) -> Sequence[bytes]:
+        """Every token's bytes, indexed by id (read-only use: the pipeline's hot loop)."""
+        return self._bytes
+
+    @property
+    def text_table(self) -> Sequence[str | None]:
+        """Every token's text where its bytes are complete UTF-8 on their own, else None."""
+        return self._text
+
     def token_bytes(self, token_id: int) -> bytes:
         if 0 <= token_id < self.vocab_size:
             return self._bytes[token_id]

@@ -1,0 +1,198 @@
+"""The output pipeline of one request and choice: generated token IDs in, ordered events out.
+
+Per token: a single-token delimiter is routed whole to the machine (the UTF-8 assembler and the stop matcher are
+flushed first, so earlier text lands before it); an EOS / end-of-turn / pad id that the machine does not handle is
+Dropped; any other id becomes bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the
+profile's `ParserMachine`. Each step costs O(its tokens + bounded holdback): nothing already seen is scanned again.
+Streaming and non-streaming use this same object; the final message is `fold` of all events (`parsers.result`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .events import Dropped, Event
+from .initial import InitialState, initial_state
+from .machine import ParserMachine
+from .profiles import Profile, get_profile
+from .result import ParsedOutput, fold
+from .stop import StopMatcher
+from .tokens import TokenBytes, Utf8Assembler, profile_delimiter_ids
+
+__all__ = ["OutputPipeline", "PipelineStep", "ParserSetup", "DELIMITER", "DROPPED", "parse_all"]
+
+DELIMITER = "delimiter"   # token_channels entry of a delimiter token (consumed, never surfaced)
+DROPPED = "dropped"       # token_channels entry of a Dropped special (EOS, end-of-turn, pad)
+
+
+@dataclass(slots=True)
+class PipelineStep:
+    """What one ``feed`` produced.
+
+    ``events``: in order. ``stopped``: a stop string matched; end the request (call ``finish("stop")``).
+    ``token_channels``: per consumed token, the channel its text went to ("reasoning", "content", "tool") or
+    `DELIMITER` / `DROPPED` (for logprobs routing, design A.11). ``tokens_used``: how many of the fed tokens belong to
+    the output; fewer than fed when a stop string ended it mid-delta (the rest are discarded, like their logprobs).
+    """
+
+    events: list[Event]
+    stopped: bool
+    token_channels: list[str]
+    tokens_used: int
+
+
+class OutputPipeline:
+    """One per request and choice; see the module docstring. Never raises on any token sequence."""
+
+    def __init__(self, tb: TokenBytes, profile: Profile, delimiter_ids: Mapping[str, int], initial: InitialState,
+                 *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 special_ids_to_drop: Collection[int] = (), tools: Sequence[dict] | None = None,
+                 call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None) -> None:
+        self.profile = profile
+        self.initial = initial
+        self._tb = tb
+        self._bytes = tb.bytes_table
+        self._texts = tb.text_table
+        self._size = tb.vocab_size
+        self._delims: dict[int, str] = {i: t for t, i in delimiter_ids.items() if i is not None}
+        drop = set(special_ids_to_drop)
+        for t in profile.end_of_turn:
+            i = tb.added_token_id(t)
+            if i is not None:
+                drop.add(i)
+        self._drop = frozenset(drop - self._delims.keys())
+        if parse_tools is None:
+            parse_tools = bool(tools)
+        self._machine = ParserMachine(profile, {t: i for t, i in delimiter_ids.items() if i is not None}, initial,
+                                      tools=tools, call_id=call_id, parse_tools=parse_tools)
+        self._asm = Utf8Assembler()
+        self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
+        self.stopped = False
+        self.finish_reason: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------ public
+    def feed(self, token_ids: Sequence[int]) -> PipelineStep:
+        """Consume one delta of generated tokens (any number, e.g. from speculative decoding)."""
+        events: list[Event] = []
+        channels: list[str] = []
+        if self._closed or self.stopped:
+            return PipelineStep(events, self.stopped, channels, 0)
+        m = self._machine
+        mfeed = m.feed
+        asm = self._asm
+        stop = self._stop
+        delims, drop, texts, raw, size = self._delims, self._drop, self._texts, self._bytes, self._size
+        used = 0
+        for tid in token_ids:
+            delim = delims.get(tid)
+            if delim is not None:
+                if self._flush_text(events):
+                    break
+                channels.append(DELIMITER)
+                events += mfeed(tid, delim)
+            elif tid in drop:
+                if self._flush_text(events):
+                    break
+                channels.append(DROPPED)
+                t = self._tb.token_bytes(tid).decode("utf-8", "replace")
+                if t:
+                    events.append(Dropped(t, "special"))
+            else:
+                channels.append(m.channel)
+                if 0 <= tid < size:
+                    text = texts[tid]
+                    if text is None or asm.pending:
+                        text = asm.feed(raw[tid])
+                else:
+                    text = ""
+                if stop is not None:
+                    text = stop.feed(text)
+                    if stop.stopped:
+                        events += mfeed(tid, text)
+                        self._stopped_now()
+                        used += 1
+                        break
+                ev = mfeed(tid, text)
+                if ev:
+                    events += ev
+            used += 1
+        return PipelineStep(events, self.stopped, channels, used)
+
+    def finish(self, reason: str) -> list[Event]:
+        """End of output (``reason``: "stop", "length", "eos", ...): flush everything withheld, close what is open."""
+        if self._closed:
+            return []
+        self._closed = True
+        self.finish_reason = reason
+        events: list[Event] = []
+        if not self.stopped:
+            self._flush_text(events)
+        events += self._machine.finish()
+        return events
+
+    def abort(self) -> None:
+        """The client went away: emit nothing more, keep no state."""
+        self._closed = True
+        self.finish_reason = "abort"
+        self._asm = Utf8Assembler()
+        self._stop = None
+
+    # ----------------------------------------------------------------------------------------------- helpers
+    def _flush_text(self, events: list[Event]) -> bool:
+        """Text withheld by the assembler and the stop matcher goes to the machine; True if a stop matched."""
+        text = self._asm.flush()
+        stop = self._stop
+        if stop is not None:
+            text = stop.feed(text)
+            if stop.stopped:
+                if text:
+                    events += self._machine.feed(None, text)
+                self._stopped_now()
+                return True
+            text += stop.flush()
+        if text:
+            events += self._machine.feed(None, text)
+        return False
+
+    def _stopped_now(self) -> None:
+        self.stopped = True
+        self._asm = Utf8Assembler()
+
+
+@dataclass(frozen=True)
+class ParserSetup:
+    """A model's parsing facts, built once at load and shared by every request (server and grammar).
+
+    ``drop_ids``: specials never surfaced (EOS, pad, BOS) besides the profile's end-of-turn tokens.
+    """
+
+    tb: TokenBytes
+    profile: Profile
+    delimiter_ids: Mapping[str, int]
+    drop_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any, profile: Profile | str, *, drop_ids: Iterable[int] = (),
+                       tb: TokenBytes | None = None) -> "ParserSetup":
+        p = get_profile(profile) if isinstance(profile, str) else profile
+        return cls(tb or TokenBytes.from_tokenizer(tok), p, profile_delimiter_ids(tok, p), frozenset(drop_ids))
+
+    def initial_state(self, prompt_ids: Sequence[int]) -> InitialState:
+        return initial_state(prompt_ids, self.profile, self.tb, self.delimiter_ids)
+
+    def pipeline(self, prompt_ids: Sequence[int] | None = None, *, initial: InitialState | None = None,
+                 **options: Any) -> OutputPipeline:
+        """A fresh pipeline for one choice; ``initial`` defaults to the state of ``prompt_ids`` (CONTENT if none).
+        ``options``: `OutputPipeline`'s keywords (stop, include_stop_str_in_output, tools, call_id, parse_tools)."""
+        if initial is None:
+            initial = self.initial_state(prompt_ids) if prompt_ids is not None else InitialState.CONTENT
+        options.setdefault("special_ids_to_drop", self.drop_ids)
+        return OutputPipeline(self.tb, self.profile, self.delimiter_ids, initial, **options)
+
+
+def parse_all(pipeline: OutputPipeline, token_ids: Sequence[int], reason: str = "stop") -> ParsedOutput:
+    """Non-streaming: the whole output as one delta, then finish, folded."""
+    step = pipeline.feed(token_ids)
+    return fold(step.events + pipeline.finish(reason))
