@@ -30,8 +30,11 @@ from .choice import ChoiceStep
 from .config import ServeConfig
 from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
                      validation_error)
-from .generation import (ChoiceSpec, GenRequest, ModelRuntime, ParserSetup, dumps, make_pipeline, run_choices,
-                         sampling_params, seeded)
+from ember.parsers.initial import InitialState
+from ember.parsers.pipeline import ParserSetup
+
+from .generation import (ChoiceSpec, GenRequest, ModelRuntime, dumps, make_pipeline, run_choices, sampling_params,
+                         seeded)
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, fold_chat, fold_completion,
                              usage, usage_chunk)
@@ -130,6 +133,16 @@ def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, r
                                parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
 
 
+def _no_thinking_budget(setup: ParserSetup, response_format: dict | None, tool_choice: Any) -> int | None:
+    """With thinking switched off, a constrained answer gets a thinking budget of 0 (a thought the model opens
+    anyway must close at once), so the grammar's optional reasoning prefix cannot swallow the reply."""
+    spec = setup.profile.reasoning
+    if spec is None or spec.close not in setup.delimiter_ids:
+        return None
+    forced = tool_choice not in (None, "auto", "none")
+    return 0 if forced or response_format is not None else None
+
+
 def _response_format(rf: po.ResponseFormat | None) -> dict | None:
     if rf is None or rf.type == "text":
         return None
@@ -195,8 +208,9 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(st, len(prompt_ids), requested)
     stop = body.stop_list
-    parse_tools = tools if tool_choice != "none" else None
-    setup: ParserSetup = rt.parser if parse_tools else rt.parser_no_tools
+    parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
+    setup = rt.parser
+    initial = setup.initial_state(prompt_ids)
     base = sampling_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
@@ -204,15 +218,17 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         logit_bias=_logit_bias(st, body.logit_bias), stop_token_ids=body.stop_token_ids or (),
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
     choices = []
-    initial = None
     for i in range(body.n):
-        pipe, initial = make_pipeline(rt, setup, prompt_ids, stop=stop,
-                                      include_stop_str_in_output=body.include_stop_str_in_output, tools=parse_tools)
+        pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
+                             tools=parse_tools)
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
-    constraints = _constraints(
-        st, body.n, setup=setup, initial=initial, response_format=_response_format(body.response_format),
-        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-        thinking_budget=body.max_thinking_tokens)
+    rf = _response_format(body.response_format)
+    budget = body.max_thinking_tokens
+    if budget is None and (body.chat_template_kwargs or {}).get("enable_thinking") is False:
+        budget = _no_thinking_budget(setup, rf, tool_choice)
+    constraints = _constraints(st, body.n, setup=setup, initial=initial, response_format=rf, tools=parse_tools,
+                               tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                               thinking_budget=budget)
     for c, k in zip(choices, constraints):
         c.constraint = k
     _check_capacity(st)
@@ -272,8 +288,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             logprobs=body.logprobs, logit_bias=_logit_bias(st, body.logit_bias),
             stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
         for j in range(body.n):
-            pipe, _init = make_pipeline(rt, rt.parser_plain, ids, stop=stop,
-                                        include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
+            pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
+                                 include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text if body.echo else None)
     _check_capacity(st)
@@ -342,15 +358,18 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     max_tokens = _max_tokens(st, len(prompt_ids), body.max_tokens)
     tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
     tool_choice: Any = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
-    parse_tools = tools if tool_choice != "none" else None
-    setup = rt.parser if parse_tools else rt.parser_no_tools
+    parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
+    setup = rt.parser
+    initial = setup.initial_state(prompt_ids)
     stop = list(body.stop_sequences or ())
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=None, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
                              repetition_penalty=1.0, logprobs=None, logit_bias=None)
-    pipe, initial = make_pipeline(rt, setup, prompt_ids, stop=stop, include_stop_str_in_output=False,
-                                  tools=parse_tools)
-    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+    pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
+    thinking_on = body.thinking is not None and body.thinking.type != "disabled"
+    budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
+    if not thinking_on:
+        budget = _no_thinking_budget(setup, None, tool_choice)
     parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
     if tool_choice == "named":
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
@@ -458,15 +477,14 @@ _ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/message
            "/health", "/metrics")
 
 
-def create_app(runtime: ModelRuntime, config: ServeConfig) -> FastAPI:
-    """The HTTP app serving `runtime`; shuts the engine down when the app stops."""
+def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: bool = True) -> FastAPI:
+    """The HTTP app serving `runtime`; shuts the engine down when the app stops (unless told it is shared)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        shutdown = getattr(runtime.engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        if shutdown_engine:
+            runtime.engine.shutdown()
 
     app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats))

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ember.engine.params import SamplingParams
-from ember.parsers.initial import InitialState, initial_state
+from ember.parsers.initial import InitialState
+from ember.parsers.pipeline import OutputPipeline, ParserSetup
 from ember.parsers.profiles import Profile, detect_profile, get_profile
-from ember.parsers.tokens import TokenBytes, resolve_delimiters
+from ember.parsers.tokens import TokenBytes
 
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
@@ -32,14 +33,6 @@ log = logging.getLogger("ember.server")
 
 def new_call_id(_index: int = 0) -> str:
     return "call_" + secrets.token_hex(12)
-
-
-def without_tools(profile: Profile) -> Profile:
-    """The profile with tool-call parsing switched off (tool_choice none / no tools): tool markup stays content."""
-    if profile.tool_format is None:
-        return profile
-    transitions = {k: r for k, r in profile.transitions.items() if r.action != "tool_open"}
-    return dataclasses.replace(profile, tool_format=None, transitions=transitions)
 
 
 def without_reasoning(profile: Profile) -> Profile:
@@ -57,24 +50,10 @@ def choose_profile(chat_template: str | None, model_type: str | None, reasoning_
     base_name = next((n for n in (tool_parser, reasoning_parser) if n and n != "none"), None)
     profile = get_profile(base_name or detect_profile(chat_template, model_type))
     if tool_parser == "none":
-        profile = without_tools(profile)
+        profile = dataclasses.replace(profile, tool_format=None)
     if reasoning_parser == "none":
         profile = without_reasoning(profile)
     return profile
-
-
-@dataclass
-class ParserSetup:
-    """A profile with its delimiter token IDs resolved against the served tokenizer."""
-
-    profile: Profile
-    delimiter_ids: dict[str, int]
-
-
-def parser_setup(tokenizer: Any, profile: Profile) -> ParserSetup:
-    texts = [profile.terminals[n] for n in profile.token_id_terminals if n in profile.terminals]
-    resolved = resolve_delimiters(tokenizer, texts)
-    return ParserSetup(profile, {t: i for t, i in resolved.items() if i is not None})
 
 
 @dataclass
@@ -87,10 +66,9 @@ class ModelRuntime:
     model_name: str
     max_model_len: int
     chat_template: str | None
-    parser: ParserSetup  # the model's family, tools on
-    parser_no_tools: ParserSetup
+    parser: ParserSetup  # the model's family
     parser_plain: ParserSetup  # the "none" profile, for /v1/completions
-    drop_ids: frozenset[int]
+    tools_enabled: bool  # False with `--tool-parser none`: tool markup is always content
     grammar: Any = None  # ember.server.structured.GrammarBackend, when the grammar package is available
 
     @classmethod
@@ -104,22 +82,19 @@ class ModelRuntime:
             model_type = core.model_config.get("model_type")
         profile = choose_profile(template, model_type, config.reasoning_parser, config.tool_parser)
         tb = TokenBytes.from_tokenizer(tok)
-        setup = parser_setup(tok, profile)
         drop = set(core.eos_token_ids)
-        for text in profile.end_of_turn:
-            tid = resolve_delimiters(tok, [text]).get(text)
-            if tid is not None:
-                drop.add(tid)
         for attr in ("pad_token_id", "bos_token_id"):
             tid = getattr(tok, attr, None)
             if isinstance(tid, int):
                 drop.add(tid)
+        setup = ParserSetup.from_tokenizer(tok, profile, drop_ids=drop, tb=tb)
+        plain = ParserSetup.from_tokenizer(tok, "none", drop_ids=drop, tb=tb)
         name = config.served_model_name or model_dir.name
         log.info("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=core.max_model_len,
-                   chat_template=template, parser=setup, parser_no_tools=parser_setup(tok, without_tools(profile)),
-                   parser_plain=ParserSetup(get_profile("none"), {}), drop_ids=frozenset(drop), grammar=grammar)
+                   chat_template=template, parser=setup, parser_plain=plain,
+                   tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar)
 
 
 @dataclass
@@ -128,7 +103,7 @@ class ChoiceSpec:
 
     prompt_ids: list[int]
     params: SamplingParams
-    pipeline: Any  # ember.parsers.pipeline.OutputPipeline
+    pipeline: OutputPipeline
     constraint: Any = None
 
 
@@ -142,22 +117,19 @@ class GenRequest:
     arrival: float = field(default_factory=time.monotonic)
 
 
-def make_pipeline(rt: ModelRuntime, setup: ParserSetup, prompt_ids: Sequence[int], *, stop: Sequence[str],
-                  include_stop_str_in_output: bool, tools: Sequence[dict] | None) -> tuple[Any, InitialState]:
-    from ember.parsers.pipeline import OutputPipeline
-
-    initial = initial_state(prompt_ids, setup.profile, rt.token_bytes, setup.delimiter_ids)
-    pipe = OutputPipeline(rt.token_bytes, setup.profile, setup.delimiter_ids, initial, stop=list(stop),
-                          include_stop_str_in_output=include_stop_str_in_output, special_ids_to_drop=rt.drop_ids,
-                          tools=list(tools) if tools else None, call_id=new_call_id)
-    return pipe, initial
+def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
+                  include_stop_str_in_output: bool, tools: Sequence[dict] | None) -> OutputPipeline:
+    """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`)."""
+    return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
+                          tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools))
 
 
-def _matched_stop(step: Any, stop: Sequence[str]) -> str | None:
-    s = getattr(step, "stop_string", None)
-    if s is None and len(stop) == 1:
+def _matched_stop(pipe: OutputPipeline, stop: Sequence[str]) -> str | None:
+    """Which stop string ended the output (Anthropic's `stop_sequence`)."""
+    matched = getattr(getattr(pipe, "_stop", None), "matched", None)
+    if matched is None and len(stop) == 1:
         return stop[0]
-    return s
+    return matched
 
 
 def _end_reason(engine_reason: str | None) -> str:
@@ -194,7 +166,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     step = ChoiceStep(index, [tok], list(pstep.events))
                     if pstep.stopped:
                         step.events += pipe.finish("stop")
-                        end = ChoiceEnd("stop_string", stop_string=_matched_stop(pstep, req.stop))
+                        end = ChoiceEnd("stop_string", stop_string=_matched_stop(pipe, req.stop))
                         step.end = end
                         yield step
                         return  # leaving `aclosing` aborts the engine request

@@ -1,0 +1,128 @@
+"""Live servers for the server tests: the real app on uvicorn on a free loopback port, in a thread.
+
+`demo_server`: the built-in demo model, served with its own Qwen3-style template extended so that
+`enable_thinking: true` opens a thought (as Qwen3 Thinking-2507 does), to exercise reasoning on a tiny model.
+`qwen3_server`: a tiny random Qwen3 carrying the real Qwen3 tokenizer and chat template from ../shared/data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import shared_path
+
+THINK_SWITCH = """{%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}"""
+THINK_SWITCH_ON = """{%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- elif enable_thinking is defined and enable_thinking %}
+        {{- '<think>\\n' }}
+    {%- endif %}"""
+
+
+@dataclass
+class LiveServer:
+    url: str
+    runtime: object
+    model: str
+    tokenizer: object
+
+    def openai(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), max_retries=0,
+                             timeout=60, **kw)
+
+    def anthropic(self, **kw):
+        import anthropic
+
+        return anthropic.Anthropic(base_url=self.url, api_key=kw.pop("api_key", "unused"), max_retries=0,
+                                   timeout=60, **kw)
+
+    def stats(self):
+        return self.runtime.engine.stats()
+
+
+def _serve(runtime, config):
+    from ember.server.app import BackgroundServer, create_app
+
+    return BackgroundServer(create_app(runtime, config, shutdown_engine=False)).start()
+
+
+@pytest.fixture(scope="session")
+def demo_runtime(demo_model_dir):
+    from ember.engine import demo
+    from ember.server.app import load_runtime
+    from ember.server.config import ServeConfig
+
+    template = demo.CHAT_TEMPLATE
+    assert THINK_SWITCH in template
+    config = ServeConfig(model_dir=demo_model_dir, served_model_name="ember-demo", max_num_seqs=32,
+                         kv_cache_blocks=512, chat_template=template.replace(THINK_SWITCH, THINK_SWITCH_ON))
+    runtime = load_runtime(config)
+    yield runtime, config
+    runtime.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_runtime):
+    runtime, config = demo_runtime
+    srv = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer)
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def keyed_server(demo_runtime):
+    """The demo runtime behind a second app that requires an API key."""
+    runtime, config = demo_runtime
+    srv = _serve(runtime, dataclasses.replace(config, api_key="sekrit"))
+    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer)
+    srv.stop()
+
+
+def build_tiny_qwen3(out: Path) -> Path:
+    """A random 1-layer Qwen3 with the real Qwen3 tokenizer files (tokenizer.json gunzipped beside its config)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    src = shared_path("tokenizers", "qwen3")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes(gzip.decompress((src / "tokenizer.json.gz").read_bytes()))
+    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(src / name, out / name)
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643],
+                                                            "bos_token_id": 151643, "pad_token_id": 151643}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(tmp_path_factory):
+    from ember.server.app import load_runtime
+    from ember.server.config import ServeConfig
+
+    model_dir = build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
+    config = ServeConfig(model_dir=model_dir, served_model_name="tiny-qwen3", max_num_seqs=8, kv_cache_blocks=256)
+    runtime = load_runtime(config)
+    srv = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "tiny-qwen3", runtime.tokenizer)
+    srv.stop()
+    runtime.engine.shutdown()
+
+
+@pytest.fixture(params=["demo", "qwen3"])
+def any_server(request):
+    """Each test using it runs on the demo model and on the tiny Qwen3 (skipped where ../shared is absent)."""
+    return request.getfixturevalue(f"{request.param}_server")

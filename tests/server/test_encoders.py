@@ -1,0 +1,139 @@
+"""The wire encoders are pure: any split of the same events into steps gives the same folded response, and the
+official SDKs' own stream accumulators rebuild exactly the non-streaming body from our chunks / events."""
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings, strategies as st
+
+from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
+                                  ToolCallStart)
+from ember.server.anthropic_encoder import MessageEncoder, fold_message
+from ember.server.choice import ChoiceEnd, ChoiceStep, TokenInfo
+from ember.server.openai_encoder import ChatChoiceEncoder, ChunkMeta, fold_chat, usage
+
+EVENTS = [
+    ReasoningDelta("Let me "), ReasoningDelta("think."), Dropped("</think>", "delimiter"), ContentDelta("Calling "),
+    Malformed("<oops", "bad tag"), ContentDelta(" now"), Dropped("\n", "whitespace"),
+    ToolCallStart(0, "call_a", "get_weather"), ToolCallArguments(0, '{"city": '), ToolCallArguments(0, '"Paris"}'),
+    ToolCallEnd(0), ToolCallStart(1, "call_b", "get_time"), ToolCallArguments(1, "{}"), ToolCallEnd(1),
+    Dropped("<|im_end|>", "special"),
+]
+
+
+def _tb(tid: int) -> bytes:
+    return f"<{tid}>".encode()
+
+
+def _steps(events, cuts, end):
+    bounds = [0, *sorted(set(cuts)), len(events)]
+    steps = [ChoiceStep(0, [TokenInfo(100 + i, -0.5, [(100 + i, -0.5)], "content")], list(events[a:b]))
+             for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    steps[-1].end = end
+    return steps
+
+
+def _chat_body(steps, meta):
+    enc = ChatChoiceEncoder(meta, 0, _tb)
+    chunks = [enc.start([1, 2, 3])]
+    for s in steps:
+        chunks += enc.step(s)
+    return chunks, fold_chat(chunks, usage_body=usage(3, enc.num_tokens))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=len(EVENTS) - 1), max_size=8))
+def test_chat_fold_is_independent_of_step_boundaries(cuts):
+    meta = ChunkMeta(id="chatcmpl-x", created=1, model="m", return_token_ids=True)
+    _, whole = _chat_body(_steps(EVENTS, [], ChoiceEnd("eos")), meta)
+    chunks, split = _chat_body(_steps(EVENTS, cuts, ChoiceEnd("eos")), meta)
+    msg = split["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == "Let me think."
+    assert msg["content"] == "Calling <oops now"
+    assert [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("call_a", "get_weather", '{"city": "Paris"}'), ("call_b", "get_time", "{}")]
+    assert split["choices"][0]["finish_reason"] == "tool_calls"
+    assert split["choices"][0]["message"] == whole["choices"][0]["message"]
+    # one channel per chunk; every token id in exactly one chunk
+    for ch in chunks:
+        delta = ch["choices"][0]["delta"]
+        assert len({"content", "reasoning_content", "tool_calls"} & delta.keys()) <= 1
+    assert split["choices"][0]["token_ids"] == [100 + i for i in range(len(set(cuts)) + 1)]
+    assert split["prompt_token_ids"] == [1, 2, 3]
+
+
+def test_openai_sdk_accumulator_rebuilds_the_folded_body():
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    meta = ChunkMeta(id="chatcmpl-y", created=1, model="m", logprobs=True, top_logprobs=1)
+    chunks, body = _chat_body(_steps(EVENTS, [2, 5, 9, 12], ChoiceEnd("eos")), meta)
+    state = ChatCompletionStreamState()
+    for ch in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(ch))
+    final = state.get_final_completion()
+    msg = final.choices[0].message
+    assert msg.content == body["choices"][0]["message"]["content"]
+    assert [(t.id, t.function.name, t.function.arguments) for t in msg.tool_calls] == [
+        (t["id"], t["function"]["name"], t["function"]["arguments"]) for t in body["choices"][0]["message"]["tool_calls"]]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert len(final.choices[0].logprobs.content) == len(body["choices"][0]["logprobs"]["content"]) == 5
+
+
+def test_a_withheld_token_still_gets_its_own_chunk():
+    meta = ChunkMeta(id="c", created=1, model="m", return_token_ids=True, logprobs=True)
+    enc = ChatChoiceEncoder(meta, 0, _tb)
+    chunks = enc.step(ChoiceStep(0, [TokenInfo(7, -1.0, [], None)], []))
+    assert len(chunks) == 1 and chunks[0]["choices"][0]["delta"] == {}
+    assert chunks[0]["choices"][0]["token_ids"] == [7]
+    assert chunks[0]["choices"][0]["logprobs"] == {"content": []}  # a delimiter's logprob is not content
+
+
+def test_length_wins_over_tool_calls_and_stop_string_is_stop():
+    enc = ChatChoiceEncoder(ChunkMeta(id="c", created=1, model="m"), 0, _tb)
+    enc.step(ChoiceStep(0, [], [ToolCallStart(0, "call_z", "f"), ToolCallEnd(0)]))
+    assert enc.finish_reason(ChoiceEnd("length")) == "length"
+    assert enc.finish_reason(ChoiceEnd("stop_string", stop_string="x")) == "stop"
+    assert enc.finish_reason(ChoiceEnd("eos")) == "tool_calls"
+
+
+def _anthropic_events(steps, end):
+    enc = MessageEncoder("msg_1", "m", input_tokens=3)
+    evs = enc.start()
+    for s in steps:
+        evs += enc.events(s.events, len(s.tokens))
+    evs += enc.finish(end)
+    return evs
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=len(EVENTS) - 1), max_size=6))
+def test_anthropic_sdk_accumulator_equals_fold(cuts):
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    evs = _anthropic_events(_steps(EVENTS, cuts, None), ChoiceEnd("eos"))
+    assert [e["type"] for e in evs[:2]] == ["message_start", "ping"]
+    assert [e["type"] for e in evs[-2:]] == ["message_delta", "message_stop"]
+    snapshot, bufs = None, {}
+    for ev in json.loads(json.dumps(evs)):
+        snapshot = accumulate_event(event=ev, current_snapshot=snapshot, json_bufs=bufs)
+    folded = fold_message(evs)
+    sdk = snapshot.to_dict()
+    assert [b["type"] for b in folded["content"]] == ["thinking", "text", "tool_use", "tool_use"]
+    assert folded["content"][0]["thinking"] == "Let me think." and folded["content"][0]["signature"]
+    assert folded["content"][1]["text"] == "Calling <oops now"
+    assert folded["content"][2]["input"] == {"city": "Paris"} and folded["content"][3]["input"] == {}
+    assert folded["stop_reason"] == "tool_use"
+    assert folded["usage"] == {"input_tokens": 3, "output_tokens": len(set(cuts)) + 1}
+    for mine, theirs in zip(folded["content"], sdk["content"]):
+        assert {k: theirs[k] for k in mine} == mine
+    assert sdk["stop_reason"] == folded["stop_reason"]
+
+
+def test_anthropic_truncated_tool_input_is_empty_with_raw_text():
+    evs = _anthropic_events([ChoiceStep(0, [], [ToolCallStart(0, "call_q", "f"), ToolCallArguments(0, '{"a": [1')])],
+                            ChoiceEnd("length"))
+    msg = fold_message(evs)
+    assert msg["stop_reason"] == "max_tokens"
+    assert msg["content"][0]["input"] == {} and msg["content"][0]["partial_input"] == '{"a": [1'
+    assert [e["type"] for e in evs].count("content_block_stop") == 1
