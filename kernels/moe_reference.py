@@ -35,16 +35,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_weight(w: torch.Tensor | NVFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s ``[N, K]`` weight in ``dtype``; an NVFP4 stack is dequantized, each of its equal row
+    partitions (``weight_scale_2[e]`` of shape ``[P]``) with its own tensor scale."""
+    if not isinstance(w, NVFP4Tensor):
+        return w[e].to(dtype)
+    s2 = w.weight_scale_2.float()[e].reshape(-1)
+    rows = w.weight.shape[1] // s2.numel()
+    parts = [
+        nvfp4.dequantize(w.weight[e, i * rows:(i + 1) * rows], w.weight_scale[e, i * rows:(i + 1) * rows], s2[i],
+                         dtype)
+        for i in range(s2.numel())
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | NVFP4Tensor,
+    w2: torch.Tensor | NVFP4Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts, looping over hit experts.
 
-    Computes in ``x``'s dtype (as transformers does) and returns ``[M, H]`` in that dtype.
+    Weights are dense stacks or NVFP4 stacks (dequantized one hit expert at a time). Computes in ``x``'s dtype (as
+    transformers does) and returns ``[M, H]`` in that dtype.
     """
     m, h = x.shape
     out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
@@ -54,20 +70,15 @@ def fused_moe(
     for e in torch.unique(flat_ids).tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = pairs // k
-        hidden = silu_and_mul(F.linear(x[tok], w13[e].to(x.dtype)))
-        y = F.linear(hidden, w2[e].to(x.dtype))
+        hidden = silu_and_mul(F.linear(x[tok], expert_weight(w13, e, x.dtype)))
+        y = F.linear(hidden, expert_weight(w2, e, x.dtype))
         out.index_add_(0, tok, (y * flat_w[pairs].unsqueeze(1).to(y.dtype)).float())
     return out.to(x.dtype)
 
 
 def dequantize_w13(w13: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[E, 2I, H]`` from an NVFP4 stack whose ``weight_scale_2`` is ``[E, 2]`` (gate, up)."""
-    e, n2, _ = w13.weight.shape
-    i = n2 // 2
-    s2 = w13.weight_scale_2.float().reshape(e, 2)
-    gate = nvfp4.dequantize(w13.weight[:, :i], w13.weight_scale[:, :i], s2[:, 0], dtype)
-    up = nvfp4.dequantize(w13.weight[:, i:], w13.weight_scale[:, i:], s2[:, 1], dtype)
-    return torch.cat((gate, up), dim=1)
+    return torch.stack([expert_weight(w13, e, dtype) for e in range(w13.weight.shape[0])])
 
 
 def fused_moe_nvfp4(
@@ -77,10 +88,8 @@ def fused_moe_nvfp4(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """W4A16 reference: dequantize each stack (fp32), then :func:`fused_moe`."""
-    return fused_moe(
-        x, dequantize_w13(w13, x.dtype), w2.dequantize(x.dtype), topk_weights, topk_ids
-    )
+    """W4A16 reference: :func:`fused_moe` with each hit expert dequantized in ``x``'s dtype."""
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +119,7 @@ def fused_moe_nvfp4_w4a4(
     m, h = x.shape
     xq = fake_quant_activations(x, a13_scale).float()
     wg = dequantize_w13(w13)
-    wd = w2.dequantize()
+    wd = torch.stack([expert_weight(w2, e, torch.float32) for e in range(w2.weight.shape[0])])
     out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()

@@ -1,0 +1,267 @@
+"""Qwen3-MoE: Qwen3's attention (shared layers) with a sparse mixture-of-experts MLP.
+
+Layer ``i`` is sparse when ``i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``;
+other layers use the dense gated MLP of ``intermediate_size``. The router is ``softmax(x @ gate.T)`` in fp32, top-k
+(``num_experts_per_tok``), renormalised when ``norm_topk_prob``, cast to the hidden dtype (as transformers does).
+Experts are stacked per layer (``w13 [E, 2I, H]`` gate rows first, ``w2 [E, H, I]``), loaded from either key form:
+per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what ``save_pretrained`` writes) or fused
+(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, transformers 5's in-memory form).
+NVFP4 experts (ModelOpt per-expert tensors) stay packed and run through the fused-MoE kernels.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ember.engine import nvfp4_loading
+from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models.layers import (
+    Attention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+)
+from ember.engine.nvfp4_loading import QuantizationError
+from ember.kernels import moe_reference
+from ember.kernels.nvfp4 import BLOCK, NVFP4Tensor
+
+_PROJ = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+
+
+class MoEExperts(nn.Module):
+    """All experts of one layer as two stacks (buffers, so the dense loader's parameter checks skip them)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device))
+        self.register_buffer("w2", torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
+        self.quant13: NVFP4Tensor | None = None
+        self.quant2: NVFP4Tensor | None = None
+        self.a13_scale: torch.Tensor | None = None
+        self.a2_scale: torch.Tensor | None = None
+
+    def make_nvfp4(self, which: str, device: torch.device) -> None:
+        """Replace one stack (``"w13"`` or ``"w2"``) by an empty NVFP4 stack to be filled by the loader."""
+        e = self.num_experts
+        n, k, parts = (2 * self.inter, self.hidden, 2) if which == "w13" else (self.hidden, self.inter, 1)
+        q = NVFP4Tensor(
+            torch.zeros(e, n, k // 2, dtype=torch.uint8, device=device),
+            torch.zeros(e, n, k // BLOCK, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
+            torch.zeros(e, parts, dtype=torch.float32, device=device).squeeze(-1),
+        )
+        setattr(self, "quant13" if which == "w13" else "quant2", q)
+        self.register_buffer(which, None)
+
+    def stacks(self) -> tuple[torch.Tensor | NVFP4Tensor, torch.Tensor | NVFP4Tensor]:
+        return (self.quant13 if self.quant13 is not None else self.w13,
+                self.quant2 if self.quant2 is not None else self.w2)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts; the Triton fused MoE on CUDA (or ``EMBER_MOE=triton``), the torch reference otherwise."""
+
+    def __init__(self, cfg: ModelConfig, moe: dict, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k = moe["top_k"]
+        self.norm_topk_prob = moe["norm_topk_prob"]
+        self.gate = nn.Linear(cfg.hidden_size, moe["num_experts"], bias=False)
+        self.experts = MoEExperts(moe["num_experts"], cfg.hidden_size, moe["inter"], dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
+        topk_w = topk_w.to(logits.dtype).float()
+        w13, w2 = self.experts.stacks()
+        if nvfp4_loading.use_triton(x.device):
+            from ember.kernels import moe
+
+            if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
+                return moe.fused_moe_nvfp4(x, w13, w2, topk_w, topk_ids,
+                                           self.experts.a13_scale, self.experts.a2_scale)
+            return moe.fused_moe(x, w13, w2, topk_w, topk_ids)
+        return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids)
+
+
+class Qwen3MoeDecoderLayer(DecoderLayer):
+    """Qwen3 attention + either a sparse MoE block or the dense gated MLP."""
+
+    def __init__(self, cfg: ModelConfig, moe: dict | None, device: torch.device, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qk_norm=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3MoeDecoderLayer(cfg, moe if sparse[i] else None, device, dtype) for i in range(len(sparse))
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
+    """The MoE fields of config.json and which layers are sparse."""
+    raw = cfg.raw
+    num_experts = int(raw.get("num_experts", raw.get("num_local_experts", 0)) or 0)
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    only = set(raw.get("mlp_only_layers") or [])
+    sparse = [i not in only and num_experts > 0 and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)]
+    moe = {
+        "num_experts": num_experts,
+        "top_k": int(raw.get("num_experts_per_tok", 0) or 0),
+        "inter": int(raw.get("moe_intermediate_size", 0) or 0),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+    }
+    if any(sparse) and (moe["top_k"] < 1 or moe["top_k"] > num_experts or moe["inter"] < 1):
+        raise ConfigError("config.json: Qwen3-MoE needs 1 <= num_experts_per_tok <= num_experts and "
+                          "moe_intermediate_size > 0")
+    return moe, sparse
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    """Qwen3-MoE over the paged KV cache (forward and logits are the shared decoder's)."""
+
+    qk_norm = True
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.moe, self.sparse = moe_settings(cfg)
+        probe = torch.empty(0)
+        self.model = _Body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    def _experts(self, layer: int) -> MoEExperts:
+        mlp = self.model.layers[layer].mlp
+        if not isinstance(mlp, SparseMoeBlock):
+            raise ConfigError(f"layer {layer} is dense in config.json (mlp_only_layers / decoder_sparse_step) "
+                              "but the checkpoint has experts for it")
+        return mlp.experts
+
+    def _install_nvfp4_experts(self, plan: nvfp4_loading.NVFP4Plan) -> None:
+        """Turn each layer's stacks NVFP4 where the plan says its experts are; all experts of a stack or none."""
+        for i, sparse in enumerate(self.sparse):
+            if not sparse:
+                continue
+            ex = self._experts(i)
+            prefix = f"model.layers.{i}.mlp.experts."
+            for which, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
+                names = [f"{prefix}{e}.{p}" for e in range(ex.num_experts) for p in projs]
+                hits = [n for n in names if n in plan.modules]
+                if not hits:
+                    continue
+                if len(hits) != len(names):
+                    missing = next(n for n in names if n not in plan.modules)
+                    raise QuantizationError(f"{plan.modules[hits[0]].file}: {hits[0]} is NVFP4 but {missing} is "
+                                            "not; Ember needs all experts of a projection in one format")
+                for n in hits:
+                    spec = plan.modules[n]
+                    want = (ex.inter, ex.hidden) if not n.endswith("down_proj") else (ex.hidden, ex.inter)
+                    if (spec.out_features, spec.in_features) != want:
+                        raise QuantizationError(f"{spec.file}: tensor {n}.weight is [{spec.out_features}, "
+                                                f"{spec.in_features}] (unpacked), expected {list(want)}")
+                ex.make_nvfp4(which, self.model.embed_tokens.weight.device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Experts (either key form, bf16 or NVFP4) are placed here; everything else goes through the shared
+        loader, with NVFP4 attention / dense MLP layers swapped in by :func:`nvfp4_loading.prepare`."""
+        stream = nvfp4_loading.prepare(self, weights, source)
+        if self.nvfp4_plan is not None:
+            self._install_nvfp4_experts(self.nvfp4_plan)
+        filled: dict[tuple[int, str], int] = {}
+        expected: dict[tuple[int, str], int] = {}
+
+        def rest() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in stream:
+                if ".mlp.experts." in name:
+                    self._place_expert_tensor(name, tensor, source, filled)
+                else:
+                    yield name, tensor
+
+        super().load_weights(rest(), source)
+        for i, sparse in enumerate(self.sparse):
+            if not sparse:
+                continue
+            ex = self._experts(i)
+            for which in ("w13", "w2"):
+                q = ex.quant13 if which == "w13" else ex.quant2
+                per_expert = (2 if which == "w13" else 1) * (3 if q is not None else 1)
+                expected[(i, which)] = ex.num_experts * per_expert
+                if filled.get((i, which), 0) not in (expected[(i, which)], -1):
+                    raise ConfigError(f"{source}: layer {i} experts' {which} is incomplete "
+                                      f"({filled.get((i, which), 0)} of {expected[(i, which)]} tensors)")
+
+    def _place_expert_tensor(self, name: str, tensor: torch.Tensor, source: str,
+                             filled: dict[tuple[int, str], int]) -> None:
+        parts = name.split(".")
+        try:
+            layer = int(parts[2])
+            rest = parts[parts.index("experts") + 1:]
+        except (ValueError, IndexError):
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}") from None
+        ex = self._experts(layer)
+        if rest in (["gate_up_proj"], ["down_proj"]):  # fused form
+            which = "w13" if rest[0] == "gate_up_proj" else "w2"
+            dest = ex.w13 if which == "w13" else ex.w2
+            if dest is None:
+                raise QuantizationError(f"{source}: fused tensor {name!r} is not NVFP4 but the layer's experts are")
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+            filled[(layer, which)] = -1
+            return
+        if len(rest) != 3 or rest[1] not in _PROJ:
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+        e, proj, suffix = int(rest[0]), rest[1], rest[2]
+        if not 0 <= e < ex.num_experts:
+            raise ConfigError(f"{source}: tensor {name!r} names expert {e} but config.json has {ex.num_experts}")
+        which = "w2" if proj == "down_proj" else "w13"
+        part = _PROJ[proj] if which == "w13" else 0
+        rows = slice(part * ex.inter, (part + 1) * ex.inter) if which == "w13" else slice(None)
+        q = ex.quant13 if which == "w13" else ex.quant2
+        if q is None:
+            if suffix != "weight":
+                raise QuantizationError(f"{source}: tensor {name!r} is a quantization tensor but the checkpoint's "
+                                        "experts are not NVFP4")
+            dest = (ex.w13 if which == "w13" else ex.w2)[e, rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dest.dtype))
+        elif suffix == "weight":
+            q.weight[e, rows].copy_(tensor)
+        elif suffix == "weight_scale":
+            q.weight_scale.view(torch.uint8)[e, rows].copy_(tensor.view(torch.uint8))
+        elif suffix == "weight_scale_2":
+            if which == "w13":
+                q.weight_scale_2[e, part] = tensor.float().reshape(())
+            else:
+                q.weight_scale_2[e] = tensor.float().reshape(())
+        elif suffix == "input_scale":
+            self._merge_input_scale(ex, which, tensor)
+            return
+        else:
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+        if filled.get((layer, which), 0) >= 0:
+            filled[(layer, which)] = filled.get((layer, which), 0) + 1
+
+    @staticmethod
+    def _merge_input_scale(ex: MoEExperts, which: str, tensor: torch.Tensor) -> None:
+        """One static activation scale per GEMM: the max over experts (vLLM does the same for W4A4)."""
+        v = tensor.float().reshape(()).to(ex.quant13.weight.device if ex.quant13 is not None else tensor.device)
+        attr = "a13_scale" if which == "w13" else "a2_scale"
+        cur = getattr(ex, attr)
+        setattr(ex, attr, v if cur is None else torch.maximum(cur, v))

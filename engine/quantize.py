@@ -1,0 +1,167 @@
+"""``ember quantize-nvfp4 SRC DST``: write a ModelOpt-format NVFP4 checkpoint from a bf16/fp16/fp32 one.
+
+What is quantized: every linear projection inside the decoder layers (``q/k/v/o_proj``, ``gate/up/down_proj``
+of dense MLPs and of each MoE expert; transformers 5's fused expert keys are split back into per-expert ModelOpt
+names). Kept as they are: embeddings, ``lm_head``, norms, the MoE router ``mlp.gate``, and any projection whose
+input size is not a multiple of 16; all of those are listed in ``exclude_modules``.
+
+Output: ``model.safetensors`` with ``{m}.weight`` U8 ``[N, K/2]``, ``{m}.weight_scale`` F8_E4M3 ``[N, K/16]``,
+``{m}.weight_scale_2`` F32 scalar per module; ``config.json`` with ``quantization_config`` and the legacy
+``hf_quant_config.json``; every other file of SRC (tokenizer, generation config) copied.
+
+How this differs from ModelOpt's calibrated output:
+- no activation calibration: no ``input_scale`` tensors are written (ModelOpt writes ``amax(|x|)/(6*448)`` from
+  calibration data). Ember's W4A16 path needs none; its W4A4 path then uses a dynamic per-tensor activation scale.
+  Engines that require static input scales (vLLM's W4A4) cannot load such a checkpoint;
+- the weight scales are the uncalibrated ModelOpt formulas (``weight_scale_2 = amax/(6*448)``, block scales
+  ``amax_block/(6*weight_scale_2)`` in E4M3), shared across q/k/v and across each gate/up pair as ModelOpt's
+  layer fusion does, but without its optional AWQ/SmoothQuant pre-scaling;
+- a block whose E4M3 scale underflows to 0 gets zero codes (ModelOpt divides by zero there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ember.engine import loader
+from ember.kernels import nvfp4
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Modules sharing one input (and so one weight_scale_2 in ModelOpt's fused export)
+_SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _expand_fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 fused experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) ->
+    per-expert ``experts.{e}.{gate,up,down}_proj.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
+            for e in range(t.shape[0]):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    parts = name.split(".")
+    return (len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in _PROJECTIONS and ".layers." in name
+            and t.dim() == 2 and t.is_floating_point())
+
+
+def quantize_state_dict(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """NVFP4 tensors for every quantizable projection, the rest unchanged; and the excluded module names."""
+    tensors = _expand_fused_experts(tensors)
+    out: dict[str, torch.Tensor] = {}
+    quant: list[str] = []
+    exclude: set[str] = set()
+    for name, t in tensors.items():
+        if _quantizable(name, t) and t.shape[1] % nvfp4.BLOCK == 0:
+            quant.append(name[: -len(".weight")])
+        elif _quantizable(name, t):
+            exclude.add(name[: -len(".weight")])
+            out[name] = t
+        else:
+            out[name] = t
+            module = name.rsplit(".", 1)[0]
+            if t.dim() == 2 and name.endswith(".weight") and "norm" not in module.rsplit(".", 1)[-1]:
+                exclude.add(module)  # lm_head, embed_tokens, routers: kept in their dtype
+    qset = set(quant)
+    # one weight_scale_2 per fused group (q/k/v of an attention block, gate/up of an MLP or expert)
+    groups: dict[str, list[str]] = {}
+    for m in quant:
+        parent, leaf = m.rsplit(".", 1)
+        key = f"{parent}.{_SHARED[leaf]}" if leaf in _SHARED else m
+        groups.setdefault(key, []).append(m)
+    for members in groups.values():
+        if any(leaf_group_incomplete(m, qset) for m in members):
+            members_s2 = {m: None for m in members}
+        else:
+            amax = max(float(tensors[m + ".weight"].float().abs().amax()) for m in members)
+            members_s2 = {m: nvfp4.tensor_scale(amax) for m in members}
+        for m in members:
+            q = nvfp4.quantize(tensors[m + ".weight"], members_s2[m])
+            out[m + ".weight"] = q.weight
+            out[m + ".weight_scale"] = q.weight_scale
+            out[m + ".weight_scale_2"] = q.weight_scale_2.reshape(())
+    return out, sorted(exclude)
+
+
+def leaf_group_incomplete(module: str, quantized: set[str]) -> bool:
+    """True when a fused partner of ``module`` stays unquantized (then each keeps its own tensor scale)."""
+    parent, leaf = module.rsplit(".", 1)
+    if leaf not in _SHARED:
+        return False
+    partners = [p for p, g in _SHARED.items() if g == _SHARED[leaf]]
+    return any(f"{parent}.{p}" not in quantized for p in partners)
+
+
+def quant_configs(exclude: list[str]) -> tuple[dict, dict]:
+    """(``hf_quant_config.json``, ``config.json:quantization_config``) in ModelOpt's two forms."""
+    producer = {"name": "ember", "version": "0.1.0"}
+    legacy = {"producer": producer,
+              "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": nvfp4.BLOCK,
+                               "exclude_modules": exclude}}
+    scheme = {"num_bits": 4, "type": "float", "group_size": nvfp4.BLOCK, "dynamic": False}
+    compressed = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": exclude, "producer": producer,
+                  "config_groups": {"group_0": {"weights": dict(scheme), "input_activations": dict(scheme),
+                                                "targets": ["Linear"]}}}
+    return legacy, compressed
+
+
+def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Write the NVFP4 version of checkpoint ``src`` into ``dst`` (created; must not hold a checkpoint)."""
+    src, dst = loader.checkpoint_dir(src), Path(dst)
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if config.get("quantization_config"):
+        raise ValueError(f"{src / 'config.json'}: the checkpoint is already quantized")
+    if dst.exists() and any(dst.glob("*.safetensors")):
+        raise ValueError(f"{dst}: already holds a checkpoint")
+    tensors = dict(loader.iter_weights(src))
+    out, exclude = quantize_state_dict(tensors)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in (
+                "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
+            shutil.copy2(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    legacy, compressed = quant_configs(exclude)
+    config["quantization_config"] = compressed
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (dst / "hf_quant_config.json").write_text(json.dumps(legacy, indent=2) + "\n", encoding="utf-8")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: ``ember quantize-nvfp4 SRC DST``."""
+    ap = argparse.ArgumentParser(prog="ember quantize-nvfp4",
+                                 description="Write a ModelOpt-format NVFP4 checkpoint (weights only, no "
+                                             "activation calibration) from a bf16/fp16/fp32 checkpoint.")
+    ap.add_argument("src", help="source checkpoint directory (safetensors)")
+    ap.add_argument("dst", help="output directory")
+    args = ap.parse_args(argv)
+    try:
+        out = quantize_checkpoint(args.src, args.dst)
+    except (ValueError, OSError) as e:
+        print(f"ember quantize-nvfp4: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote NVFP4 checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
