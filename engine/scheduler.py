@@ -1,7 +1,7 @@
 """Continuous batching under a per-step token budget (vLLM v1's scheduling model).
 
 Each step hands out at most ``max_num_batched_tokens`` token positions to at most ``max_num_seqs`` sequences:
-running sequences first (one decode token each, then the rest of chunked prefills, to the budget), then waiting ones
+running sequences first, oldest first (one decode token each, or the rest of a chunked prefill), then waiting ones
 in FIFO order, their prefill chunked to the budget that is left. When a running sequence needs a block and none is
 free, the newest running sequence is preempted by recompute (blocks freed, back to the front of the queue, outputs
 kept). The oldest request is never preempted for a newer one, so every request that fits the cache completes.
@@ -31,8 +31,8 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    """Running sequences first (decodes, then prefill continuations, each oldest first), then newly admitted ones
-    in FIFO order."""
+    """Running sequences oldest first, then newly admitted ones in FIFO order. Only the last chunk can be a
+    partial prefill (``samples`` False), so decodes always come before prefill work."""
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -137,10 +137,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # Decodes before prefill continuations (so a long prompt does not stall them), each group oldest first.
-        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
-        scheduled: dict[Sequence, ScheduledChunk] = {}
-        for seq in order:
+        # Running sequences oldest first. At most one of them is mid-prefill, and it is the newest: a chunk stops
+        # short only when it uses up the budget, after which nothing newer is admitted. So decodes come first.
+        for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -149,18 +148,14 @@ class Scheduler:
             if n <= 0:  # waiting for the engine to append its sampled token, or at max_model_len
                 continue
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running[-1]  # the newest
-                dropped = scheduled.pop(victim, None)
-                if dropped is not None:
-                    budget += dropped.num_tokens
+                victim = self.running[-1]  # the newest; not yet scheduled, as the loop goes oldest first
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                scheduled[seq] = self._chunk(seq, n)
+                out.chunks.append(self._chunk(seq, n))
                 budget -= n
-        out.chunks.extend(scheduled.values())
 
         if out.preempted:
             return out  # admitting now would only thrash

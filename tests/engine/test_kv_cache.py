@@ -146,3 +146,13 @@ def test_integrity_check_catches_a_leaked_reference():
     assert kv.allocate_slots(a, 6)
     with pytest.raises(AssertionError, match="ref count"):
         kv.check_integrity([])  # a's blocks are held but no live sequence is named
+
+
+def test_a_hash_collision_never_serves_another_prompts_kv(monkeypatch):
+    import ember.engine.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "block_hash", lambda parent, token_ids: b"every block collides")
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    admit(kv, seq("a", [1, 2, 3, 4, 5]))
+    assert kv.lookup(seq("b", [6, 7, 8, 9, 5])) == []  # the stored tokens differ: no hit
+    assert len(kv.lookup(seq("c", [1, 2, 3, 4, 5]))) == 1
