@@ -437,6 +437,9 @@ class ParserMachine:
         self._boundary()
 
     def _do_end_of_turn(self, text: str) -> None:
+        self._flush_pending()
+        if self.state == CONTENT:
+            self._release_ws(drop=self._n_calls > 0)
         self._drop(text, "end of turn")
 
     def _do_name_start(self, text: str) -> None:
@@ -569,6 +572,7 @@ class ParserMachine:
         st = self.state
         if st == TOOL_JSON:
             if self._call_open:
+                self._drop(self._wrapper.pending_raw, "tool call wrapper")
                 self._end_call()
             else:
                 self._malformed(self._pre_raw(), "tool call cut short")
