@@ -157,25 +157,36 @@ class KVCacheManager:
         ``computed_blocks`` (from ``lookup``, at admission only) are prefix hits appended first; the caller then
         counts their tokens as computed. Fails, changing nothing, unless at least ``reserve`` blocks stay free after.
         """
+        block_ids = seq.block_ids
+        bs = self.block_size
+        if not computed_blocks and block_ids:  # the common case: a running sequence, often within its last block
+            total = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
+            missing = total - len(block_ids)
+            if missing <= 0:
+                return True
+            if missing + reserve > len(self._free) + len(self._evictable):
+                return False
+            for _ in range(missing):
+                block_ids.append(self._take_fresh())
+            return True
         computed_blocks = computed_blocks or []
         needed = self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks)
         if needed + reserve > self.num_free_blocks:
             return False
-        admission = seq.num_computed_tokens == 0 and not seq.block_ids
-        if admission and self.enable_prefix_caching:
+        if not block_ids and seq.num_computed_tokens == 0 and self.enable_prefix_caching:  # an admission
             self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(computed_blocks) * self.block_size
+            self.prefix_hits += len(computed_blocks) * bs
         for block_id in computed_blocks:
             block = self._blocks[block_id]
             if block.ref_count == 0:
                 del self._evictable[block_id]
             block.ref_count += 1
-            seq.block_ids.append(block_id)
+            block_ids.append(block_id)
         if computed_blocks:
-            seq.num_registered_blocks = len(seq.block_ids)
-        total = self.blocks_for(seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens)
-        while len(seq.block_ids) < total:
-            seq.block_ids.append(self._take_fresh())
+            seq.num_registered_blocks = len(block_ids)
+        total = self.blocks_for(seq.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens)
+        while len(block_ids) < total:
+            block_ids.append(self._take_fresh())
         return True
 
     def _take_fresh(self) -> int:

@@ -139,22 +139,24 @@ class Scheduler:
 
         # Running sequences oldest first. At most one of them is mid-prefill, and it is the newest: a chunk stops
         # short only when it uses up the budget, after which nothing newer is admitted. So decodes come first.
+        allocate, max_len, running = self.kv.allocate_slots, self.max_model_len, SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status is not running:  # preempted earlier in this loop
                 continue
-            n = self._num_new_tokens(seq, budget)
+            start, num_tokens = seq.num_computed_tokens, seq.num_tokens
+            n = min(num_tokens if num_tokens < max_len else max_len, start + budget) - start
             if n <= 0:  # waiting for the engine to append its sampled token, or at max_model_len
                 continue
-            while not self.kv.allocate_slots(seq, n):
+            while not allocate(seq, n):
                 victim = self.running[-1]  # the newest; not yet scheduled, as the loop goes oldest first
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.chunks.append(self._chunk(seq, n))
+                out.chunks.append(ScheduledChunk(seq, start, n, start + n == num_tokens))
                 budget -= n
 
         if out.preempted:
@@ -190,6 +192,7 @@ class Scheduler:
 
         Sequences finished or aborted since ``schedule`` are skipped.
         """
+        kv = self.kv
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
@@ -203,7 +206,8 @@ class Scheduler:
                     seq.append_token(sampled[seq.request_id])
                 except KeyError:
                     raise KeyError(f"request {seq.request_id!r} sampled this step but no token was given") from None
-            self.kv.cache_full_blocks(seq)
+            if seq.num_computed_tokens // kv.block_size > seq.num_registered_blocks:
+                kv.cache_full_blocks(seq)
 
     def check_integrity(self) -> None:
         """The KV invariants, with every block held by exactly the running sequences' block tables."""
@@ -213,10 +217,6 @@ class Scheduler:
                 raise AssertionError(f"waiting request {seq.request_id!r} holds blocks or computed tokens")
 
     # ---- internals ---------------------------------------------------------------------------------------------
-
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        end = min(seq.num_tokens, self.max_model_len)
-        return min(end - seq.num_computed_tokens, budget)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
