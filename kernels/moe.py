@@ -54,7 +54,7 @@ def _interpreting() -> bool:
 def default_config(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> GemmConfig:
     """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU."""
     if device.type != "cuda" or _interpreting():
-        return GemmConfig()
+        return GemmConfig(16, 64, 64)
     m = num_tokens
     if m <= 2:
         return GemmConfig(16, 64, 64, 1, 4, 4)

@@ -1,0 +1,181 @@
+"""Tiny random Qwen3-MoE checkpoints (saved by transformers), their NVFP4 versions, and the helpers the MoE tests
+share: transformers greedy, Ember greedy, one-prefill logits through Ember's model."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB = 1280
+NEW_TOKENS = 8
+MIN_MARGIN = 1e-3
+
+
+def tiny_moe_config(**over):
+    from transformers import Qwen3MoeConfig
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+               num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+               max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
+    cfg.update(over)
+    return Qwen3MoeConfig(**cfg)
+
+
+def save_tiny_moe(path: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Path:
+    """A random Qwen3-MoE saved by ``save_pretrained``; routers drawn with std 0.5 so top-k has no near-ties."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(tiny_moe_config(**over))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[tuple[list[int], float]]:
+    """transformers' greedy tokens and the smallest top-1/top-2 logit margin on the way, per prompt (fp32,
+    eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            top2 = torch.stack(g.scores).squeeze(1).topk(2, dim=-1).values
+            out.append((g.sequences[0, len(p):].tolist(), float((top2[:, 0] - top2[:, 1]).min())))
+    return out
+
+
+def hf_logits(path: Path, prompt: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def prompts(n: int, seed: int, min_len: int = 3, max_len: int = 30) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.linspace(min_len, max_len, n).round().long().tolist()
+    return [torch.randint(0, VOCAB - 10, (int(n_),), generator=g).tolist() for n_ in lens]
+
+
+def clear_margin(ps: list[list[int]], hf: list[tuple[list[int], float]], need: int):
+    keep = [(p, toks) for p, (toks, margin) in zip(ps, hf) if margin > MIN_MARGIN]
+    assert len(keep) >= need, f"only {len(keep)} prompts have a clear greedy margin"
+    return [p for p, _ in keep], [t for _, t in keep]
+
+
+def ember_greedy(path: Path, ps: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Ember's greedy tokens, all prompts in flight together (fp32, CPU)."""
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=16)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    got: dict[str, list[int]] = {r: [] for r in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert engine.last_batch_size >= 1
+    return [got[r] for r in ids]
+
+
+def ember_model(path: Path):
+    from ember.engine import loader
+    from ember.engine.engine import load_model
+
+    cfg = loader.load_model_config(path)
+    return load_model(path, cfg, 256, torch.device("cpu"), torch.float32)
+
+
+def ember_logits(model, prompt: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill of ``prompt`` through Ember's model (fresh paged cache)."""
+    from ember.engine.attention import AttentionMetadata
+    from ember.kernels import reference
+
+    cfg = model.config
+    t, bs = len(prompt), 16
+    nb = (t + bs - 1) // bs
+    shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32), seq_lens=torch.tensor([t], dtype=torch.int32),
+        block_table=torch.arange(nb, dtype=torch.int32).unsqueeze(0), slot_mapping=torch.arange(t),
+        positions=torch.arange(t), logits_indices=torch.arange(t), max_seqlen_q=t, max_seqlen_k=t)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(prompt), meta, caches, reference)
+        return model.compute_logits(hidden).float()
+
+
+def write_dequantized(qdir: Path, out: Path) -> Path:
+    """The torch reference for an NVFP4 checkpoint: every NVFP4 module dequantized to fp32, saved under the same
+    names with the quantization config removed, so transformers can load and run it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ember.kernels import nvfp4
+
+    out.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(qdir / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    deq = {}
+    for name, v in t.items():
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        m = name[: -len(".weight")] if name.endswith(".weight") else None
+        if m is not None and f"{m}.weight_scale" in t:
+            deq[name] = nvfp4.dequantize(v, t[f"{m}.weight_scale"], t[f"{m}.weight_scale_2"])
+        else:
+            deq[name] = v
+    save_file(deq, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(qdir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, demo_model_dir) -> Path:
+    return save_tiny_moe(tmp_path_factory.mktemp("tiny-moe"), demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_nvfp4_dir(tmp_path_factory, tiny_moe_dir) -> Path:
+    from ember.engine import quantize
+
+    dst = tmp_path_factory.mktemp("tiny-moe-nvfp4")
+    assert quantize.main([str(tiny_moe_dir), str(dst)]) == 0
+    return dst
+
+
+@pytest.fixture(autouse=True)
+def _register_moe(monkeypatch):  # TEMPORARY until engine/models/__init__.py registers it
+    from ember.engine.models import MODEL_REGISTRY
+    from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    monkeypatch.setitem(MODEL_REGISTRY, "Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny ops on a shared 2-core machine: intra-op threads only contend (20x slower measured); restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)

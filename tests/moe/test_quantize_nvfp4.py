@@ -1,0 +1,98 @@
+"""`ember quantize-nvfp4` writes a ModelOpt-format checkpoint, and Ember's NVFP4 path runs it like a torch reference
+that dequantizes the checkpoint and runs the model in transformers."""
+from __future__ import annotations
+
+import json
+import pytest
+import torch
+from safetensors import safe_open
+
+from ember.engine import quantize
+from ember.engine.nvfp4_loading import NVFP4Linear
+from ember.kernels import nvfp4
+from tests.moe.conftest import clear_margin, ember_greedy, ember_logits, ember_model, hf_greedy, hf_logits, \
+    prompts, write_dequantized
+
+
+@pytest.fixture(scope="module")
+def dequantized_dir(tiny_moe_nvfp4_dir, tmp_path_factory):
+    return write_dequantized(tiny_moe_nvfp4_dir, tmp_path_factory.mktemp("tiny-moe-dequantized"))
+
+
+def test_checkpoint_has_modelopt_tensors_and_configs(tiny_moe_dir, tiny_moe_nvfp4_dir):
+    with safe_open(str(tiny_moe_nvfp4_dir / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    with safe_open(str(tiny_moe_dir / "model.safetensors"), framework="pt") as f:
+        src = {k: f.get_tensor(k) for k in f.keys()}
+    e = "model.layers.0.mlp.experts.3.gate_proj"
+    assert t[f"{e}.weight"].dtype == torch.uint8 and t[f"{e}.weight"].shape == (32, 32)
+    assert t[f"{e}.weight_scale"].dtype == torch.float8_e4m3fn and t[f"{e}.weight_scale"].shape == (32, 4)
+    assert t[f"{e}.weight_scale_2"].dtype == torch.float32 and t[f"{e}.weight_scale_2"].shape == ()
+    # fused partners share one tensor scale, as in ModelOpt's export
+    a = "model.layers.1.self_attn"
+    assert t[f"{a}.q_proj.weight_scale_2"] == t[f"{a}.k_proj.weight_scale_2"] == t[f"{a}.v_proj.weight_scale_2"]
+    assert t[f"{e}.weight_scale_2"] == t["model.layers.0.mlp.experts.3.up_proj.weight_scale_2"]
+    assert "model.layers.1.mlp.down_proj.weight_scale" in t  # the dense MLP layer too
+    # kept as they were: embeddings, lm_head, norms, routers
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(t[name], src[name])
+    assert not any(k.endswith("input_scale") for k in t)  # no calibration data, no static activation scales
+    d = nvfp4.dequantize(t[f"{e}.weight"], t[f"{e}.weight_scale"], t[f"{e}.weight_scale_2"])
+    w = src[f"{e}.weight"]
+    assert ((d - w).norm() / w.norm()).item() < 0.15
+    legacy = json.loads((tiny_moe_nvfp4_dir / "hf_quant_config.json").read_text())["quantization"]
+    qc = json.loads((tiny_moe_nvfp4_dir / "config.json").read_text())["quantization_config"]
+    assert legacy["quant_algo"] == qc["quant_algo"] == "NVFP4" and legacy["group_size"] == 16
+    assert qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    assert {"lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"} <= set(legacy["exclude_modules"])
+    assert legacy["exclude_modules"] == qc["ignore"]
+    assert (tiny_moe_nvfp4_dir / "tokenizer.json").exists()
+
+
+def test_refuses_an_already_quantized_checkpoint(tiny_moe_nvfp4_dir, tmp_path, capsys):
+    assert quantize.main([str(tiny_moe_nvfp4_dir), str(tmp_path / "again")]) == 1
+    assert "already quantized" in capsys.readouterr().err
+
+
+def test_ember_keeps_the_weights_packed(tiny_moe_nvfp4_dir):
+    model = ember_model(tiny_moe_nvfp4_dir)
+    layer0, layer1 = model.model.layers[0], model.model.layers[1]
+    assert isinstance(layer0.self_attn.qkv_proj, NVFP4Linear) and layer0.self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert isinstance(layer1.mlp.gate_up_proj, NVFP4Linear)
+    ex = layer0.mlp.experts
+    assert ex.quant13.weight.shape == (8, 64, 32) and ex.quant2.weight.shape == (8, 64, 16)
+    assert ex.quant13.weight_scale_2.shape == (8, 2) and bool((ex.quant13.weight_scale_2 > 0).all())
+    assert layer0.mlp.gate.weight.dtype == torch.float32
+
+
+def test_greedy_equals_dequantized_torch_reference(tiny_moe_nvfp4_dir, dequantized_dir):
+    ps = prompts(6, seed=3)
+    ps, expected = clear_margin(ps, hf_greedy(dequantized_dir, ps), need=4)
+    assert ember_greedy(tiny_moe_nvfp4_dir, ps) == expected
+
+
+def test_triton_nvfp4_path_logits_match_dequantized_reference(tiny_moe_nvfp4_dir, dequantized_dir, monkeypatch):
+    """The Triton kernels (interpreter on CPU) dequantize inside the GEMMs: fused MoE and dense NVFP4 linears."""
+    from ember.kernels import moe
+
+    monkeypatch.setenv("EMBER_MOE", "triton")
+    calls = {"linear": 0, "moe": 0}
+    for fn, key in (("nvfp4_linear", "linear"), ("fused_moe", "moe")):
+        real = getattr(moe, fn)
+
+        def spy(*a, _real=real, _key=key, **k):
+            calls[_key] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(moe, fn, spy)
+    prompt = prompts(1, seed=5, min_len=20, max_len=20)[0]
+    model = ember_model(tiny_moe_nvfp4_dir)
+    got = ember_logits(model, prompt)
+    want = hf_logits(dequantized_dir, prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+    assert clear.sum() >= 15
+    assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert calls == {"linear": 3 * 2 + 2, "moe": 2}  # qkv + o per layer, the dense MLP's two, two MoE layers
