@@ -27,6 +27,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _num_warps(n: int) -> int:
+    return 8 if n >= 4096 else 4
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -40,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0), n, float(eps),
-            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=False,
+            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=False, num_warps=_num_warps(n),
         )
     return out.view(x.shape)
 
@@ -57,6 +61,6 @@ def fused_add_rms_norm(
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, float(eps),
-            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=True,
+            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=True, num_warps=_num_warps(n),
         )
     return out.view(x.shape), res_out.view(residual.shape)
