@@ -7,7 +7,6 @@ import re
 
 _WS = " \t\r\n"
 _IN_STRING = re.compile(r'["\\]')
-_OUT_STRING = re.compile(r'["{}\[\]]')
 _SCALAR_END = re.compile(r'[\s,}\]]')
 
 
@@ -42,37 +41,40 @@ class JsonValueScanner:
         if self._kind == "scalar":
             m = _SCALAR_END.search(s, i)
             return m.start() if m else -1
+        depth, in_string, escape = self._depth, self._in_string, self._escape
+        end = -1
         while i < n:
-            if self._escape:
-                self._escape = False
-                i += 1
-                continue
-            if self._in_string:
+            if in_string:
+                if escape:
+                    escape = False
+                    i += 1
+                    continue
                 m = _IN_STRING.search(s, i)
                 if m is None:
-                    return -1
+                    i = n
+                    break
                 i = m.end()
                 if m.group() == "\\":
-                    self._escape = True
+                    escape = True
                     continue
-                self._in_string = False
+                in_string = False
                 if self._kind == "string":
-                    return i
+                    end = i
+                    break
                 continue
-            m = _OUT_STRING.search(s, i)
-            if m is None:
-                return -1
-            c = m.group()
-            i = m.end()
+            c = s[i]
+            i += 1
             if c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            else:
-                self._depth -= 1
-                if self._depth == 0:
-                    return i
-        return -1
+                in_string = True
+            elif c == "{" or c == "[":
+                depth += 1
+            elif c == "}" or c == "]":
+                depth -= 1
+                if depth == 0:
+                    end = i
+                    break
+        self._depth, self._in_string, self._escape = depth, in_string, escape
+        return end
 
 
 def _decode_string(raw: str) -> str:
