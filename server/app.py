@@ -6,6 +6,7 @@ benchmarks, embedding).
 """
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import secrets
@@ -133,14 +134,13 @@ def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, r
                                parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
 
 
-def _no_thinking_budget(setup: ParserSetup, response_format: dict | None, tool_choice: Any) -> int | None:
-    """With thinking switched off, a constrained answer gets a thinking budget of 0 (a thought the model opens
-    anyway must close at once), so the grammar's optional reasoning prefix cannot swallow the reply."""
-    spec = setup.profile.reasoning
-    if spec is None or spec.close not in setup.delimiter_ids:
-        return None
-    forced = tool_choice not in (None, "auto", "none")
-    return 0 if forced or response_format is not None else None
+def _grammar_setup(setup: ParserSetup, initial: InitialState, thinking_off: bool) -> ParserSetup:
+    """The parser facts the grammar is compiled from. With thinking switched off and the reply starting outside a
+    thought, the grammar gets no optional reasoning prefix (design A.9: "CONTENT with thinking off -> G"), so a
+    constrained answer cannot be swallowed by a thought the model opens anyway."""
+    if thinking_off and initial is InitialState.CONTENT and setup.profile.reasoning is not None:
+        return dataclasses.replace(setup, profile=dataclasses.replace(setup.profile, reasoning=None))
+    return setup
 
 
 def _response_format(rf: po.ResponseFormat | None) -> dict | None:
@@ -222,13 +222,11 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
                              tools=parse_tools)
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
-    rf = _response_format(body.response_format)
-    budget = body.max_thinking_tokens
-    if budget is None and (body.chat_template_kwargs or {}).get("enable_thinking") is False:
-        budget = _no_thinking_budget(setup, rf, tool_choice)
-    constraints = _constraints(st, body.n, setup=setup, initial=initial, response_format=rf, tools=parse_tools,
+    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+    constraints = _constraints(st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
+                               response_format=_response_format(body.response_format), tools=parse_tools,
                                tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                               thinking_budget=budget)
+                               thinking_budget=body.max_thinking_tokens)
     for c, k in zip(choices, constraints):
         c.constraint = k
     _check_capacity(st)
@@ -368,13 +366,12 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
     budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
-    if not thinking_on:
-        budget = _no_thinking_budget(setup, None, tool_choice)
     parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
     if tool_choice == "named":
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
-    [constraint] = _constraints(st, 1, setup=setup, initial=initial, response_format=None, tools=parse_tools,
-                                tool_choice=tool_choice, parallel_tool_calls=parallel, thinking_budget=budget)
+    [constraint] = _constraints(st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial,
+                                response_format=None, tools=parse_tools, tool_choice=tool_choice,
+                                parallel_tool_calls=parallel, thinking_budget=budget)
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg")

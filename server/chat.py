@@ -94,17 +94,15 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
 
 
 def openai_tools(tools: Sequence[po.Tool] | None) -> list[dict[str, Any]] | None:
-    """Tools as OpenAI-style plain dicts (what templates and the parsers read)."""
+    """Tools as the plain dicts the client sent (templates `tojson` them; the parsers and grammar read them), with
+    an empty object schema where `parameters` is missing."""
     if not tools:
         return None
     out = []
     for t in tools:
-        fn: dict[str, Any] = {"name": t.function.name}
-        if t.function.description is not None:
-            fn["description"] = t.function.description
-        fn["parameters"] = t.function.parameters if t.function.parameters is not None else {"type": "object",
-                                                                                             "properties": {}}
-        out.append({"type": "function", "function": fn})
+        d = t.model_dump(exclude_none=True)
+        d["function"].setdefault("parameters", {"type": "object", "properties": {}})
+        out.append(d)
     return out
 
 

@@ -33,6 +33,7 @@ class LiveServer:
     runtime: object
     model: str
     tokenizer: object
+    app: object  # the FastAPI app (its state holds the serve config)
 
     def openai(self, **kw):
         import openai
@@ -53,7 +54,8 @@ class LiveServer:
 def _serve(runtime, config):
     from ember.server.app import BackgroundServer, create_app
 
-    return BackgroundServer(create_app(runtime, config, shutdown_engine=False)).start()
+    app = create_app(runtime, config, shutdown_engine=False)
+    return BackgroundServer(app).start(), app
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +76,8 @@ def demo_runtime(demo_model_dir):
 @pytest.fixture(scope="session")
 def demo_server(demo_runtime):
     runtime, config = demo_runtime
-    srv = _serve(runtime, config)
-    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer)
+    srv, app = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer, app)
     srv.stop()
 
 
@@ -83,8 +85,8 @@ def demo_server(demo_runtime):
 def keyed_server(demo_runtime):
     """The demo runtime behind a second app that requires an API key."""
     runtime, config = demo_runtime
-    srv = _serve(runtime, dataclasses.replace(config, api_key="sekrit"))
-    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer)
+    srv, app = _serve(runtime, dataclasses.replace(config, api_key="sekrit"))
+    yield LiveServer(srv.url, runtime, "ember-demo", runtime.tokenizer, app)
     srv.stop()
 
 
@@ -116,8 +118,8 @@ def qwen3_server(tmp_path_factory):
     model_dir = build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
     config = ServeConfig(model_dir=model_dir, served_model_name="tiny-qwen3", max_num_seqs=8, kv_cache_blocks=256)
     runtime = load_runtime(config)
-    srv = _serve(runtime, config)
-    yield LiveServer(srv.url, runtime, "tiny-qwen3", runtime.tokenizer)
+    srv, app = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "tiny-qwen3", runtime.tokenizer, app)
     srv.stop()
     runtime.engine.shutdown()
 

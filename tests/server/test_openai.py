@@ -1,0 +1,276 @@
+"""The OpenAI-compatible endpoints, driven through the real `openai` SDK and httpx against the live server."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+HI = [{"role": "user", "content": "Say hello."}]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                         "hourly": {"type": "boolean"}},
+                       "required": ["unit", "hourly"], "additionalProperties": False},
+        "strict": True,
+    },
+}
+
+
+def _prompt_len(server, messages, **kw) -> int:
+    text = server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                chat_template=server.runtime.chat_template, **kw)
+    return len(server.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _rebuild(stream):
+    """The SDK's own accumulator over our chunks, plus the token IDs each chunk carried."""
+    state = ChatCompletionStreamState()
+    token_ids, usage, n_chunks = [], None, 0
+    for chunk in stream:
+        n_chunks += 1
+        state.handle_chunk(chunk)
+        for c in chunk.choices:
+            token_ids += (c.model_extra or {}).get("token_ids") or []
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return state.current_completion_snapshot, token_ids, usage, n_chunks
+
+
+def test_models_list(demo_server):
+    models = demo_server.openai().models.list()
+    assert [m.id for m in models.data] == ["ember-demo"]
+
+
+def test_chat_non_streaming_usage_counts_tokens(any_server):
+    client = any_server.openai()
+    r = client.chat.completions.create(model=any_server.model, messages=HI, max_tokens=12, seed=3,
+                                       extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert r.object == "chat.completion" and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert r.usage.completion_tokens == len(ids) <= 12
+    assert r.usage.prompt_tokens == len(r.model_extra["prompt_token_ids"]) == _prompt_len(any_server, HI)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert choice.finish_reason in ("stop", "length")
+    if choice.finish_reason == "length":
+        assert len(ids) == 12
+
+
+def test_stream_equals_non_stream_for_the_same_seed(demo_server):
+    client = demo_server.openai()
+    kw = dict(model=demo_server.model, messages=HI, max_tokens=16, seed=11, temperature=1.0,
+              extra_body={"return_token_ids": True})
+    full = client.chat.completions.create(**kw)
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    rebuilt, ids, usage, n_chunks = _rebuild(stream)
+    assert rebuilt.choices[0].message.content == full.choices[0].message.content
+    assert rebuilt.choices[0].finish_reason == full.choices[0].finish_reason
+    assert ids == full.choices[0].model_extra["token_ids"]
+    assert usage.completion_tokens == len(ids) == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert n_chunks >= 3  # role, tokens, finish (+usage)
+
+
+def test_every_token_rides_in_exactly_one_chunk_with_its_logprob(demo_server):
+    """With thinking on, delimiter tokens are withheld from text but still arrive, each in one chunk."""
+    with httpx.stream("POST", demo_server.url + "/v1/chat/completions", timeout=60, json={
+            "model": demo_server.model, "messages": HI, "max_tokens": 10, "seed": 5, "stream": True,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "max_thinking_tokens": 3,
+            "chat_template_kwargs": {"enable_thinking": True}}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "prompt_token_ids" in chunks[0]
+    ids, n_lp = [], 0
+    for ch in chunks:
+        c = ch["choices"][0]
+        ids += c["token_ids"]
+        if c["logprobs"] is not None:
+            lp = c["logprobs"]
+            entries = lp["content"] + lp.get("reasoning_content", [])
+            assert len(entries) <= len(c["token_ids"])
+            for e in entries:
+                assert e["token"] == bytes(e["bytes"]).decode("utf-8", "replace")
+                assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0.0
+            n_lp += len(entries)
+    assert len(ids) == 10
+    think_close = demo_server.runtime.parser.delimiter_ids["</think>"]
+    assert ids[3] == think_close  # the budget closed the thought after 3 reasoning tokens
+    assert n_lp == 9  # every token but the delimiter has a content or reasoning logprob
+
+
+def test_reasoning_is_split_from_content(demo_server):
+    r = demo_server.openai().chat.completions.create(
+        model=demo_server.model, messages=HI, max_tokens=12, seed=2,
+        extra_body={"max_thinking_tokens": 4, "chat_template_kwargs": {"enable_thinking": True},
+                    "return_token_ids": True})
+    msg = r.choices[0].message
+    extra = msg.model_extra
+    assert extra["reasoning_content"] == extra["reasoning"] and extra["reasoning_content"]
+    assert "</think>" not in msg.content and "</think>" not in extra["reasoning_content"]
+    ids = r.choices[0].model_extra["token_ids"]
+    tb = demo_server.runtime.token_bytes
+    assert extra["reasoning_content"] == tb.decode(ids[:4])
+    # thinking off: no reasoning at all
+    off = demo_server.openai().chat.completions.create(
+        model=demo_server.model, messages=HI, max_tokens=6, seed=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+
+
+def test_n_choices_are_independent_and_counted(demo_server):
+    r = demo_server.openai().chat.completions.create(
+        model=demo_server.model, messages=HI, max_tokens=8, n=3, seed=4, extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert len({tuple(i) for i in ids}) > 1
+    assert r.usage.completion_tokens == sum(map(len, ids))
+    stream = demo_server.openai().chat.completions.create(
+        model=demo_server.model, messages=HI, max_tokens=8, n=3, seed=4, stream=True,
+        extra_body={"return_token_ids": True})
+    rebuilt, _, _, _ = _rebuild(stream)
+    assert [c.message.content for c in rebuilt.choices] == [c.message.content for c in r.choices]
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_tool_call_stream_rebuilds_to_the_non_streaming_call(any_server, choice):
+    client = any_server.openai()
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    # Random weights: the grammar forces the call; a bias on EOS ends the turn as soon as the grammar allows it.
+    eos = any_server.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kw = dict(model=any_server.model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+              tool_choice=tool_choice, max_tokens=60, seed=9, parallel_tool_calls=False, logit_bias={str(eos): 100},
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    full = client.chat.completions.create(**kw)
+    rebuilt, _, _, _ = _rebuild(client.chat.completions.create(stream=True, **kw))
+    calls = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    assert calls[0].function.name == "get_weather"
+    args = json.loads(calls[0].function.arguments)
+    assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args["hourly"], bool)
+    got = rebuilt.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in got] == [
+        (c.function.name, c.function.arguments) for c in calls]
+    assert rebuilt.choices[0].finish_reason == "tool_calls"
+    assert not (full.choices[0].message.content or "").strip()
+
+
+def test_json_schema_response_format(demo_server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = demo_server.openai().chat.completions.create(
+        model=demo_server.model, messages=HI, max_tokens=30, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert isinstance(json.loads(r.choices[0].message.content)["ok"], bool)
+
+
+def test_stop_string_cuts_the_output(demo_server):
+    client = demo_server.openai()
+    base = client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=20, temperature=0)
+    text = base.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    r = client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=20, temperature=0,
+                                          stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == text[:text.index(stop) + len(stop)]
+
+
+def test_completions_endpoint(demo_server):
+    client = demo_server.openai()
+    r = client.completions.create(model=demo_server.model, prompt="def fibonacci(n):", max_tokens=6, seed=1,
+                                  logprobs=2, echo=False)
+    c = r.choices[0]
+    assert r.object == "text_completion" and len(c.logprobs.tokens) == r.usage.completion_tokens <= 6
+    assert "".join(c.logprobs.tokens).startswith(c.text[:1]) or c.text == ""
+    ids = demo_server.tokenizer.encode("def fibonacci(n):")
+    r2 = client.completions.create(model=demo_server.model, prompt=[ids, ids], max_tokens=4, temperature=0,
+                                   echo=True)
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert r2.choices[0].text == r2.choices[1].text and r2.choices[0].text.startswith("def fibonacci(n):")
+    assert r2.usage.prompt_tokens == 2 * len(ids)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=demo_server.model, prompt=[ids], max_tokens=4, temperature=0, stream=True) if ch.choices)
+    assert "def fibonacci(n):" + streamed == r2.choices[0].text
+
+
+def test_history_with_tool_calls_and_reasoning_renders(demo_server):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": None, "reasoning_content": "Need the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"unit": "celsius", "hourly": false}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ]
+    r = demo_server.openai().chat.completions.create(model=demo_server.model, messages=messages, tools=[WEATHER],
+                                                     max_tokens=3)
+    rendered = demo_server.tokenizer.apply_chat_template(
+        [messages[0], {"role": "user", "content": "Weather?"},
+         {**messages[2], "content": "", "tool_calls": [{**messages[2]["tool_calls"][0], "function": {
+             "name": "get_weather", "arguments": {"unit": "celsius", "hourly": False}}}]}, messages[3]],
+        tools=[WEATHER], tokenize=False, add_generation_prompt=True, chat_template=demo_server.runtime.chat_template)
+    assert "<tool_response>\n18C\n</tool_response>" in rendered and '"unit": "celsius"' in rendered
+    assert r.usage.prompt_tokens == len(demo_server.tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def test_errors_are_typed(demo_server, keyed_server):
+    client = demo_server.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=demo_server.model, messages=HI, temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=HI)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=demo_server.model, messages=[{"role": "user", "content": "x " * 5000}])
+    assert "maximum context length" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=demo_server.model, messages=[{"role": "bogus", "content": "x"}])
+    assert "messages[0]" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=demo_server.model, messages=HI, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "missing"}})
+    assert "missing" in e.value.message
+    with pytest.raises(openai.AuthenticationError):
+        keyed_server.openai(api_key="wrong").chat.completions.create(model=demo_server.model, messages=HI)
+    ok = keyed_server.openai(api_key="sekrit").chat.completions.create(model=demo_server.model, messages=HI,
+                                                                       max_tokens=1)
+    assert ok.usage.completion_tokens == 1
+    r = httpx.post(demo_server.url + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_overload_answers_503(demo_server):
+    config = demo_server.app.state.ember.config
+    old = config.max_waiting
+    config.max_waiting = 0  # admission refuses while >= 0 requests wait: always, for this moment
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=1)
+        assert e.value.status_code == 503 and e.value.body["type"] == "server_error"
+    finally:
+        config.max_waiting = old
+
+
+def test_health_and_metrics(demo_server):
+    assert httpx.get(demo_server.url + "/health", timeout=10).json()["status"] == "ok"
+    demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=2)
+    text = httpx.get(demo_server.url + "/metrics", timeout=10).text
+    for name in ("ember_requests_total", "ember_num_requests_running", "ember_num_requests_waiting",
+                 "ember_kv_cache_usage_ratio", "ember_prompt_tokens_total", "ember_generation_tokens_total",
+                 "ember_time_to_first_token_seconds_bucket", "ember_inter_token_latency_seconds_bucket"):
+        assert name in text
+    assert 'ember_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
