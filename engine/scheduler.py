@@ -2,7 +2,8 @@
 
 Each step hands out at most ``max_num_batched_tokens`` token positions to at most ``max_num_seqs`` sequences:
 running sequences first, oldest first (one decode token each, or the rest of a chunked prefill), then waiting ones
-in FIFO order, their prefill chunked to the budget that is left. When a running sequence needs a block and none is
+in FIFO order, their prefill chunked to the budget that is left (admitted only when the blocks for all of their
+remaining tokens are free, plus a small watermark next to running sequences). When a running sequence needs a block and none is
 free, the newest running sequence is preempted by recompute (blocks freed, back to the front of the queue, outputs
 kept). The oldest request is never preempted for a newer one, so every request that fits the cache completes.
 """
@@ -175,7 +176,10 @@ class Scheduler:
                 else:
                     break
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_slots(seq, n, hits, reserve=reserve):
+            # Admit only when all of its remaining tokens fit, not just this chunk: a prefill that runs out of
+            # blocks halfway preempts itself and its work is lost.
+            whole = self.kv.num_blocks_to_allocate(seq, seq.num_tokens - num_computed, hits)
+            if whole + reserve > self.kv.num_free_blocks or not self.kv.allocate_slots(seq, n, hits, reserve):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_computed
