@@ -251,7 +251,7 @@ class KVCacheManager:
             if b.block_id in free:
                 check(b.ref_count == 0 and b.hash is None, f"free block {b.block_id} is referenced or cached")
             if b.block_id in evictable:
-                check(b.ref_count == 0 and b.hash is not None, f"evictable block {b.block_id} is referenced or uncached")
+                check(b.ref_count == 0 and b.hash is not None, f"evictable block {b.block_id} is held or uncached")
             if b.hash is not None:
                 check(self._cached.get(b.hash) == b.block_id, f"cached block {b.block_id} is missing from the map")
         for h, block_id in self._cached.items():

@@ -2,10 +2,11 @@
 
 Each step hands out at most ``max_num_batched_tokens`` token positions to at most ``max_num_seqs`` sequences:
 running sequences first, oldest first (one decode token each, or the rest of a chunked prefill), then waiting ones
-in FIFO order, their prefill chunked to the budget that is left (admitted only when the blocks for all of their
-remaining tokens are free, plus a small watermark next to running sequences). When a running sequence needs a block and none is
-free, the newest running sequence is preempted by recompute (blocks freed, back to the front of the queue, outputs
-kept). The oldest request is never preempted for a newer one, so every request that fits the cache completes.
+in FIFO order, their prefill chunked to the budget that is left. A waiting request is admitted only when the blocks
+for all of its remaining tokens are free (plus a small watermark next to running sequences), so a prefill is not
+preempted halfway. When a running sequence needs a block and none is free, the newest running sequence is preempted
+by recompute (blocks freed, back to the front of the queue, outputs kept). The oldest request is never preempted for
+a newer one, so every request that fits the cache completes.
 """
 from __future__ import annotations
 
