@@ -90,6 +90,25 @@ def test_decode_matches_reference_with_split_on_and_off(specs, hq, hkv, d, dtype
     assert _rel_err(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_batches_match_reference(seed):
+    """Random mixes of sequence count, cached context, query length, GQA ratio, head dim and dtype."""
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def draw(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=g))
+
+    group = (1, 4, 8)[draw(3)]
+    hkv = 1 + draw(2)
+    d = (64, 128)[draw(2)]
+    decode = seed % 2 == 1
+    specs = [(draw(70), 1 if decode else draw(20)) for _ in range(1 + draw(4))]
+    specs[0] = (specs[0][0], max(specs[0][1], 1))
+    dtype = (torch.float32, torch.float16)[draw(2)]
+    out, ref = _run_both(specs, group * hkv, hkv, d, dtype, seed=seed, split_kv=None if not decode else bool(seed & 2))
+    assert _rel_err(out, ref) < 1e-3
+
+
 def test_split_kv_segments_with_no_keys_are_weighed_out():
     # 1 tile for the short sequence but 8 segments: seven of its segments see no key at all
     specs = [(2, 1), (80, 1)]
