@@ -67,7 +67,8 @@ class ParserMachine:
         self._text_rules = {s: tuple(v) for s, v in text_rules.items()}
         self._firsts = {s: re.compile("[" + re.escape("".join({t[0] for t, _ in v})) + "]")
                         for s, v in self._text_rules.items()}
-        self._rule_by_name = {(s, n): r for (s, n), r in p.transitions.items()}
+        self._text_rule_at = {(s, p.terminals[n]): r for (s, n), r in p.transitions.items() if not r.id_only}
+        self._actions = {r.action: getattr(self, "_do_" + r.action) for r in p.transitions.values()}
         self._handlers = {
             REASONING: self._reasoning_text, CONTENT: self._content_text, TOOL_PREAMBLE: self._preamble_text,
             TOOL_JSON: self._json_text, TOOL_BETWEEN: self._between_text, BAD_CALL: self._bad_text,
@@ -205,7 +206,7 @@ class ParserMachine:
 
     def _apply(self, rule: Rule, text: str) -> None:
         self._bad_run = False
-        getattr(self, "_do_" + rule.action)(text)
+        self._actions[rule.action](text)
 
     # ----------------------------------------------------------------------------------------------- emitting
     def _drop(self, text: str, reason: str) -> None:
@@ -466,11 +467,11 @@ class ParserMachine:
             return
         self._malformed(self._opener + name, "tag cuts the parameter name short")
         self.state = FN_BODY
-        for (state, tname), rule in self._rule_by_name.items():
-            if state == FN_BODY and self.profile.terminals[tname] == text and not rule.id_only:
-                self._apply(rule, text)
-                return
-        self._malformed(text, "tag out of place")
+        rule = self._text_rule_at.get((FN_BODY, text))
+        if rule is not None:
+            self._apply(rule, text)
+        else:
+            self._malformed(text, "tag out of place")
 
     def _do_function_end(self, text: str) -> None:
         self._args("}" if self._n_params else "{}")
