@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from ember.parsers.events import Malformed, ToolCallEnd, ToolCallStart
+from ember.parsers.events import Malformed, ToolCallEnd
 from tests.conftest import shared_path
 from tests.parsers.test_machine_common import (DEEPSEEK_IDS, HARMONY_IDS, QWEN_IDS, fold, machine, merged, raw_text,
                                                run, split)
