@@ -73,6 +73,11 @@ class OutputPipeline:
         self._closed = False
 
     # ------------------------------------------------------------------------------------------------ public
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the output (Anthropic's ``stop_sequence``), or None."""
+        return self._stop.matched if self._stop is not None else None
+
     def feed(self, token_ids: Sequence[int]) -> PipelineStep:
         """Consume one delta of generated tokens (any number, e.g. from speculative decoding)."""
         events: list[Event] = []
@@ -137,7 +142,6 @@ class OutputPipeline:
         self._closed = True
         self.finish_reason = "abort"
         self._asm = Utf8Assembler()
-        self._stop = None
 
     # ----------------------------------------------------------------------------------------------- helpers
     def _flush_text(self, events: list[Event]) -> bool:

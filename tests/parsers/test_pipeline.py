@@ -483,7 +483,7 @@ def test_stop_string_spanning_tokens_cuts_the_output_and_ends_the_request():
                 if step.stopped:
                     stopped = True
                     break
-            assert stopped and p.feed(ids[:3]).events == []
+            assert stopped and p.feed(ids[:3]).events == [] and p.matched_stop == "Observation:"
             f = fold(events + p.finish("stop"))
             assert f.reasoning == "think"
             assert f.content == "Answer: 42\n\n" + ("Observation:" if include else "")
@@ -498,7 +498,7 @@ def test_stop_string_held_back_then_released_when_it_does_not_match():
     seen = fold(p.feed(ids).events)
     assert seen.content == "one"
     f = fold(p.feed(ids_of("d? no")).events + p.finish("length"))
-    assert seen.content + f.content == "one\n\nENd? no" and not p.stopped
+    assert seen.content + f.content == "one\n\nENd? no" and not p.stopped and p.matched_stop is None
     q = pipe(s, C, stop=["\n\nEND"])
     assert fold(q.feed(ids_of("tail\n\nE")).events + q.finish("length")).content == "tail\n\nE"
 
