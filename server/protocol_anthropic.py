@@ -79,6 +79,18 @@ class ThinkingConfig(_Lenient):
     budget_tokens: int | None = Field(default=None, ge=0)
 
 
+class OutputFormat(_Lenient):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class OutputConfig(_Lenient):
+    format: OutputFormat | None = None
+    effort: str | None = None
+
+
 class _MessagesBase(_Lenient):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -108,6 +120,7 @@ class MessagesRequest(_MessagesBase):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _stops(self) -> "MessagesRequest":

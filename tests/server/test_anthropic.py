@@ -1,0 +1,152 @@
+"""The Anthropic Messages endpoints, driven through the real `anthropic` SDK (its stream accumulator included)."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+HI = [{"role": "user", "content": "Say hello."}]
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                      "hourly": {"type": "boolean"}},
+                     "required": ["unit", "hourly"], "additionalProperties": False},
+}
+
+
+def _raw_events(server, body):
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    events = []
+    for block in text.strip().split("\n\n"):
+        lines = block.split("\n")
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: ")
+        data = json.loads(lines[1][6:])
+        assert data["type"] == lines[0][7:]
+        events.append(data)
+    return events
+
+
+def test_message_and_stream_agree_greedy(any_server):
+    client = any_server.anthropic()
+    kw = dict(model=any_server.model, max_tokens=12, messages=HI, extra_body={"temperature": 0})
+    msg = client.messages.create(**kw)
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert [b.type for b in msg.content] == ["text"]
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert msg.usage.output_tokens <= 12
+    count = client.messages.count_tokens(model=any_server.model, messages=HI)
+    assert count.input_tokens == msg.usage.input_tokens
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == msg.content[0].text
+    assert final.stop_reason == msg.stop_reason and final.usage.output_tokens == msg.usage.output_tokens
+
+
+def test_stream_event_order(demo_server):
+    events = _raw_events(demo_server, {"model": demo_server.model, "max_tokens": 8, "messages": HI, "stream": True,
+                                       "thinking": {"type": "enabled", "budget_tokens": 3}})
+    types = [e["type"] for e in events]
+    assert types[:2] == ["message_start", "ping"] and types[-2:] == ["message_delta", "message_stop"]
+    assert events[0]["message"]["usage"]["output_tokens"] == 0 and events[0]["message"]["content"] == []
+    # blocks open and close in order, each delta inside its open block
+    open_index = None
+    kinds = []
+    for e in events[2:-2]:
+        if e["type"] == "content_block_start":
+            assert open_index is None
+            open_index = e["index"]
+            kinds.append(e["content_block"]["type"])
+        elif e["type"] == "content_block_delta":
+            assert e["index"] == open_index
+        elif e["type"] == "content_block_stop":
+            assert e["index"] == open_index
+            open_index = None
+    assert open_index is None
+    assert kinds == ["thinking", "text"]
+    sig = [e for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "signature_delta"]
+    assert len(sig) == 1 and sig[0]["index"] == 0
+    assert events[-2]["usage"]["output_tokens"] == 8 and events[-2]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_thinking_blocks_with_budget(demo_server):
+    client = demo_server.anthropic()
+    kw = dict(model=demo_server.model, max_tokens=10, messages=HI, extra_body={"temperature": 0},
+              thinking={"type": "enabled", "budget_tokens": 4})
+    msg = client.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking and msg.content[0].signature
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].thinking == msg.content[0].thinking
+    assert final.content[0].signature == msg.content[0].signature
+    assert final.content[1].text == msg.content[1].text
+    # the thought goes back into the prompt as the assistant's reasoning
+    follow = client.messages.create(model=demo_server.model, max_tokens=2, messages=[
+        *HI, {"role": "assistant", "content": [c.model_dump() for c in msg.content]},
+        {"role": "user", "content": "Again."}])
+    assert follow.usage.input_tokens > msg.usage.input_tokens
+
+
+def test_forced_tool_use(any_server):
+    client = any_server.anthropic()
+    kw = dict(model=any_server.model, max_tokens=40, extra_body={"temperature": 0}, tools=[WEATHER],
+              tool_choice={"type": "tool", "name": "get_weather"},
+              messages=[{"role": "user", "content": "Weather in Paris?"}])
+    msg = client.messages.create(**kw)
+    tool = next(b for b in msg.content if b.type == "tool_use")
+    assert tool.name == "get_weather" and tool.id.startswith("call_")
+    assert tool.input["unit"] in ("celsius", "fahrenheit") and isinstance(tool.input["hourly"], bool)
+    # random weights may pad after the call until max_tokens; with EOS it is tool_use
+    assert msg.stop_reason in ("tool_use", "max_tokens")
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content] == [
+        (b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in msg.content]
+    # the call and its result go back into the conversation
+    follow = client.messages.create(model=any_server.model, max_tokens=2, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [b.model_dump() for b in msg.content if b.type == "tool_use"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "18C"},
+                                     {"type": "text", "text": "And tomorrow?"}]}])
+    assert follow.usage.input_tokens > msg.usage.input_tokens
+
+
+def test_stop_sequence(demo_server):
+    client = demo_server.anthropic()
+    base = client.messages.create(model=demo_server.model, max_tokens=20, messages=HI, extra_body={"temperature": 0})
+    text = base.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    msg = client.messages.create(model=demo_server.model, max_tokens=20, messages=HI, extra_body={"temperature": 0},
+                                 stop_sequences=[stop, "\u2603never"])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == text[:text.index(stop)]
+
+
+def test_errors_are_typed(demo_server, keyed_server):
+    client = demo_server.anthropic()
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=demo_server.model, max_tokens=0, messages=HI)
+    assert "max_tokens" in e.value.message
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=demo_server.model, max_tokens=5, messages=[])
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-nope", max_tokens=5, messages=HI)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        keyed_server.anthropic(api_key="wrong").messages.create(model=demo_server.model, max_tokens=1, messages=HI)
+    ok = keyed_server.anthropic(api_key="sekrit").messages.create(model=demo_server.model, max_tokens=1,
+                                                                  messages=HI)
+    assert ok.usage.output_tokens == 1
+    r = httpx.post(demo_server.url + "/v1/messages", content=b"[1, 2", timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_models_list_in_anthropic_shape(demo_server):
+    page = demo_server.anthropic().models.list()
+    assert [m.id for m in page.data] == [demo_server.model]
