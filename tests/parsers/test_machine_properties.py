@@ -44,7 +44,7 @@ def hermes_call(draw):
     dumped = json.dumps(args, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 2])),
                         separators=draw(st.sampled_from([None, (",", ":")])))
     sp = draw(st.sampled_from(["", " ", "\n  "]))
-    name_first = draw(st.booleans()) or True if draw(st.integers(0, 4)) else False
+    name_first = draw(st.integers(0, 4)) > 0          # mostly the template's order, sometimes arguments first
     parts = [f'"name":{sp}{json.dumps(name)}', f'"arguments":{sp}{dumped}']
     body = "{" + sp + ("," + sp).join(parts if name_first else parts[::-1]) + sp + "}"
     return name, args, "\n" + body + "\n", name_first
