@@ -306,7 +306,8 @@ def _reduce_segments(
     top = tl.where(top > float("-inf"), top, 0.0)
     w = tl.where(seg_max > float("-inf"), tl.exp(seg_max - top), 0.0)
     total = tl.sum(seg_sum * w, axis=0)
-    acc = tl.load(segm_out_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :], mask=(w > 0.0)[:, None], other=0.0)
+    acc = tl.load(segm_out_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :],
+                  mask=(w > 0.0)[:, None] & dim_mask[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0)
     o = o / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty),
