@@ -1,0 +1,161 @@
+"""AsyncEngine: concurrent generates stream their own tokens; a closed iterator (client disconnect) frees its blocks;
+a failing step ends the requests it carried with "error" and the loop keeps serving."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def aengine(demo_model_dir):
+    ae = AsyncEngine.from_pretrained(demo_model_dir, num_kv_blocks=128)
+    yield ae
+    ae.shutdown()
+
+
+async def _wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_generates_match_the_sync_engine(aengine, demo_model_dir):
+    prompts = [[5 + i, 17, 300 + i, 42] * (i + 1) for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True) for i in range(6)]
+
+    async def one(p, sp):
+        toks, last = [], None
+        async for out in aengine.generate(p, sp):
+            toks.extend(out.new_token_ids)
+            last = out
+        return toks, last.finish_reason
+
+    async def main():
+        return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+
+    results = asyncio.run(main())
+    ref = Engine.from_pretrained(demo_model_dir, num_kv_blocks=128)
+    for p, sp, (toks, reason) in zip(prompts, params, results):
+        rid = ref.add_request(p, sp)
+        expected = []
+        while ref.has_unfinished():
+            for o in ref.step():
+                if o.request_id == rid:
+                    expected.extend(o.new_token_ids)
+        assert toks == expected and reason == "length"
+
+
+def test_closing_an_iterator_early_aborts_and_frees_blocks(aengine):
+    total = aengine.engine.kv.num_blocks
+
+    async def main():
+        it = aengine.generate(list(range(1, 60)), SamplingParams(max_tokens=500, temperature=1.0, ignore_eos=True))
+        n = 0
+        async for _ in it:
+            n += 1
+            if n == 3:
+                break
+        assert aengine.stats().num_free_blocks < total
+        await it.aclose()
+        await _wait_for(lambda: aengine.stats().num_free_blocks == total and aengine.stats().num_running == 0)
+
+    asyncio.run(main())
+
+
+def test_cancelled_consumer_aborts(aengine):
+    total = aengine.engine.kv.num_blocks
+
+    async def consume():
+        async for _ in aengine.generate([1, 2, 3] * 20, SamplingParams(max_tokens=10_000 // 20, ignore_eos=True)):
+            pass
+
+    async def main():
+        task = asyncio.create_task(consume())
+        await _wait_for(lambda: aengine.stats().num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _wait_for(lambda: aengine.stats().num_free_blocks == total and aengine.stats().num_running == 0)
+
+    asyncio.run(main())
+
+
+def test_invalid_request_raises_before_first_output(aengine):
+    async def main():
+        with pytest.raises(ValueError, match="temperature"):
+            async for _ in aengine.generate([1, 2], SamplingParams(temperature=-2)):
+                pass
+
+    asyncio.run(main())
+
+
+def test_abort_from_outside_ends_the_stream(aengine):
+    async def main():
+        reasons = []
+        async for out in aengine.generate([4, 5, 6], SamplingParams(max_tokens=400, ignore_eos=True),
+                                          request_id="outside"):
+            if not reasons:
+                aengine.abort("outside")
+            reasons.append(out.finish_reason)
+        return reasons
+
+    reasons = asyncio.run(main())
+    assert reasons[-1] == "abort"
+
+
+def test_failing_step_errors_the_request_and_loop_survives(aengine, monkeypatch):
+    runner = aengine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(out)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+
+    async def run(p):
+        outs = []
+        async for out in aengine.generate(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)):
+            outs.append(out)
+        return outs
+
+    async def main():
+        first = await run([7, 8, 9])
+        second = await run([7, 8, 9])
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first[-1].finish_reason == "error" and "boom" in first[-1].error
+    assert second[-1].finish_reason == "length"
+    assert sum(len(o.new_token_ids) for o in second) == 5
+    assert aengine.stats().num_free_blocks == aengine.engine.kv.num_blocks
+
+
+def test_idle_loop_sleeps_without_spinning(aengine):
+    time.sleep(0.05)
+    before = aengine.engine.num_steps
+    cpu0 = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu0 < 0.1  # the loop thread waits on its condition
+    assert aengine.engine.num_steps == before
+    assert aengine.is_running
