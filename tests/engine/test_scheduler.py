@@ -9,7 +9,7 @@ import zlib
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.params import SamplingParams
@@ -298,15 +298,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.sched = new_scheduler(num_blocks=20, block_size=4, max_num_seqs=4, budget=24, max_model_len=80)
+        self.sched: Scheduler | None = None
         self.n = 0
         self.live: list[Sequence] = []
+
+    @initialize(chunked=st.booleans(), prefix=st.booleans(), budget=st.integers(8, 48))
+    def configure(self, chunked, prefix, budget):
+        self.sched = new_scheduler(num_blocks=20, block_size=4, max_num_seqs=4, budget=budget, max_model_len=80,
+                                   chunked=chunked, prefix=prefix)
 
     @rule(prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24), shared=st.booleans())
     def add(self, prompt_len, max_tokens, shared):
         s = make(f"q{self.n}", prompt_len, max_tokens, base=0 if shared else None)
         self.n += 1
-        if -(-(prompt_len + max_tokens) // 4) > 20:
+        too_long = not self.sched.enable_chunked_prefill and prompt_len > self.sched.max_num_batched_tokens
+        if -(-(prompt_len + max_tokens) // 4) > 20 or too_long:
             with pytest.raises(ValueError):
                 self.sched.add(s)
             return
@@ -317,6 +323,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         step(self.sched)
+        for s in self.live:
+            if s.status is SequenceStatus.FINISHED:
+                assert s.output_token_ids == expected_outputs(s)
         self.live = [s for s in self.live if s.status is not SequenceStatus.FINISHED]
 
     @precondition(lambda self: self.live)
@@ -340,7 +349,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.num_running + self.sched.num_waiting == len(self.live)
 
     def teardown(self):
+        if self.sched is None:
+            return
         run_all(self.sched)
+        for s in self.live:
+            assert s.output_token_ids == expected_outputs(s)
         assert self.sched.kv.num_free_blocks == self.sched.kv.num_blocks
 
 
