@@ -2,7 +2,7 @@
 
 A sequence only tracks ``num_computed_tokens`` against its token list (vLLM v1's model): the scheduler hands out
 the positions ``num_computed_tokens .. num_tokens-1`` over one or more steps, and a new token is sampled once
-every position is computed.
+every position is computed. Tokens are append-only: the prefix cache keys a sequence's full blocks by their content.
 """
 from __future__ import annotations
 
