@@ -365,7 +365,7 @@ def _random_qwen3(smoke: bool):
 
 def section_graphs(rep: Report, smoke: bool) -> None:
     """DecodeGraphRunner on the random model: padded replay equals eager, and what graphs save per step."""
-    from ember.engine.attention import AttentionMetadata, get_backend
+    from ember.engine.attention import AttentionMetadata
     from ember.engine.cuda_graphs import DecodeGraphRunner
 
     cfg, model = _random_qwen3(smoke)
@@ -390,7 +390,6 @@ def section_graphs(rep: Report, smoke: bool) -> None:
         return AttentionMetadata(torch.arange(n + 1, device=DEV, dtype=torch.int32), sl, table, slots, pos,
                                  torch.arange(n, device=DEV), 1, ctx + 1)
 
-    del get_backend
     t0 = time.time()
     runner = DecodeGraphRunner(forward, max_num_seqs=max_seqs, max_blocks_per_seq=blocks_per_seq,
                                max_seqlen_k=ctx + 1, device=DEV)
@@ -402,14 +401,20 @@ def section_graphs(rep: Report, smoke: bool) -> None:
             meta = meta_for(n)
             eager = forward(ids, meta)
             graph = runner.run(ids, meta).clone()
+            size = runner.padded_size(n)
+            # the same padded shapes eagerly: must match the replay; the unpadded eager forward differs only by
+            # GEMM algorithm choices for another M, so it gets a looser bound
+            same_shape = forward(*runner.static_inputs(size))[:n]
+            err_same = rel_err(graph, same_shape)
             err = rel_err(graph, eager)
             eager_ms = bench_ms(lambda: forward(ids, meta), rep=30)
             graph_ms = bench_ms(lambda: runner.run(ids, meta), rep=30)
-            row = {"B": n, "padded_to": runner.padded_size(n), "rel_err_vs_eager": err, "eager_ms": eager_ms,
-                   "graph_ms": graph_ms, "graph_tok_s": n / graph_ms * 1e3, "ok": err < TOL}
+            row = {"B": n, "padded_to": size, "rel_err_vs_same_shape_eager": err_same, "rel_err_vs_eager": err,
+                   "eager_ms": eager_ms, "graph_ms": graph_ms, "graph_tok_s": n / graph_ms * 1e3,
+                   "ok": err_same < 1e-3 and err < 5 * TOL}
             rep.data["graphs"].append(row)
-            rep.log(f"graphs B={n:<3} (padded {row['padded_to']:<3}) rel_err {err:.1e} eager {eager_ms:7.2f} ms "
-                    f"graph {graph_ms:7.2f} ms  -> {row['graph_tok_s']:8.0f} tok/s (forward only, ctx {ctx})")
+            rep.log(f"graphs B={n:<3} (padded {row['padded_to']:<3}) rel_err {err_same:.1e} / {err:.1e} "
+                    f"eager {eager_ms:7.2f} ms graph {graph_ms:7.2f} ms  -> {row['graph_tok_s']:8.0f} tok/s (forward only, ctx {ctx})")
     rep.log(f"graphs captured {len(runner.sizes)} sizes in {rep.data['graphs_capture_s']:.1f} s")
     del runner, kv, model
     if CUDA:

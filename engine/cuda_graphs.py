@@ -85,6 +85,10 @@ class DecodeGraphRunner:
                 return s
         raise ValueError(f"decode batch of {num_seqs} exceeds the largest captured size {self.sizes[-1]}")
 
+    def static_inputs(self, size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The first ``size`` rows of the static buffers as forward arguments (what the ``size`` graph reads)."""
+        return self.input_ids[:size], self._meta(size)
+
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
@@ -107,8 +111,7 @@ class DecodeGraphRunner:
         self._reset_padding(0)
         self._pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
-            meta = self._meta(size)
-            ids = self.input_ids[:size]
+            ids, meta = self.static_inputs(size)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -145,4 +148,4 @@ class DecodeGraphRunner:
         if self.use_graphs and size in self._graphs:
             self._graphs[size].replay()
             return self._outputs[size][:n]
-        return self.forward(self.input_ids[:size], self._meta(size))[:n]
+        return self.forward(*self.static_inputs(size))[:n]
