@@ -37,7 +37,7 @@ def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
     path = checkpoint_dir(model_dir) / "config.json"
     try:
         return ModelConfig.from_dict(_read_json(path), source=str(path))
-    except ConfigError:
+    except (ConfigError, CheckpointError):
         raise
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,151 @@
+"""The built-in demo checkpoint (deterministic, Qwen3 special tokens, chat template) and checkpoint loading errors."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember.engine import demo
+from ember.engine.config import ConfigError
+from ember.engine.engine import Engine
+from ember.engine.loader import CheckpointError
+from ember.engine.params import SamplingParams
+
+
+def _digest(path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_demo_build_is_byte_for_byte_reproducible(tmp_path, demo_model_dir):
+    again = demo.build(tmp_path / "again")
+    assert _digest(again) == _digest(demo_model_dir)
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= set(_digest(again))
+
+
+def test_demo_tokenizer_has_qwen3_delimiters_as_single_tokens(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    assert 1000 <= len(tok) <= 2000
+    for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"):
+        ids = tok.encode(f"x{t}y", add_special_tokens=False)
+        assert tok.convert_tokens_to_ids(t) in ids, t
+    assert tok.eos_token == "<|im_end|>"
+    specials = set(tok.all_special_tokens)
+    assert "<|im_end|>" in specials and "<think>" not in specials and "<tool_call>" not in specials
+    text = 'def f(x):\n    return {"a": [1, 2]}  # héllo'
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_demo_chat_template_is_qwen3_shaped(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny"}]
+    text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    off = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True,
+                                  enable_thinking=False)
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_ensure_builds_once_and_reuses(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path / "cache"))
+    assert demo.default_path() == tmp_path / "cache" / "demo"
+    p = demo.ensure()
+    stamp = (p / "model.safetensors").stat().st_mtime_ns
+    assert demo.ensure() == p and (p / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_engine_exposes_model_facts(demo_model_dir):
+    eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=32)
+    assert eng.vocab_size == 1280 and eng.model_config.architecture == "Qwen3ForCausalLM"
+    assert eng.max_model_len == 4096
+    assert eng.eos_token_ids == {eng.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path, demo_model_dir):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(demo_model_dir, sharded)
+    tensors = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for fname, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / fname))
+        weight_map.update({k: fname for k in keys})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    toks = []
+    for path in (demo_model_dir, sharded):
+        eng = Engine.from_pretrained(path, num_kv_blocks=16)
+        eng.add_request([3, 4, 5], params)
+        out = []
+        while eng.has_unfinished():
+            out += [t for o in eng.step() for t in o.new_token_ids]
+        toks.append(out)
+    assert toks[0] == toks[1] and len(toks[0]) == 6
+
+
+def test_clear_errors_name_the_file(tmp_path, demo_model_dir):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        Engine.from_pretrained(tmp_path / "nope")
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_model_dir, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        Engine.from_pretrained(broken)
+
+    odd = tmp_path / "odd"
+    shutil.copytree(demo_model_dir, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"config\.json.*MambaForCausalLM"):
+        Engine.from_pretrained(odd)
+
+    partial = tmp_path / "partial"
+    shutil.copytree(demo_model_dir, partial)
+    tensors = load_file(partial / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(partial / "model.safetensors"))
+    with pytest.raises(ConfigError, match="gate_up_proj"):
+        Engine.from_pretrained(partial)
+    (partial / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        Engine.from_pretrained(partial)
+
+
+def test_rope_scaling_matches_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers import LlamaConfig
+
+    from ember.engine.models.layers import rope_inv_freq
+
+    cases = [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ]
+    for scaling in cases:
+        cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=256,
+                          rope_parameters=dict(scaling, rope_theta=10000.0))
+        ref, ref_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+        ours, scale = rope_inv_freq(64, 10000.0, scaling, 256)
+        torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-7)
+        assert scale == pytest.approx(ref_scale)
