@@ -2,10 +2,10 @@
 
 The matcher sees the text of every token that is not a single-token delimiter, before any parsing; a delimiter token
 is structure, not text, so it ends any partial match (the pipeline flushes the matcher before routing it). On a match
-the text is cut at the start of the stop string (or just after it with ``include_stop_str_in_output``) and the
-caller ends the request; nothing after the match is ever released. The match is the stop string that is complete
-first (the earliest end; of those, the longest), which makes the result independent of how the text is chunked. Work per call is bounded by the text fed plus the
-longest stop string.
+the text is cut at the start of the stop string (or just after it with ``include_stop_str_in_output``) and the caller
+ends the request; nothing after the match is ever released. The match is the stop string that is complete first (the
+earliest end; of those, the longest), which makes the result independent of how the text is chunked. Work per call is
+bounded by the text fed plus the longest stop string.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def gpt2_byte_decoder() -> dict[str, int]:
     """The GPT-2 byte-level alphabet reversed: printable stand-in character -> the byte it encodes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -93,9 +93,10 @@ class TokenBytes:
     def from_tokenizer(cls, tok: Any) -> "TokenBytes":
         """Build the table from a ``tokenizers.Tokenizer`` or a ``transformers`` tokenizer."""
         backend = _backend(tok)
-        if backend is not None:
-            return cls._from_backend(backend)
-        return cls._from_transformers_slow(tok)
+        if backend is None:
+            raise TypeError("TokenBytes needs a `tokenizers`-backed tokenizer (a tokenizers.Tokenizer or a "
+                            f"transformers fast tokenizer / TokenizersBackend), got {type(tok).__name__}")
+        return cls._from_backend(backend)
 
     @classmethod
     def _from_backend(cls, tk: Any) -> "TokenBytes":
@@ -137,26 +138,6 @@ class TokenBytes:
             if at.special:
                 special.append(i)
         return cls(table, special_ids=special, added=added, strips_leading_space=strips)
-
-    @classmethod
-    def _from_transformers_slow(cls, tok: Any) -> "TokenBytes":
-        """A tokenizer without a ``tokenizers`` backend: guess the vocabulary style from its pieces."""
-        n = len(tok)
-        pieces = tok.convert_ids_to_tokens(list(range(n)))
-        added_map = {i: at for i, at in getattr(tok, "added_tokens_decoder", {}).items()}
-        sentencepiece = any(p is not None and ("▁" in p or _BYTE_PIECE.fullmatch(p)) for p in pieces)
-        piece = _sentencepiece_piece("▁", True) if sentencepiece else _byte_level_piece()
-        table = [piece(p) if p is not None else b"" for p in pieces]
-        added: dict[str, int] = {}
-        special: list[int] = []
-        for i, at in added_map.items():
-            if i >= len(table):
-                table.extend([b""] * (i + 1 - len(table)))
-            table[i] = str(at).encode("utf-8")
-            added[str(at)] = i
-            if getattr(at, "special", False):
-                special.append(i)
-        return cls(table, special_ids=special, added=added, strips_leading_space=sentencepiece)
 
 
 def _complete_text(b: bytes) -> str | None:

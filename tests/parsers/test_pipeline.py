@@ -41,7 +41,7 @@ def chatml() -> tuple:
 @functools.lru_cache(maxsize=None)
 def setup(profile: str, vocab: str = "chatml") -> ParserSetup:
     tok, tb = chatml() if vocab == "chatml" else (load_tokenizer(vocab), load_token_bytes(vocab))
-    eos = [tb.added_token_id(t) for t in ("<|endoftext|>", "<｜end▁of▁sentence｜>") if tb.added_token_id(t) is not None]
+    eos = [i for t in ("<|endoftext|>", "<｜end▁of▁sentence｜>") if (i := tb.added_token_id(t)) is not None]
     return ParserSetup.from_tokenizer(tok, profile, tb=tb, drop_ids=eos)
 
 
@@ -127,8 +127,8 @@ def check_invariants(s: ParserSetup, initial, ids, exact_bytes=True, tok=None, *
     return whole
 
 
-PIECES = ["a", "b", "Z", " ", "\n", "\t", "<", ">", "/", "=", "é", "中", "😀", "東京", "{", "}", "[", '"', "\\", ":",
-          "think", "tool_call", "</think>", "<think>", "<tool_call>", "</tool_call>", "</parameter", "<parameter=",
+PIECES = ["a", "b", "Z", " ", "\n", "\t", "<", ">", "/", "=", "é", "中", "😀", "東京", "{", "}", "[", '"', "\\",
+          ":", "think", "tool_call", "</think>", "<think>", "<tool_call>", "</tool_call>", "</parameter", "<parameter=",
           "</function>", "<function=", "<|end|>", "<|channel|>", "<|im_end|>", "<|im_start|>"]
 
 

@@ -230,7 +230,8 @@ def test_delimiters_resolve_to_single_tokens_gpt_oss():
 
 def test_delimiters_resolve_deepseek_v3():
     tok = load_tokenizer("deepseek-v3")
-    names = ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜end▁of▁sentence｜>"]
+    names = ["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+             "<｜end▁of▁sentence｜>"]
     got = resolve_delimiters(tok, names + ["<think>", "</think>"])
     assert {n: got[n] for n in names} == {n: tok.token_to_id(n) for n in names}
     assert got["<｜tool▁calls▁begin｜>"] == 128806 and got["<｜end▁of▁sentence｜>"] == 1
@@ -253,3 +254,8 @@ def test_profile_delimiter_ids_keep_only_single_tokens():
         "<|im_end|>": 151645, "<|endoftext|>": 151643}
     ds = profile_delimiter_ids(load_tokenizer("deepseek-v3"), get_profile("deepseek_r1"))
     assert ds == {"<｜end▁of▁sentence｜>": 1}
+
+
+def test_a_tokenizer_without_a_tokenizers_backend_is_a_clear_error():
+    with pytest.raises(TypeError, match="tokenizers"):
+        TokenBytes.from_tokenizer(object())
