@@ -46,7 +46,7 @@ def sentencepiece_tokenizer(pieces: list[tuple[str, float]]) -> Tokenizer:
 
 
 def stories_tokenizer() -> Tokenizer:
-    """stories260K's real 512-piece llama2.c vocabulary, as the project's converter (`ember convert-llama2c`) builds it."""
+    """stories260K's real 512-piece llama2.c vocabulary, as the project's llama2.c converter builds it."""
     from ember.engine.convert_llama2c import build_tokenizer, read_llama2c_tokenizer
 
     return build_tokenizer(read_llama2c_tokenizer(shared_path("models", "stories260K", "tok512.bin"), 512))
