@@ -5,6 +5,7 @@ Handlers raise `ApiError`; the app turns it into the shape of the API the reques
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -70,13 +71,20 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|function-[a-z]+|tagged-union|"
+                       r"[A-Z][A-Za-z]+)$")
+
+
 def field_path(loc: Sequence[Any]) -> str:
-    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root)."""
+    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root and
+    without pydantic's union-member tags such as `str` or `list[...]` or model class names)."""
     parts = list(loc)
     if parts and parts[0] == "body":
         parts = parts[1:]
     out = ""
     for p in parts:
+        if isinstance(p, str) and _TYPE_TAG.match(p):
+            continue
         if isinstance(p, int):
             out += f"[{p}]"
         else:
