@@ -26,6 +26,7 @@ from typing import Any
 
 from ember.parsers.initial import InitialState
 from ember.parsers.profiles import Profile
+from ember.parsers.xml_values import parameter_types, streams_as_string
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS"]
 
@@ -72,7 +73,9 @@ _HARMONY_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_sep
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 _TEXT = "/(?s:.*)/"
-_WS = "/[ \\t\\r\\n]*/"
+_WS = "/[ \\t\\r\\n]{0,8}/"
+"""Whitespace after the thought and between tool calls: what models emit ("\\n\\n"), bounded so that a model can
+never pad forever."""
 
 
 # ---------------------------------------------------------------------------------------------------- request parsing
@@ -260,20 +263,19 @@ def _hermes_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 
 
 def _is_text_param(schema: Mapping) -> bool:
-    """A parameter whose value Qwen3-Coder writes raw (a string), not as JSON."""
-    if "enum" in schema:
-        return all(isinstance(v, str) for v in schema["enum"]) and bool(schema["enum"])
-    if "const" in schema:
-        return isinstance(schema["const"], str)
-    return schema.get("type") == "string"
+    """A parameter whose value Qwen3-Coder writes raw, not as JSON: exactly the values the parser streams as a JSON
+    string (its schema allows a string or declares no type)."""
+    types = parameter_types([{"name": "t", "parameters": {"properties": {"p": schema}}}])["t"]["p"]
+    return streams_as_string(types)
 
 
 def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
     """Rule for one parameter value, ending with its ``\\n</parameter>\\n``."""
     close = '"\\n</parameter>\\n"'
     if _is_text_param(schema):
-        values = schema["enum"] if "enum" in schema else [schema["const"]] if "const" in schema else None
-        if values is not None:
+        values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
+            [schema["const"]] if "const" in schema else None
+        if values is not None and all(isinstance(v, str) for v in values):
             return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
         lo = int(schema.get("minLength", 0) or 0)
         hi = schema.get("maxLength")
@@ -330,13 +332,17 @@ def _harmony_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None], *,
                     response_format: Mapping | None = None, tools: Sequence[Mapping] | None = None,
                     tool_choice: str | Mapping | None = None, parallel_tool_calls: bool = True,
-                    thinking_budget: int | None = None) -> GrammarPlan | None:
+                    thinking_budget: int | None = None, thinking: bool = True) -> GrammarPlan | None:
     """The request's `GrammarPlan`, or None when nothing constrains its tokens.
 
     ``tool_choice``: ``none`` ignores tools; ``auto`` constrains each call that starts when any tool is ``strict``
     (text stays free); ``required`` forces at least one call (exactly one without ``parallel_tool_calls``); a named
     function forces that tool once. With tools forced, ``response_format`` does not apply (the reply is calls);
     ``auto`` with a ``response_format`` allows either the formatted answer or tool calls.
+
+    ``thinking=False`` (the request turned thinking off: ``enable_thinking=false``, Anthropic ``thinking.type``
+    ``disabled``) means that in the CONTENT state the model may not open a thought of its own; with the default a
+    hybrid model (Qwen3) may start its reply with ``<think>`` as it does when thinking is on.
 
     Raises `GrammarError` (HTTP 400) naming the offending field.
     """
@@ -354,14 +360,15 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
             raise GrammarError(f"tool_choice {mode!r}: model family {profile.name!r} has no tool-call syntax")
         tool_list = []
 
-    budget = _budget(profile, initial, d, thinking_budget)
+    may_open = _may_open(profile, d) if thinking else None
+    budget = _budget(profile, initial, d, thinking_budget, _may_open(profile, d))
     answer = _answer(g, d, profile, mode, tool_list, response_format, parallel_tool_calls)
     if answer is None:
         return GrammarPlan(None, budget) if budget is not None else None
     if profile.tool_format == "harmony":
         start = _harmony_start(g, d, answer)
     else:
-        start = _reasoning_start(g, d, profile, initial, answer)
+        start = _reasoning_start(g, d, profile, initial, answer, may_open)
     return GrammarPlan(g.source(start), budget)
 
 
@@ -372,7 +379,8 @@ def build_grammar(profile: Profile, initial: InitialState, delimiter_ids: Mappin
     return plan.grammar if plan is not None else None
 
 
-def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | None) -> ThinkingBudget | None:
+def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | None,
+            may_open: int | None) -> ThinkingBudget | None:
     if tokens is None:
         return None
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -385,13 +393,14 @@ def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | N
     if close is None:
         raise GrammarError(f"a thinking budget needs {profile.reasoning.close!r} to be a single token in this "
                            f"model's vocabulary")
-    return ThinkingBudget(tokens, close, _may_open(profile, d), initial is InitialState.REASONING)
+    return ThinkingBudget(tokens, close, may_open, initial is InitialState.REASONING)
 
 
 def _may_open(profile: Profile, d: _Delims) -> int | None:
-    """The open delimiter's ID when the model may start a thought itself in this family."""
+    """The open delimiter's ID when the model may start a thought itself (as the parser lets it: the family has an
+    open delimiter)."""
     spec = profile.reasoning
-    if spec is None or spec.open is None or spec.start_mode == "never":
+    if spec is None or spec.open is None:
         return None
     return d.id("think_open")
 
@@ -430,7 +439,8 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
     return g.add("tools", tail)
 
 
-def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str) -> str:
+def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str,
+                     open_id: int | None) -> str:
     spec = profile.reasoning
     if spec is None:
         return answer
@@ -442,7 +452,6 @@ def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialSta
             return f"REASONING <[{close_id}]> WS {answer}"
         g.add("thought", _TEXT, f"[suffix={_lit(spec.close)}]")
         return f"thought WS {answer}"
-    open_id = _may_open(profile, d)
     if open_id is None or close_id is None:
         return answer
     g.add("REASONING", _TEXT)

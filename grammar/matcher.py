@@ -97,8 +97,11 @@ class GrammarConstraint:
     matcher that only allows EOS reports ``is_terminated()``.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher | None, budget: ThinkingBudget | None, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher | None, budget: ThinkingBudget | None, vocab_size: int,
+                 eos_ids: Iterable[int] = ()) -> None:
         self.matcher = matcher
+        self.eos_ids = frozenset(eos_ids)
+        self._last: int | None = None
         self.budget = budget
         self.vocab_size = vocab_size
         self.in_reasoning = bool(budget and budget.starts_in_reasoning)
@@ -142,6 +145,7 @@ class GrammarConstraint:
                     self.reasoning_tokens += 1
             elif b.open_id is not None and token_id == b.open_id:
                 self.in_reasoning = True
+        self._last = token_id
         if self.matcher is not None and not self.matcher.consume_token(token_id):
             self._error = f"structured output: token {token_id} rejected by the grammar: " \
                           f"{_clean(self.matcher.get_error())}"
@@ -149,8 +153,9 @@ class GrammarConstraint:
         return True
 
     def is_terminated(self) -> bool:
-        return self.matcher is not None and self._error is None and self.matcher.is_stopped() \
-            and not self.matcher.is_error()
+        """The grammar is complete and only EOS could follow (a sampled EOS is left to the engine's own stop)."""
+        return self.matcher is not None and self._error is None and self._last not in self.eos_ids \
+            and self.matcher.is_stopped() and not self.matcher.is_error()
 
     def error_message(self) -> str | None:
         return self._error
@@ -219,12 +224,17 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return m
 
+    def cached(self, grammar: str) -> bool:
+        """Whether ``grammar`` is compiled and cached (requests with the same source skip compilation)."""
+        with self._lock:
+            return grammar in self._cache
+
     def constraint(self, plan: GrammarPlan, field: str = "response_format") -> GrammarConstraint:
         """A fresh constraint for one request/choice (a copy of the cached compiled matcher)."""
         if plan.budget is not None and plan.budget.close_id >= self.vocab_size:
             raise GrammarError(f"{field}: close delimiter {plan.budget.close_id} is outside the vocabulary")
         matcher = self._compiled(plan.grammar, field).deep_copy() if plan.grammar is not None else None
-        return GrammarConstraint(matcher, plan.budget, self.vocab_size)
+        return GrammarConstraint(matcher, plan.budget, self.vocab_size, self.eos_ids)
 
     # ------------------------------------------------------------------------------------------------ steps
 

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real Qwen3 tokenizer (the demo model's where ../shared is absent) and its grammar backend."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SHARED_DATA
+
+QWEN3 = SHARED_DATA / "tokenizers" / "qwen3"
+
+
+def write_qwen3_tokenizer(out: Path) -> Path:
+    """The real Qwen3 tokenizer files (tokenizer.json gunzipped beside tokenizer_config.json) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(QWEN3 / "tokenizer_config.json", out / "tokenizer_config.json")
+    (out / "tokenizer.json").write_bytes(gzip.decompress((QWEN3 / "tokenizer.json.gz").read_bytes()))
+    return out
+
+
+@pytest.fixture(scope="session")
+def vocab_dir(tmp_path_factory) -> Path:
+    """A folder with a tokenizer: the real Qwen3 one, else the built-in demo model's."""
+    if (QWEN3 / "tokenizer.json.gz").exists():
+        return write_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
+    from ember.engine import demo
+
+    return demo.build(tmp_path_factory.mktemp("demo-tok"))
+
+
+@pytest.fixture(scope="session")
+def hf_tok(vocab_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(vocab_dir))
+
+
+@pytest.fixture(scope="session")
+def backend(hf_tok):
+    from ember.grammar import GrammarBackend
+
+    eos = [hf_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    return GrammarBackend.from_tokenizer(hf_tok, eos_ids=eos)
+
+
+@pytest.fixture(scope="session")
+def is_qwen3(vocab_dir) -> bool:
+    return json.loads((vocab_dir / "tokenizer_config.json").read_text()).get("tokenizer_class") != \
+        "PreTrainedTokenizerFast"

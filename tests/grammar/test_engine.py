@@ -1,0 +1,187 @@
+"""Structured output end to end: the engine samples a tiny random-weight Qwen3 through the grammar's bitmask.
+
+The weights are random, so every valid answer is the grammar's doing. The model carries the real Qwen3 tokenizer
+(151k tokens; the demo model where ../shared is absent), and every output is parsed back by the parsers' pipeline.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import jsonschema
+import pytest
+
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+from ember.grammar import compile_request, model_eos_ids, model_vocab_size
+from ember.parsers.initial import InitialState
+from ember.parsers.pipeline import DELIMITER, ParserSetup, parse_all
+from tests.grammar.conftest import QWEN3
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, vocab_dir, hf_tok):
+    """A 1-layer, 32-wide random Qwen3 whose vocabulary is the tokenizer's."""
+    if not (QWEN3 / "tokenizer.json.gz").exists():
+        from ember.engine import demo
+
+        return demo.build(tmp_path_factory.mktemp("demo-model"))
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    eos = [hf_tok.convert_tokens_to_ids("<|im_end|>"), hf_tok.convert_tokens_to_ids("<|endoftext|>")]
+    cfg = Qwen3Config(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                      max_position_embeddings=2048, eos_token_id=eos[0], bos_token_id=eos[1])
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id": eos[1]}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(vocab_dir / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, backend):
+    assert model_vocab_size(model_dir) == backend.vocab_size
+    assert set(model_eos_ids(model_dir)) <= set(backend.eos_ids)
+    return Engine.from_pretrained(model_dir, bitmask_filler=backend.bitmask_filler(), max_num_seqs=64,
+                                  max_num_batched_tokens=4096, device="cpu", dtype="float32")
+
+
+def run(engine, requests):
+    """requests: (prompt_ids, SamplingParams, constraint) -> per request (token ids, finish_reason, error)."""
+    rids = [engine.add_request(p, sp, constraint=c) for p, sp, c in requests]
+    out = {r: [] for r in rids}
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                done[o.request_id] = (o.finish_reason, o.error)
+    return [(out[r], *done[r]) for r in rids]
+
+
+def prompt(tok, user: str, tail: str) -> list[int]:
+    return tok.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n{tail}", add_special_tokens=False)
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Objects with required fields, a nested object, enums, bounded numbers, short strings and short arrays (sizes
+    bounded so that a random model's answers stay a few dozen tokens long)."""
+    kinds = ["int", "num", "enum", "str", "bool"] + (["obj", "arr"] if depth == 0 else [])
+    props, required = {}, []
+    for k in range(rng.randint(1, 3)):
+        kind = rng.choice(kinds)
+        lo = rng.randint(-20, 20)
+        s = {"int": lambda: {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 50)},
+             "num": lambda: {"type": "number", "minimum": lo, "maximum": lo + 10, "multipleOf": 0.5},
+             "enum": lambda: {"enum": rng.sample(["red", "green", "a b", "é", 'q"t'], 3)},
+             "str": lambda: {"type": "string", "maxLength": rng.randint(0, 5)},
+             "bool": lambda: {"type": "boolean"},
+             "obj": lambda: random_schema(rng, depth + 1),
+             "arr": lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "maxItems": rng.randint(0, 2)}}[kind]()
+        name = f"{kind[0]}{k}"
+        props[name] = s
+        if rng.random() < 0.7:
+            required.append(name)
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def test_fifty_random_json_schemas_all_validate(engine, backend, hf_tok):
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    rng = random.Random(1234)
+    p = prompt(hf_tok, "Reply in JSON.", "<think>\n\n</think>\n\n")  # thinking off
+    initial = setup.initial_state(p)
+    assert initial is InitialState.CONTENT
+    schemas = [random_schema(rng) for _ in range(50)]
+    reqs = []
+    for i, schema in enumerate(schemas):
+        plan = compile_request(setup.profile, initial, setup.delimiter_ids, thinking=False, response_format={
+            "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
+        reqs.append((p, SamplingParams(max_tokens=120, temperature=0.0), backend.constraint(plan)))
+    results = run(engine, reqs)
+    for schema, (ids, reason, error) in zip(schemas, results):
+        assert reason == "stop" and error is None, (reason, error, hf_tok.decode(ids))
+        parsed = parse_all(setup.pipeline(initial=initial), ids)
+        assert parsed.reasoning == ""
+        jsonschema.validate(json.loads(parsed.content), schema)
+
+
+def test_thinking_on_reasoning_ends_at_the_close_token_where_the_parser_switches(engine, backend, hf_tok):
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    close = setup.delimiter_ids["</think>"]
+    p = prompt(hf_tok, "Think, then reply in JSON.", "<think>\n")  # the template opened the thought
+    initial = setup.initial_state(p)
+    assert initial is InitialState.REASONING
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    reqs = []
+    budgets = [1, 5, 12]
+    for seed, budget in enumerate(budgets):
+        plan = compile_request(setup.profile, initial, setup.delimiter_ids, thinking_budget=budget,
+                               response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        reqs.append((p, SamplingParams(max_tokens=120, temperature=0.0), backend.constraint(plan)))
+    for budget, (ids, reason, error) in zip(budgets, run(engine, reqs)):
+        assert reason == "stop" and error is None, error
+        assert ids.index(close) == budget, "the random model never closes by itself: the budget does"
+        pipe = setup.pipeline(initial=initial)
+        step = pipe.feed(ids)
+        channels = step.token_channels
+        # The parser leaves reasoning exactly at the grammar's close token (I10).
+        assert channels[budget] == DELIMITER and set(channels[:budget]) == {"reasoning"}
+        assert "reasoning" not in channels[budget + 1:]
+        parsed = parse_all(setup.pipeline(initial=initial), ids)
+        assert parsed.reasoning.strip()
+        jsonschema.validate(json.loads(parsed.content), schema)
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "set_alarm", "strict": True, "parameters": {
+        "type": "object", "properties": {
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "label": {"type": "string", "maxLength": 10},
+            "repeat": {"type": "boolean"},
+            "days": {"type": "array", "items": {"enum": ["mon", "tue", "wed"]}, "maxItems": 3}},
+        "required": ["hour", "label"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def test_tool_choice_required_and_named_parse_back_with_valid_arguments(engine, backend, hf_tok):
+    """Hermes JSON calls (qwen3) and XML calls (qwen3_coder), all in one batch."""
+    choices = ["required", "required", {"type": "function", "function": {"name": "get_weather"}},
+               {"type": "function", "function": {"name": "set_alarm"}}]
+    reqs, cases = [], []
+    for family in ("qwen3", "qwen3_coder"):
+        setup = ParserSetup.from_tokenizer(hf_tok, family)
+        for k, choice in enumerate(choices):
+            p = prompt(hf_tok, f"Request {k}: set an alarm or check the weather.", "<think>\n\n</think>\n\n")
+            initial = setup.initial_state(p)
+            plan = compile_request(setup.profile, initial, setup.delimiter_ids, tools=TOOLS, tool_choice=choice,
+                                   thinking=False)
+            reqs.append((p, SamplingParams(max_tokens=160, temperature=0.0), backend.constraint(plan)))
+            cases.append((setup, initial, choice))
+    for (setup, initial, choice), (ids, reason, error) in zip(cases, run(engine, reqs)):
+        text = hf_tok.decode(ids)
+        assert reason == "stop" and error is None, (error, text)
+        parsed = parse_all(setup.pipeline(initial=initial, tools=TOOLS), ids)
+        assert parsed.tool_calls and not parsed.malformed, text
+        assert parsed.content.strip() == ""
+        if isinstance(choice, dict):
+            assert [c.name for c in parsed.tool_calls] == [choice["function"]["name"]]
+        for call in parsed.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        if setup.profile.name == "qwen3_coder":
+            assert "<function=" in text and "<parameter=" in text
+        else:
+            assert '{"name": ' in text
