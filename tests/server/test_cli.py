@@ -1,0 +1,86 @@
+"""The `ember` console script: option parsing, the demo-model default, and a real `ember serve` process."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from ember.server.app import free_port
+from ember.server.cli import main, serve_config
+from tests.conftest import shared_path
+
+
+def test_serve_options_map_to_the_config(capsys):
+    import argparse
+
+    from ember.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli._serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "/models/x", "--port", "9001", "--api-key", "k", "--served-model-name", "m",
+                              "--max-model-len", "2048", "--max-num-seqs", "8", "--kv-cache-memory", "1.5G",
+                              "--reasoning-parser", "qwen3", "--tool-parser", "none", "--chat-template", "t.jinja"])
+    c = serve_config(args)
+    assert (str(c.model_dir), c.port, c.api_key, c.served_model_name, c.max_model_len, c.max_num_seqs) == (
+        "/models/x", 9001, "k", "m", 2048, 8)
+    assert c.kv_cache_memory == int(1.5 * 2**30) and c.kv_cache_blocks is None
+    assert (c.reasoning_parser, c.tool_parser, c.chat_template) == ("qwen3", "none", "t.jinja")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-blocks", "10", "--kv-cache-memory", "1G"])
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["serve", "--tool-parser", "nonsense"])
+
+
+def test_no_model_dir_builds_the_demo_model_once(tmp_path, monkeypatch):
+    from ember.server.app import load_runtime
+    from ember.server.config import ServeConfig
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    rt = load_runtime(ServeConfig(kv_cache_blocks=16, max_num_seqs=2))
+    try:
+        assert (tmp_path / "demo" / "model.safetensors").exists()
+        assert rt.model_name == "demo" and rt.parser.profile.name == "qwen3"
+    finally:
+        rt.engine.shutdown()
+
+
+def test_ember_serve_a_converted_llama2c_model(tmp_path):
+    """`ember convert-llama2c` then `ember serve DIR` in a real process: greedy text equals llama2.c's."""
+    src = shared_path("models", "stories260K")
+    expected = (src / "expected_greedy_t0.txt").read_text(encoding="utf-8").removesuffix("\n")
+    out = tmp_path / "stories"
+    assert main(["convert-llama2c", str(src / "stories260K.bin"), str(src / "tok512.bin"), str(out)]) == 0
+    port = free_port()
+    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
+    proc = subprocess.Popen([*cmd, "serve", str(out), "--port", str(port), "--served-model-name", "stories",
+                             "--max-num-seqs", "2", "--kv-cache-blocks", "64", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "ember serve did not come up"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "stories"
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "stories", "prompt": [1], "max_tokens": 256, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].removeprefix(" ") == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
