@@ -2,8 +2,9 @@
 
 Backends expose ``reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)`` and ``paged_attention(q, k_cache,
 v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k, softmax_scale)`` over the NHD paged
-cache described in `ember.kernels.reference`. CPU uses the torch reference; CUDA (or ``EMBER_ATTENTION=triton``
-anywhere) uses the Triton kernels in `ember.kernels.attention`.
+cache described in `ember.kernels.reference`. CPU uses the torch reference, with its decode rows batched into one
+SDPA call (`TorchBackend`; ``EMBER_ATTENTION=reference`` runs the plain per-sequence reference); CUDA (or
+``EMBER_ATTENTION=triton`` anywhere) uses the Triton kernels in `ember.kernels.attention`.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
+
+from ember.kernels import reference
 
 
 @dataclass
@@ -42,22 +46,71 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
+class TorchBackend:
+    """The torch reference with every decode row (query length 1) of a batch computed in one batched SDPA call;
+    prefill rows go through the reference one sequence at a time. Same arguments and results as the reference."""
+
+    name = "torch"
+
+    @staticmethod
+    def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    @staticmethod
+    def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, k_scale=None, v_scale=None) -> torch.Tensor:
+        if k_scale is not None or v_scale is not None:
+            return reference.paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table,
+                                             max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale)
+        qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        decode = (qlens == 1).nonzero().flatten()
+        if decode.numel() < qlens.numel():
+            rest = (qlens > 1).nonzero().flatten()
+            for b in rest.tolist():
+                s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+                reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
+                                          seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
+                                          softmax_scale)
+        if decode.numel():
+            _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
+                            block_table[decode], softmax_scale)
+        return out
+
+
+def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float) -> None:
+    nb, bs, hkv, d = k_cache.shape
+    b = rows.numel()
+    hq = q.shape[1]
+    kmax = int(seq_lens.max())
+    nblk = (kmax + bs - 1) // bs
+    blocks = block_table[:, :nblk].long()
+    k = k_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
+    v = v_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
+    qs = q[rows].float().reshape(b, hkv, hq // hkv, d)
+    valid = torch.arange(nblk * bs, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)
+    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+                                       scale=scale)
+    out[rows] = o.reshape(b, hq, d).to(out.dtype)
+
+
 def backend_name(device: torch.device) -> str:
-    """``"triton"`` on CUDA or when ``EMBER_ATTENTION=triton``; ``"reference"`` (or the env's choice) otherwise."""
+    """``"triton"`` on CUDA, ``"torch"`` on CPU; ``EMBER_ATTENTION`` (triton / torch / reference) overrides."""
     forced = os.environ.get("EMBER_ATTENTION", "").strip().lower()
     if forced in ("triton", "reference", "torch"):
-        return "reference" if forced == "torch" else forced
+        return forced
     if forced:
-        raise ValueError(f"EMBER_ATTENTION={forced!r}: expected 'triton' or 'reference'")
-    return "triton" if device.type == "cuda" else "reference"
+        raise ValueError(f"EMBER_ATTENTION={forced!r}: expected 'triton', 'torch' or 'reference'")
+    return "triton" if device.type == "cuda" else "torch"
 
 
-def get_backend(device: torch.device) -> ModuleType:
-    """The module whose ``reshape_and_cache`` / ``paged_attention`` the model calls."""
+def get_backend(device: torch.device) -> ModuleType | type:
+    """The backend whose ``reshape_and_cache`` / ``paged_attention`` the model calls."""
     name = backend_name(device)
     if name == "triton":
         try:
             return importlib.import_module("ember.kernels.attention")
         except ImportError as e:
-            raise RuntimeError(f"Triton attention backend unavailable ({e}); set EMBER_ATTENTION=reference") from e
-    return importlib.import_module("ember.kernels.reference")
+            raise RuntimeError(f"Triton attention backend unavailable ({e}); set EMBER_ATTENTION=torch") from e
+    if name == "torch":
+        return TorchBackend
+    return reference
