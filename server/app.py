@@ -6,6 +6,7 @@ benchmarks, embedding).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -180,6 +181,26 @@ async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _
                 yield ch
 
 
+async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
+    """All items of a non-streaming response; a client that hangs up meanwhile aborts its request (blocks freed)."""
+    async def drain() -> list[dict]:
+        async with aclosing(items) as it:
+            return [x async for x in it]
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def _sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 
@@ -248,7 +269,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                 yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens)))
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = [ch async for ch in _chat_chunks(st, req, meta, run)]
+    collected = await _collect(request, _chat_chunks(st, req, meta, run))
     if run.errors:
         raise ApiError(500, "generation failed: " + "; ".join(run.errors))
     return JSONResponse(fold_chat(collected, usage_body=usage(len(prompt_ids), run.completion_tokens)))
@@ -324,7 +345,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 yield _sse(usage_chunk(meta, usage(prompt_total, run.completion_tokens), "text_completion"))
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = [ch async for ch in chunks()]
+    collected = await _collect(request, chunks())
     if run.errors:
         raise ApiError(500, "generation failed: " + "; ".join(run.errors))
     return JSONResponse(fold_completion(collected, usage_body=usage(prompt_total, run.completion_tokens)))
@@ -396,7 +417,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             for err in run.errors:
                 yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = [ev async for ev in events() if ev["type"] != "ping"]
+    collected = [ev for ev in await _collect(request, events()) if ev["type"] != "ping"]
     if run.errors:
         raise ApiError(500, "generation failed: " + "; ".join(run.errors))
     return JSONResponse(fold_message(collected))

@@ -92,3 +92,19 @@ def test_64_streams_with_16_cancelled_free_every_block(demo_server):
     assert (s.num_running, s.num_waiting) == (0, 0)
     assert s.num_free_blocks == start.num_free_blocks == s.num_total_blocks
     assert _cancelled(demo_server) - cancelled_before == 16
+
+
+def test_non_streaming_client_that_hangs_up_frees_its_blocks(demo_server):
+    cancelled_before = _cancelled(demo_server)
+    start = demo_server.stats().num_free_blocks
+    try:
+        httpx.post(demo_server.url + "/v1/chat/completions", timeout=0.5, json={
+            "model": demo_server.model, "messages": HI, "max_tokens": 3000, "ignore_eos": True})
+    except httpx.TimeoutException:
+        pass
+    deadline = time.monotonic() + 5
+    while demo_server.stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = demo_server.stats()
+    assert s.num_running == 0 and s.num_free_blocks == start
+    assert _cancelled(demo_server) - cancelled_before == 1  # aborted, not run to its 3000 tokens
