@@ -50,3 +50,24 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("EMBER_ATTENTION", "bogus")
     with pytest.raises(ValueError, match="EMBER_ATTENTION"):
         attention.backend_name(torch.device("cpu"))
+
+
+def test_engine_on_the_triton_backend_matches_torch(demo_model_dir, monkeypatch):
+    """The model runner drives the Triton kernels (interpreted on CPU) through the same interface."""
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    pytest.importorskip("triton")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    results = []
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("EMBER_ATTENTION", backend)
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=8)
+        assert eng.runner.backend.__name__.endswith("attention") == (backend == "triton")
+        rids = [eng.add_request(list(range(5, 5 + n)), params) for n in (3, 18)]
+        toks = {r: [] for r in rids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                toks[o.request_id].extend(o.new_token_ids)
+        results.append([toks[r] for r in rids])
+    assert results[0] == results[1]
