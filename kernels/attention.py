@@ -135,7 +135,7 @@ def _attend_tiles(
     stride_kc0, stride_kc1, stride_kc2, stride_kc3,
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     offs_d, dim_mask,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Online-softmax accumulation of tiles ``[tile_start, tile_end)`` of one sequence's KV for one KV head."""
     offs_t = tl.arange(0, TILE)
@@ -155,7 +155,7 @@ def _attend_tiles(
         else:
             k = k_raw.to(q.dtype)
             v = v_raw.to(q.dtype)
-        s = tl.dot(q, k) * softmax_scale
+        s = tl.dot(q, k, input_precision=PRECISION) * softmax_scale
         causal = kpos[None, :] < context_len + query_pos[:, None] + 1
         s = tl.where(query_mask[:, None] & kmask[None, :] & causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -163,7 +163,7 @@ def _attend_tiles(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -179,7 +179,7 @@ def _unified_attention_2d(
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     stride_bt,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -214,7 +214,7 @@ def _unified_attention_2d(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_idx, stride_bt,
         kv_head, query_pos, query_mask, context_len, prefix_len, 0, num_tiles, softmax_scale, k_scale, v_scale,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION,
     )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -234,7 +234,7 @@ def _unified_attention_3d(
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     stride_bt, num_q_heads,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Decode only (every query_len <= 1): program (seq, kv_head, segment); partials go to ``segm_*[tok, head, seg]``."""
     seq_idx = tl.program_id(0)
@@ -271,7 +271,7 @@ def _unified_attention_3d(
         kv_head, query_pos, query_mask, context_len, prefix_len, tile_start, tile_end, softmax_scale,
         k_scale, v_scale,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION,
     )
     # a segment with no visible key keeps m = -inf, l = 0 (the reduce weighs it out)
     m_i = tl.where(l_i > 0.0, m_i, float("-inf"))
@@ -363,6 +363,7 @@ def paged_attention(
         split_kv = decode_only and num_seqs * hkv <= SPLIT_KV_MAX_PROGRAMS
     if split_kv and not decode_only:
         raise ValueError("split-KV attention needs a decode-only batch (max_seqlen_q <= 1)")
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get fp32 matmuls, not TF32
     common_strides = (*k_cache.stride(), *v_cache.stride(), block_table.stride(0))
 
     if split_kv:
@@ -375,7 +376,7 @@ def paged_attention(
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs,
+            NUM_SEGMENTS=segs, PRECISION=precision,
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, hq, *out.stride(),
@@ -390,6 +391,6 @@ def paged_attention(
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale), ks, vs, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile,
+        TILE=tile, PRECISION=precision,
     )
     return out

@@ -59,7 +59,8 @@ def _signature(kernel, args, kwargs):
 def _drive(launches: list, quick: bool) -> None:
     """Call each wrapper once per configuration the engine and gpu_check use (``quick``: the bf16 hd128 GQA-4 core)."""
     g = torch.Generator().manual_seed(0)
-    dtypes = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn))
+    dtypes = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn),
+              (torch.float32, torch.float32))
     shapes = ((32, 8, 128), (32, 4, 128), (8, 8, 64))
     if quick:
         dtypes, shapes = dtypes[:1], shapes[:1]
