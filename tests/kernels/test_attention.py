@@ -179,11 +179,16 @@ def test_reshape_and_cache_writes_slots_and_skips_padding(dtype):
     k_cache = torch.randn(4, BLOCK, 2, 64, generator=g).to(dtype)
     v_cache = torch.randn(4, BLOCK, 2, 64, generator=g).to(dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
     reference.reshape_and_cache(key, value, k_ref, v_ref, slots)
     attention.reshape_and_cache(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     written = slots[slots >= 0]
     assert torch.equal(k_cache.view(-1, 2, 64)[written], key[slots >= 0])
+    untouched = torch.ones(4 * BLOCK, dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(k_cache.view(-1, 2, 64)[untouched], k_before.view(-1, 2, 64)[untouched])
+    assert torch.equal(v_cache.view(-1, 2, 64)[untouched], v_before.view(-1, 2, 64)[untouched])
 
 
 def test_reshape_and_cache_strided_inputs_from_a_fused_qkv():
