@@ -522,6 +522,9 @@ def main() -> int:
         rep.save()
         if CUDA:
             torch.cuda.empty_cache()
+    forbidden = sorted({m.split(".")[0] for m in sys.modules} & {"llguidance", "fastapi", "uvicorn"})
+    if forbidden:  # the GPU image lacks them: an import here would break the check there
+        rep.data["errors"].append(f"imported {forbidden}, which the GPU image does not have")
     print_table(rep)
     rep.save()
     failed = [c["name"] for c in rep.data["checks"] if not c["ok"]] + \
