@@ -17,6 +17,14 @@ The forward must be graph-safe: no host synchronisation, no shape that depends o
 allocates comes from the graph's private pool. The attention kernels in `ember.kernels.attention` qualify. Without a
 GPU (``device.type != "cuda"``) the runner runs the forward eagerly on the same padded buffers, which keeps its
 padding logic testable on a CPU.
+
+Use from a model runner (decode-only steps with at most ``max_num_seqs`` sequences; prefill stays eager)::
+
+    runner = DecodeGraphRunner(lambda ids, meta: model.compute_logits(model(ids, meta, kv_caches, backend)),
+                               max_num_seqs=cfg.max_num_seqs, max_blocks_per_seq=blocks_per_seq,
+                               max_seqlen_k=max_model_len, device=device)
+    runner.capture()                       # once, after the KV cache is allocated
+    logits = runner.run(input_ids, meta)   # per decode step; meta.max_seqlen_q == 1
 """
 from __future__ import annotations
 
