@@ -68,7 +68,7 @@ render tool calls (Jinja ``tojson``). Flexible whitespace lets a model pad JSON 
 ``x-guidance`` overrides these."""
 
 _HARMONY_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-"""gpt-oss writes compact tool arguments: ``{"city":"Tokyo"}``."""
+"""gpt-oss writes compact JSON (its recorded tool arguments: ``{"city":"Tokyo"}``); used for its answers too."""
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -206,8 +206,8 @@ class _Delims:
 
 # ------------------------------------------------------------------------------------------------------------ answers
 
-def _response_format_answer(g: _Lark, rf: Mapping | None) -> str | None:
-    """The answer rule of ``response_format``, None for plain text."""
+def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, Any]) -> str | None:
+    """The answer rule of ``response_format`` in the family's JSON layout, None for plain text."""
     if rf is None:
         return None
     if not isinstance(rf, Mapping):
@@ -216,7 +216,7 @@ def _response_format_answer(g: _Lark, rf: Mapping | None) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return g.add("answer", _json_rule({"type": "object"}))
+        return g.add("answer", _json_rule({"type": "object"}, options))
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, Mapping):
@@ -225,7 +225,7 @@ def _response_format_answer(g: _Lark, rf: Mapping | None) -> str | None:
         if not isinstance(schema, Mapping):
             raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
         strict = bool(js.get("strict", False))
-        return g.add("answer", _json_rule(schema, lenient=not strict))
+        return g.add("answer", _json_rule(schema, options, lenient=not strict))
     if kind == "regex":
         pattern = rf.get("regex", rf.get("pattern"))
         if not isinstance(pattern, str) or not pattern:
@@ -408,7 +408,7 @@ def _may_open(profile: Profile, d: _Delims) -> int | None:
 def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool], rf: Mapping | None,
             parallel: bool) -> str | None:
     harmony = profile.tool_format == "harmony"
-    formatted = _response_format_answer(g, rf)
+    formatted = _response_format_answer(g, rf, _HARMONY_JSON_OPTIONS if harmony else JSON_OPTIONS)
     if harmony and formatted is not None:
         formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
     if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):

@@ -27,17 +27,23 @@ __all__ = ["GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_e
 _MAX_MESSAGE = 600
 
 
-def build_ll_tokenizer(hf_tokenizer: Any, *, vocab_size: int | None = None,
+def build_ll_tokenizer(tokenizer: Any, *, vocab_size: int | None = None,
                        eos_ids: Iterable[int] = ()) -> llguidance.LLTokenizer:
-    """The llguidance tokenizer of a transformers fast tokenizer.
+    """The llguidance tokenizer of a transformers fast tokenizer or a ``tokenizers.Tokenizer``.
 
     ``vocab_size`` is the model's (the width of its logits, which may exceed the tokenizer's token count); ``eos_ids``
-    are every token that ends generation (the tokenizer's EOS is added), so a finished grammar can always be left.
+    are every token that ends generation (a transformers tokenizer's EOS is added), so a finished grammar can always
+    be left.
     """
-    eos = list(dict.fromkeys([*eos_ids, *([hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None
-                                          else [])]))
-    n_vocab = max(int(vocab_size or 0), len(hf_tokenizer))
-    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos or None)
+    own_eos = getattr(tokenizer, "eos_token_id", None)
+    eos = list(dict.fromkeys([*eos_ids, *([own_eos] if isinstance(own_eos, int) else [])]))
+    if not eos:
+        raise ValueError("the grammar backend needs at least one EOS token id")
+    if hasattr(tokenizer, "backend_tokenizer"):
+        n_vocab = max(int(vocab_size or 0), len(tokenizer))
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+    n_vocab = max(int(vocab_size or 0), tokenizer.get_vocab_size(with_added_tokens=True))
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
 
 
 def _ids(value: Any) -> list[int]:

@@ -340,3 +340,30 @@ def test_parallel_filler_matches_each_constraint_alone(hf_tok, backend, qwen3):
         one = torch.zeros(1, words, dtype=torch.int32)
         c.fill_bitmask(one, 0)
         assert torch.equal(par[row], one[0]), row
+
+
+@pytest.mark.parametrize("initial", [InitialState.REASONING, InitialState.CONTENT])
+def test_grammar_and_parser_leave_reasoning_at_the_same_token(hf_tok, backend, initial):
+    """I10: the tokens during which the grammar still allows the close delimiter are exactly the parser's reasoning
+    tokens plus the close token itself; a spelled `</think>` moves neither."""
+    from ember.parsers.pipeline import DELIMITER, ParserSetup
+
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    open_, close = setup.delimiter_ids["<think>"], setup.delimiter_ids["</think>"]
+    thought = spelled(hf_tok, "\nThe user wants JSON. ", "</", "think", ">", " written out is not the end.\n")
+    ids = ([] if initial is InitialState.REASONING else [open_]) + thought + [close] + \
+        enc(hf_tok, '\n\n{"a": 12}') + [tid(hf_tok, "<|im_end|>")]
+    plan = compile_request(setup.profile, initial, setup.delimiter_ids, response_format={
+        "type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}})
+    t = Trace(hf_tok, backend, plan)
+    grammar_reasoning = []
+    for k, tok_id in enumerate(ids):
+        if t.allowed()[close]:
+            grammar_reasoning.append(k)
+        t.feed([tok_id])
+    channels = setup.pipeline(initial=initial).feed(ids).token_channels
+    parser_reasoning = [k for k, ch in enumerate(channels) if ch == "reasoning"]
+    switch = ids.index(close)
+    assert channels[switch] == DELIMITER
+    assert grammar_reasoning == parser_reasoning + [switch]
+    assert len(parser_reasoning) == len(thought)
