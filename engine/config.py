@@ -118,3 +118,4 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    tensor_parallel_size: int = 1  # ranks that split every layer (ember.engine.distributed)

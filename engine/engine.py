@@ -10,7 +10,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -66,13 +66,16 @@ def _skip_init(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int, device: torch.device,
-               dtype: torch.dtype):
-    """Instantiate the architecture named in config.json on ``device`` and fill it from the safetensors files."""
-    cls = get_model_class(cfg.architecture, source=str(loader.checkpoint_dir(model_dir) / "config.json"))
+               dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+               model_class: type | None = None):
+    """Instantiate the architecture named in config.json (or ``model_class``) on ``device`` and fill it from the
+    safetensors files (or ``weights``, e.g. one tensor-parallel rank's slices)."""
+    cls = model_class or get_model_class(cfg.architecture,
+                                         source=str(loader.checkpoint_dir(model_dir) / "config.json"))
     with torch.device(device), _skip_init(dtype):
         model = cls(cfg, max_position)
     model = model.to(dtype)
-    model.load_weights(loader.iter_weights(model_dir), source=str(model_dir))
+    model.load_weights(loader.iter_weights(model_dir) if weights is None else weights, source=str(model_dir))
     model.rope.build_cache(device, dtype)
     return model.eval()
 
@@ -97,10 +100,22 @@ class Engine:
                               f"({mc.max_position_embeddings}) in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.vocab_size = mc.vocab_size
-        model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
-        self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype)
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
+        if config.tensor_parallel_size != 1:
+            from ember.engine import distributed
+
+            if config.tensor_parallel_size < 1:
+                raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
+            self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
+                                                   self.dtype)
+        else:
+            model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
+            self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype)
+        try:
+            num_blocks = self._num_kv_blocks()
+            self.runner.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.runner.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
@@ -115,15 +130,20 @@ class Engine:
                         num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                         enable_prefix_caching: bool = True, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
-                        enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9) -> "Engine":
+                        enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
+                        tensor_parallel_size: int = 1) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
-            device=torch.device(device) if device is not None else None,
+            device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
         )
         return cls(model_dir, config, bitmask_filler)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process); the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -131,7 +151,7 @@ class Engine:
             if c.num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
             return c.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, c.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.dtype)  # this rank's KV heads
         if c.kv_cache_memory is not None:
             n = c.kv_cache_memory // per_block
             if n < 1:

@@ -88,12 +88,20 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order."""
         input_ids, meta = self.prepare(out)
+        return self.forward(input_ids, meta)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`execute` after `prepare`: the step a tensor-parallel driver replays on its workers."""
         self.last_batch_size = meta.num_seqs
         self.last_num_tokens = meta.num_tokens
         hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         if meta.logits_indices.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+    def shutdown(self) -> None:
+        """Release what outlives the engine: nothing here; the tensor-parallel driver stops its workers."""
 
     @torch.inference_mode()
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:

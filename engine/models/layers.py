@@ -106,7 +106,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3) before RoPE."""
+    """GQA self-attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3) before RoPE.
+
+    Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
+    the partial ``o_proj`` outputs over the ranks."""
+
+    tp = None
 
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
         super().__init__()
@@ -134,11 +139,15 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                 meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
-        return self.o_proj(out.reshape(t, self.hq * self.d))
+        out = self.o_proj(out.reshape(t, self.hq * self.d))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused in one matmul (under tensor parallelism: this rank's
+    intermediate channels, ``down`` summed over the ranks)."""
+
+    tp = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -148,7 +157,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

@@ -63,7 +63,11 @@ class MoEExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router + experts; the Triton fused MoE on CUDA (or ``EMBER_MOE=triton``), the torch reference otherwise."""
+    """Router + experts; the Triton fused MoE on CUDA (or ``EMBER_MOE=triton``), the torch reference otherwise.
+    Under tensor parallelism (``tp`` set) each rank holds every expert's share of the intermediate channels and
+    the partial outputs are summed over the ranks."""
+
+    tp = None
 
     def __init__(self, cfg: ModelConfig, moe: dict, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -73,6 +77,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = MoEExperts(moe["num_experts"], cfg.hidden_size, moe["inter"], dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._experts_out(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
         topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
         topk_w = topk_w.to(logits.dtype).float()

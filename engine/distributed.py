@@ -1,0 +1,373 @@
+"""Tensor parallelism: the process group, the driver/worker protocol, and how weights are split.
+
+Rank 0 (the driver) owns the scheduler, the sampler and the API; ranks 1..N-1 (workers, spawned processes) each hold
+a shard of every layer and its share of the KV heads. Every model-runner call on the driver (allocate the KV cache,
+profile, forward) is first broadcast as a `RunnerCommand`, so all ranks run the same forwards and meet at the same
+all-reduces. Attention heads and MLP (and expert) intermediate channels are split evenly: column-parallel projections
+(q/k/v, gate/up) keep rows ``[rank*n/N, (rank+1)*n/N)``, row-parallel ones (o, down) keep those columns and
+all-reduce their output (their bias is loaded on rank 0 only, so it is added once); embeddings, norms, routers and
+the LM head are replicated. Each rank reads only its slice of every tensor from the safetensors files.
+
+Backend: gloo on CPU, NCCL on CUDA (rank ``r`` on ``cuda:r``); commands always travel over a gloo group, which waits
+without a deadline while the server is idle. One tensor-parallel engine per process at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from ember.engine import loader
+from ember.engine.attention import AttentionMetadata
+from ember.engine.config import ConfigError, EngineConfig, ModelConfig
+from ember.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+_IDLE_TIMEOUT = timedelta(days=3650)  # workers wait this long for the driver's next command
+_COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+_ROW = frozenset({"o_proj", "down_proj"})
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group (``world_size == 1``: no group, every op a no-op)."""
+
+    rank: int = 0
+    world_size: int = 1
+    control: Any = field(default=None, compare=False, repr=False)  # the gloo group commands travel on
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def broadcast(self, obj: Any) -> Any:
+        """The driver's ``obj`` on every rank (workers pass None)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+
+SINGLE = TensorParallel()
+
+
+@dataclass
+class RunnerCommand:
+    """One call the driver makes on its model runner, replayed by every worker (tensors travel on the CPU)."""
+
+    method: str
+    args: tuple = ()
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What a worker needs to build the same runner as the driver (picklable)."""
+
+    model_class: type
+    max_position: int
+    block_size: int
+    dtype: torch.dtype
+    device_type: str
+    num_threads: int
+
+
+# ---- how the model is split ---------------------------------------------------------------------------------------
+
+def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") -> None:
+    """ConfigError naming the config.json field that ``world_size`` does not divide."""
+    from ember.engine.models.qwen3_moe import moe_settings
+
+    fields = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
+    sparse = moe_settings(cfg)[1] if "num_experts" in cfg.raw or "num_local_experts" in cfg.raw else []
+    if not sparse or not all(sparse):  # some layer has the dense MLP
+        fields.append(("intermediate_size", cfg.intermediate_size))
+    if any(sparse):
+        fields.append(("moe_intermediate_size", int(cfg.raw.get("moe_intermediate_size") or 0)))
+    for name, n in fields:
+        if n % world_size:
+            raise ConfigError(f"{source}: tensor_parallel_size {world_size} does not divide {name} ({n}); "
+                              f"choose a tensor_parallel_size that divides it")
+
+
+def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The per-rank view of ``cfg``: heads, KV heads and intermediate sizes divided by N (``cfg`` itself for N=1)."""
+    if not tp.enabled:
+        return cfg
+    n = tp.world_size
+    check_split(cfg, n)
+    raw = dict(cfg.raw)
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
+        if isinstance(raw.get(key), int):
+            raw[key] = raw[key] // n
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
+                               num_key_value_heads=cfg.num_key_value_heads // n,
+                               intermediate_size=cfg.intermediate_size // n, raw=raw)
+
+
+def _split_rule(name: str) -> tuple[str, int]:
+    """How tensor ``name`` is split: ("replicate", -1), ("shard", dim), ("rank0", -1) for a row-parallel bias, or
+    ("gate_up", 1) for transformers 5's fused expert stack ``[E, 2I, H]`` (gate and up halves split apart)."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return "replicate", -1
+    module, leaf = parts[-2], parts[-1]
+    if module == "experts" and leaf == "gate_up_proj":
+        return "gate_up", 1
+    if module == "experts" and leaf == "down_proj":
+        return "shard", 2
+    if leaf not in ("weight", "bias"):
+        return "replicate", -1
+    if module in _COLUMN:
+        return "shard", 0
+    if module in _ROW:
+        return ("shard", 1) if leaf == "weight" else ("rank0", -1)
+    return "replicate", -1
+
+
+def _read_shard(sl: Any, name: str, rule: tuple[str, int], tp: TensorParallel, source: Path) -> torch.Tensor:
+    kind, dim = rule
+    shape = list(sl.get_shape())
+    if kind == "replicate":
+        return sl[:]
+    if kind == "rank0":
+        t = sl[:]
+        return t if tp.is_driver else torch.zeros_like(t)
+    if dim >= len(shape):
+        raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(shape)}; cannot split dimension {dim}")
+    full = shape[dim] // 2 if kind == "gate_up" else shape[dim]
+    if full % tp.world_size:
+        raise ConfigError(f"{source}: tensor_parallel_size {tp.world_size} does not divide dimension {dim} "
+                          f"({full}) of tensor {name!r}")
+    size = full // tp.world_size
+    lead = (slice(None),) * dim
+
+    def take(start: int) -> torch.Tensor:
+        return sl[lead + (slice(start, start + size),)]
+
+    if kind == "gate_up":
+        return torch.cat([take(tp.rank * size), take(full + tp.rank * size)], dim=dim)
+    return take(tp.rank * size)
+
+
+def iter_shard_weights(model_dir: str | Path, tp: TensorParallel) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk."""
+    for f in loader.weight_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                yield name, _read_shard(sf.get_slice(name), name, _split_rule(name), tp, f)
+
+
+def attach(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
+    """Give every layer that ends in a row-parallel projection (it has a ``tp`` attribute) the group to reduce on."""
+    for m in model.modules():
+        if hasattr(m, "tp"):
+            m.tp = tp
+    return model
+
+
+# ---- processes ----------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, world_size: int, port: int, device: torch.device) -> TensorParallel:
+    """Join the process group on ``127.0.0.1:port`` (gloo on CPU, NCCL on CUDA) and its gloo command group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=_COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return TensorParallel(rank, world_size, control)
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank ``r`` uses ``cuda:r`` on GPUs, the CPU otherwise."""
+    return torch.device("cuda", rank) if base.type == "cuda" else torch.device("cpu")
+
+
+def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
+                device: torch.device) -> tuple[torch.nn.Module, ModelConfig]:
+    """This rank's model (its slices only, wired to reduce over ``tp``) and its per-rank config."""
+    from ember.engine.engine import load_model
+
+    cfg = shard_config(loader.load_model_config(model_dir), tp)
+    model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
+                       weights=iter_shard_weights(model_dir, tp), model_class=spec.model_class)
+    return attach(model, tp), cfg
+
+
+def _host(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, AttentionMetadata):
+        return dataclasses.replace(x, **{f.name: _host(getattr(x, f.name)) for f in dataclasses.fields(x)})
+    return x
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, AttentionMetadata):
+        return dataclasses.replace(x, **{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x)})
+    return x
+
+
+def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: ShardSpec) -> None:
+    """A worker: load this rank's shard, report, then replay the driver's runner commands until told to stop."""
+    torch.set_num_threads(spec.num_threads)
+    device = rank_device(torch.device(spec.device_type), rank)
+    tp = init_group(rank, world_size, port, device)
+    try:
+        runner, error = None, None
+        try:
+            model, cfg = _load_shard(model_dir, spec, tp, device)
+            runner = ModelRunner(model, cfg, spec.block_size, device, spec.dtype)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            log.error("tensor-parallel rank %d failed to load:\n%s", rank, traceback.format_exc())
+        if any(tp.gather(error)):
+            return
+        while True:
+            cmd: RunnerCommand | None = tp.broadcast(None)
+            if cmd is None:
+                break
+            getattr(runner, cmd.method)(*(_to(a, device) for a in cmd.args))
+    finally:
+        dist.destroy_process_group()
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's model runner: broadcasts each call to the workers before making it itself."""
+
+    def __init__(self, *args: Any, tp: TensorParallel, workers: list[mp.process.BaseProcess]) -> None:
+        super().__init__(*args)
+        self.tp = tp
+        self.workers = workers
+
+    def _send(self, method: str, *args: Any) -> None:
+        self.tp.broadcast(RunnerCommand(method, tuple(_host(a) for a in args)))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._send("allocate_kv_cache", num_blocks)
+        super().allocate_kv_cache(num_blocks)
+
+    def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        self._send("profile_activation_bytes", num_tokens, num_seqs)
+        return super().profile_activation_bytes(num_tokens, num_seqs)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self._send("forward", input_ids, meta)
+        return super().forward(input_ids, meta)
+
+    def shutdown(self) -> None:
+        """Tell the workers to exit and wait for them; idempotent."""
+        if not self.workers:
+            return
+        workers, self.workers = self.workers, []
+        stop_workers(self.tp, workers)
+
+
+def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, max_position: int,
+                 device: torch.device, dtype: torch.dtype) -> DriverRunner:
+    """Check the split, spawn ranks 1..N-1, join the group as rank 0 and load every rank's shard; a failure on any
+    rank raises here (after the workers are gone). Workers build the class this process resolves for the model."""
+    from ember.engine import nvfp4_loading
+    from ember.engine.models import get_model_class
+
+    n = config.tensor_parallel_size
+    source = str(Path(model_dir) / "config.json")
+    model_class = get_model_class(mc.architecture, source=source)
+    check_split(mc, n, source)
+    if nvfp4_loading.plan(model_dir, mc.raw) is not None:
+        raise ConfigError(f"{model_dir}: tensor_parallel_size > 1 is not supported for NVFP4 checkpoints yet")
+    if device.type == "cuda":
+        if device.index not in (None, 0):
+            raise ConfigError(f"tensor_parallel_size {n} runs on cuda:0..cuda:{n - 1}; got device {device}")
+        if torch.cuda.device_count() < n:
+            raise ConfigError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed group is already active in this process "
+                           "(one tensor-parallel engine per process; shut the other down first)")
+    spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads())
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=worker_main, args=(r, n, port, str(model_dir), spec),
+                           name=f"ember-tp-worker-{r}", daemon=True) for r in range(1, n)]
+    for p in workers:
+        p.start()
+    try:
+        tp = init_group(0, n, port, rank_device(device, 0))
+    except BaseException:
+        _reap(workers)
+        raise
+    runner, failure = None, None
+    try:
+        model, cfg = _load_shard(str(model_dir), spec, tp, rank_device(device, 0))
+        runner = DriverRunner(model, cfg, spec.block_size, device, dtype, tp=tp, workers=workers)
+    except Exception as e:
+        failure = e
+    errors = tp.gather(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None or any(errors):
+        dist.destroy_process_group()
+        _reap(workers)
+        if failure is not None:
+            raise failure
+        rank, msg = next((r, e) for r, e in enumerate(errors) if e)
+        raise RuntimeError(f"tensor-parallel rank {rank} failed to load {model_dir}: {msg}")
+    return runner
+
+
+def _reap(procs: list[mp.process.BaseProcess], timeout: float = 30.0) -> None:
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            log.warning("tensor-parallel worker %s did not exit; terminating it", p.name)
+            p.terminate()
+            p.join(timeout=5)
+
+
+def stop_workers(tp: TensorParallel, procs: list[mp.process.BaseProcess]) -> None:
+    """Tell the workers to exit (driver side), leave the group and wait for them."""
+    if not tp.enabled:
+        return
+    try:
+        tp.broadcast(None)
+        dist.destroy_process_group()
+    except Exception:  # the group may already be broken; the processes are still reaped below
+        log.exception("stopping tensor-parallel workers")
+    _reap(procs)
