@@ -165,6 +165,19 @@ class _Run:
 
     completion_tokens: int = 0
     errors: list[str] = field(default_factory=list)
+    rejected: bool = False  # every error was the engine refusing the request (the client's fault: 400)
+
+    def note(self, step: ChoiceStep) -> None:
+        self.completion_tokens += len(step.tokens)
+        if step.end is not None and step.end.reason == "error":
+            self.rejected = step.end.rejected and (self.rejected or not self.errors)
+            self.errors.append(step.end.error or "generation failed")
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            if self.rejected:
+                raise bad_request("the engine cannot serve this request: " + "; ".join(dict.fromkeys(self.errors)))
+            raise ApiError(500, "generation failed: " + "; ".join(self.errors))
 
 
 async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run) -> AsyncIterator[dict]:
@@ -174,9 +187,7 @@ async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _
         yield e.start(req.choices[0].prompt_ids if i == 0 else None)
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
-            run.completion_tokens += len(step.tokens)
-            if step.end is not None and step.end.reason == "error":
-                run.errors.append(step.end.error or "generation failed")
+            run.note(step)
             for ch in encs[step.index].step(step):
                 yield ch
 
@@ -270,8 +281,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
     collected = await _collect(request, _chat_chunks(st, req, meta, run))
-    if run.errors:
-        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    run.raise_for_errors()
     return JSONResponse(fold_chat(collected, usage_body=usage(len(prompt_ids), run.completion_tokens)))
 
 
@@ -328,9 +338,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 yield ch
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:
-                run.completion_tokens += len(step.tokens)
-                if step.end is not None and step.end.reason == "error":
-                    run.errors.append(step.end.error or "generation failed")
+                run.note(step)
                 for ch in encs[step.index].step(step):
                     yield ch
 
@@ -346,8 +354,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
     collected = await _collect(request, chunks())
-    if run.errors:
-        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    run.raise_for_errors()
     return JSONResponse(fold_completion(collected, usage_body=usage(prompt_total, run.completion_tokens)))
 
 
@@ -418,17 +425,14 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                 yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
     collected = [ev for ev in await _collect(request, events()) if ev["type"] != "ping"]
-    if run.errors:
-        raise ApiError(500, "generation failed: " + "; ".join(run.errors))
+    run.raise_for_errors()
     return JSONResponse(fold_message(collected))
 
 
 def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict]:
-    run.completion_tokens += len(step.tokens)
+    run.note(step)
     out = enc.events(step.events, len(step.tokens))
     if step.end is not None:
-        if step.end.reason == "error":
-            run.errors.append(step.end.error or "generation failed")
         out += enc.finish(step.end)
     return out
 

@@ -26,6 +26,7 @@ class ChoiceEnd:
     reason: EndReason
     stop_string: str | None = None
     error: str | None = None
+    rejected: bool = False  # the engine refused the request before generating (e.g. it can never fit the KV cache)
 
 
 @dataclass

@@ -189,8 +189,11 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
         pipe.abort()
         raise
     except Exception as e:  # an engine or pipeline failure ends this choice, never the server
-        log.exception("choice %s failed", rid)
-        end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
+        if isinstance(e, ValueError) and ntok == 0:  # `generate` refused the request at admission
+            end = ChoiceEnd("error", error=str(e), rejected=True)
+        else:
+            log.exception("choice %s failed", rid)
+            end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
         yield ChoiceStep(index, [], [], end)
     finally:
         if metrics is not None:

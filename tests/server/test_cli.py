@@ -40,16 +40,27 @@ def test_serve_options_map_to_the_config(capsys):
 
 
 def test_no_model_dir_builds_the_demo_model_once(tmp_path, monkeypatch):
-    from ember.server.app import load_runtime
+    """Also: a prompt the (here tiny) KV cache can never hold is a 400, streaming or not."""
+    from ember.server.app import BackgroundServer, create_app, load_runtime
     from ember.server.config import ServeConfig
 
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    rt = load_runtime(ServeConfig(kv_cache_blocks=16, max_num_seqs=2))
+    config = ServeConfig(kv_cache_blocks=8, max_num_seqs=2)
+    rt = load_runtime(config)
+    srv = BackgroundServer(create_app(rt, config)).start()
     try:
         assert (tmp_path / "demo" / "model.safetensors").exists()
         assert rt.model_name == "demo" and rt.parser.profile.name == "qwen3"
+        assert rt.max_model_len > 8 * 16
+        body = {"messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 2}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "cannot serve" in r.json()["error"]["message"]
+        ok = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert ok.status_code == 200
     finally:
-        rt.engine.shutdown()
+        srv.stop()  # the app owns the engine: stopping it shuts the engine down
+    assert not rt.engine.is_running
 
 
 def test_ember_serve_a_converted_llama2c_model(tmp_path):
