@@ -99,7 +99,8 @@ class AsyncEngine:
         return self.engine.stats()
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the loop thread; requests still in flight end with `EngineShutdown`."""
+        """Stop the loop thread (which then shuts the engine down, stopping any tensor-parallel workers); requests
+        still in flight end with `EngineShutdown`."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
@@ -168,6 +169,10 @@ class AsyncEngine:
                 except Exception:
                     log.exception("could not fail the in-flight requests")
         self._close_streams()
+        try:  # the loop thread owns the engine, so it is the one to stop tensor-parallel workers
+            self.engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
 
     def _close_streams(self) -> None:
         with self._cond:
