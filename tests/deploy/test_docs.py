@@ -219,6 +219,15 @@ def test_dockerfile_facts_in_deployment_md():
 
 # -------------------------------------------------------------------------------------------------- the rest
 
+def test_parsers_md_example_prints_what_it_says(demo_model_dir, capsys):
+    doc = text("parsers.md")
+    (code,) = code_blocks(doc, "python")
+    (promised,) = re.findall(r"^prints `(.*)`:", doc, flags=re.M)
+    assert "demo.ensure()" in code
+    exec(compile(code.replace("demo.ensure()", repr(str(demo_model_dir))), "parsers.md example", "exec"), {})
+    assert capsys.readouterr().out.strip() == promised
+
+
 def test_parser_profiles_are_the_code_s():
     from ember.parsers.profiles import PROFILE_NAMES
 
