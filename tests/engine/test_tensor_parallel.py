@@ -1,0 +1,162 @@
+"""Tensor parallelism on the CPU: 2 processes (gloo, loopback) give the same greedy tokens as 1 process for tiny
+random Qwen3 (with attention biases), Llama (with MLP biases, through AsyncEngine) and Qwen3-MoE checkpoints; the
+workers exit on shutdown; a split that does not divide fails up front, naming the config field."""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import shutil
+
+import pytest
+import torch
+
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.config import ConfigError
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+
+NEW_TOKENS = 8
+ENGINE_OPTIONS = dict(max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
+
+
+def _save_dense(kind: str, path, tokenizer_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                  initializer_range=0.1)
+    torch.manual_seed(1)
+    if kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=False, attention_bias=True, **common))
+        with torch.no_grad():  # transformers zero-initialises biases; random ones show a bias added N times
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.self_attn.o_proj):
+                    proj.bias.normal_(0.0, 0.2)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, mlp_bias=True, **common))
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    proj.bias.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, demo_model_dir):
+    return _save_dense("qwen3", tmp_path_factory.mktemp("tp-qwen3"), demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, demo_model_dir):
+    return _save_dense("llama", tmp_path_factory.mktemp("tp-llama"), demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, demo_model_dir):
+    from tests.moe.conftest import save_tiny_moe
+
+    return save_tiny_moe(tmp_path_factory.mktemp("tp-moe"), demo_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    """One torch thread per rank (workers copy the driver's count); Qwen3-MoE registered as tests/moe does."""
+    from ember.engine.models import MODEL_REGISTRY
+    from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    monkeypatch.setitem(MODEL_REGISTRY, "Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+    assert not mp.active_children(), "a tensor-parallel worker outlived its test"
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 1270, (n,), generator=g).tolist() for n in (3, 9, 17, 40, 58, 75)]
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens, one new request per step (mixed prefill and decode batches, long prompts chunked)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    pending, ids, out = list(prompts), [], {}
+    while pending or engine.has_unfinished():
+        if pending:
+            ids.append(engine.add_request(pending.pop(0), params))
+            out[ids[-1]] = []
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[r] for r in ids]
+
+
+def _assert_workers_exited(workers) -> None:
+    assert len(workers) == 1
+    for p in workers:
+        p.join(timeout=10)
+        assert not p.is_alive() and p.exitcode == 0, f"{p.name} exit code {p.exitcode}"
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "moe"])
+def test_two_ranks_generate_the_same_greedy_tokens(kind, request):
+    path = request.getfixturevalue(f"{kind}_dir")
+    prompts = _prompts()
+    expected = _greedy(Engine.from_pretrained(path, **ENGINE_OPTIONS), prompts)
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **ENGINE_OPTIONS)
+    workers = list(engine.runner.workers)
+    try:
+        assert engine.runner.kv_caches[0][0].shape[2] == 1  # each rank caches 1 of the 2 KV heads
+        assert _greedy(engine, prompts) == expected
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)
+
+
+def test_async_engine_with_two_ranks_matches_and_stops_its_workers(llama_dir):
+    prompts = _prompts()
+    expected = _greedy(Engine.from_pretrained(llama_dir, **ENGINE_OPTIONS), prompts)
+    ae = AsyncEngine.from_pretrained(str(llama_dir), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    workers = list(ae.engine.runner.workers)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt):
+        toks = []
+        async for o in ae.generate(prompt, params):
+            assert o.error is None, o.error
+            toks.extend(o.new_token_ids)
+        return toks
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    try:
+        assert asyncio.run(all_at_once()) == expected
+    finally:
+        ae.shutdown()
+    _assert_workers_exited(workers)
+
+
+@pytest.mark.parametrize("field,change,tp", [
+    ("num_key_value_heads", {"num_key_value_heads": 1}, 2),
+    ("num_attention_heads", {}, 3),
+])
+def test_a_split_that_does_not_divide_fails_naming_the_field(qwen3_dir, tmp_path, field, change, tp):
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg.update(change)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"tensor_parallel_size {tp} does not divide {field}"):
+        Engine.from_pretrained(bad, tensor_parallel_size=tp, **ENGINE_OPTIONS)
+    assert not mp.active_children()
+
+
+def test_tensor_parallel_size_must_be_positive(qwen3_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        Engine.from_pretrained(qwen3_dir, tensor_parallel_size=0, **ENGINE_OPTIONS)
