@@ -60,6 +60,7 @@ class GrammarPlan:
 
     grammar: str | None
     budget: ThinkingBudget | None
+    field: str = "response_format"   # the request field the grammar comes from, for error messages
 
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -112,7 +113,7 @@ def _tools(tools: Sequence[Mapping] | None) -> list[_Tool]:
 
 
 def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None]:
-    """("none" | "auto" | "required" | "named", the named tool's name)."""
+    """("none" | "auto" | "required" | "named", the named tool's name), from OpenAI's or Anthropic's shapes."""
     if tool_choice is None:
         return ("auto" if tools else "none"), None
     if isinstance(tool_choice, str):
@@ -123,8 +124,11 @@ def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str,
             raise GrammarError("tool_choice 'required' needs at least one entry in tools")
         return tool_choice, None
     if isinstance(tool_choice, Mapping):
+        kind = tool_choice.get("type")
+        if kind in ("auto", "none", "required", "any"):  # Anthropic's shapes; "any" is OpenAI's "required"
+            return _choice("required" if kind == "any" else kind, tools)
         fn = tool_choice.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
+        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")  # Anthropic {"type": "tool"}
         if not isinstance(name, str):
             raise GrammarError("tool_choice.function.name is missing")
         if name not in {t.name for t in tools}:
@@ -369,7 +373,8 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
         start = _harmony_start(g, d, answer)
     else:
         start = _reasoning_start(g, d, profile, initial, answer, may_open)
-    return GrammarPlan(g.source(start), budget)
+    fields = [f for f, used in (("response_format", "answer" in g.rules), ("tools", "call" in g.rules)) if used]
+    return GrammarPlan(g.source(start), budget, " and ".join(fields) or "response_format")
 
 
 def build_grammar(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None],
@@ -408,7 +413,8 @@ def _may_open(profile: Profile, d: _Delims) -> int | None:
 def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool], rf: Mapping | None,
             parallel: bool) -> str | None:
     harmony = profile.tool_format == "harmony"
-    formatted = _response_format_answer(g, rf, _HARMONY_JSON_OPTIONS if harmony else JSON_OPTIONS)
+    forced = bool(tools) and mode in ("required", "named")
+    formatted = None if forced else _response_format_answer(g, rf, _HARMONY_JSON_OPTIONS if harmony else JSON_OPTIONS)
     if harmony and formatted is not None:
         formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
     if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):

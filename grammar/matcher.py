@@ -9,6 +9,7 @@ is scheduled; `GrammarBackend.constraint` gives each request (each choice) its o
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -93,6 +94,7 @@ def _clean(message: str) -> str:
             continue
         keep.append(line.strip())
     text = " ".join(k for k in keep if k)
+    text = re.sub(r"^at \d+\(\d+\): (?=failed to compile JSON schema)", "", text)  # a place in OUR grammar source
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
 
 
@@ -235,8 +237,10 @@ class GrammarBackend:
         with self._lock:
             return grammar in self._cache
 
-    def constraint(self, plan: GrammarPlan, field: str = "response_format") -> GrammarConstraint:
-        """A fresh constraint for one request/choice (a copy of the cached compiled matcher)."""
+    def constraint(self, plan: GrammarPlan, field: str | None = None) -> GrammarConstraint:
+        """A fresh constraint for one request/choice (a copy of the cached compiled matcher); `GrammarError` naming
+        ``field`` (default: the plan's) when the grammar is invalid."""
+        field = field or plan.field
         if plan.budget is not None and plan.budget.close_id >= self.vocab_size:
             raise GrammarError(f"{field}: close delimiter {plan.budget.close_id} is outside the vocabulary")
         matcher = self._compiled(plan.grammar, field).deep_copy() if plan.grammar is not None else None

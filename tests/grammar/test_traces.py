@@ -242,6 +242,17 @@ def test_qwen3_coder_parameters_any_order_once_each_required_present_typed(hf_to
         assert Trace(hf_tok, backend, plan).rejects(prefix + enc(hf_tok, text) + [call_close]), why
 
 
+def test_tool_schema_errors_name_tools_and_forced_calls_ignore_response_format(hf_tok, backend, qwen3):
+    profile, ids = qwen3
+    broken = {"type": "function", "function": {"name": "f", "strict": True,
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}
+    plan = compile_request(profile, InitialState.CONTENT, ids, tools=[broken], tool_choice="required",
+                           response_format={"type": "json_object"})
+    assert plan.field == "tools"
+    with pytest.raises(GrammarError, match="^tools: .*nope"):
+        backend.constraint(plan)
+
+
 def test_response_format_regex_and_lark(hf_tok, backend, qwen3):
     profile, ids = qwen3
     eos = tid(hf_tok, "<|im_end|>")
@@ -291,6 +302,17 @@ def test_bad_requests_name_the_field(qwen3, kw, field):
     profile, ids = qwen3
     with pytest.raises(GrammarError, match=field.replace("[", r"\[").replace("]", r"\]")):
         compile_request(profile, InitialState.CONTENT, ids, **kw)
+
+
+def test_anthropic_tool_choice_shapes_mean_the_same(qwen3):
+    profile, ids = qwen3
+    same = [({"type": "any"}, "required"), ({"type": "tool", "name": "get_weather"},
+                                            {"type": "function", "function": {"name": "get_weather"}}),
+            ({"type": "auto"}, "auto"), ({"type": "none"}, "none")]
+    for anthropic, openai in same:
+        a = compile_request(profile, InitialState.CONTENT, ids, tools=[WEATHER, NYC_TIME], tool_choice=anthropic)
+        o = compile_request(profile, InitialState.CONTENT, ids, tools=[WEATHER, NYC_TIME], tool_choice=openai)
+        assert a == o, anthropic
 
 
 def test_tool_choice_on_a_family_without_tool_syntax_is_refused(hf_tok):
