@@ -225,4 +225,6 @@ class Sampler:
             noise[torch.tensor(unseeded, device=dev)] = torch.empty(len(unseeded), v, device=dev).exponential_()
         for i in seeded:
             noise[i] = torch.empty(v, device=dev).exponential_(generator=self._generator(seqs[i]))
+        # an exact 0 draw would make 0/0 = NaN, which argmax picks, for a token whose probability is 0
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
