@@ -21,6 +21,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the dir name)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split every layer across N processes (N GPUs on CUDA)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache size in blocks")
     kv.add_argument("--kv-cache-memory", type=parse_memory, default=None, help="KV-cache size in bytes (e.g. 2G)")
@@ -39,7 +41,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, reasoning_parser=args.reasoning_parser,
         tool_parser=args.tool_parser, chat_template=args.chat_template, max_waiting=args.max_waiting,
-        log_level=args.log_level)
+        log_level=args.log_level, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _check_parsers(config: ServeConfig) -> None:

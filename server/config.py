@@ -31,6 +31,7 @@ class ServeConfig:
     max_waiting: int = 1024  # admission answers 503 while this many requests already wait in the engine
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = "info"
+    tensor_parallel_size: int = 1  # ranks that split every layer (the engine spawns N-1 worker processes)
 
 
 def parse_memory(text: str) -> int:
