@@ -1,0 +1,78 @@
+"""Sampler semantics on hand-made logits: top-k / top-p / min-p keep exactly the documented tokens, temperature draws
+follow the softmax, penalties move the argmax, seeded rows are reproducible."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ember.engine.params import SamplingParams
+from ember.engine.sampler import Sampler
+from ember.engine.sequence import Sequence
+
+PROBS = [0.4, 0.3, 0.2, 0.1]
+
+
+def _rows(n: int, params: SamplingParams, outputs: list[int] | None = None) -> list[Sequence]:
+    seqs = []
+    for i in range(n):
+        s = Sequence(f"r{i}", [7], params)
+        s.output_token_ids = list(outputs or [])
+        seqs.append(s)
+    return seqs
+
+
+def _logits(n: int, probs=PROBS, vocab: int = 8) -> torch.Tensor:
+    row = torch.full((vocab,), -1e9)
+    row[: len(probs)] = torch.tensor(probs).log()
+    return row.repeat(n, 1)
+
+
+def _draw(params: SamplingParams, n: int = 3000) -> list[int]:
+    torch.manual_seed(0)
+    return Sampler(8, torch.device("cpu"))(_logits(n), _rows(n, params), set()).token_ids
+
+
+def test_top_k_top_p_min_p_keep_the_documented_tokens():
+    assert set(_draw(SamplingParams(temperature=1.0, top_k=2))) == {0, 1}
+    assert set(_draw(SamplingParams(temperature=1.0, top_p=0.5))) == {0, 1}  # 0.4 < 0.5, 0.4+0.3 >= 0.5
+    assert set(_draw(SamplingParams(temperature=1.0, top_p=0.75))) == {0, 1, 2}
+    assert set(_draw(SamplingParams(temperature=1.0, min_p=0.6))) == {0, 1}  # keep p >= 0.6 * 0.4
+    assert set(_draw(SamplingParams(temperature=1.0))) == {0, 1, 2, 3}
+
+
+def test_temperature_draws_follow_the_softmax():
+    n = 4000
+    for temp in (1.0, 0.5):
+        toks = _draw(SamplingParams(temperature=temp), n)
+        want = torch.tensor(PROBS) ** (1 / temp)
+        want = want / want.sum()
+        for t in range(4):
+            freq = toks.count(t) / n
+            assert abs(freq - float(want[t])) < 4 * math.sqrt(float(want[t]) * (1 - float(want[t])) / n) + 1e-3
+
+
+def test_penalties_move_the_argmax():
+    s = Sampler(8, torch.device("cpu"))
+    flat = torch.zeros(1, 8)
+    flat[0, :4] = torch.tensor([3.0, 2.9, 2.8, 2.7])
+    assert s(flat, _rows(1, SamplingParams(temperature=0.0), [0, 0, 1]), set()).token_ids == [0]
+    freq = SamplingParams(temperature=0.0, frequency_penalty=0.2)  # 3.0-0.4, 2.9-0.2, 2.8 -> token 2
+    assert s(flat, _rows(1, freq, [0, 0, 1]), set()).token_ids == [2]
+    pres = SamplingParams(temperature=0.0, presence_penalty=0.25)  # 2.75, 2.65, 2.8 -> token 2
+    assert s(flat, _rows(1, pres, [0, 1]), set()).token_ids == [2]
+    rep = SamplingParams(temperature=0.0, repetition_penalty=2.0)  # seen token 0: 3.0 / 2 -> token 1
+    assert s(flat, _rows(1, rep, [0]), set()).token_ids == [1]
+
+
+def test_seeded_rows_reproduce_regardless_of_neighbours():
+    sp = SamplingParams(temperature=1.0, seed=7)
+    alone = Sampler(8, torch.device("cpu"))(_logits(1), _rows(1, sp), set()).token_ids[0]
+    s1, s2 = Sampler(8, torch.device("cpu")), Sampler(8, torch.device("cpu"))
+    seq_a = _rows(1, sp)
+    seq_b = _rows(1, sp)
+    others = _rows(5, SamplingParams(temperature=1.0))
+    run_a = [s1(_logits(1), seq_a, set()).token_ids[0] for _ in range(20)]
+    run_b = [s2(_logits(6), others[:2] + seq_b + others[2:], set()).token_ids[2] for _ in range(20)]
+    assert run_a == run_b and run_a[0] == alone
+    assert len(set(run_a)) > 1
