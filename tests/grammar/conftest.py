@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import json
 import shutil
 from pathlib import Path
 
@@ -45,8 +44,3 @@ def backend(hf_tok):
     eos = [hf_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     return GrammarBackend.from_tokenizer(hf_tok, eos_ids=eos)
 
-
-@pytest.fixture(scope="session")
-def is_qwen3(vocab_dir) -> bool:
-    return json.loads((vocab_dir / "tokenizer_config.json").read_text()).get("tokenizer_class") != \
-        "PreTrainedTokenizerFast"

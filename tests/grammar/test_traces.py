@@ -13,7 +13,7 @@ import torch
 from ember.grammar import GrammarError, compile_request
 from ember.parsers.initial import InitialState, initial_state
 from ember.parsers.profiles import get_profile
-from ember.parsers.tokens import TokenBytes, resolve_delimiters
+from ember.parsers.tokens import TokenBytes, profile_delimiter_ids
 from tests.conftest import shared_path
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
@@ -62,7 +62,7 @@ def spelled(tok, *pieces: str) -> list[int]:
 
 
 def ids_of(tok, profile) -> dict[str, int]:
-    return {k: v for k, v in resolve_delimiters(tok, profile.terminals.values()).items() if v is not None}
+    return profile_delimiter_ids(tok, profile)
 
 
 def tid(tok, text: str) -> int:
@@ -112,11 +112,11 @@ def test_model_may_open_its_own_thought_only_at_the_start(hf_tok, backend, qwen3
     t = Trace(hf_tok, backend, plan)
     m = t.allowed()
     assert m[open_] and m[enc(hf_tok, "{")[0]] and not m[close]
-    t.feed([open_] + enc(hf_tok, "\nhmm\n") + [close] + enc(hf_tok, '\n\n{"k": ') )
+    t.feed([open_] + enc(hf_tok, "\nhmm\n") + [close] + enc(hf_tok, '\n\n{"k": '))
     assert not t.allowed()[open_]
     t.feed(enc(hf_tok, "1}"))
     assert t.c.is_terminated()
-    assert Trace(hf_tok, backend, plan).feed(enc(hf_tok, "{")).allowed()[open_] == False  # noqa: E712
+    assert not Trace(hf_tok, backend, plan).feed(enc(hf_tok, "{")).allowed()[open_]
 
 
 def test_thinking_budget_forces_the_close_delimiter(hf_tok, backend, qwen3):
@@ -256,7 +256,8 @@ def test_tool_schema_errors_name_tools_and_forced_calls_ignore_response_format(h
 def test_response_format_regex_and_lark(hf_tok, backend, qwen3):
     profile, ids = qwen3
     eos = tid(hf_tok, "<|im_end|>")
-    rx = compile_request(profile, InitialState.CONTENT, ids, response_format={"type": "regex", "regex": r"\d{3}-[a-z]+"})
+    rx = compile_request(profile, InitialState.CONTENT, ids,
+                         response_format={"type": "regex", "regex": r"\d{3}-[a-z]+"})
     Trace(hf_tok, backend, rx).feed(enc(hf_tok, "123-abc") + [eos])
     assert Trace(hf_tok, backend, rx).rejects(enc(hf_tok, "12a"))
     lark = compile_request(profile, InitialState.REASONING, ids,
