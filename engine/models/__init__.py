@@ -1,21 +1,32 @@
-"""Model implementations, looked up by the Hugging Face architecture name in config.json."""
+"""Model implementations, looked up by the Hugging Face architecture name in config.json.
+
+Registry values are classes or ``"module:Class"`` strings imported on first lookup (Qwen3-MoE pulls in the NVFP4 and
+MoE kernels, which dense models never need).
+"""
 from __future__ import annotations
+
+import importlib
 
 from ember.engine.config import ConfigError
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.models.llama import LlamaForCausalLM
 from ember.engine.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": "ember.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 
 def get_model_class(architecture: str, source: str = "config.json") -> type[DecoderForCausalLM]:
     try:
-        return MODEL_REGISTRY[architecture]
+        entry = MODEL_REGISTRY[architecture]
     except KeyError:
         raise ConfigError(
             f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(sorted(MODEL_REGISTRY))})"
         ) from None
+    if isinstance(entry, str):
+        module, name = entry.split(":")
+        entry = getattr(importlib.import_module(module), name)
+    return entry
