@@ -118,11 +118,12 @@ def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
             raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
-                 tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
-                 thinking_budget: int | None) -> list[Any]:
+async def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
+                       tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
+                       thinking_budget: int | None) -> list[Any]:
     """One engine Constraint per choice for the request's structured output / forced tools / thinking budget,
-    or Nones when generation is free. Grammar problems are the request's fault (400)."""
+    or Nones when generation is free. Grammar problems are the request's fault (400). Compiling runs in a worker
+    thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
     backend = st.runtime.grammar
     if backend is None:
         forced = tool_choice not in (None, "auto", "none")
@@ -130,9 +131,12 @@ def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, r
             raise bad_request("structured output is not available on this server",
                               param="response_format" if response_format else "tool_choice")
         return [None] * n
-    return backend.constraints(n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
-                               response_format=response_format, tools=tools, tool_choice=tool_choice,
-                               parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
+    if not response_format and not tools and thinking_budget is None:
+        return [None] * n
+    return await asyncio.to_thread(
+        backend.constraints, n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
+        response_format=response_format, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
 
 
 def _grammar_setup(setup: ParserSetup, initial: InitialState, thinking_off: bool) -> ParserSetup:
@@ -233,10 +237,10 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         tool_choice: Any = {"type": "function", "function": {"name": body.tool_choice.function.name}}
     else:
         tool_choice = body.tool_choice or ("auto" if tools else "none")
-    text = chat.render(rt.tokenizer, rt.chat_template, messages, tools=tools,
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
-    prompt_ids = chat.encode(rt.tokenizer, text)
+    prompt_ids = await asyncio.to_thread(
+        chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
+        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        kwargs=body.chat_template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(st, len(prompt_ids), requested)
     stop = body.stop_list
@@ -255,7 +259,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                              tools=parse_tools)
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
-    constraints = _constraints(st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
+    constraints = await _constraints(st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
                                response_format=_response_format(body.response_format), tools=parse_tools,
                                tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
                                thinking_budget=body.max_thinking_tokens)
@@ -360,7 +364,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
 
 # ------------------------------------------------------------------------------------------------- messages (Anthropic)
 
-def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[list[int], list[dict] | None, dict]:
+async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[list[int], list[dict] | None, dict]:
     rt = st.runtime
     messages = chat.anthropic_messages(body.system, body.messages)
     tools = chat.anthropic_tools(body.tools)
@@ -370,17 +374,17 @@ def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[list[int
     else:
         kwargs["enable_thinking"] = False
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
-    text = chat.render(rt.tokenizer, rt.chat_template, messages, tools=tools,
-                       add_generation_prompt=not continue_final, continue_final_message=continue_final,
-                       kwargs=kwargs)
-    return chat.encode(rt.tokenizer, text), tools, kwargs
+    ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
+                                  add_generation_prompt=not continue_final, continue_final_message=continue_final,
+                                  kwargs=kwargs)
+    return ids, tools, kwargs
 
 
 async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
     st = _state(request)
     rt = st.runtime
     _check_model(st, body.model)
-    prompt_ids, tools, _kw = _anthropic_prompt(st, body)
+    prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
     max_tokens = _max_tokens(st, len(prompt_ids), body.max_tokens)
     tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
     tool_choice: Any = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
@@ -399,7 +403,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True}}
-    [constraint] = _constraints(st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial,
+    [constraint] = await _constraints(st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial,
                                 response_format=rf, tools=parse_tools, tool_choice=tool_choice,
                                 parallel_tool_calls=parallel, thinking_budget=budget)
     _check_capacity(st)
@@ -440,7 +444,7 @@ def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict
 async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = Depends(require_api_key)) -> dict:
     st = _state(request)
     _check_model(st, body.model)
-    prompt_ids, _tools, _kw = _anthropic_prompt(st, body)
+    prompt_ids, _tools, _kw = await _anthropic_prompt(st, body)
     return {"input_tokens": len(prompt_ids)}
 
 

@@ -204,3 +204,8 @@ def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]],
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Prompt text -> token IDs; the template already wrote any BOS, so no special tokens are added."""
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    """`render` then `encode`: the prompt's token IDs."""
+    return encode(tokenizer, render(tokenizer, template, messages, **options))
