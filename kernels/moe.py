@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels import nvfp4
+from ember.kernels.moe_reference import silu_and_mul
 from ember.kernels.nvfp4 import NVFP4Tensor
 
 
@@ -199,19 +200,19 @@ def _moe_gemm_kernel(
 def _moe_gemm_w4a4_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, alpha_ptr, c_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-    N, K, EM, num_valid, up_off,
+    N, K, EM, num_valid, second_off,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_se, stride_sn, stride_sk,
     stride_ae, stride_ap,
     stride_cm, stride_cn,
     A_ROW_DIV: tl.constexpr,
-    FUSE_SILU: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """W4A4 variant: A is packed E2M1 ``[rows, K/2]`` with E4M3 scales ``[rows, K/16]``; ``tl.dot_scaled``; the
-    epilogue multiplies by ``alpha[e] = input_scale * weight_scale_2[e]``. Blackwell only."""
+    epilogue multiplies column ``n`` by ``alpha[e, n >= second_off]`` (``input_scale * weight_scale_2``; gate and up
+    may differ). No fused SiLU: Triton 3.6 cannot compile two block-scaled accumulators for sm_100. Blackwell only."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -232,7 +233,6 @@ def _moe_gemm_w4a4_kernel(
     offs_ks = tl.arange(0, BLOCK_K // 16)
     rows = (tok // A_ROW_DIV).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_base = b_ptr + expert * stride_be
     s_base = bs_ptr + expert * stride_se
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -249,18 +249,10 @@ def _moe_gemm_w4a4_kernel(
         b_s = tl.load(s_base + offs_n[:, None] * stride_sn + ks[None, :] * stride_sk,
                       mask=n_mask[:, None] & ks_mask[None, :], other=0.0)
         acc = tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1", acc)
-        if FUSE_SILU:
-            rows_up = offs_n + up_off
-            b_up = tl.load(b_base + rows_up[None, :] * stride_bn + kp[:, None] * stride_bk,
-                           mask=kp_mask[:, None] & n_mask[None, :], other=0)
-            b_s_up = tl.load(s_base + rows_up[:, None] * stride_sn + ks[None, :] * stride_sk,
-                             mask=n_mask[:, None] & ks_mask[None, :], other=0.0)
-            acc_up = tl.dot_scaled(a, a_s, "e2m1", b_up, b_s_up, "e2m1", acc_up)
 
-    acc = acc * tl.load(alpha_ptr + expert * stride_ae)
-    if FUSE_SILU:
-        acc_up = acc_up * tl.load(alpha_ptr + expert * stride_ae + stride_ap)
-        acc = acc * tl.sigmoid(acc) * acc_up
+    alpha_lo = tl.load(alpha_ptr + expert * stride_ae)
+    alpha_hi = tl.load(alpha_ptr + expert * stride_ae + stride_ap)
+    acc = acc * tl.where(offs_n >= second_off, alpha_hi, alpha_lo)[None, :]
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
         acc = acc * w[:, None]
@@ -405,23 +397,32 @@ def dot_scaled_nvfp4_works(device_str: str = "cpu") -> bool:
 def _launch_w4a4(
     aq: torch.Tensor, a_s: torch.Tensor, w: NVFP4Tensor, alpha: torch.Tensor, c: torch.Tensor,
     topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_post: torch.Tensor, n: int, a_row_div: int, fuse_silu: bool, num_valid: int, cfg: GemmConfig,
+    num_post: torch.Tensor, a_row_div: int, num_valid: int, cfg: GemmConfig,
 ) -> None:
+    """One W4A4 launch; ``alpha [E, P]``: with ``P == 2`` the second half of the output columns uses column 1."""
     b, s = w.weight, w.weight_scale
-    alpha = alpha.reshape(b.shape[0], -1)
+    n = b.shape[1]
+    alpha = alpha.reshape(b.shape[0], -1).contiguous()
+    two = alpha.shape[1] > 1
     _moe_gemm_w4a4_kernel[_grid(sorted_ids.numel(), n, cfg)](
         aq, a_s, b, s, alpha, c, topk_weights if topk_weights is not None else c,
         sorted_ids, expert_ids, num_post,
-        n, b.shape[-1] * 2, sorted_ids.numel(), num_valid, n,
+        n, b.shape[-1] * 2, sorted_ids.numel(), num_valid, n // 2 if two else n,
         aq.stride(0), aq.stride(1), a_s.stride(0), a_s.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         s.stride(0), s.stride(1), s.stride(2),
-        alpha.stride(0), alpha.stride(1) if alpha.shape[1] > 1 else 0,
+        alpha.stride(0), alpha.stride(1) if two else 0,
         c.stride(0), c.stride(1),
-        A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_ROUTED_WEIGHT=topk_weights is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=max(cfg.block_k, 32), GROUP_M=cfg.group_m,
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def w4a4_config(cfg: GemmConfig) -> GemmConfig:
+    """Blackwell's block-scaled MMA wants 128-row tiles (Triton 3.6 rejects smaller ones for sm_100)."""
+    return GemmConfig(128, max(cfg.block_n, 64), max(cfg.block_k, 64), cfg.group_m, 8 if cfg.block_n >= 128 else 4,
+                      cfg.num_stages)
 
 
 def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
@@ -430,7 +431,7 @@ def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
 
 def _w4a4_dense(x: torch.Tensor, w: NVFP4Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
-    cfg = GemmConfig(block_k=64)
+    cfg = w4a4_config(GemmConfig())
     cap = triton.cdiv(m, cfg.block_m) * cfg.block_m
     sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
     sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
@@ -440,8 +441,7 @@ def _w4a4_dense(x: torch.Tensor, w: NVFP4Tensor, input_scale: torch.Tensor) -> t
     stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
     alpha = (input_scale.float() * w.weight_scale_2.float()).reshape(1)
     out = torch.empty(m, w.weight.shape[0], dtype=torch.float32, device=x.device)
-    _launch_w4a4(aq, a_s, stack, alpha, out, None, sorted_ids, expert_ids, num_post,
-                 w.weight.shape[0], 1, False, m, cfg)
+    _launch_w4a4(aq, a_s, stack, alpha, out, None, sorted_ids, expert_ids, num_post, 1, m, cfg)
     return out
 
 
@@ -461,20 +461,20 @@ def fused_moe_nvfp4_w4a4(
     top_k = topk_ids.shape[1]
     e, n2 = w13.weight.shape[0], w13.weight.shape[1]
     inter_size = n2 // 2
-    cfg = config or default_config(m * top_k, e, top_k, x.device)
+    cfg = config or w4a4_config(default_config(m * top_k, e, top_k, x.device))
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     s13 = _dynamic_scale(x) if a13_scale is None else a13_scale.float().reshape(())
     xq, xs = nvfp4.quantize_activations(x, s13)
     alpha13 = s13 * w13.weight_scale_2.float().reshape(e, -1)
-    inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
-    _launch_w4a4(xq, xs, w13, alpha13, inter, None, sorted_ids, expert_ids, num_post,
-                 inter_size, top_k, True, m * top_k, cfg)
+    gate_up = torch.empty(m * top_k, 2 * inter_size, dtype=torch.float32, device=x.device)
+    _launch_w4a4(xq, xs, w13, alpha13, gate_up, None, sorted_ids, expert_ids, num_post, top_k, m * top_k, cfg)
+    inter = silu_and_mul(gate_up).to(x.dtype)
     s2 = _dynamic_scale(inter) if a2_scale is None else a2_scale.float().reshape(())
     iq, is_ = nvfp4.quantize_activations(inter, s2)
     alpha2 = (s2 * w2.weight_scale_2.float()).reshape(e)
     out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
     _launch_w4a4(iq, is_, w2, alpha2, out, topk_weights.reshape(-1).float().contiguous(), sorted_ids,
-                 expert_ids, num_post, h, 1, False, m * top_k, cfg)
+                 expert_ids, num_post, 1, m * top_k, cfg)
     return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
 
 

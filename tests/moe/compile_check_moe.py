@@ -1,0 +1,83 @@
+"""Compile the fused-MoE / NVFP4 kernels for a CUDA target with the real Triton compiler, no GPU needed.
+
+``python tests/moe/compile_check_moe.py 90 [--quick]`` (Hopper: the W4A16 and dense grouped GEMMs in bf16/fp16) or ``100``
+(Blackwell: also the W4A4 ``dot_scaled`` kernel). Drives the public wrappers with CPU tensors, records each launch
+(the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin. Prints ``OK``/``FAIL`` per launch and
+exits non-zero on any failure. Must run without ``TRITON_INTERPRET``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ember.kernels import moe, nvfp4
+from ember.kernels import moe_reference as ref
+from ember.kernels.nvfp4 import NVFP4Tensor
+from tests.kernels.compile_check import _Recorder, _signature
+
+_KERNELS = ("_moe_gemm_kernel", "_moe_gemm_w4a4_kernel")
+
+
+def _drive(w4a4: bool, quick: bool = False) -> None:
+    """Every configuration the engine and ``benchmarks/gpu_check_moe.py`` launch (``quick``: bf16 at one size)."""
+    g = torch.Generator().manual_seed(0)
+    e, h, i = 8, 256, 128
+    w13 = torch.randn(e, 2 * i, h, generator=g)
+    w2 = torch.randn(e, h, i, generator=g)
+    q13 = NVFP4Tensor(*(torch.stack(t) for t in zip(*[(q.weight, q.weight_scale, q.weight_scale_2.expand(2))
+                                                      for q in map(nvfp4.quantize, w13)])))
+    q2 = NVFP4Tensor(*(torch.stack(t) for t in zip(*[(q.weight, q.weight_scale, q.weight_scale_2)
+                                                     for q in map(nvfp4.quantize, w2)])))
+    for dt in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16):
+        for m in (64,) if quick else (1, 16, 64, 256, 512, 4096):
+            x = torch.randn(m, h, generator=g).to(dt)
+            tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), 2, True)
+            cfg = moe.default_config(m * 2, e, 2, torch.device("cuda"))
+            if not quick:
+                moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
+            moe.fused_moe(x, q13, q2, tw, ti, config=cfg)
+            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.default_config(m, 1, 1, torch.device("cuda")))
+            if w4a4 and dt == torch.bfloat16:
+                moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
+
+
+def main(arch: int, quick: bool = False) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("compile_check_moe must run without TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    launches: list = []
+    saved = {name: getattr(moe, name) for name in _KERNELS}
+    for name, kernel in saved.items():
+        setattr(moe, name, _Recorder(f"moe.{name}", kernel, launches))
+    try:
+        _drive(w4a4=arch >= 100, quick=quick)
+    finally:
+        for name, kernel in saved.items():
+            setattr(moe, name, kernel)
+    target = GPUTarget("cuda", arch, 32)
+    seen, failures = set(), 0
+    for name, kernel, args, kwargs in launches:
+        sig, constexprs, options = _signature(kernel, args, dict(kwargs))
+        key = (name, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{name} {','.join(v for v in sig.values() if v.startswith('*'))} {sorted(kwargs.items())}"
+        try:
+            triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=target, options=options)
+            print("OK  ", label)
+        except Exception as e:  # report every failing configuration
+            failures += 1
+            print("FAIL", label, f"\n     {type(e).__name__}: {str(e)[:2000]}")
+    print(f"{len(seen)} MoE kernel configurations for sm_{arch} with triton {triton.__version__}: {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    argv = [a for a in sys.argv[1:] if a != "--quick"]
+    sys.exit(main(int(argv[0]) if argv else 90, quick="--quick" in sys.argv))
