@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
-import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +38,7 @@ _COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 _IDLE_TIMEOUT = timedelta(days=3650)  # workers wait this long for the driver's next command
 _COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
+_JOINED = "ember/tp/joined"
 
 
 @dataclass(frozen=True)
@@ -198,19 +199,12 @@ def attach(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
 
 # ---- processes ----------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_group(rank: int, world_size: int, port: int, device: torch.device) -> TensorParallel:
-    """Join the process group on ``127.0.0.1:port`` (gloo on CPU, NCCL on CUDA) and its gloo command group."""
+def init_group(rank: int, world_size: int, store: dist.Store, device: torch.device) -> TensorParallel:
+    """Join the process group through ``store`` (gloo on CPU, NCCL on CUDA) and its gloo command group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=_COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     return TensorParallel(rank, world_size, control)
 
@@ -251,7 +245,9 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
     """A worker: load this rank's shard, report, then replay the driver's runner commands until told to stop."""
     torch.set_num_threads(spec.num_threads)
     device = rank_device(torch.device(spec.device_type), rank)
-    tp = init_group(rank, world_size, port, device)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_COLLECTIVE_TIMEOUT)
+    store.add(_JOINED, 1)
+    tp = init_group(rank, world_size, store, device)
     try:
         runner, error = None, None
         try:
@@ -324,14 +320,15 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")
     spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads())
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=worker_main, args=(r, n, port, str(model_dir), spec),
+    workers = [ctx.Process(target=worker_main, args=(r, n, store.port, str(model_dir), spec),
                            name=f"ember-tp-worker-{r}", daemon=True) for r in range(1, n)]
     for p in workers:
         p.start()
     try:
-        tp = init_group(0, n, port, rank_device(device, 0))
+        _wait_for_workers(store, workers)
+        tp = init_group(0, n, store, rank_device(device, 0))
     except BaseException:
         _reap(workers)
         raise
@@ -350,6 +347,21 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         rank, msg = next((r, e) for r, e in enumerate(errors) if e)
         raise RuntimeError(f"tensor-parallel rank {rank} failed to load {model_dir}: {msg}")
     return runner
+
+
+def _wait_for_workers(store: dist.Store, workers: list[mp.process.BaseProcess]) -> None:
+    """Return once every worker has reached the store; raise as soon as one has died instead (a spawned worker that
+    cannot start, e.g. a script without a main guard, would otherwise leave the driver waiting for the timeout)."""
+    deadline = time.monotonic() + _COLLECTIVE_TIMEOUT.total_seconds()
+    while store.add(_JOINED, 0) < len(workers):
+        dead = next((p for p in workers if not p.is_alive()), None)
+        if dead is not None:
+            raise RuntimeError(f"tensor-parallel worker {dead.name} exited (code {dead.exitcode}) before joining the "
+                               "group; its error is printed above. Workers are spawned: a script that starts a "
+                               "tensor-parallel engine needs an `if __name__ == \"__main__\":` guard")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor-parallel workers did not start within {_COLLECTIVE_TIMEOUT}")
+        time.sleep(0.02)
 
 
 def _reap(procs: list[mp.process.BaseProcess], timeout: float = 30.0) -> None:
