@@ -43,12 +43,30 @@ def without_reasoning(profile: Profile) -> Profile:
     return dataclasses.replace(profile, reasoning=None, transitions=transitions)
 
 
+def with_reasoning_of(profile: Profile, other: Profile) -> Profile:
+    """`profile`'s tool syntax with `other`'s thought syntax (e.g. `--reasoning-parser deepseek_r1
+    --tool-parser hermes`): the think terminals and rules of `other`, the headers and end-of-turn specials of both."""
+    if other.reasoning is None:
+        return without_reasoning(profile)
+    think = {k: v for k, v in other.terminals.items() if k.startswith("think_")}
+    base = without_reasoning(profile)
+    return dataclasses.replace(
+        base, reasoning=other.reasoning, terminals={**base.terminals, **think},
+        token_id_terminals=base.token_id_terminals | (other.token_id_terminals & think.keys()),
+        transitions={**base.transitions, **{k: r for k, r in other.transitions.items() if k[1].startswith("think_")}},
+        generation_headers=tuple(dict.fromkeys(base.generation_headers + other.generation_headers)),
+        end_of_turn=tuple(dict.fromkeys(base.end_of_turn + other.end_of_turn)))
+
+
 def choose_profile(chat_template: str | None, model_type: str | None, reasoning_parser: str | None,
                    tool_parser: str | None) -> Profile:
     """`--tool-parser` names the family (its tool syntax and, with it, its reasoning syntax); `--reasoning-parser`
-    names it when no tool parser is given; "none" switches that part off; unset, the family is detected."""
+    names it when no tool parser is given, or replaces the thought syntax of a different tool parser; "none"
+    switches that part off; unset, the family is detected from the chat template and model type."""
     base_name = next((n for n in (tool_parser, reasoning_parser) if n and n != "none"), None)
     profile = get_profile(base_name or detect_profile(chat_template, model_type))
+    if reasoning_parser not in (None, "none", profile.name) and profile.tool_format != "harmony":
+        profile = with_reasoning_of(profile, get_profile(reasoning_parser))
     if tool_parser == "none":
         profile = dataclasses.replace(profile, tool_format=None)
     if reasoning_parser == "none":

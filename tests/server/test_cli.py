@@ -95,3 +95,30 @@ def test_ember_serve_a_converted_llama2c_model(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_parser_flags_pick_the_profile(demo_model_dir):
+    """`--reasoning-parser none` leaves thoughts in content; a reasoning parser can lend its thought syntax to a
+    different tool parser; with no flags the family comes from the chat template."""
+    from transformers import AutoTokenizer
+
+    from ember.parsers.initial import InitialState
+    from ember.parsers.pipeline import ParserSetup, parse_all
+    from ember.server.generation import choose_profile
+
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    ids = tok.encode("<think>hmm</think>Hi", add_special_tokens=False)
+
+    def parse(profile):
+        setup = ParserSetup.from_tokenizer(tok, profile)
+        return parse_all(setup.pipeline(initial=InitialState.CONTENT), ids)
+
+    detected = choose_profile(tok.chat_template, None, None, None)
+    assert detected.name == "qwen3"
+    assert (parse(detected).reasoning, parse(detected).content) == ("hmm", "Hi")
+    off = choose_profile(tok.chat_template, None, "none", None)
+    assert off.reasoning is None and parse(off).content == "<think>hmm</think>Hi"
+    merged = choose_profile(None, None, "deepseek_r1", "hermes")
+    assert (merged.tool_format, merged.reasoning.start_mode) == ("hermes", "always")
+    assert (parse(merged).reasoning, parse(merged).content) == ("hmm", "Hi")
+    assert choose_profile(None, None, None, "none").tool_format is None
