@@ -111,6 +111,11 @@ def _logit_bias(st: ServerState, bias: dict[str, float] | None) -> dict[int, flo
     return out
 
 
+def _stop_ids(st: ServerState, ids: list[int] | None) -> list[int]:
+    _check_token_ids(st, list(ids or ()), "stop_token_ids")
+    return list(ids or ())
+
+
 def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
     vocab = st.runtime.engine.engine.vocab_size
     for t in ids:
@@ -157,8 +162,8 @@ def _response_format(rf: po.ResponseFormat | None) -> dict | None:
     return out
 
 
-def _new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str) -> GenRequest:
-    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop)
+def _new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str, arrival: float) -> GenRequest:
+    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
 
 
 # ----------------------------------------------------------------------------------------------------- chat (OpenAI)
@@ -226,6 +231,7 @@ def _stream_error(message: str) -> str:
 
 async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                            _: None = Depends(require_api_key)) -> Response:
+    arrival = time.monotonic()
     st = _state(request)
     rt = st.runtime
     _check_model(st, body.model)
@@ -251,7 +257,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        logit_bias=_logit_bias(st, body.logit_bias), stop_token_ids=body.stop_token_ids or (),
+        logit_bias=_logit_bias(st, body.logit_bias), stop_token_ids=_stop_ids(st, body.stop_token_ids),
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
     choices = []
     for i in range(body.n):
@@ -259,15 +265,15 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                              tools=parse_tools)
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
-    constraints = await _constraints(st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
-                               response_format=_response_format(body.response_format), tools=parse_tools,
-                               tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-                               thinking_budget=body.max_thinking_tokens)
+    constraints = await _constraints(
+        st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
+        response_format=_response_format(body.response_format), tools=parse_tools, tool_choice=tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls, thinking_budget=body.max_thinking_tokens)
     for c, k in zip(choices, constraints):
         c.constraint = k
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = _new_request(choices, stop, "chatcmpl")
+    req = _new_request(choices, stop, "chatcmpl", arrival)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
                      top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
@@ -292,6 +298,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
 # ----------------------------------------------------------------------------------------------- completions (OpenAI)
 
 async def completions(body: po.CompletionRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
+    arrival = time.monotonic()
     st = _state(request)
     rt = st.runtime
     _check_model(st, body.model)
@@ -319,7 +326,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logprobs=body.logprobs, logit_bias=_logit_bias(st, body.logit_bias),
-            stop_token_ids=body.stop_token_ids or (), min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+            stop_token_ids=_stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
@@ -327,7 +335,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             echoes.append(text if body.echo else None)
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(prompt_total)
-    req = _new_request(choices, stop, "cmpl")
+    req = _new_request(choices, stop, "cmpl", arrival)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
@@ -381,6 +389,7 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
 
 
 async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
+    arrival = time.monotonic()
     st = _state(request)
     rt = st.runtime
     _check_model(st, body.model)
@@ -408,7 +417,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                                 parallel_tool_calls=parallel, thinking_budget=budget)
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg")
+    req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
     enc = MessageEncoder(req.request_id.replace("-", "_"), rt.model_name, len(prompt_ids))
     run = _Run()
 

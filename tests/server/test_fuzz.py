@@ -50,6 +50,8 @@ CHAT_FIELDS = {
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tokenize", "x", "messages"]),
                                             anything, max_size=2),
     "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(-3, 2000), max_size=2), "min_tokens": st.integers(0, 5),
+    "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(),
 }
 block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "text", "tool_use", "tool_result", "thinking", "image", "x"])},
