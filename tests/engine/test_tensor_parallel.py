@@ -160,3 +160,45 @@ def test_a_split_that_does_not_divide_fails_naming_the_field(qwen3_dir, tmp_path
 def test_tensor_parallel_size_must_be_positive(qwen3_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         Engine.from_pretrained(qwen3_dir, tensor_parallel_size=0, **ENGINE_OPTIONS)
+
+
+
+def _stack(tensors: dict, prefix: str, proj: str, experts: int) -> torch.Tensor:
+    return torch.stack([tensors[f"{prefix}{e}.{proj}.weight"] for e in range(experts)])
+
+
+def test_fused_expert_keys_shard_like_per_expert_keys(moe_dir, tmp_path):
+    """A checkpoint with transformers 5's fused expert stacks gives each rank the same expert slices as the
+    per-expert form save_pretrained writes (gate and up halves split separately)."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.engine.distributed import TensorParallel, iter_shard_weights
+
+    experts = 8
+    tensors = load_file(str(moe_dir / "model.safetensors"))
+    fused = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    for name in tensors:
+        if name.endswith(".experts.0.gate_proj.weight"):
+            prefix = name[: -len("0.gate_proj.weight")]
+            fused[prefix + "gate_up_proj"] = torch.cat([_stack(tensors, prefix, "gate_proj", experts),
+                                                        _stack(tensors, prefix, "up_proj", experts)], dim=1)
+            fused[prefix + "down_proj"] = _stack(tensors, prefix, "down_proj", experts)
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    save_file(fused, str(fused_dir / "model.safetensors"))
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        per_expert = dict(iter_shard_weights(moe_dir, tp))
+        checked = 0
+        for name, t in iter_shard_weights(fused_dir, tp):
+            prefix = name.rsplit(".", 1)[0] + "."
+            if name.endswith("experts.gate_up_proj"):
+                want = torch.cat([_stack(per_expert, prefix, "gate_proj", experts),
+                                  _stack(per_expert, prefix, "up_proj", experts)], dim=1)
+            elif name.endswith("experts.down_proj"):
+                want = _stack(per_expert, prefix, "down_proj", experts)
+            else:
+                continue
+            assert t.shape == want.shape and torch.equal(t, want), name
+            checked += 1
+        assert checked == 4  # two sparse layers, two stacks each
