@@ -208,10 +208,17 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("weight_scale_2", torch.zeros(len(part_sizes), dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.zeros(len(part_sizes), dtype=torch.float32, device=device))
         self.bias = bias
+        self._parts: list[NVFP4Tensor] | None = None
 
     def partitions(self) -> list[NVFP4Tensor]:
         """The weight as NVFP4 tensors: one when every partition shares ``weight_scale_2`` (ModelOpt's fused
-        layers do), else one per partition."""
+        layers do), else one per partition. Decided on the first forward (a host sync), then cached, so later
+        forwards can be captured in CUDA graphs."""
+        if self._parts is None:
+            self._parts = self._split()
+        return self._parts
+
+    def _split(self) -> list[NVFP4Tensor]:
         s8 = self.weight_scale.view(torch.float8_e4m3fn)
         if bool((self.weight_scale_2 == self.weight_scale_2[0]).all()):
             return [NVFP4Tensor(self.weight, s8, self.weight_scale_2[0])]
@@ -283,19 +290,34 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
     return placed
 
 
+class PreparedWeights:
+    """A weight stream that :func:`prepare` has already handled (it passes such a stream through unchanged)."""
+
+    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it = iter(stream)
+
+    def __iter__(self) -> "PreparedWeights":
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._it)
+
+
 def prepare(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str,
-            skip: tuple[str, ...] = (".mlp.experts.",)) -> Iterator[tuple[str, torch.Tensor]]:
+            skip: tuple[str, ...] = (".mlp.experts.",)) -> PreparedWeights:
     """Hook for a model's ``load_weights``, to call before it reads its parameters: when ``source`` is an NVFP4
     checkpoint directory, swap the planned linear layers for :class:`NVFP4Linear` now (and set
     ``model.nvfp4_plan``), and return a stream that fills them from their quantized tensors and yields every other
     tensor (including modules whose names contain one of ``skip``, which the model places itself). An unquantized
-    checkpoint's ``weights`` come back unchanged."""
+    checkpoint's ``weights`` come back unchanged, and so does a stream this function already returned."""
+    if isinstance(weights, PreparedWeights):
+        return weights
     cfg = getattr(model, "config", None)
     p = plan_for_source(source, getattr(cfg, "raw", {}) or {})
     model.nvfp4_plan = p
     if p is None:
-        return iter(weights)
-    return _fill(p, _install_linears(model, p, skip), weights, source)
+        return PreparedWeights(weights)
+    return PreparedWeights(_fill(p, _install_linears(model, p, skip), weights, source))
 
 
 def _fill(p: NVFP4Plan, placed: dict[str, tuple[NVFP4Linear, int, int]],
@@ -305,6 +327,7 @@ def _fill(p: NVFP4Plan, placed: dict[str, tuple[NVFP4Linear, int, int]],
         module, _, suffix = name.rpartition(".")
         if module in placed and suffix in ("weight", *QUANT_SUFFIXES):
             lin, row, idx = placed[module]
+            lin._parts = None
             if suffix == "weight":
                 lin.weight[row:row + tensor.shape[0]].copy_(tensor)
             elif suffix == "weight_scale":

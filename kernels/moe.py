@@ -353,7 +353,7 @@ def nvfp4_linear(
     sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
     sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
     expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
-    num_post = torch.tensor([cap], dtype=torch.int32, device=x.device)
+    num_post = torch.full((1,), cap, dtype=torch.int32, device=x.device)
     stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -436,7 +436,7 @@ def _w4a4_dense(x: torch.Tensor, w: NVFP4Tensor, input_scale: torch.Tensor) -> t
     sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
     sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
     expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
-    num_post = torch.tensor([cap], dtype=torch.int32, device=x.device)
+    num_post = torch.full((1,), cap, dtype=torch.int32, device=x.device)
     aq, a_s = nvfp4.quantize_activations(x, input_scale)
     stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
     alpha = (input_scale.float() * w.weight_scale_2.float()).reshape(1)

@@ -46,17 +46,20 @@ class NVFP4Tensor:
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, 0..15) of ``x`` (already divided by its scales): round half to even, saturate at 6."""
+    """E2M1 codes (uint8, 0..15) of ``x`` (already divided by its scales): round half to even, saturate at 6.
+
+    The magnitude index is the number of interval bounds strictly below ``|x|`` (a value on a bound goes down),
+    plus one on the bounds whose upper neighbour has the even mantissa. Elementwise only (no host tensors), so it
+    can run inside a CUDA graph.
+    """
     x = x.float()
     mag = x.abs()
-    bounds = torch.tensor(_BOUNDS, device=x.device)
-    idx = torch.searchsorted(bounds, mag.contiguous())  # side="left": a value on a bound goes down ...
-    ties = torch.zeros_like(mag, dtype=torch.bool)
-    for t in _TIES_UP:  # ... except on the bounds whose upper neighbour has the even mantissa
-        ties |= mag == t
-    idx = (idx + ties.long()).clamp(max=7)
-    sign = torch.signbit(x).long() << 3
-    return (idx | sign).to(torch.uint8)
+    idx = torch.zeros_like(mag, dtype=torch.uint8)
+    for b in _BOUNDS:
+        idx += (mag > b).to(torch.uint8)
+    for t in _TIES_UP:
+        idx += (mag == t).to(torch.uint8)
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 else:
                     yield name, tensor
 
-        super().load_weights(rest(), source)
+        super().load_weights(nvfp4_loading.PreparedWeights(rest()), source)
         for i, sparse in enumerate(self.sparse):
             if not sparse:
                 continue
