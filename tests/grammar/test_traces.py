@@ -5,6 +5,7 @@ which next tokens the mask allows, where the reasoning region ends, which tool c
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -390,3 +391,23 @@ def test_grammar_and_parser_leave_reasoning_at_the_same_token(hf_tok, backend, i
     assert channels[switch] == DELIMITER
     assert grammar_reasoning == parser_reasoning + [switch]
     assert len(parser_reasoning) == len(thought)
+
+
+def test_a_close_delimiter_that_is_not_one_token_ends_reasoning_as_text_in_both(hf_tok, backend):
+    """Where `</think>` is not a single token (DeepSeek-V3's vocabulary), grammar and parser both end the thought at
+    its first spelling."""
+    from ember.parsers.pipeline import ParserSetup, parse_all
+
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    demoted = {t: i for t, i in setup.delimiter_ids.items() if t not in ("<think>", "</think>")}
+    plan = compile_request(setup.profile, InitialState.REASONING, demoted, response_format={"type": "json_object"})
+    thought, close = enc(hf_tok, "Let me think."), spelled(hf_tok, " </", "think", ">")
+    t = Trace(hf_tok, backend, plan).feed(thought + close)
+    assert not t.allowed()[enc(hf_tok, " more")[0]], "after the spelled close only the answer"
+    t.feed(enc(hf_tok, '\n{"x": 1}'))
+    assert t.c.is_terminated()
+    pipe = dataclasses.replace(setup, delimiter_ids=demoted).pipeline(initial=InitialState.REASONING)
+    parsed = parse_all(pipe, thought + close + enc(hf_tok, '\n{"x": 1}'))
+    assert parsed.reasoning.strip() == "Let me think." and json.loads(parsed.content) == {"x": 1}
+    with pytest.raises(GrammarError, match="single token"):
+        compile_request(setup.profile, InitialState.REASONING, demoted, thinking_budget=4)
