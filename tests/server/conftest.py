@@ -111,17 +111,36 @@ def build_tiny_qwen3(out: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen3_server(tmp_path_factory):
+def qwen3_runtime(tmp_path_factory):
     from ember.server.app import load_runtime
     from ember.server.config import ServeConfig
 
     model_dir = build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"))
     config = ServeConfig(model_dir=model_dir, served_model_name="tiny-qwen3", max_num_seqs=8, kv_cache_blocks=256)
     runtime = load_runtime(config)
+    yield runtime, config
+    runtime.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(qwen3_runtime):
+    runtime, config = qwen3_runtime
     srv, app = _serve(runtime, config)
     yield LiveServer(srv.url, runtime, "tiny-qwen3", runtime.tokenizer, app)
     srv.stop()
-    runtime.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen3_thinking_server(qwen3_runtime):
+    """The same tiny Qwen3 behind the real Qwen3 Thinking-2507 chat template (its generation prompt opens
+    `<think>`), as `ember serve --chat-template` would serve it."""
+    runtime, config = qwen3_runtime
+    template = json.loads(shared_path("tokenizers", "qwen3-thinking-2507", "tokenizer_config.json")
+                          .read_text())["chat_template"]
+    thinking = dataclasses.replace(runtime, chat_template=template)
+    srv, app = _serve(thinking, config)
+    yield LiveServer(srv.url, thinking, "tiny-qwen3", runtime.tokenizer, app)
+    srv.stop()
 
 
 @pytest.fixture(params=["demo", "qwen3"])

@@ -73,7 +73,9 @@ def test_stream_event_order(demo_server):
     assert events[-2]["usage"]["output_tokens"] == 8 and events[-2]["delta"]["stop_reason"] == "max_tokens"
 
 
-def test_thinking_blocks_with_budget(demo_server):
+@pytest.mark.parametrize("which", ["demo_server", "qwen3_thinking_server"])
+def test_thinking_blocks_with_budget(request, which):
+    demo_server = request.getfixturevalue(which)
     client = demo_server.anthropic()
     kw = dict(model=demo_server.model, max_tokens=10, messages=HI, extra_body={"temperature": 0},
               thinking={"type": "enabled", "budget_tokens": 4})

@@ -127,6 +127,26 @@ def test_reasoning_is_split_from_content(demo_server):
     assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
 
 
+def test_reasoning_split_with_the_real_qwen3_thinking_template(qwen3_thinking_server):
+    """The template leaves `<think>` open: the reply starts in reasoning; the budget ends it at token 151668."""
+    server = qwen3_thinking_server
+    kw = dict(model=server.model, messages=HI, max_tokens=10, seed=8,
+              extra_body={"max_thinking_tokens": 3, "return_token_ids": True})
+    r = server.openai().chat.completions.create(**kw)
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids[3] == 151668
+    extra = r.choices[0].message.model_extra
+    tb = server.runtime.token_bytes
+    assert extra["reasoning_content"] == tb.decode(ids[:3])
+    after = tb.decode(ids[4:]).removesuffix("<|im_end|>")
+    content = r.choices[0].message.content
+    assert after.endswith(content) and after[:len(after) - len(content)].strip() == ""  # at most whitespace held
+    rebuilt, stream_ids, _, _ = _rebuild(server.openai().chat.completions.create(stream=True, **kw))
+    assert stream_ids == ids
+    assert rebuilt.choices[0].message.model_extra["reasoning_content"] == extra["reasoning_content"]
+    assert rebuilt.choices[0].message.content == r.choices[0].message.content
+
+
 def test_n_choices_are_independent_and_counted(demo_server):
     r = demo_server.openai().chat.completions.create(
         model=demo_server.model, messages=HI, max_tokens=8, n=3, seed=4, extra_body={"return_token_ids": True})
