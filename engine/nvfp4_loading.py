@@ -247,8 +247,8 @@ _FUSED = {
 
 
 def _target(hf_module: str) -> tuple[str, int]:
-    parent, leaf = hf_module.rsplit(".", 1)
-    if leaf in _FUSED:
+    parent, _, leaf = hf_module.rpartition(".")
+    if parent and leaf in _FUSED:
         fused, idx = _FUSED[leaf]
         return f"{parent}.{fused}", idx
     return hf_module, 0
@@ -268,6 +268,10 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
     named = dict(model.named_modules())
     for target, parts in groups.items():
         old = named.get(target)
+        if ".layers." not in target:
+            spec = next(iter(parts.values()))
+            raise QuantizationError(f"{spec.file}: tensor {spec.name}.weight is NVFP4; Ember runs only the decoder "
+                                    "layers' projections in NVFP4 (keep embeddings and lm_head unquantized)")
         if not isinstance(old, nn.Linear):
             spec = next(iter(parts.values()))
             raise QuantizationError(f"{spec.file}: tensor {spec.name}.weight is NVFP4 but {target!r} is not a "

@@ -134,3 +134,27 @@ def test_engine_load_names_the_bad_tensor(tiny_moe_nvfp4_dir, tmp_path):
     save_file(t, str(bad / "model.safetensors"))
     with pytest.raises(QuantizationError, match=r"model\.safetensors: .*experts\.5\.up_proj\.weight_scale"):
         ember_model(bad)
+
+
+def test_quantized_lm_head_is_refused(tiny_moe_nvfp4_dir, tmp_path):
+    from safetensors import safe_open
+
+    from tests.moe.conftest import ember_model
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_moe_nvfp4_dir, bad)
+    with safe_open(str(bad / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    q = nvfp4.quantize(t.pop("lm_head.weight"))
+    t.update({"lm_head.weight": q.weight, "lm_head.weight_scale": q.weight_scale,
+              "lm_head.weight_scale_2": q.weight_scale_2.reshape(())})
+    save_file(t, str(bad / "model.safetensors"))
+    for name in ("hf_quant_config.json",):
+        cfg = json.loads((bad / name).read_text())
+        cfg["quantization"]["exclude_modules"].remove("lm_head")
+        (bad / name).write_text(json.dumps(cfg))
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].remove("lm_head")
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantizationError, match=r"lm_head\.weight is NVFP4; Ember runs only the decoder"):
+        ember_model(bad)
