@@ -273,6 +273,9 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params
+        if seq.num_output_tokens >= p.min_tokens and (tok in p.stop_token_ids
+                                                      or (not p.ignore_eos and tok in self.eos_token_ids)):
+            return "stop", tok
         if seq.constraint is not None:
             try:
                 if seq.constraint.is_terminated():
@@ -280,9 +283,6 @@ class Engine:
             except Exception:
                 log.exception("constraint.is_terminated failed for %s", seq.request_id)
                 return "stop", None
-        if seq.num_output_tokens >= p.min_tokens and (tok in p.stop_token_ids
-                                                      or (not p.ignore_eos and tok in self.eos_token_ids)):
-            return "stop", tok
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:
