@@ -274,3 +274,16 @@ def test_named_paths_modules_and_links_exist():
             if anchor:
                 headings = [slug(h) for h in re.findall(r"^#+ (.*)$", text(target), flags=re.M)]
                 assert anchor in headings, f"{name}: link to {target}#{anchor}"
+
+
+def test_tables_render():
+    """Every row of a table has as many cells as its header (a bare `|` inside a cell would split it)."""
+    for name in MINE:
+        header = None
+        for n, line in enumerate(without_code(text(name)).splitlines(), 1):
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = len(re.findall(r"(?<!\\)\|", line))
+            header = header or cells
+            assert cells == header, f"{name}: table row {n} has {cells - 1} cells, its header {header - 1}"
