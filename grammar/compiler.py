@@ -247,8 +247,8 @@ def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, 
 
 
 def _regex_literal(pattern: str) -> str:
-    """``pattern`` (Python/Rust syntax, whole-match) as a Lark ``/.../`` terminal."""
-    import llguidance  # only its pure string helper: escapes "/" and fixes \\d, \\w, \\s to ASCII
+    """``pattern`` (Rust regex syntax, matching the whole answer) as a Lark ``/.../`` terminal."""
+    import llguidance  # only its pure string helper, which escapes "/" for the /.../ syntax
 
     try:
         return "/" + llguidance.regex_to_lark(pattern, "") + "/"
@@ -299,11 +299,11 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
     for k, t in enumerate(tools):
         props = t.parameters.get("properties") or {}
         if not isinstance(props, Mapping):
-            raise GrammarError(f"tool {t.name!r}: parameters.properties must be an object")
+            raise GrammarError(f"tools: function {t.name!r}: parameters.properties must be an object")
         required = [p for p in t.parameters.get("required", []) if p in props]
         names = required + [p for p in props if p not in required]
         if len(names) > 64:
-            raise GrammarError(f"tool {t.name!r} has {len(names)} parameters; at most 64 are supported")
+            raise GrammarError(f"tools: function {t.name!r} has {len(names)} parameters; at most 64 are supported")
         lenient = not t.strict
         head = _lit("<function=" + t.name + ">" + chr(10))
         if not names:
@@ -312,6 +312,8 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
         perm = f"t{k}_params"
         rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
         for b, p in enumerate(names):
+            if not p or any(ch in p for ch in "<>\n"):
+                raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as <parameter={p}>")
             ps = props[p] if isinstance(props[p], Mapping) else {}
             value = _coder_value(g, f"t{k}_p{b}", ps, lenient)
             rows.append(f'{_lit("<parameter=" + p + ">" + chr(10))} {value} {perm}::set_bit({b}) %if bit_clear({b})')
