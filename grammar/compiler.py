@@ -313,7 +313,8 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
         rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
         for b, p in enumerate(names):
             if not p or any(ch in p for ch in "<>\n"):
-                raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as <parameter={p}>")
+                raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as "
+                                   f"<parameter={p}>")
             ps = props[p] if isinstance(props[p], Mapping) else {}
             value = _coder_value(g, f"t{k}_p{b}", ps, lenient)
             rows.append(f'{_lit("<parameter=" + p + ">" + chr(10))} {value} {perm}::set_bit({b}) %if bit_clear({b})')
