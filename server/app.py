@@ -402,7 +402,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     initial = setup.initial_state(prompt_ids)
     stop = list(body.stop_sequences or ())
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                             top_k=body.top_k, min_p=None, seed=None, presence_penalty=0.0, frequency_penalty=0.0,
+                             top_k=body.top_k, min_p=None, seed=body.seed, presence_penalty=0.0,
+                             frequency_penalty=0.0,
                              repetition_penalty=1.0, logprobs=None, logit_bias=None)
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
@@ -573,7 +574,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     engine = AsyncEngine.from_pretrained(
         str(model_dir), max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         num_kv_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching, tensor_parallel_size=config.tensor_parallel_size,
         bitmask_filler=grammar.bitmask_filler() if grammar is not None else None)
     return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar)
 
