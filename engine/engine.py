@@ -170,7 +170,11 @@ class Engine:
             log.info("KV cache: %d blocks (%.2f GiB), activations %.2f GiB", n, n * per_block / 2**30, act / 2**30)
             return int(n)
         wanted = c.max_num_seqs * one_seq
-        return int(max(one_seq, min(wanted, _CPU_DEFAULT_KV_BYTES // per_block)))
+        n = int(max(one_seq, min(wanted, _CPU_DEFAULT_KV_BYTES // per_block)))
+        if n * per_block > _CPU_DEFAULT_KV_BYTES:
+            log.warning("KV cache: one %d-token sequence needs %.2f GiB; pass max_model_len or kv_cache_memory "
+                        "to use less", self.max_model_len, n * per_block / 2**30)
+        return n
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
