@@ -165,14 +165,6 @@ def tiny_moe_nvfp4_dir(tmp_path_factory, tiny_moe_dir) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _register_moe(monkeypatch):  # TEMPORARY until engine/models/__init__.py registers it
-    from ember.engine.models import MODEL_REGISTRY
-    from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    monkeypatch.setitem(MODEL_REGISTRY, "Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
-
-
-@pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Tiny ops on a shared 2-core machine: intra-op threads only contend (20x slower measured); restored after."""
     saved = torch.get_num_threads()
