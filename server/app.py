@@ -403,8 +403,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     stop = list(body.stop_sequences or ())
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=None, seed=body.seed, presence_penalty=0.0,
-                             frequency_penalty=0.0,
-                             repetition_penalty=1.0, logprobs=None, logit_bias=None)
+                             frequency_penalty=0.0, repetition_penalty=1.0, logprobs=None, logit_bias=None)
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
     budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None

@@ -120,6 +120,7 @@ class MessagesRequest(_MessagesBase):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     metadata: dict[str, Any] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # extension: reproducible sampling
     output_config: OutputConfig | None = None
 
     @model_validator(mode="after")

@@ -77,7 +77,7 @@ def test_stream_event_order(demo_server):
 def test_thinking_blocks_with_budget(request, which):
     demo_server = request.getfixturevalue(which)
     client = demo_server.anthropic()
-    kw = dict(model=demo_server.model, max_tokens=10, messages=HI, extra_body={"temperature": 0},
+    kw = dict(model=demo_server.model, max_tokens=10, messages=HI, extra_body={"temperature": 1.0, "seed": 3},
               thinking={"type": "enabled", "budget_tokens": 4})
     msg = client.messages.create(**kw)
     assert [b.type for b in msg.content] == ["thinking", "text"]
