@@ -26,6 +26,7 @@ from typing import Any
 
 from ember.parsers.initial import InitialState
 from ember.parsers.profiles import Profile
+from ember.parsers.profiles.base import REASONING as REASONING_STATE
 from ember.parsers.xml_values import parameter_types, streams_as_string
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS"]
@@ -45,13 +46,15 @@ class ThinkingBudget:
     """At most ``tokens`` generated tokens inside the thought; once spent only ``close_id`` may be sampled.
 
     ``open_id`` (when the model may open a thought itself) and ``close_id`` are the same delimiter token IDs the parser
-    switches on; ``starts_in_reasoning`` is the request's initial state.
+    switches on; ``implicit_end_ids`` end the thought too (a `<tool_call>` token inside it, as the profile says);
+    ``starts_in_reasoning`` is the request's initial state.
     """
 
     tokens: int
     close_id: int
     open_id: int | None
     starts_in_reasoning: bool
+    implicit_end_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -401,7 +404,10 @@ def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | N
     if close is None:
         raise GrammarError(f"a thinking budget needs {profile.reasoning.close!r} to be a single token in this "
                            f"model's vocabulary")
-    return ThinkingBudget(tokens, close, may_open, initial is InitialState.REASONING)
+    implicit = frozenset(i for (state, name), rule in profile.transitions.items()
+                         if state == REASONING_STATE and rule.action == "tool_open"
+                         for i in [d.id(name)] if i is not None)
+    return ThinkingBudget(tokens, close, may_open, initial is InitialState.REASONING, implicit)
 
 
 def _may_open(profile: Profile, d: _Delims) -> int | None:

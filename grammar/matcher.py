@@ -143,7 +143,7 @@ class GrammarConstraint:
         b = self.budget
         if b is not None:
             if self.in_reasoning:
-                if token_id == b.close_id:
+                if token_id == b.close_id or token_id in b.implicit_end_ids:
                     self.in_reasoning = False
                 elif self.reasoning_tokens >= b.tokens:
                     self._error = f"thinking budget of {b.tokens} tokens is spent but token {token_id} is not the " \

@@ -144,6 +144,12 @@ def test_thinking_budget_forces_the_close_delimiter(hf_tok, backend, qwen3):
     t.feed([close])
     assert t.allowed()[word]
 
+    # A <tool_call> token inside the thought ends it for the parser, so it stops the budget's count too.
+    tools = compile_request(profile, InitialState.REASONING, ids, tools=[NYC_TIME], thinking_budget=2)
+    t = Trace(hf_tok, backend, tools).feed(enc(hf_tok, "Calling")[:1] + [tid(hf_tok, "<tool_call>")] +
+                                           enc(hf_tok, '\n{"name": "get_current_time_nyc", "arguments": {}}\n'))
+    assert t.allowed()[tid(hf_tok, "</tool_call>")]
+
 
 def _prompt(tok, tail: str = "") -> list[int]:
     return enc(tok, "<|im_start|>user\nWhat time is it in New York?<|im_end|>\n<|im_start|>assistant\n" + tail)
