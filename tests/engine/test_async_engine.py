@@ -159,3 +159,30 @@ def test_idle_loop_sleeps_without_spinning(aengine):
     assert time.process_time() - cpu0 < 0.1  # the loop thread waits on its condition
     assert aengine.engine.num_steps == before
     assert aengine.is_running
+
+
+def test_many_clients_with_random_disconnects_leave_a_clean_cache(aengine):
+    import random
+
+    rng = random.Random(0)
+    total = aengine.engine.kv.num_blocks
+
+    async def client(i):
+        stop_after = rng.choice([None, 1, 2, 5])
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), ignore_eos=True)
+        n = 0
+        async for out in aengine.generate([rng.randrange(1270) for _ in range(rng.randint(1, 40))], params):
+            n += len(out.new_token_ids)
+            if stop_after is not None and n >= stop_after:
+                break
+        return n
+
+    async def main():
+        counts = await asyncio.gather(*(client(i) for i in range(24)))
+        await _wait_for(lambda: aengine.stats().num_running == 0 and aengine.stats().num_waiting == 0)
+        return counts
+
+    counts = asyncio.run(main())
+    assert all(c >= 1 for c in counts)
+    assert aengine.stats().num_free_blocks == total
+    aengine.engine.scheduler.check_integrity()
