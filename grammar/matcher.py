@@ -113,6 +113,8 @@ class GrammarConstraint:
         self.budget = budget
         self.vocab_size = vocab_size
         self.in_reasoning = bool(budget and budget.starts_in_reasoning)
+        self._closed_once = False
+        self._may_open = True  # as the parser: a stray close before any thought turns later opens into text
         self.reasoning_tokens = 0
         self._error: str | None = None
 
@@ -145,14 +147,17 @@ class GrammarConstraint:
             if self.in_reasoning:
                 if token_id == b.close_id or token_id in b.implicit_end_ids:
                     self.in_reasoning = False
+                    self._closed_once = True
                 elif self.reasoning_tokens >= b.tokens:
                     self._error = f"thinking budget of {b.tokens} tokens is spent but token {token_id} is not the " \
                                   f"close delimiter {b.close_id}"
                     return False
                 else:
                     self.reasoning_tokens += 1
-            elif b.open_id is not None and token_id == b.open_id:
+            elif b.open_id is not None and token_id == b.open_id and self._may_open:
                 self.in_reasoning = True
+            elif token_id == b.close_id and not self._closed_once:
+                self._may_open = False
         self._last = token_id
         if self.matcher is not None and not self.matcher.consume_token(token_id):
             self._error = f"structured output: token {token_id} rejected by the grammar: " \
