@@ -155,7 +155,8 @@ class Engine:
         if c.kv_cache_memory is not None:
             n = c.kv_cache_memory // per_block
             if n < 1:
-                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block ({per_block} bytes each)")
+                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
+                                 f"({per_block} bytes each)")
             return int(n)
         one_seq = -(-self.max_model_len // c.block_size)
         if self.device.type == "cuda":

@@ -87,7 +87,8 @@ def load_tokenizer(model_dir: str | os.PathLike):
     from transformers import AutoTokenizer
 
     root = checkpoint_dir(model_dir)
-    if not any((root / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((root / n).exists() for n in names):
         raise CheckpointError(f"{root}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     try:
         return AutoTokenizer.from_pretrained(str(root))

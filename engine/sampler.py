@@ -55,7 +55,8 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"logprobs must be in [0, 20], got {p.logprobs}")
     for tok in list((p.logit_bias or {}).keys()) + list(p.stop_token_ids):
         if not 0 <= int(tok) < vocab_size:
-            raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary (0..{vocab_size - 1})")
+            raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
