@@ -412,9 +412,9 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True}}
-    [constraint] = await _constraints(st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial,
-                                response_format=rf, tools=parse_tools, tool_choice=tool_choice,
-                                parallel_tool_calls=parallel, thinking_budget=budget)
+    [constraint] = await _constraints(
+        st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial, response_format=rf,
+        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=parallel, thinking_budget=budget)
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)

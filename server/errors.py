@@ -101,7 +101,8 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     name = field_path(loc)
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
-        return bad_request(f"Request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}", code="json_invalid")
+        detail = (first.get("ctx") or {}).get("error", msg)
+        return bad_request(f"Request body is not valid JSON: {detail}", code="json_invalid")
     if not name:
         return bad_request(f"Invalid request body: {msg}")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""

@@ -74,8 +74,9 @@ def test_openai_sdk_accumulator_rebuilds_the_folded_body():
     final = state.get_final_completion()
     msg = final.choices[0].message
     assert msg.content == body["choices"][0]["message"]["content"]
+    want = body["choices"][0]["message"]["tool_calls"]
     assert [(t.id, t.function.name, t.function.arguments) for t in msg.tool_calls] == [
-        (t["id"], t["function"]["name"], t["function"]["arguments"]) for t in body["choices"][0]["message"]["tool_calls"]]
+        (t["id"], t["function"]["name"], t["function"]["arguments"]) for t in want]
     assert final.choices[0].finish_reason == "tool_calls"
     assert len(final.choices[0].logprobs.content) == len(body["choices"][0]["logprobs"]["content"]) == 5
 

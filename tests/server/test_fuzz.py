@@ -37,7 +37,8 @@ CHAT_FIELDS = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "logit_bias": st.dictionaries(st.sampled_from(["0", "5", "-1", "x", "99999999"]), st.floats(-200, 200),
                                   max_size=2),
-    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2), "response_format": st.fixed_dictionaries(
+    "presence_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
+    "response_format": st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "json_object", "json_schema", "regex", "grammar", "x"])},
         optional={"json_schema": st.fixed_dictionaries({"name": st.text(max_size=4)}, optional={"schema": schema}),
                   "regex": st.sampled_from(["[a-z]{1,3}", "(", ""]), "grammar": st.sampled_from(
