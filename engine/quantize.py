@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ember.engine import loader
@@ -62,51 +63,55 @@ def _quantizable(name: str, t: torch.Tensor) -> bool:
             and t.dim() == 2 and t.is_floating_point())
 
 
+def _classify(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, float], set[str]]:
+    """(amax of each projection to quantize, modules kept as they are) of one set of (expanded) tensors."""
+    amax: dict[str, float] = {}
+    exclude: set[str] = set()
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if _quantizable(name, t) and t.shape[1] % nvfp4.BLOCK == 0:
+            amax[module] = float(t.float().abs().amax())
+        elif _quantizable(name, t):
+            exclude.add(module)  # input size not a multiple of 16
+        elif t.dim() == 2 and name.endswith(".weight") and "norm" not in module.rsplit(".", 1)[-1]:
+            exclude.add(module)  # lm_head, embed_tokens, routers: kept in their dtype
+    return amax, exclude
+
+
+def _group_scales(amax: dict[str, float]) -> dict[str, torch.Tensor]:
+    """One ``weight_scale_2`` per fused group (q/k/v of an attention block, gate/up of an MLP or expert), as
+    ModelOpt's export shares them; a projection whose partners stay unquantized keeps its own."""
+    groups: dict[str, list[str]] = {}
+    for m in amax:
+        parent, leaf = m.rsplit(".", 1)
+        complete = leaf in _SHARED and all(f"{parent}.{p}" in amax for p, g in _SHARED.items() if g == _SHARED[leaf])
+        groups.setdefault(f"{parent}.{_SHARED[leaf]}" if complete else m, []).append(m)
+    scales: dict[str, torch.Tensor] = {}
+    for members in groups.values():
+        s2 = nvfp4.tensor_scale(max(amax[m] for m in members))
+        scales.update({m: s2 for m in members})
+    return scales
+
+
+def _apply(tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module in scales:
+            q = nvfp4.quantize(t, scales[module])
+            out[name] = q.weight
+            out[module + ".weight_scale"] = q.weight_scale
+            out[module + ".weight_scale_2"] = q.weight_scale_2.reshape(())
+        else:
+            out[name] = t
+    return out
+
+
 def quantize_state_dict(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """NVFP4 tensors for every quantizable projection, the rest unchanged; and the excluded module names."""
     tensors = _expand_fused_experts(tensors)
-    out: dict[str, torch.Tensor] = {}
-    quant: list[str] = []
-    exclude: set[str] = set()
-    for name, t in tensors.items():
-        if _quantizable(name, t) and t.shape[1] % nvfp4.BLOCK == 0:
-            quant.append(name[: -len(".weight")])
-        elif _quantizable(name, t):
-            exclude.add(name[: -len(".weight")])
-            out[name] = t
-        else:
-            out[name] = t
-            module = name.rsplit(".", 1)[0]
-            if t.dim() == 2 and name.endswith(".weight") and "norm" not in module.rsplit(".", 1)[-1]:
-                exclude.add(module)  # lm_head, embed_tokens, routers: kept in their dtype
-    qset = set(quant)
-    # one weight_scale_2 per fused group (q/k/v of an attention block, gate/up of an MLP or expert)
-    groups: dict[str, list[str]] = {}
-    for m in quant:
-        parent, leaf = m.rsplit(".", 1)
-        key = f"{parent}.{_SHARED[leaf]}" if leaf in _SHARED else m
-        groups.setdefault(key, []).append(m)
-    for members in groups.values():
-        if any(leaf_group_incomplete(m, qset) for m in members):
-            members_s2 = {m: None for m in members}
-        else:
-            amax = max(float(tensors[m + ".weight"].float().abs().amax()) for m in members)
-            members_s2 = {m: nvfp4.tensor_scale(amax) for m in members}
-        for m in members:
-            q = nvfp4.quantize(tensors[m + ".weight"], members_s2[m])
-            out[m + ".weight"] = q.weight
-            out[m + ".weight_scale"] = q.weight_scale
-            out[m + ".weight_scale_2"] = q.weight_scale_2.reshape(())
-    return out, sorted(exclude)
-
-
-def leaf_group_incomplete(module: str, quantized: set[str]) -> bool:
-    """True when a fused partner of ``module`` stays unquantized (then each keeps its own tensor scale)."""
-    parent, leaf = module.rsplit(".", 1)
-    if leaf not in _SHARED:
-        return False
-    partners = [p for p, g in _SHARED.items() if g == _SHARED[leaf]]
-    return any(f"{parent}.{p}" not in quantized for p in partners)
+    amax, exclude = _classify(tensors)
+    return _apply(tensors, _group_scales(amax)), sorted(exclude)
 
 
 def quant_configs(exclude: list[str]) -> tuple[dict, dict]:
@@ -122,24 +127,48 @@ def quant_configs(exclude: list[str]) -> tuple[dict, dict]:
     return legacy, compressed
 
 
+def _read(f: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(f), framework="pt", device="cpu") as sf:
+        return _expand_fused_experts({name: sf.get_tensor(name) for name in sf.keys()})
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
-    """Write the NVFP4 version of checkpoint ``src`` into ``dst`` (created; must not hold a checkpoint)."""
+    """Write the NVFP4 version of checkpoint ``src`` into ``dst`` (created; must not hold a checkpoint).
+
+    Two passes over the weight files, one file in memory at a time: the first finds every projection's amax (fused
+    partners may live in different shards), the second quantizes and writes one output shard per input shard.
+    """
     src, dst = loader.checkpoint_dir(src), Path(dst)
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
     if config.get("quantization_config"):
         raise ValueError(f"{src / 'config.json'}: the checkpoint is already quantized")
     if dst.exists() and any(dst.glob("*.safetensors")):
         raise ValueError(f"{dst}: already holds a checkpoint")
-    tensors = dict(loader.iter_weights(src))
-    out, exclude = quantize_state_dict(tensors)
+    files = loader.weight_files(src)
+    amax: dict[str, float] = {}
+    exclude: set[str] = set()
+    for f in files:
+        a, e = _classify(_read(f))
+        amax.update(a)
+        exclude |= e
+    scales = _group_scales(amax)
     dst.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for f in files:
+        out = _apply(_read(f), scales)
+        name = "model.safetensors" if len(files) == 1 else f.name
+        save_file({k: v.contiguous() for k, v in out.items()}, str(dst / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in out})
+        total += sum(v.numel() * v.element_size() for v in out.values())
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in (
                 "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
             shutil.copy2(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
-    legacy, compressed = quant_configs(exclude)
+    legacy, compressed = quant_configs(sorted(exclude))
     config["quantization_config"] = compressed
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     (dst / "hf_quant_config.json").write_text(json.dumps(legacy, indent=2) + "\n", encoding="utf-8")

@@ -96,3 +96,26 @@ def test_triton_nvfp4_path_logits_match_dequantized_reference(tiny_moe_nvfp4_dir
     assert clear.sum() >= 15
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert calls == {"linear": 3 * 2 + 2, "moe": 2}  # qkv + o per layer, the dense MLP's two, two MoE layers
+
+
+def test_sharded_source_gives_the_same_tensors_in_shards(tiny_moe_dir, tiny_moe_nvfp4_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_moe_dir).save_pretrained(src, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_bytes((tiny_moe_dir / name).read_bytes())
+    assert len(list(src.glob("*.safetensors"))) > 2
+    dst = tmp_path / "sharded-nvfp4"
+    assert quantize.main([str(src), str(dst)]) == 0
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 2
+    got = {}
+    for shard in sorted(set(index.values())):
+        with safe_open(str(dst / shard), framework="pt") as f:
+            got.update({k: f.get_tensor(k) for k in f.keys()})
+    with safe_open(str(tiny_moe_nvfp4_dir / "model.safetensors"), framework="pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(got) == set(want) == set(index)
+    assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
+    assert isinstance(ember_model(dst).model.layers[0].self_attn.qkv_proj, NVFP4Linear)
