@@ -470,6 +470,13 @@ async def list_models(request: Request, _: None = Depends(require_api_key)) -> d
                                         "max_model_len": st.runtime.max_model_len}]}
 
 
+async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
+    st = _state(request)
+    _check_model(st, model_id)
+    return {"id": st.runtime.model_name, "object": "model", "created": st.started, "owned_by": "ember",
+            "max_model_len": st.runtime.max_model_len}
+
+
 async def health(request: Request) -> dict:
     s = _state(request).runtime.engine.stats()
     return {"status": "ok", "num_running": s.num_running, "num_waiting": s.num_waiting}
@@ -528,6 +535,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.state.ember = st
 
     app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/messages", messages, methods=["POST"])

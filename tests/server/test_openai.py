@@ -44,8 +44,11 @@ def _rebuild(stream):
 
 
 def test_models_list(demo_server):
-    models = demo_server.openai().models.list()
-    assert [m.id for m in models.data] == ["ember-demo"]
+    client = demo_server.openai()
+    assert [m.id for m in client.models.list().data] == ["ember-demo"]
+    assert client.models.retrieve("ember-demo").id == "ember-demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_chat_non_streaming_usage_counts_tokens(any_server):
