@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _serve_parser(sub)
     sub.add_parser("convert-llama2c", help="convert a llama2.c checkpoint to a Hugging Face directory",
                    add_help=False)
-    sub.add_parser("quantize-nvfp4", help="quantize a checkpoint's MoE experts to NVFP4", add_help=False)
+    sub.add_parser("quantize-nvfp4", help="write an NVFP4 (ModelOpt format) copy of a checkpoint", add_help=False)
     if argv and argv[0] == "convert-llama2c":
         from ember.engine import convert_llama2c
 

@@ -37,6 +37,10 @@ def test_serve_options_map_to_the_config(capsys):
     assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown"):
         main(["serve", "--tool-parser", "nonsense"])
+    for sub, word in (("convert-llama2c", "tokenizer_bin"), ("quantize-nvfp4", "NVFP4")):
+        with pytest.raises(SystemExit) as e:
+            main([sub, "--help"])
+        assert e.value.code == 0 and word in capsys.readouterr().out
 
 
 def test_no_model_dir_builds_the_demo_model_once(tmp_path, monkeypatch):
