@@ -71,6 +71,13 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, device: torch.
     return GemmConfig(128, 128, 64, 8, 8, 3)
 
 
+def linear_config(num_tokens: int, device: torch.device) -> GemmConfig:
+    """Dense NVFP4 linear: one weight, so small-M decode needs narrow N tiles to occupy the SMs."""
+    if device.type != "cuda" or _interpreting() or num_tokens > 64:
+        return default_config(num_tokens, 1, 1, device)
+    return GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 4)
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -349,7 +356,7 @@ def nvfp4_linear(
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
     n = w.weight.shape[0]
-    cfg = config or default_config(m, 1, 1, x.device)
+    cfg = config or linear_config(m, x.device)
     cap = triton.cdiv(max(m, 1), cfg.block_m) * cfg.block_m
     sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
     sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)

@@ -41,7 +41,7 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             if not quick:
                 moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
             moe.fused_moe(x, q13, q2, tw, ti, config=cfg)
-            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.default_config(m, 1, 1, torch.device("cuda")))
+            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, torch.device("cuda")))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
 
