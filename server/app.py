@@ -7,7 +7,6 @@ benchmarks, embedding).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import secrets
@@ -125,10 +124,11 @@ def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
 
 async def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
                        tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
-                       thinking_budget: int | None) -> list[Any]:
+                       thinking_budget: int | None, thinking: bool) -> list[Any]:
     """One engine Constraint per choice for the request's structured output / forced tools / thinking budget,
-    or Nones when generation is free. Grammar problems are the request's fault (400). Compiling runs in a worker
-    thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
+    or Nones when generation is free. `thinking` False (the request switched thinking off) keeps a constrained
+    reply from opening a thought of its own. Grammar problems are the request's fault (400). Compiling runs in a
+    worker thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
     backend = st.runtime.grammar
     if backend is None:
         forced = tool_choice not in (None, "auto", "none")
@@ -141,16 +141,7 @@ async def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: 
     return await asyncio.to_thread(
         backend.constraints, n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
         response_format=response_format, tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget)
-
-
-def _grammar_setup(setup: ParserSetup, initial: InitialState, thinking_off: bool) -> ParserSetup:
-    """The parser facts the grammar is compiled from. With thinking switched off and the reply starting outside a
-    thought, the grammar gets no optional reasoning prefix (design A.9: "CONTENT with thinking off -> G"), so a
-    constrained answer cannot be swallowed by a thought the model opens anyway."""
-    if thinking_off and initial is InitialState.CONTENT and setup.profile.reasoning is not None:
-        return dataclasses.replace(setup, profile=dataclasses.replace(setup.profile, reasoning=None))
-    return setup
+        parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget, thinking=thinking)
 
 
 def _response_format(rf: po.ResponseFormat | None) -> dict | None:
@@ -266,9 +257,9 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
     constraints = await _constraints(
-        st, body.n, setup=_grammar_setup(setup, initial, thinking_off), initial=initial,
-        response_format=_response_format(body.response_format), tools=parse_tools, tool_choice=tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls, thinking_budget=body.max_thinking_tokens)
+        st, body.n, setup=setup, initial=initial, response_format=_response_format(body.response_format),
+        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+        thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     for c, k in zip(choices, constraints):
         c.constraint = k
     _check_capacity(st)
@@ -413,8 +404,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True}}
     [constraint] = await _constraints(
-        st, 1, setup=_grammar_setup(setup, initial, not thinking_on), initial=initial, response_format=rf,
-        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=parallel, thinking_budget=budget)
+        st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
     _check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
@@ -582,6 +573,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         str(model_dir), max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
         num_kv_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
         enable_prefix_caching=config.enable_prefix_caching, tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization, enforce_eager=config.enforce_eager,
         bitmask_filler=grammar.bitmask_filler() if grammar is not None else None)
     return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar)
 

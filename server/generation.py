@@ -142,14 +142,6 @@ def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[s
                           tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools))
 
 
-def _matched_stop(pipe: OutputPipeline, stop: Sequence[str]) -> str | None:
-    """Which stop string ended the output (Anthropic's `stop_sequence`)."""
-    matched = getattr(getattr(pipe, "_stop", None), "matched", None)
-    if matched is None and len(stop) == 1:
-        return stop[0]
-    return matched
-
-
 def _end_reason(engine_reason: str | None) -> str:
     return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
 
@@ -184,7 +176,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     step = ChoiceStep(index, [tok], list(pstep.events))
                     if pstep.stopped:
                         step.events += pipe.finish("stop")
-                        end = ChoiceEnd("stop_string", stop_string=_matched_stop(pipe, req.stop))
+                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop)
                         step.end = end
                         yield step
                         return  # leaving `aclosing` aborts the engine request

@@ -36,12 +36,12 @@ class Structured:
 
     def constraints(self, n: int, *, profile: Any, delimiter_ids: Mapping[str, int], initial: InitialState,
                     response_format: Mapping | None, tools: Sequence[Mapping] | None, tool_choice: Any,
-                    parallel_tool_calls: bool, thinking_budget: int | None) -> list[Any]:
+                    parallel_tool_calls: bool, thinking_budget: int | None, thinking: bool = True) -> list[Any]:
         """`n` fresh constraints (Nones when nothing constrains the tokens)."""
         try:
             plan = compile_request(profile, initial, delimiter_ids, response_format=response_format, tools=tools,
                                    tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                                   thinking_budget=thinking_budget)
+                                   thinking_budget=thinking_budget, thinking=thinking)
             if plan is None:
                 return [None] * n
             return [self.backend.constraint(plan) for _ in range(n)]
