@@ -119,3 +119,4 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     device: torch.device | None = None
     tensor_parallel_size: int = 1  # ranks that split every layer (ember.engine.distributed)
+    enforce_eager: bool = False  # never capture CUDA graphs for decode steps (they are captured on CUDA otherwise)

@@ -286,6 +286,12 @@ class DriverRunner(ModelRunner):
         self._send("profile_activation_bytes", num_tokens, num_seqs)
         return super().profile_activation_bytes(num_tokens, num_seqs)
 
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Every rank routes decode steps alike, so all meet the same all-reduces (the engine captures no CUDA
+        graphs under tensor parallelism: `ModelRunner.graph_blocker`; on a CPU this is the padded eager path)."""
+        self._send("capture_decode_graphs", max_num_seqs, max_model_len)
+        super().capture_decode_graphs(max_num_seqs, max_model_len)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._send("forward", input_ids, meta)
         return super().forward(input_ids, meta)

@@ -111,8 +111,11 @@ class Engine:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype)
         try:
+            self.cuda_graphs = self._use_cuda_graphs()
             num_blocks = self._num_kv_blocks()
             self.runner.allocate_kv_cache(num_blocks)
+            if self.cuda_graphs:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
         except BaseException:
             self.runner.shutdown()
             raise
@@ -131,19 +134,29 @@ class Engine:
                         enable_prefix_caching: bool = True, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
-                        tensor_parallel_size: int = 1) -> "Engine":
+                        tensor_parallel_size: int = 1, enforce_eager: bool = False) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
         )
         return cls(model_dir, config, bitmask_filler)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process); the engine cannot step afterwards."""
         self.runner.shutdown()
+
+    def _use_cuda_graphs(self) -> bool:
+        """Capture decode graphs unless ``enforce_eager`` or the runner cannot (e.g. on a CPU; logged on CUDA)."""
+        if self.config.enforce_eager:
+            return False
+        reason = self.runner.graph_blocker()
+        if reason is not None and self.device.type == "cuda":
+            log.info("CUDA graphs off (decoding eagerly): %s", reason)
+        return reason is None
 
     def _num_kv_blocks(self) -> int:
         c = self.config
@@ -160,8 +173,12 @@ class Engine:
             return int(n)
         one_seq = -(-self.max_model_len // c.block_size)
         if self.device.type == "cuda":
+            if not 0.0 < c.gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
             act = self.runner.profile_activation_bytes(min(c.max_num_batched_tokens, self.max_model_len),
                                                        c.max_num_seqs)
+            if self.cuda_graphs:  # the graphs' private pool (captured after the KV cache) is held beside it
+                act += self.runner.profile_activation_bytes(min(c.max_num_seqs, self.max_model_len), c.max_num_seqs)
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * c.gpu_memory_utilization) - (total - free) - act
             n = budget // per_block

@@ -1,14 +1,23 @@
 """Runs the model for one scheduler step: builds the step's metadata, owns the paged KV cache, and returns the
-logits of the sequences that sample. One forward per step over every scheduled chunk (mixed prefill + decode)."""
+logits of the sequences that sample. One forward per step over every scheduled chunk (mixed prefill + decode).
+
+Decode graphs: after the KV cache is allocated, `capture_decode_graphs` puts a `DecodeGraphRunner` in front of the
+model. From then on every decode-only step (each chunk one token, every sequence sampling, at most the largest
+captured batch) replays the CUDA graph of the next captured size, padding the batch; prefill and mixed steps, and
+larger decode batches, stay eager. Without CUDA the same runner runs eagerly over its padded buffers (what the CPU
+tests use to check the routing and the padding). `graph_blocker` says why a runner must not capture.
+"""
 from __future__ import annotations
 
 import logging
+import time
 from types import ModuleType
 
 import torch
 
 from ember.engine.attention import AttentionMetadata, get_backend
 from ember.engine.config import ModelConfig
+from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.scheduler import SchedulerOutput
 
@@ -36,6 +45,10 @@ class ModelRunner:
         self.num_blocks = 0
         self.last_batch_size = 0
         self.last_num_tokens = 0
+        self.graphs: DecodeGraphRunner | None = None
+        self.graph_pool_bytes = 0  # CUDA memory the captured graphs hold (measured at capture)
+        self.num_graph_steps = 0  # forwards routed through `graphs`
+        self.num_eager_steps = 0
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
@@ -92,13 +105,68 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`execute` after `prepare`: the step a tensor-parallel driver replays on its workers."""
+        """`execute` after `prepare`: the step a tensor-parallel driver replays on its workers.
+
+        With decode graphs, a decode step's logits are a view of the graph's output buffer, valid until the next
+        step."""
         self.last_batch_size = meta.num_seqs
         self.last_num_tokens = meta.num_tokens
+        if self.graphs is not None and self._graph_step(meta):
+            self.num_graph_steps += 1
+            return self.graphs.run(input_ids, meta)
+        self.num_eager_steps += 1
         hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
         if meta.logits_indices.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+    def _graph_step(self, meta: AttentionMetadata) -> bool:
+        """Decode-only (one token per sequence, each sampling) and no larger than the largest captured batch."""
+        n = meta.num_seqs
+        return (meta.max_seqlen_q == 1 and meta.num_tokens == n and meta.logits_indices.shape[0] == n
+                and n <= self.graphs.max_batch_size)
+
+    def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The graphed forward: fp32 logits of every row of a decode batch."""
+        return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches, self.backend)).float()
+
+    def graph_blocker(self) -> str | None:
+        """Why this runner cannot capture CUDA graphs (None: it can)."""
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        from ember.engine.models.qwen3_moe import SparseMoeBlock
+
+        if getattr(self.backend, "__name__", "") != "ember.kernels.attention":
+            return (f"the attention backend {getattr(self.backend, 'name', self.backend)!r} synchronises with the "
+                    "host (only the Triton kernels are graph-safe)")
+        for m in self.model.modules():
+            if isinstance(m, SparseMoeBlock):
+                return "the MoE layers' routing (torch.bincount) synchronises with the host"
+            tp = getattr(m, "tp", None)
+            if tp is not None and tp.enabled:
+                return ("tensor parallelism: capturing torch.distributed NCCL all-reduces in CUDA graphs is not "
+                        "verified (it needs two GPUs to test)")
+        return None
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Route decode steps of up to ``max_num_seqs`` sequences through a `DecodeGraphRunner`, capturing its
+        graphs now (CUDA; call after `allocate_kv_cache`, whose tensors the graphs read) or, without CUDA, running
+        it eagerly over the padded buffers. Measures the graphs' memory pool into ``graph_pool_bytes``."""
+        if not self.kv_caches:
+            raise RuntimeError("capture_decode_graphs needs the KV cache: call allocate_kv_cache first")
+        runner = DecodeGraphRunner(self._decode_logits, max_num_seqs=max_num_seqs,
+                                   max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                   max_seqlen_k=max_model_len, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
+            t0 = time.perf_counter()
+            runner.capture()
+            self.graph_pool_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+            log.info("CUDA graphs: decode batch sizes %s captured in %.1f s, %.1f MiB", runner.sizes,
+                     time.perf_counter() - t0, self.graph_pool_bytes / 2**20)
+        self.graphs = runner
 
     def shutdown(self) -> None:
         """Release what outlives the engine: nothing here; the tensor-parallel driver stops its workers."""

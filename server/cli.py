@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .config import ServeConfig, parse_memory
+from .config import ServeConfig, parse_fraction, parse_memory
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +27,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--kv-cache-blocks", type=int, default=None, help="KV-cache size in blocks")
     kv.add_argument("--kv-cache-memory", type=parse_memory, default=None, help="KV-cache size in bytes (e.g. 2G)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--gpu-memory-utilization", type=parse_fraction, default=0.9, metavar="FRACTION",
+                   help="share of GPU memory for weights, activations and the KV cache (sizes the cache on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode without CUDA graphs (on CUDA they are captured for decode batches by default)")
     p.add_argument("--reasoning-parser", default=None, help="parser profile for reasoning, or 'none'")
     p.add_argument("--tool-parser", default=None, help="parser profile for tool calls, or 'none'")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (or its text)")
@@ -41,7 +45,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         kv_cache_blocks=args.kv_cache_blocks, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching, reasoning_parser=args.reasoning_parser,
         tool_parser=args.tool_parser, chat_template=args.chat_template, max_waiting=args.max_waiting,
-        log_level=args.log_level, tensor_parallel_size=args.tensor_parallel_size)
+        log_level=args.log_level, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
 
 
 def _check_parsers(config: ServeConfig) -> None:

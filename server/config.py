@@ -32,6 +32,16 @@ class ServeConfig:
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = "info"
     tensor_parallel_size: int = 1  # ranks that split every layer (the engine spawns N-1 worker processes)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (sizes the KV cache)
+    enforce_eager: bool = False  # decode without CUDA graphs
+
+
+def parse_fraction(text: str) -> float:
+    """`"0.9"` -> 0.9; ValueError outside (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{text!r} is not in (0, 1]")
+    return value
 
 
 def parse_memory(text: str) -> int:
