@@ -20,7 +20,7 @@ from ember.kernels import reference
 # shorter run: sizes 1, 2, 4 (3 padded, 5 eager).
 WORKLOADS = {
     "torch": ((5, 19, 3, 40, 11, 7, 26, 2), (24, 14, 18, 9, 18, 9, 11, 11), 6),
-    "triton": ((5, 19, 3, 11, 7), (12, 9, 7, 8, 4), 4),
+    "triton": ((5, 19, 3, 11, 7), (10, 7, 7, 4, 2), 4),
 }
 
 
@@ -106,6 +106,26 @@ def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, b
     assert any(not d for d, _, _ in steps)  # prefill and mixed steps ran eagerly
     assert eng.runner.num_graph_steps == sum(took for _, _, took in steps)
     assert eng.runner.num_eager_steps == len(steps) - eng.runner.num_graph_steps
+
+
+def test_graph_path_under_tensor_parallelism_matches_one_process(qwen3_dir, monkeypatch):
+    """The driver broadcasts the capture, so both ranks route each decode step alike and meet the same
+    all-reduces."""
+    import multiprocessing as mp
+
+    monkeypatch.setenv("EMBER_ATTENTION", "torch")
+    lens, max_tokens, captured = WORKLOADS["triton"]
+    want, _ = _staggered(_engine(qwen3_dir), lens, max_tokens)
+    eng = _engine(qwen3_dir, tensor_parallel_size=2)
+    try:
+        assert eng.cuda_graphs is False
+        eng.runner.capture_decode_graphs(captured, eng.max_model_len)
+        got, steps = _staggered(eng, lens, max_tokens)
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert eng.runner.num_graph_steps == sum(took for _, _, took in steps) > 0
+    assert not mp.active_children()
 
 
 def _attention_inputs():
