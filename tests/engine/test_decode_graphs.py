@@ -53,7 +53,8 @@ def _engine(path, **kw) -> Engine:
     return Engine.from_pretrained(path, **(opts | kw))
 
 
-def _staggered(engine: Engine, lens: tuple[int, ...], max_tokens: tuple[int, ...]) -> tuple[list[list[int]], list[tuple[bool, int, bool]]]:
+def _staggered(engine: Engine, lens: tuple[int, ...],
+               max_tokens: tuple[int, ...]) -> tuple[list[list[int]], list[tuple[bool, int, bool]]]:
     """Greedy tokens of prompts arriving one per step, and per forward (decode-only, batch size, took the graph)."""
     runner = engine.runner
     steps: list[tuple[bool, int, bool]] = []
