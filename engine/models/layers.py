@@ -225,6 +225,9 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be covered once."""
+        from ember.engine import nvfp4_loading  # NVFP4 linears are swapped in (and filled) before params are read
+
+        weights = nvfp4_loading.prepare(self, weights, source)
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
