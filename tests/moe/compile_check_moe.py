@@ -1,9 +1,9 @@
 """Compile the fused-MoE / NVFP4 kernels for a CUDA target with the real Triton compiler, no GPU needed.
 
 ``python tests/moe/compile_check_moe.py 90 [--quick]`` (Hopper: the W4A16 and dense grouped GEMMs in bf16/fp16) or
-``100`` (Blackwell: also the W4A4 ``dot_scaled`` kernel). Drives the public wrappers with CPU tensors, records each launch
-(the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin. Prints ``OK``/``FAIL`` per launch and
-exits non-zero on any failure. Must run without ``TRITON_INTERPRET``.
+``100`` (Blackwell: also the W4A4 ``dot_scaled`` kernel). Drives the public wrappers with CPU tensors, records each
+launch (the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin. Prints ``OK``/``FAIL`` per
+launch and exits non-zero on any failure. Must run without ``TRITON_INTERPRET``.
 """
 from __future__ import annotations
 
