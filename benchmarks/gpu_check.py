@@ -493,6 +493,14 @@ def section_e2e(rep: Report, smoke: bool, deadline: float) -> None:
         del eng
 
 
+def section_moe(rep: Report, smoke: bool) -> None:
+    """The NVFP4 / fused-MoE section (`benchmarks/gpu_check_moe.py`) on the same report."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_check_moe
+
+    gpu_check_moe.run(rep, smoke)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path.cwd())
@@ -504,7 +512,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     sections = [("env", section_env), ("correctness", section_correctness), ("decode", section_decode),
                 ("prefill", section_prefill), ("ops", section_ops), ("sweep", section_decode_sweep),
-                ("graphs", section_graphs),
+                ("graphs", section_graphs), ("moe", section_moe),
                 ("e2e", lambda r, s: section_e2e(r, s, START + args.budget_s))]
     for name, fn in sections:
         if name in skip:
@@ -526,6 +534,10 @@ def main() -> int:
     if forbidden:  # the GPU image lacks them: an import here would break the check there
         rep.data["errors"].append(f"imported {forbidden}, which the GPU image does not have")
     print_table(rep)
+    if rep.data.get("moe"):
+        import gpu_check_moe
+
+        gpu_check_moe.print_table(rep)
     rep.save()
     failed = [c["name"] for c in rep.data["checks"] if not c["ok"]] + \
         [f"graphs B={g['B']}" for g in rep.data["graphs"] if not g["ok"]]
