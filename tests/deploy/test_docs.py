@@ -70,12 +70,15 @@ def slug(heading: str) -> str:
 # ------------------------------------------------------------------------------------------------- the live server
 
 @pytest.fixture(scope="module")
-def live(demo_model_dir):
-    """The real app on the demo model, served as `ember serve` serves it (model name `demo`, the dir's name)."""
+def live(demo_model_dir, tmp_path_factory):
+    """The real app on the demo model, served as `ember serve` serves it: from a directory called `demo`, so the
+    served name is `demo` by the same rule as for `~/.cache/ember/demo`."""
     from ember.server.app import BackgroundServer, create_app, load_runtime
     from ember.server.config import ServeConfig
 
-    config = ServeConfig(model_dir=demo_model_dir, served_model_name="demo", max_num_seqs=4)
+    model_dir = tmp_path_factory.mktemp("docs") / "demo"
+    model_dir.symlink_to(demo_model_dir, target_is_directory=True)
+    config = ServeConfig(model_dir=model_dir, max_num_seqs=4)
     app = create_app(load_runtime(config), config)
     server = BackgroundServer(app).start()
     yield server, app
