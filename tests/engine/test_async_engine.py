@@ -6,19 +6,11 @@ import asyncio
 import time
 
 import pytest
-import torch
 
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture()

@@ -9,13 +9,6 @@ from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 class AllowList:
     """Allows a fixed set of tokens; terminates after ``length`` accepted tokens."""

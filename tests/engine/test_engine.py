@@ -8,13 +8,6 @@ from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _engine(path, **kw) -> Engine:
     kw.setdefault("num_kv_blocks", 256)

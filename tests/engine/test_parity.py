@@ -74,14 +74,6 @@ def _good(prompts, hf):
     return [p for p, _ in keep], [t for _, t in keep]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread, and a shared CI machine is not oversubscribed."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, demo_model_dir):

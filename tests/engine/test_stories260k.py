@@ -3,20 +3,12 @@ greedy-decoded from BOS by Ember, equals llama2.c's documented output character 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from ember.engine import convert_llama2c
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from tests.conftest import shared_path
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

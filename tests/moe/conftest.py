@@ -163,11 +163,3 @@ def tiny_moe_nvfp4_dir(tmp_path_factory, tiny_moe_dir) -> Path:
     assert quantize.main([str(tiny_moe_dir), str(dst)]) == 0
     return dst
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: intra-op threads only contend (20x slower measured); restored after."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
