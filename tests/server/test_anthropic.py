@@ -49,7 +49,7 @@ def test_message_and_stream_agree_greedy(any_server):
 
 def test_stream_event_order(demo_server):
     events = _raw_events(demo_server, {"model": demo_server.model, "max_tokens": 8, "messages": HI, "stream": True,
-                                       "thinking": {"type": "enabled", "budget_tokens": 3}})
+                                       "thinking": {"type": "enabled", "budget_tokens": 3}, "seed": 7})
     types = [e["type"] for e in events]
     assert types[:2] == ["message_start", "ping"] and types[-2:] == ["message_delta", "message_stop"]
     assert events[0]["message"]["usage"]["output_tokens"] == 0 and events[0]["message"]["content"] == []
