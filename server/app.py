@@ -79,15 +79,27 @@ def _check_model(st: ServerState, model: str | None) -> None:
                        param="model", code="model_not_found")
 
 
-def _max_tokens(st: ServerState, prompt_len: int, requested: int | None) -> int:
-    """Tokens the reply may have: the request's limit, clamped to what the context leaves."""
+def _max_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
+                param: str = "messages") -> int:
+    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
+    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
-                            f"{limit} tokens (prompt plus at least one generated token)", param="messages",
+                            f"{limit} tokens (prompt plus at least one generated token)", param=param,
                        code="context_length_exceeded")
-    room = limit - prompt_len
-    return room if requested is None else min(requested, room)
+    kv = st.runtime.engine.engine.kv
+    cache_tokens = kv.num_blocks * kv.block_size
+    if prompt_len >= cache_tokens:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
+                            f"tokens in all (prompt plus at least one generated token)", param=param,
+                       code="context_length_exceeded")
+    room = min(limit, cache_tokens) - prompt_len
+    allowed = room if requested is None else min(requested, room)
+    if min_tokens > allowed:
+        raise bad_request(f"min_tokens ({min_tokens}) is larger than the {allowed} tokens this reply may have "
+                          f"(max_tokens and the context left by the prompt)", param="min_tokens")
+    return allowed
 
 
 def _check_capacity(st: ServerState) -> None:
@@ -239,7 +251,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         kwargs=body.chat_template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = _max_tokens(st, len(prompt_ids), requested)
+    max_tokens = _max_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser
@@ -310,7 +322,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             text = rt.token_bytes.decode(ids)
         if not ids:
             raise bad_request("prompt is empty", param="prompt")
-        max_tokens = _max_tokens(st, len(ids), body.max_tokens)
+        max_tokens = _max_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
         prompt_total += len(ids)
         base = sampling_params(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

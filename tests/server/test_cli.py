@@ -60,7 +60,8 @@ def test_no_model_dir_builds_the_demo_model_once(tmp_path, monkeypatch):
         assert rt.max_model_len > 8 * 16
         body = {"messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 2}
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=30)
-        assert r.status_code == 400 and "cannot serve" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "KV cache holds 128 tokens" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "messages"
         ok = httpx.post(srv.url + "/v1/chat/completions", timeout=30,
                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert ok.status_code == 200

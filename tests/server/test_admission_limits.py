@@ -1,0 +1,54 @@
+"""Limits that are checked at admission, before a stream starts: the KV cache's total size and min_tokens."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from ember.server.app import BackgroundServer, create_app, load_runtime
+from ember.server.config import ServeConfig
+
+CACHE_BLOCKS = 6  # 96 tokens in all: far less than the demo model's context
+
+
+@pytest.fixture(scope="module")
+def small_cache_server(demo_model_dir):
+    config = ServeConfig(model_dir=demo_model_dir, max_num_seqs=4, kv_cache_blocks=CACHE_BLOCKS)
+    runtime = load_runtime(config)
+    server = BackgroundServer(create_app(runtime, config)).start()
+    model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    yield server, model
+    server.stop()
+
+
+def test_reply_without_max_tokens_is_clamped_to_the_cache(small_cache_server):
+    server, model = small_cache_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "seed": 1})
+    chunks = list(stream)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = chunks[-1].usage
+    assert usage.total_tokens == CACHE_BLOCKS * 16
+
+
+def test_prompt_larger_than_the_cache_is_a_400(small_cache_server):
+    server, model = small_cache_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 200}],
+                                       stream=True)
+    assert "KV cache" in str(e.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_above_max_tokens_is_a_400_naming_the_field(small_cache_server, stream):
+    server, model = small_cache_server
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "min_tokens": 9,
+        "stream": stream})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "min_tokens" and "min_tokens" in err["message"]
