@@ -107,6 +107,11 @@ def main(arch: int, quick: bool = False) -> int:
     finally:
         for mod, name, obj in saved:
             setattr(mod, name, obj)
+    return compile_launches(launches, arch, "kernel")
+
+
+def compile_launches(launches: list, arch: int, what: str) -> int:
+    """Compile each distinct recorded launch for ``sm_{arch}``, print OK/FAIL per launch; 1 if any failed."""
     target = GPUTarget("cuda", arch, 32)
     seen, failures = set(), 0
     for name, kernel, args, kwargs in launches:
@@ -122,7 +127,7 @@ def main(arch: int, quick: bool = False) -> int:
         except Exception as e:  # report every failing configuration, not just the first
             failures += 1
             print("FAIL", label, f"\n     {type(e).__name__}: {str(e)[:2000]}")
-    print(f"{len(seen)} kernel configurations for sm_{arch} with triton {triton.__version__}: {failures} failed")
+    print(f"{len(seen)} {what} configurations for sm_{arch} with triton {triton.__version__}: {failures} failed")
     return 1 if failures else 0
 
 

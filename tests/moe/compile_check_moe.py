@@ -11,14 +11,11 @@ import os
 import sys
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from ember.kernels import moe, nvfp4
 from ember.kernels import moe_reference as ref
 from ember.kernels.nvfp4 import NVFP4Tensor
-from tests.kernels.compile_check import _Recorder, _signature
+from tests.kernels.compile_check import _Recorder, compile_launches
 
 _KERNELS = ("_moe_gemm_kernel", "_moe_gemm_w4a4_kernel")
 
@@ -59,23 +56,7 @@ def main(arch: int, quick: bool = False) -> int:
     finally:
         for name, kernel in saved.items():
             setattr(moe, name, kernel)
-    target = GPUTarget("cuda", arch, 32)
-    seen, failures = set(), 0
-    for name, kernel, args, kwargs in launches:
-        sig, constexprs, options = _signature(kernel, args, dict(kwargs))
-        key = (name, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())))
-        if key in seen:
-            continue
-        seen.add(key)
-        label = f"{name} {','.join(v for v in sig.values() if v.startswith('*'))} {sorted(kwargs.items())}"
-        try:
-            triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=target, options=options)
-            print("OK  ", label)
-        except Exception as e:  # report every failing configuration
-            failures += 1
-            print("FAIL", label, f"\n     {type(e).__name__}: {str(e)[:2000]}")
-    print(f"{len(seen)} MoE kernel configurations for sm_{arch} with triton {triton.__version__}: {failures} failed")
-    return 1 if failures else 0
+    return compile_launches(launches, arch, "MoE kernel")
 
 
 if __name__ == "__main__":
