@@ -107,6 +107,17 @@ def moe_align_block_size(
 
 
 @triton.jit
+def _grouped_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``, GROUP_M row tiles walked together for L2 reuse of B tiles."""
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    return first_m + ((pid % in_group) % group_size), (pid % in_group) // group_size
+
+
+@triton.jit
 def _e4m3_to_f32(u):
     """E4M3FN bytes (as int32) -> float32 with integer ops only (no NaN handling: scales are finite)."""
     sign = (u >> 7) & 1
@@ -154,14 +165,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T) (* routing weight), rows in sorted order."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
 
@@ -221,14 +225,7 @@ def _moe_gemm_w4a4_kernel(
     """W4A4 variant: A is packed E2M1 ``[rows, K/2]`` with E4M3 scales ``[rows, K/16]``; ``tl.dot_scaled``; the
     epilogue multiplies column ``n`` by ``alpha[e, n >= second_off]`` (``input_scale * weight_scale_2``; gate and up
     may differ). No fused SiLU: Triton 3.6 cannot compile two block-scaled accumulators for sm_100. Blackwell only."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % in_group) % group_size)
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
 
