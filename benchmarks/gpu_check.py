@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -54,12 +53,13 @@ START = time.time()
 class Report:
     """Results as JSON plus a log, both rewritten after every section so a timeout still leaves data."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, name: str = "gpu_check",
+                 sections: tuple[str, ...] = ("checks", "decode", "decode_sweep", "prefill", "ops", "graphs", "e2e",
+                                              "errors")) -> None:
         out.mkdir(parents=True, exist_ok=True)
-        self.json_path = out / "gpu_check.json"
-        self.log_file = open(out / "gpu_check.log", "w")
-        self.data: dict = {"checks": [], "decode": [], "decode_sweep": [], "prefill": [], "ops": [], "graphs": [],
-                           "e2e": [], "errors": []}
+        self.json_path = out / f"{name}.json"
+        self.log_file = open(out / f"{name}.log", "w")
+        self.data: dict = {key: [] for key in sections}
 
     def log(self, *parts) -> None:
         line = " ".join(str(p) for p in parts)
@@ -72,10 +72,10 @@ class Report:
         self.json_path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
-def bench_ms(fn, rep: int = 100) -> float:
+def bench_ms(fn, rep: int = 100, warmup: int = 25) -> float:
     """Median milliseconds per call: ``triton.testing.do_bench`` on a GPU, one timed call otherwise."""
     if CUDA:
-        return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     t = time.perf_counter()
     fn()

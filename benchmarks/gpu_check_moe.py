@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -36,42 +35,16 @@ from ember.kernels import moe, nvfp4  # noqa: E402
 from ember.kernels import moe_reference as ref  # noqa: E402
 from ember.kernels.nvfp4 import NVFP4Tensor  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check  # noqa: E402
+from gpu_check import Report, rel_err  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 
 
-class Report:
-    """Standalone results: JSON plus a log, rewritten after every step."""
-
-    def __init__(self, out: Path) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        self.json_path = out / "gpu_check_moe.json"
-        self.log_file = open(out / "gpu_check_moe.log", "w")
-        self.data: dict = {"checks": [], "errors": []}
-        self.start = time.time()
-
-    def log(self, *parts) -> None:
-        line = " ".join(str(p) for p in parts)
-        print(line, flush=True)
-        self.log_file.write(line + "\n")
-        self.log_file.flush()
-
-    def save(self) -> None:
-        self.data["elapsed_s"] = round(time.time() - self.start, 1)
-        self.json_path.write_text(json.dumps(self.data, indent=1, default=str))
-
-
 def bench_ms(fn, rep: int = 50) -> float:
-    if CUDA:
-        return float(triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-    fn()
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
-def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:
-    return ((out.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+    return gpu_check.bench_ms(fn, rep=rep, warmup=10)
 
 
 def _copy_gbps(report) -> float:
@@ -194,7 +167,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path.cwd())
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU under the Triton interpreter")
     args = ap.parse_args()
-    report = Report(args.out)
+    report = Report(args.out, "gpu_check_moe", sections=("checks", "errors"))
     try:
         run(report, args.smoke)
     except Exception:
