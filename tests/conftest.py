@@ -1,6 +1,8 @@
 """Shared test setup: Triton's interpreter on CPU, the location of ../shared."""
+import gzip
 import os
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -24,6 +26,17 @@ def shared_path(*parts: str) -> pathlib.Path:
     if not p.exists():
         pytest.skip(f"../shared/data/{'/'.join(parts)} is absent")
     return p
+
+
+def write_shared_tokenizer(family: str, out: pathlib.Path, extra: tuple[str, ...] = ()) -> pathlib.Path:
+    """A loadable folder holding ../shared/data/tokenizers/<family>: tokenizer.json gunzipped beside
+    tokenizer_config.json (and the ``extra`` files); skips the calling test where it is absent."""
+    src = shared_path("tokenizers", family)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes(gzip.decompress((src / "tokenizer.json.gz").read_bytes()))
+    for name in ("tokenizer_config.json", *extra):
+        shutil.copy(src / name, out / name)
+    return out
 
 
 @pytest.fixture(scope="session")

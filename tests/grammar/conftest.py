@@ -1,30 +1,20 @@
 """Shared fixtures: the real Qwen3 tokenizer (the demo model's where ../shared is absent) and its grammar backend."""
 from __future__ import annotations
 
-import gzip
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, write_shared_tokenizer
 
 QWEN3 = SHARED_DATA / "tokenizers" / "qwen3"
-
-
-def write_qwen3_tokenizer(out: Path) -> Path:
-    """The real Qwen3 tokenizer files (tokenizer.json gunzipped beside tokenizer_config.json) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(QWEN3 / "tokenizer_config.json", out / "tokenizer_config.json")
-    (out / "tokenizer.json").write_bytes(gzip.decompress((QWEN3 / "tokenizer.json.gz").read_bytes()))
-    return out
 
 
 @pytest.fixture(scope="session")
 def vocab_dir(tmp_path_factory) -> Path:
     """A folder with a tokenizer: the real Qwen3 one, else the built-in demo model's."""
     if (QWEN3 / "tokenizer.json.gz").exists():
-        return write_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tok"))
+        return write_shared_tokenizer("qwen3", tmp_path_factory.mktemp("qwen3-tok"))
     from ember.engine import demo
 
     return demo.build(tmp_path_factory.mktemp("demo-tok"))

@@ -4,14 +4,13 @@ from __future__ import annotations
 import functools
 import gzip
 import random
-import shutil
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
 from ember.parsers.tokens import TokenBytes, Utf8Assembler, resolve_delimiters
-from tests.conftest import shared_path
+from tests.conftest import shared_path, write_shared_tokenizer
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,10 +104,7 @@ def test_special_tokens_are_their_literal_text():
 def test_transformers_tokenizer_gives_the_same_table(tmp_path):
     from transformers import AutoTokenizer
 
-    src = shared_path("tokenizers", "qwen3")
-    (tmp_path / "tokenizer.json").write_bytes(gzip.decompress((src / "tokenizer.json.gz").read_bytes()))
-    shutil.copy(src / "tokenizer_config.json", tmp_path)
-    hf = AutoTokenizer.from_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(write_shared_tokenizer("qwen3", tmp_path))
     tb, ref = TokenBytes.from_tokenizer(hf), load_token_bytes("qwen3")
     assert tb.vocab_size == ref.vocab_size
     rng = random.Random(1)

@@ -7,15 +7,13 @@
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import shared_path
+from tests.conftest import shared_path, write_shared_tokenizer
 
 THINK_SWITCH = """{%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\\n\\n</think>\\n\\n' }}
@@ -95,11 +93,7 @@ def build_tiny_qwen3(out: Path) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    src = shared_path("tokenizers", "qwen3")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_bytes(gzip.decompress((src / "tokenizer.json.gz").read_bytes()))
-    for name in ("tokenizer_config.json", "vocab.json", "merges.txt"):
-        shutil.copy(src / name, out / name)
+    write_shared_tokenizer("qwen3", out, extra=("vocab.json", "merges.txt"))
     cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
