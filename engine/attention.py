@@ -58,10 +58,12 @@ class TorchBackend:
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                        softmax_scale, k_scale=None, v_scale=None, *, sliding_window=None,
+                        sinks=None) -> torch.Tensor:
         if k_scale is not None or v_scale is not None:
             return reference.paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                             max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale)
+                                             max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale,
+                                             sliding_window=sliding_window, sinks=sinks)
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         decode = (qlens == 1).nonzero().flatten()
         if decode.numel() < qlens.numel():
@@ -70,14 +72,15 @@ class TorchBackend:
                 s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
                 reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
                                           seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
-                                          softmax_scale)
+                                          softmax_scale, sliding_window=sliding_window, sinks=sinks)
         if decode.numel():
             _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
-                            block_table[decode], softmax_scale)
+                            block_table[decode], softmax_scale, sliding_window, sinks)
         return out
 
 
-def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float) -> None:
+def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float,
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> None:
     nb, bs, hkv, d = k_cache.shape
     b = rows.numel()
     hq = q.shape[1]
@@ -87,9 +90,19 @@ def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale
     k = k_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
     v = v_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
     qs = q[rows].float().reshape(b, hkv, hq // hkv, d)
-    valid = torch.arange(nblk * bs, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)
-    o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
-                                       scale=scale)
+    kpos = torch.arange(nblk * bs, device=q.device).unsqueeze(0)
+    valid = kpos < seq_lens.unsqueeze(1)
+    if sliding_window is not None:
+        valid = valid & (kpos >= seq_lens.unsqueeze(1) - sliding_window)
+    if sinks is None:
+        o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=valid[:, None, None, :], scale=scale)
+    else:  # the sink joins the denominator: one extra logit per head with a zero value row
+        s = torch.einsum("bhgd,bkhd->bhgk", qs, k) * scale
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        o = torch.einsum("bhgk,bkhd->bhgd", p, v)
     out[rows] = o.reshape(b, hq, d).to(out.dtype)
 
 

@@ -10,7 +10,9 @@ Batch metadata (one flattened batch of ``T`` query tokens over ``B`` sequences):
 - ``block_table`` int32 ``[B, max_blocks]``.
 A sequence's new tokens are its last ``query_len`` positions, so query ``i`` attends to keys ``0 .. context_len + i``
 with ``context_len = seq_len - query_len`` (causal). This one rule covers prefill, chunked prefill, prefix-cached
-prefill and decode.
+prefill and decode. A sliding window ``W`` keeps only keys ``pos - W < key_pos <= pos`` (the query's own position and
+the ``W - 1`` before it, as transformers' ``sliding_window``). Sinks (gpt-oss) are one logit per query head that
+joins the softmax denominator only: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
 """
 from __future__ import annotations
 
@@ -64,11 +66,15 @@ def paged_attention(
     softmax_scale: float,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache, written into ``out`` ``[T, Hq, D]``.
 
     Computes in fp32, one sequence at a time (slow, obviously right). ``max_seqlen_*`` are accepted for signature
-    parity with the Triton kernels.
+    parity with the Triton kernels. ``sliding_window`` (None: unlimited) and ``sinks`` ``[Hq]`` (None: none) as in
+    the module doc.
     """
     del max_seqlen_q, max_seqlen_k
     hq = q.shape[1]
@@ -95,7 +101,14 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", qs, k) * softmax_scale
         qpos = torch.arange(qlen, device=q.device).unsqueeze(1) + ctx
         kpos = torch.arange(klen, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill((kpos > qpos).unsqueeze(0), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        hidden = kpos > qpos
+        if sliding_window is not None:
+            hidden = hidden | (kpos <= qpos - sliding_window)
+        scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float().reshape(hq, 1, 1).expand(hq, qlen, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

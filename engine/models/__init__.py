@@ -10,11 +10,15 @@ import importlib
 from ember.engine.config import ConfigError
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.models.llama import LlamaForCausalLM
+from ember.engine.models.mistral import MistralForCausalLM
+from ember.engine.models.qwen2 import Qwen2ForCausalLM
 from ember.engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
     "Qwen3MoeForCausalLM": "ember.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 

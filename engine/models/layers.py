@@ -108,21 +108,30 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention over the paged KV cache, with optional per-head q/k RMSNorm (Qwen3) before RoPE.
 
+    ``qkv_bias`` / ``o_bias`` default to ``attention_bias`` (Qwen2 has biases on q/k/v only). ``sliding_window``
+    (keys ``pos - window < key_pos <= pos``) and ``sinks`` (one learned logit per query head in the softmax
+    denominator, gpt-oss) are set per layer by the model; None means full causal attention without sinks.
+
     Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
     the partial ``o_proj`` outputs over the ranks."""
 
     tp = None
 
-    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, qk_norm: bool, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if self.hq % self.hkv:
             raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=cfg.attention_bias)
+        qkv_bias = cfg.attention_bias if qkv_bias is None else qkv_bias
+        o_bias = cfg.attention_bias if o_bias is None else o_bias
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if qk_norm else None
         self.scale = self.d ** -0.5
+        self.sliding_window: int | None = None
+        self.sinks: nn.Parameter | None = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
@@ -137,8 +146,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv
         backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        extra = {}
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
+                                meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale, **extra)
         out = self.o_proj(out.reshape(t, self.hq * self.d))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -183,6 +197,27 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def sliding_windows(cfg: ModelConfig) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads config.json: ``layer_types``
+    where given (``sliding_attention`` layers get ``sliding_window``), else Qwen2's ``use_sliding_window`` with
+    ``max_window_layers``, else ``sliding_window`` on every layer (Mistral)."""
+    raw = cfg.raw
+    window = raw.get("sliding_window")
+    n = cfg.num_hidden_layers
+    if not window or raw.get("use_sliding_window") is False:
+        return [None] * n
+    window = int(window)
+    types = raw.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ConfigError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+        return [window if t == "sliding_attention" else None for t in types]
+    if "use_sliding_window" in raw:
+        first = int(raw.get("max_window_layers") or 0)
+        return [window if i >= first else None for i in range(n)]
+    return [window] * n
+
+
 # HF per-projection names -> (fused parameter, shard index)
 _FUSED = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -200,6 +235,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, self.qk_norm)
+        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
+            layer.self_attn.sliding_window = window
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
