@@ -8,6 +8,8 @@ NVFP4 stacks are :class:`ember.kernels.nvfp4.NVFP4Tensor` with ``weight_scale_2`
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -29,10 +31,27 @@ def topk_routing(
     return w, ids.to(torch.int32)
 
 
+def topk_softmax_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss routing: top-k of the logits, then a softmax over those k only (in fp32, rounded through the logits'
+    dtype as transformers computes it there). Returns ``topk_weights`` float32 ``[M, k]``, ``topk_ids`` int32."""
+    v, ids = torch.topk(router_logits, top_k, dim=-1)
+    w = torch.softmax(v.float(), dim=-1).to(router_logits.dtype).float()
+    return w, ids.to(torch.int32)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]``."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_swiglu(x: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's GLU over ``[gate | up]`` halves: ``gate`` clamped above at ``limit``, ``up`` to ``[-limit, limit]``,
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def expert_weight(w: torch.Tensor | NVFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,11 +75,16 @@ def fused_moe(
     w2: torch.Tensor | NVFP4Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts, looping over hit experts.
 
     Weights are dense stacks or NVFP4 stacks (dequantized one hit expert at a time). Computes in ``x``'s dtype (as
-    transformers does) and returns ``[M, H]`` in that dtype.
+    transformers does) and returns ``[M, H]`` in that dtype. Optional per-expert biases ``b13 [E, 2I]`` and
+    ``b2 [E, H]`` and another GLU over the ``[gate | up]`` halves (gpt-oss: :func:`clamped_swiglu`).
     """
     m, h = x.shape
     out = torch.zeros(m, h, dtype=torch.float32, device=x.device)
@@ -70,8 +94,10 @@ def fused_moe(
     for e in torch.unique(flat_ids).tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = pairs // k
-        hidden = silu_and_mul(F.linear(x[tok], expert_weight(w13, e, x.dtype)))
-        y = F.linear(hidden, expert_weight(w2, e, x.dtype))
+        bias13 = None if b13 is None else b13[e].to(x.dtype)
+        bias2 = None if b2 is None else b2[e].to(x.dtype)
+        hidden = activation(F.linear(x[tok], expert_weight(w13, e, x.dtype), bias13))
+        y = F.linear(hidden, expert_weight(w2, e, x.dtype), bias2)
         out.index_add_(0, tok, (y * flat_w[pairs].unsqueeze(1).to(y.dtype)).float())
     return out.to(x.dtype)
 

@@ -1,0 +1,147 @@
+"""gpt-oss (``GptOssForCausalLM``): attention with q/k/v/o biases and one learned sink logit per query head,
+sliding-window (``sliding_window``) and full layers as ``layer_types`` alternates them, YaRN RoPE, and a MoE MLP in
+every layer.
+
+MoE: router ``x @ W.T + b``, top-k of the logits, softmax over those k; each expert computes ``gate_up = x @ W13 + b13``
+whose even/odd columns are gate/up (interleaved in the checkpoint, split into ``[gate | up]`` halves on load), the
+clamped GLU of :func:`ember.kernels.moe_reference.clamped_swiglu` (``swiglu_limit``, ``swiglu_alpha``), then
+``down + b2``. Expert tensors come as transformers writes them (``mlp.experts.gate_up_proj [E, H, 2I]``,
+``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``). The MoE runs on the torch
+reference (:func:`ember.kernels.moe_reference.fused_moe` with biases and the clamped GLU) on every device.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ember.engine import nvfp4_loading
+from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, \
+    sliding_windows
+from ember.engine.models.qwen3_moe import SparseMoeBlock
+from ember.kernels import moe_reference
+
+_EXPERT_LEAVES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[g0, u0, g1, u1, ...]`` along ``dim`` -> ``[g0, g1, ..., u0, u1, ...]``."""
+    idx = torch.arange(t.shape[dim], device=t.device)
+    return torch.cat((t.index_select(dim, idx[0::2]), t.index_select(dim, idx[1::2])), dim=dim)
+
+
+class GptOssExperts(nn.Module):
+    """All experts of one layer: ``w13 [E, 2I, H]`` (gate rows then up rows), ``b13 [E, 2I]``, ``w2 [E, H, I]``,
+    ``b2 [E, H]`` (buffers: the dense loader's parameter checks skip them; this model checks them itself)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden))
+        self.register_buffer("b13", torch.empty(num_experts, 2 * inter))
+        self.register_buffer("w2", torch.empty(num_experts, hidden, inter))
+        self.register_buffer("b2", torch.empty(num_experts, hidden))
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    """Router with bias, softmax over the top-k logits, biased experts with the clamped GLU. Under tensor
+    parallelism each rank holds every expert's share of the intermediate channels; ``b2`` is added on rank 0 only."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        raw = cfg.raw
+        num_experts = int(raw.get("num_local_experts") or raw.get("num_experts") or 0)
+        self.top_k = int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 0)
+        if num_experts < 1 or not 1 <= self.top_k <= num_experts:
+            raise ConfigError("config.json: gpt-oss needs num_local_experts >= 1 and "
+                              "1 <= num_experts_per_tok <= num_local_experts")
+        self.router = nn.Linear(cfg.hidden_size, num_experts, bias=True)
+        self.experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.activation = partial(moe_reference.clamped_swiglu, limit=float(raw.get("swiglu_limit", 7.0)),
+                                  alpha=float(raw.get("swiglu_alpha", 1.702)))
+
+    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
+        topk_w, topk_ids = moe_reference.topk_softmax_routing(self.router(x), self.top_k)
+        ex = self.experts
+        b2 = ex.b2 if self.tp is None or self.tp.is_driver else None
+        return moe_reference.fused_moe(x, ex.w13, ex.w2, topk_w, topk_ids, b13=ex.b13, b2=b2,
+                                       activation=self.activation)
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        bias = bool(cfg.raw.get("attention_bias", True))  # transformers' GptOssConfig defaults to biases
+        self.self_attn = Attention(cfg, qk_norm=False, qkv_bias=bias, o_bias=bias)
+        self.self_attn.sliding_window = window
+        self.self_attn.sinks = nn.Parameter(torch.empty(cfg.num_attention_heads))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GptOssMoeBlock(cfg)
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, w) for w in sliding_windows(cfg))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    """gpt-oss over the paged KV cache (forward and logits are the shared decoder's)."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Expert tensors are placed here (de-interleaving gate/up); everything else, router and sinks included,
+        goes through the shared loader."""
+        filled: dict[tuple[int, str], int] = {}
+
+        def rest() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if ".mlp.experts." in name:
+                    self._place_expert_tensor(name, tensor, source, filled)
+                else:
+                    yield name, tensor
+
+        super().load_weights(nvfp4_loading.PreparedWeights(rest()), source)
+        for i in range(len(self.model.layers)):
+            for leaf in _EXPERT_LEAVES:
+                if not filled.get((i, leaf)):
+                    raise ConfigError(f"{source}: missing tensor model.layers.{i}.mlp.experts.{leaf}")
+
+    def _place_expert_tensor(self, name: str, tensor: torch.Tensor, source: str,
+                             filled: dict[tuple[int, str], int]) -> None:
+        parts = name.split(".")
+        try:
+            layer = int(parts[2])
+            ex = self.model.layers[layer].mlp.experts
+        except (ValueError, IndexError):
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}") from None
+        leaf = parts[-1]
+        if leaf == "gate_up_proj":  # [E, H, 2I] interleaved columns
+            dest, value = ex.w13, deinterleave(tensor.transpose(1, 2), 1)
+        elif leaf == "gate_up_proj_bias":
+            dest, value = ex.b13, deinterleave(tensor, 1)
+        elif leaf == "down_proj":  # [E, I, H]
+            dest, value = ex.w2, tensor.transpose(1, 2)
+        elif leaf == "down_proj_bias":
+            dest, value = ex.b2, tensor
+        else:
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+        if tuple(value.shape) != tuple(dest.shape):
+            raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, which does not match "
+                              f"the experts' {tuple(dest.shape)} (config.json: num_local_experts, hidden_size, "
+                              "intermediate_size)")
+        dest.copy_(value.to(dest.dtype))
+        filled[(layer, leaf)] = 1

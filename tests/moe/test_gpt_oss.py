@@ -1,0 +1,100 @@
+"""A tiny random gpt-oss (sinks, sliding window 8 on alternate layers, YaRN RoPE, biased MoE with the clamped GLU):
+Ember's greedy output equals transformers', through chunked prefill and prefix-cache hits."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from ember.engine import loader
+from ember.engine.engine import Engine
+from ember.engine.models import get_model_class
+from ember.engine.params import SamplingParams
+from tests.moe.conftest import clear_margin, ember_logits, ember_model, hf_greedy, prompts
+
+WINDOW = 8
+
+
+def tiny_gpt_oss_config(**over):
+    from transformers import GptOssConfig
+
+    cfg = dict(vocab_size=1280, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+               sliding_window=WINDOW, max_position_embeddings=256, initializer_range=0.1,
+               tie_word_embeddings=False,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0})
+    cfg.update(over)
+    return GptOssConfig(**cfg)
+
+
+def save_tiny_gpt_oss(path, tokenizer_dir, seed: int = 0, **over):
+    """Random weights with every bias and sink drawn (transformers zero-initialises the expert biases) and routers
+    wide enough that top-k has no near-ties; gate/up large enough that the GLU's clamp at 7 is reached."""
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(tiny_gpt_oss_config(**over))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.router.weight.normal_(0.0, 0.5)
+            layer.mlp.router.bias.normal_(0.0, 0.5)
+            ex = layer.mlp.experts
+            ex.gate_up_proj.normal_(0.0, 0.6)
+            ex.gate_up_proj_bias.normal_(0.0, 0.5)
+            ex.down_proj_bias.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(tmp_path_factory, demo_model_dir):
+    return save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), demo_model_dir)
+
+
+def _run(engine: Engine, ps: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    got: dict[str, list[int]] = {r: [] for r in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[r] for r in ids]
+
+
+def test_layers_follow_layer_types_with_sinks_and_biases(tiny_gpt_oss_dir):
+    cfg = loader.load_model_config(tiny_gpt_oss_dir)
+    model = get_model_class(cfg.architecture)(cfg, 64)
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attn] == [WINDOW, None]
+    assert all(a.sinks is not None and a.qkv_proj.bias is not None and a.o_proj.bias is not None for a in attn)
+    assert cfg.rope_scaling["rope_type"] == "yarn"
+
+
+def test_prefill_logits_match_transformers(tiny_gpt_oss_dir):
+    from tests.moe.conftest import hf_logits
+
+    prompt = prompts(1, seed=5, min_len=30, max_len=30)[0]
+    want = hf_logits(tiny_gpt_oss_dir, prompt)
+    got = ember_logits(ember_model(tiny_gpt_oss_dir), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_gpt_oss_dir):
+    ps = prompts(8, seed=1, min_len=10, max_len=40)
+    ps, expected = clear_margin(ps, hf_greedy(tiny_gpt_oss_dir, ps), need=6)
+    engine = Engine.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32, device="cpu", block_size=4,
+                                    num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=16)
+    assert _run(engine, ps, 8) == expected
+    assert engine.runner.last_num_tokens <= 16 < max(len(p) for p in ps)
+    # the longest prompt's first 24 tokens (six blocks) come from the prefix cache for a new prompt
+    longest = max(ps, key=len)
+    shared = longest[:24] + prompts(1, seed=2, min_len=7, max_len=7)[0]
+    hits = engine.kv.prefix_hits
+    got = _run(engine, [shared], 8)
+    assert engine.kv.prefix_hits - hits == 24
+    assert got == [hf_greedy(tiny_gpt_oss_dir, [shared])[0][0]]
