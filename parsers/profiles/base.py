@@ -1,4 +1,5 @@
-"""The data a model-family profile is made of; `parsers.machine.ParserMachine` interprets it."""
+"""The data a model-family profile is made of; `parsers.machine.ParserMachine` interprets it, with the tool syntax
+(`parsers.tools`) that ``Profile.tool_format`` names."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -55,7 +56,7 @@ class Profile:
 
     name: str
     reasoning: ReasoningSpec | None
-    tool_format: Literal["hermes", "qwen3_coder", "harmony"] | None
+    tool_format: str | None                    # a key of `parsers.tools.SYNTAXES` ("hermes", ...), None: no tool calls
     terminals: Mapping[str, str]               # terminal name -> literal text
     token_id_terminals: frozenset[str]         # names of terminals that must be single tokens (demoted to text if not)
     generation_headers: tuple[str, ...]        # prompt text that starts the reply

@@ -1,0 +1,29 @@
+"""Tool-call syntaxes, one module each, behind `parsers.tools.base.ToolSyntax`; `syntax_for(tool_format)` finds one.
+
+To add a syntax: a module here with a `ToolSyntax` subclass, its profile under `parsers/profiles/`, and one entry in
+`SYNTAXES` below (see docs/parsers.md, "How to add a tool syntax").
+"""
+from __future__ import annotations
+
+from .base import ToolSyntax
+from .harmony import HarmonySyntax
+from .hermes import HermesSyntax
+from .qwen3_coder import Qwen3CoderSyntax
+
+__all__ = ["ToolSyntax", "SYNTAXES", "syntax_for"]
+
+SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
+    HermesSyntax,
+    Qwen3CoderSyntax,
+    HarmonySyntax,
+)}
+
+
+def syntax_for(tool_format: str | None) -> type[ToolSyntax] | None:
+    """The syntax class of a profile's ``tool_format`` (None for no tool syntax); ValueError for an unknown one."""
+    if tool_format is None:
+        return None
+    try:
+        return SYNTAXES[tool_format]
+    except KeyError:
+        raise ValueError(f"unknown tool syntax {tool_format!r}; known: {', '.join(SYNTAXES)}") from None

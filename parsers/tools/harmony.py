@@ -1,0 +1,87 @@
+"""gpt-oss harmony: messages `<|start|>ROLE<|channel|>CHANNEL [to=RECIPIENT] [<|constrain|>json]<|message|>BODY<|end|>`.
+
+The header is buffered (bounded) and decides the body: analysis -> reasoning, a recipient other than the assistant or
+the user (``to=functions.NAME``) -> a tool call whose body is the arguments JSON verbatim, anything else -> content.
+Headers are Dropped; `<|end|>`, `<|call|>`, `<|return|>` end a message.
+"""
+from __future__ import annotations
+
+from ..profiles.base import H_ANALYSIS, H_BETWEEN, H_FINAL, H_HEADER, H_TOOL
+from .base import MAX_NAME, Action, Handler, ToolSyntax
+
+
+class HarmonySyntax(ToolSyntax):
+    tool_format = "harmony"
+    channels = {H_ANALYSIS: "reasoning", H_FINAL: "content", H_HEADER: "content", H_BETWEEN: "content"}
+    initial_state = H_HEADER       # the prompt ends with `<|start|>assistant`
+
+    def __init__(self, machine, tools) -> None:
+        super().__init__(machine, tools)
+        self._header = ""
+
+    def handlers(self) -> dict[str, Handler]:
+        m = self.m
+        return {H_HEADER: self._header_text, H_ANALYSIS: m.reasoning_text, H_FINAL: m.content_text,
+                H_TOOL: m.args_text, H_BETWEEN: m.between_text}
+
+    def actions(self) -> dict[str, Action]:
+        return {"header_part": self._do_header_part, "header_start": self._do_header_start,
+                "header_start_channel": self._do_header_start_channel, "header_end": self._do_header_end,
+                "message_end": self._do_message_end}
+
+    def close(self, state: str, at_finish: bool) -> None:
+        if state in (H_TOOL, H_ANALYSIS, H_FINAL):
+            self.m.end_call()
+        elif state == H_HEADER and self._header:
+            header, self._header = self._header, ""
+            self.m.malformed(header, "harmony header cut short")
+
+    def _header_text(self, s: str) -> int:
+        self._header += s
+        if len(self._header) > MAX_NAME:
+            self.m.malformed(self._header, "harmony header too long")
+            self._header = ""
+            self.m.state = H_BETWEEN
+        return len(s)
+
+    def _do_header_part(self, text: str) -> None:
+        self._header += text
+
+    def _do_header_start(self, text: str) -> None:
+        m = self.m
+        m.close_body(at_finish=False)
+        m.drop(text, "harmony start")
+        self._header = ""
+        m.state = H_HEADER
+
+    def _do_header_start_channel(self, text: str) -> None:
+        m = self.m
+        m.close_body(at_finish=False)
+        self._header = text
+        m.state = H_HEADER
+
+    def _do_header_end(self, text: str) -> None:
+        m = self.m
+        header, self._header = self._header, ""
+        terms = m.profile.terminals
+        before, _, after = header.partition(terms["channel"])
+        chan_part = after.partition(terms["constrain"])[0]
+        words = (before + " " + chan_part).split()
+        chan_words = chan_part.split()
+        channel = chan_words[0] if chan_words else ""
+        recipient = next((w[3:] for w in words if w.startswith("to=")), "")
+        if recipient and recipient not in ("assistant", "user"):
+            name = recipient.removeprefix("functions.")
+            at = header.find(name, header.find("to=" + recipient))
+            m.drop(header[:at], "harmony header")
+            m.start_call(name)
+            m.drop(header[at + len(name):] + text, "harmony header")
+            m.state = H_TOOL
+            return
+        m.drop(header + text, "harmony header")
+        m.state = H_ANALYSIS if channel == "analysis" else H_FINAL
+
+    def _do_message_end(self, text: str) -> None:
+        self.m.end_call()
+        self.m.drop(text, "harmony end")
+        self.m.state = H_BETWEEN
