@@ -1,33 +1,33 @@
-"""An asyncio front for `Engine`: the step loop runs in one background thread; callers get per-request async
-iterators of `RequestOutput`.
+"""The in-process `EngineClient`: the `Engine` step loop runs in one background thread of this process; callers get
+per-request async iterators of `RequestOutput`.
 
 The thread sleeps on a condition when there is nothing to do (no busy spin). `add`/`abort` travel to it through a
-command queue, so the `Engine` is only ever touched by that thread. Closing or cancelling a `generate` iterator (a
-client that disconnects) aborts its request, which frees its KV blocks. A step that raises ends the requests it
-carried with finish_reason "error"; the loop keeps running.
+command queue, so the `Engine` is only ever touched by that thread. Each step's outputs reach each event loop in one
+callback; per request they land in an `OutputStream`, which merges what a lagging consumer has not taken yet.
+Closing or cancelling a `generate` iterator (a client that disconnects) aborts its request, which frees its KV
+blocks. A step that raises ends the requests it carried with finish_reason "error"; the loop keeps running.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
-from collections import deque
-from dataclasses import dataclass
+from collections import defaultdict, deque
 from typing import Any, AsyncIterator
 
-from ember.engine.constraint import Constraint
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream
 from ember.engine.engine import Engine, EngineStats
 from ember.engine.params import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class EngineShutdown(EngineDeadError):
+    """The engine stopped while a request was in flight or was being added."""
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -39,18 +39,33 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-class EngineShutdown(RuntimeError):
-    """The engine stopped while a request was in flight or was being added."""
+class StepClock:
+    """Mean wall time of the recent engine steps that ran a forward."""
+
+    def __init__(self, window: int = 256) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self._times.append(seconds)
+
+    @property
+    def mean_ms(self) -> float:
+        return 1e3 * sum(self._times) / len(self._times) if self._times else 0.0
 
 
 class AsyncEngine:
-    """Thread-backed async wrapper around one `Engine`."""
+    """Thread-backed async wrapper around one `Engine` (an `EngineClient`)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model_info: ModelInfo | None = None, constraints: Any = None) -> None:
+        from ember.engine.launch import model_info_of
+
         self.engine = engine
+        self.model_info: ModelInfo = model_info if model_info is not None else model_info_of(engine)
+        self._constraints = constraints  # a ConstraintBackend turning specs into Constraints, or None
+        self._clock = StepClock()
         self._cond = threading.Condition()
         self._commands: deque[tuple[Any, ...]] = deque()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
         self._thread.start()
@@ -60,30 +75,37 @@ class AsyncEngine:
         """`Engine.from_pretrained` with the same options, wrapped."""
         return cls(Engine.from_pretrained(model_dir, **options))
 
-    # ---- public API --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, model_dir: str | os.PathLike, args: Any, constraints: Any = None) -> "AsyncEngine":
+        """The engine `EngineArgs` describe, in this process; ``constraints`` is a `ConstraintBackend` or None."""
+        from ember.engine.launch import build_engine
+
+        engine, info = build_engine(model_dir, args, constraints)
+        return cls(engine, info, constraints)
+
+    # ---- EngineClient ------------------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None,
-                       constraint: Constraint | None = None) -> AsyncIterator[RequestOutput]:
-        """Each step's output for this request, the last one with ``finished`` set.
+                       request_id: str | None = None, constraint: Any = None) -> AsyncIterator[RequestOutput]:
+        """Each step's output for this request (merged when the consumer lags), the last one with ``finished`` set.
 
         Raises ValueError (before the first output) when the request is invalid.
         """
         loop = asyncio.get_running_loop()
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = _Stream(loop, asyncio.Queue())
+        stream = OutputStream(loop)
         added = loop.create_future()
         finished = False
         self._submit(("add", rid, list(prompt_ids), params or SamplingParams(), constraint, stream, added))
         try:
             await added
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
+                try:
+                    item = await stream.get()
+                except BaseException:
                     finished = True
-                    raise item
-                if item.finished:
-                    finished = True
+                    raise
+                finished = item.finished
                 yield item
                 if finished:
                     return
@@ -96,7 +118,10 @@ class AsyncEngine:
         self._submit(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return dataclasses.replace(self.engine.stats(), step_ms=self._clock.mean_ms)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread (which then shuts the engine down, stopping any tensor-parallel workers); requests
@@ -109,7 +134,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopped
+        return self.is_alive()
 
     # ---- the loop thread ---------------------------------------------------------------------------------------
 
@@ -124,14 +149,18 @@ class AsyncEngine:
             self._cond.notify()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """One callback per event loop per step, carrying that loop's outputs."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = defaultdict(list)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            by_loop[stream.loop].append((stream, out))
+        for loop, items in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's event loop is closed
                 pass
 
@@ -139,6 +168,9 @@ class AsyncEngine:
         if cmd[0] == "add":
             _, rid, prompt, params, constraint, stream, fut = cmd
             try:
+                if constraint is not None and self._constraints is not None and not hasattr(constraint,
+                                                                                            "fill_bitmask"):
+                    constraint = self._constraints.build(constraint)
                 self.engine.add_request(prompt, params, request_id=rid, constraint=constraint)
             except Exception as e:
                 stream.loop.call_soon_threadsafe(_resolve, fut, e)
@@ -161,7 +193,11 @@ class AsyncEngine:
                 for cmd in commands:
                     self._apply(cmd)
                 if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+                    t0, n0 = time.perf_counter(), self.engine.num_steps
+                    outputs = self.engine.step()
+                    if self.engine.num_steps != n0:
+                        self._clock.add(time.perf_counter() - t0)
+                    self._deliver(outputs)
             except Exception as e:  # a bug outside the forward: fail what is in flight, keep serving
                 log.exception("engine loop error")
                 try:
@@ -183,7 +219,12 @@ class AsyncEngine:
                 cmd[5].loop.call_soon_threadsafe(_resolve, cmd[6], EngineShutdown("the engine is shut down"))
         for stream in self._streams.values():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineShutdown("the engine shut down"))
+                stream.loop.call_soon_threadsafe(stream.fail, EngineShutdown("the engine shut down"))
             except RuntimeError:
                 pass
         self._streams.clear()
+
+
+def _put_all(items: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put(out)

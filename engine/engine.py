@@ -17,6 +17,7 @@ import torch
 from ember.engine import loader
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
+from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import get_model_class
@@ -42,6 +43,8 @@ class EngineStats:
     prefix_cache_queries: int
     num_preemptions: int
     last_batch_size: int
+    num_steps: int = 0  # steps that ran a forward
+    step_ms: float = 0.0  # mean wall time of the recent steps (set by the loop that drives the engine)
 
 
 def _default_device() -> torch.device:
@@ -90,8 +93,7 @@ class Engine:
         self.model_config = loader.load_model_config(self.model_dir)
         self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
-        self.eos_token_ids: set[int] = loader.eos_token_ids(self.tokenizer, self.generation_config,
-                                                            self.model_config)
+        self.eos_token_ids: set[int] = set(end_of_turn_ids(self.tokenizer, self.model_dir))
         mc = self.model_config
         self.device = torch.device(config.device) if config.device is not None else _default_device()
         self.dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -232,7 +234,7 @@ class Engine:
             kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
             prefix_cache_hit_rate=(self.kv.prefix_hits / q) if q else 0.0, prefix_cache_hits=self.kv.prefix_hits,
             prefix_cache_queries=q, num_preemptions=self.scheduler.num_preemptions,
-            last_batch_size=self.last_batch_size,
+            last_batch_size=self.last_batch_size, num_steps=self.num_steps,
         )
 
     # ---- steps -------------------------------------------------------------------------------------------------

@@ -95,17 +95,3 @@ def load_tokenizer(model_dir: str | os.PathLike):
     except Exception as e:  # transformers raises many types here; name the directory
         raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
 
-
-def eos_token_ids(tokenizer, generation_config: dict[str, Any], model_config: ModelConfig) -> set[int]:
-    """The tokenizer's EOS plus generation_config's (and config.json's) eos_token_id(s)."""
-    ids: set[int] = set()
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen = generation_config.get("eos_token_id")
-    if isinstance(gen, int):
-        ids.add(gen)
-    elif isinstance(gen, list):
-        ids.update(int(x) for x in gen)
-    if not generation_config:
-        ids.update(model_config.eos_token_id)
-    return ids

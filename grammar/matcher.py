@@ -47,14 +47,6 @@ def build_ll_tokenizer(tokenizer: Any, *, vocab_size: int | None = None,
     return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -62,16 +54,12 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def model_eos_ids(model_dir: str | Path) -> list[int]:
-    """EOS IDs of a checkpoint: ``generation_config.json`` and ``config.json`` (the tokenizer's is added later)."""
-    d = Path(model_dir)
-    out: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(d / name)
-        out += _ids(cfg.get("eos_token_id"))
-        out += _ids(cfg.get("text_config", {}).get("eos_token_id") if isinstance(cfg.get("text_config"), dict)
-                    else None)
-    return list(dict.fromkeys(out))
+def model_eos_ids(model_dir: str | Path, hf_tokenizer: Any | None = None) -> list[int]:
+    """EOS / end-of-turn IDs of a checkpoint, by the engine's one rule (`ember.engine.eos.end_of_turn_ids`, a
+    torch-free module of plain tokenizer facts)."""
+    from ember.engine.eos import end_of_turn_ids
+
+    return list(end_of_turn_ids(hf_tokenizer, model_dir))
 
 
 def model_vocab_size(model_dir: str | Path) -> int | None:
@@ -209,7 +197,7 @@ class GrammarBackend:
 
             hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls.from_tokenizer(hf_tokenizer, vocab_size=model_vocab_size(model_dir),
-                                  eos_ids=model_eos_ids(model_dir), **kwargs)
+                                  eos_ids=model_eos_ids(model_dir, hf_tokenizer), **kwargs)
 
     # -------------------------------------------------------------------------------------------- admission
 

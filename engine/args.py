@@ -1,0 +1,159 @@
+"""Engine settings: `EngineArgs`, the single source of their defaults, and the CLI flags generated from them.
+
+Every setting is one dataclass field whose ``metadata`` says how it appears on the command line: ``help`` (required
+for a flag to exist), optionally ``flag`` (a non-default flag name), ``choices``, ``type`` (a parse function),
+``negatable`` (``--x/--no-x`` for a boolean), ``group`` (flags of one group are mutually exclusive), ``metavar`` and
+``positional``. `add_flags` turns any such dataclass into argparse arguments with the default shown in the help;
+`from_namespace` builds the dataclass back from the parsed arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+
+def parse_fraction(text: str) -> float:
+    """`"0.9"` -> 0.9; ValueError outside (0, 1]."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{text!r} is not in (0, 1]")
+    return value
+
+
+def parse_memory(text: str) -> int:
+    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes."""
+    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if s and s[-1] in scale:
+        return int(float(s[:-1]) * scale[s[-1]])
+    return int(float(s))
+
+
+parse_fraction.__name__ = "fraction"  # argparse names the type in its error message
+parse_memory.__name__ = "memory size"
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class EngineArgs:
+    """How the engine core runs (names follow vLLM's flags). Defaults here are the only engine defaults."""
+
+    max_model_len: int | None = _opt(None, "context length (prompt + output) in tokens; default: the model's "
+                                           "max_position_embeddings")
+    max_num_seqs: int = _opt(64, "sequences decoded together in one step")
+    max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step")
+    block_size: int = _opt(16, "tokens per KV-cache block")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts into chunks that share steps with decodes",
+                                        negatable=True)
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of a prompt prefix seen before", negatable=True)
+    kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3)",
+                               choices=("auto", "fp8"))
+    kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
+                                       group="kv-cache-size")
+    kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
+                                       group="kv-cache-size")
+    gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and the KV cache "
+                                              "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
+    tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N")
+    enforce_eager: bool = _opt(False, "decode without CUDA graphs (on CUDA they are captured for decode batches)")
+    dtype: str | None = _opt(None, "weight/activation dtype (float32, float16, bfloat16); default: bfloat16 on "
+                                   "CUDA, float32 on CPU")
+    device: str | None = _opt(None, "torch device for rank 0 (cuda, cuda:1, cpu); default: cuda when available")
+    attention_backend: str | None = _opt(None, "attention implementation; default: triton on CUDA, torch on CPU",
+                                         choices=("triton", "torch", "reference"))
+    moe_backend: str | None = _opt(None, "MoE / NVFP4 kernels; default: triton on CUDA, the torch reference on "
+                                         "CPU", choices=("triton", "reference"))
+
+    def engine_options(self) -> dict[str, Any]:
+        """Keyword arguments of `Engine.from_pretrained` (everything but the backends, see `apply_environment`)."""
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "max_model_len": self.max_model_len, "block_size": self.block_size,
+                "num_kv_blocks": self.kv_cache_blocks, "kv_cache_memory": self.kv_cache_memory,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": self.dtype, "device": self.device,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
+                "kv_cache_dtype": self.kv_cache_dtype}
+
+    def apply_environment(self) -> None:
+        """Select the kernel backends for this process (the engine modules read them where they build layers)."""
+        for name, value in (("EMBER_ATTENTION", self.attention_backend), ("EMBER_MOE", self.moe_backend)):
+            if value is not None:
+                os.environ[name] = value
+
+
+def engine_args_of(config: Any) -> EngineArgs:
+    """The `EngineArgs` part of any dataclass that has (some of) its fields, e.g. a `ServeConfig`."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: getattr(config, k) for k in names if hasattr(config, k)})
+
+
+# ------------------------------------------------------------------------------------------------ flag generation
+
+T = TypeVar("T")
+
+
+def _flag_type(f: dataclasses.Field) -> Any:
+    t = f.metadata.get("type")
+    if t is not None:
+        return t
+    ann = str(f.type)
+    if "Path" in ann:
+        return Path
+    if "float" in ann:
+        return float
+    if "int" in ann:
+        return int
+    return str
+
+
+def _is_bool(f: dataclasses.Field) -> bool:
+    return str(f.type).replace(" ", "") in ("bool", "bool|None")
+
+
+def _show(default: Any) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return "unset" if default is None else str(default)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One argparse argument per field of dataclass ``cls`` that has ``help`` metadata, default shown in the help."""
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        helptext = f"{meta['help']} (default: {_show(default)})"
+        if meta.get("positional"):
+            parser.add_argument(f.name, nargs="?", type=_flag_type(f), default=default,
+                                metavar=meta.get("metavar", f.name.upper()), help=helptext)
+            continue
+        target: Any = parser
+        if "group" in meta:
+            target = groups.setdefault(meta["group"], parser.add_mutually_exclusive_group())
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helptext}
+        if _is_bool(f):
+            kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
+        else:
+            kw["type"] = _flag_type(f)
+            if "choices" in meta:
+                kw["choices"] = list(meta["choices"])
+            if "metavar" in meta:
+                kw["metavar"] = meta["metavar"]
+        target.add_argument(flag, **kw)
+
+
+def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
+    """``cls`` built from the parsed arguments (fields without a flag keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

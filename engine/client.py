@@ -1,0 +1,141 @@
+"""The one seam between the HTTP front end and the engine: `EngineClient` and the plain facts of `ModelInfo`.
+
+Two implementations: `ember.engine.async_engine.AsyncEngine` (the engine in a thread of this process: tests, tiny
+models, ``--in-process``) and `ember.engine.core_client.ProcessEngineClient` (the engine core in its own process,
+the default of ``ember serve``). The server touches the engine only through this interface.
+
+`OutputStream` is the per-request mailbox both use: it holds at most one pending `RequestOutput`; outputs that
+arrive while the consumer lags are merged into it (token lists concatenated), so a slow client costs one item of
+memory per step it is behind, never a queue entry per token.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
+
+from ember.engine.params import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.engine import EngineStats
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (shut down or its process died) while a request was in flight or being added."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front end may know about the served model and the engine's capacity (plain, picklable data)."""
+
+    model_dir: str
+    tokenizer_path: str
+    model_type: str | None
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]  # end-of-turn / stop IDs from `ember.engine.eos.end_of_turn_ids`
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    tensor_parallel_size: int
+    kv_cache_dtype: str
+    load_seconds: float
+    num_params: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine as the server sees it."""
+
+    model_info: ModelInfo
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+                 constraint: Any = None) -> AsyncIterator[RequestOutput]:
+        """Per-step outputs of one request, the last with ``finished`` set (an async generator). ``constraint`` is a
+        plain-data spec (a `ember.grammar.GrammarPlan`) the engine side turns into its Constraint. Raises ValueError
+        before the first output when the engine refuses the request, `EngineDeadError` when the engine is gone.
+        Closing the iterator early aborts the request (its KV blocks are freed)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """End a request now (thread-safe, idempotent)."""
+        ...
+
+    def stats(self) -> "EngineStats":
+        """The engine's latest counters (cheap; never waits on the engine loop)."""
+        ...
+
+    def is_alive(self) -> bool:
+        """False once the engine stopped or died."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine; requests in flight end with `EngineDeadError`."""
+        ...
+
+
+def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """One output carrying ``old``'s tokens then ``new``'s, with ``new``'s status (the coalescing of a lagging
+    stream)."""
+    old.new_token_ids = old.new_token_ids + new.new_token_ids
+    if old.logprobs is not None or new.logprobs is not None:
+        old.logprobs = (old.logprobs or []) + (new.logprobs or [])
+    for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens"):
+        setattr(old, name, getattr(new, name))
+    return old
+
+
+class OutputStream:
+    """A single-consumer mailbox of `RequestOutput`s living on one event loop; `put` never blocks and coalesces."""
+
+    __slots__ = ("loop", "_pending", "_error", "_waiter", "puts")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+        self.puts = 0
+
+    def put(self, out: RequestOutput) -> None:
+        """Deliver (on the stream's loop)."""
+        self.puts += 1
+        if self._pending is None:
+            self._pending = out
+        else:
+            merge_outputs(self._pending, out)
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def pending(self) -> RequestOutput | None:
+        return self._pending
+
+    async def get(self) -> RequestOutput:
+        """Everything delivered since the last `get`, merged into one output; raises a failure once drained."""
+        while self._pending is None:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        out, self._pending = self._pending, None
+        return out

@@ -1,0 +1,271 @@
+"""`ProcessEngineClient`: the `EngineClient` whose engine core runs in a child process (`ember.engine.core_process`).
+
+One receiver thread polls the events socket and the child's process sentinel together: each step message is decoded
+once and handed to each event loop in one callback, which puts every request's output into its `OutputStream`
+(merging what a lagging consumer has not taken). The child's death is seen at once through the sentinel: every
+stream in flight fails with `EngineDeadError`, `is_alive()` turns False and the ``on_death`` callbacks run.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+
+from ember.engine import core_process, wire
+from ember.engine.args import EngineArgs
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream
+from ember.engine.engine import EngineStats
+from ember.engine.params import RequestOutput, SamplingParams
+
+log = logging.getLogger("ember.engine.client")
+
+
+class ProcessEngineClient:
+    """The engine core in a spawned child process, reached over ZMQ (an `EngineClient`)."""
+
+    def __init__(self, model_dir: str | os.PathLike, args: EngineArgs | None = None,
+                 constraint_factory: Callable[[str], Any] | None = None, *, startup_timeout: float | None = None,
+                 log_level: str = "WARNING") -> None:
+        import dataclasses
+
+        args = args or EngineArgs()
+        self._ctx = zmq.Context()
+        base = os.path.join(tempfile.gettempdir(), f"ember-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._addrs = (f"ipc://{base}-cmd", f"ipc://{base}-evt")
+        self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.bind(self._addrs[0])
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.setsockopt(zmq.RCVHWM, 0)
+        self._events.bind(self._addrs[1])
+        self._send_lock = threading.Lock()
+        self._streams: dict[str, OutputStream] = {}
+        self._streams_lock = threading.Lock()
+        self._stats: EngineStats | None = None
+        self._dead: str | None = None
+        self._stopping = False
+        self.on_death: list[Callable[[str], None]] = []
+        self.steps_received = 0
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+        self.process = mp.get_context("spawn").Process(
+            target=core_process.main, name="ember-engine-core",
+            args=(str(model_dir), fields, constraint_factory, self._addrs[0], self._addrs[1], log_level))
+        self.process.start()  # not a daemon: it starts tensor-parallel workers of its own; it exits with its parent
+        try:
+            self.model_info: ModelInfo = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            self._close_sockets()
+            raise
+        self._stats = EngineStats(num_running=0, num_waiting=0, kv_usage=0.0,
+                                  num_free_blocks=self.model_info.num_kv_blocks,
+                                  num_total_blocks=self.model_info.num_kv_blocks, prefix_cache_hit_rate=0.0,
+                                  prefix_cache_hits=0, prefix_cache_queries=0, num_preemptions=0, last_batch_size=0)
+        self._thread = threading.Thread(target=self._receive, name="ember-engine-receiver", daemon=True)
+        self._thread.start()
+
+    # ---- start-up ----------------------------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout: float | None) -> ModelInfo:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._events.poll(100, zmq.POLLIN):
+                msg = wire.unpack(self._events.recv())
+                if msg[0] == "ready":
+                    info = wire.decode_fields(ModelInfo, msg[1])
+                    import dataclasses
+
+                    return dataclasses.replace(info, eos_token_ids=tuple(info.eos_token_ids))
+                if msg[0] == "fatal":
+                    self.process.join(10)
+                    raise RuntimeError(f"the engine failed to start: {msg[1]}")
+                continue
+            if not self.process.is_alive():
+                raise EngineDeadError(f"the engine process exited during start-up (exit code "
+                                      f"{self.process.exitcode})")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not start within {timeout} s")
+
+    # ---- EngineClient ------------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None, constraint: Any = None) -> AsyncIterator[RequestOutput]:
+        """Each step's output for this request (merged when the consumer lags), the last with ``finished`` set.
+
+        Raises ValueError (before the first output) when the engine refuses the request, `EngineDeadError` when the
+        engine process is gone."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = OutputStream(asyncio.get_running_loop())
+        with self._streams_lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._streams[rid] = stream
+        finished = False
+        try:
+            self._send(["add", rid, [int(t) for t in prompt_ids], wire.encode_params(params or SamplingParams()),
+                        constraint])
+            while True:
+                try:
+                    item = await stream.get()
+                except BaseException:
+                    finished = True
+                    raise
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        if self._dead is None:
+            try:
+                self._send(["abort", [request_id]])
+            except EngineDeadError:
+                pass
+
+    def stats(self) -> EngineStats:
+        """The counters the engine sent with its latest step."""
+        return self._stats  # type: ignore[return-value]
+
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._stopping
+
+    @property
+    def is_running(self) -> bool:
+        return self.is_alive()
+
+    @property
+    def death_reason(self) -> str | None:
+        return self._dead
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine process to stop, wait for it (killing it after ``timeout``), fail what is in flight."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._dead is None:
+            try:
+                self._send(["shutdown"])
+            except EngineDeadError:
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("the engine process did not stop in %.0f s; killing it", timeout)
+            self._kill()
+        self._thread.join(5)
+        self._fail_all("the engine is shut down")
+        self._close_sockets()
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _send(self, msg: list) -> None:
+        data = wire.pack(msg)
+        with self._send_lock:
+            if self._dead is not None or self._commands.closed:
+                raise EngineDeadError(self._dead or "the engine is shut down")
+            self._commands.send(data, copy=False)
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._events, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
+        sock = self._events
+        while True:
+            ready = dict(poller.poll(1000))
+            if sock in ready:
+                while True:
+                    try:
+                        data = sock.recv(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._dispatch(wire.unpack(data))
+                continue
+            if self.process.sentinel in ready or not self.process.is_alive():
+                while sock.poll(0, zmq.POLLIN):  # the last messages it sent
+                    self._dispatch(wire.unpack(sock.recv()))
+                if self._stopping:
+                    return
+                self.process.join(1)
+                reason = f"the engine process died (exit code {self.process.exitcode})"
+                log.error("%s; failing every request in flight", reason)
+                self._dead = reason
+                self._fail_all(reason)
+                for cb in list(self.on_death):
+                    try:
+                        cb(reason)
+                    except Exception:
+                        log.exception("on_death callback failed")
+                return
+
+    def _dispatch(self, msg: list) -> None:
+        kind = msg[0]
+        if kind == "step":
+            self.steps_received += 1
+            self._stats = wire.decode_fields(EngineStats, msg[2])
+            by_loop: dict[asyncio.AbstractEventLoop, list[tuple[OutputStream, RequestOutput]]] = defaultdict(list)
+            with self._streams_lock:
+                streams = self._streams
+                for values in msg[1]:
+                    stream = streams.get(values[0])
+                    if stream is not None:
+                        by_loop[stream.loop].append((stream, wire.decode_output(values)))
+            for loop, items in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_put_all, items)
+                except RuntimeError:  # that event loop is closed
+                    pass
+        elif kind == "reject":
+            with self._streams_lock:
+                stream = self._streams.get(msg[1])
+            if stream is not None:
+                _call(stream, stream.fail, ValueError(msg[2]))
+        elif kind == "fatal":
+            log.error("engine process: %s", msg[1])
+
+    def _fail_all(self, reason: str) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for s in streams:
+            _call(s, s.fail, EngineDeadError(reason))
+
+    def _kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def _close_sockets(self) -> None:
+        with self._send_lock:
+            self._commands.close(linger=0)
+        self._events.close(linger=0)
+        self._ctx.term()
+        for addr in self._addrs:
+            try:
+                os.unlink(addr.removeprefix("ipc://"))
+            except OSError:
+                pass
+
+
+def _call(stream: OutputStream, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _put_all(items: list[tuple[OutputStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.put(out)

@@ -1,0 +1,172 @@
+"""The engine core in its own process: it owns the `Engine` and its step loop, and talks to the front end over two
+ZMQ sockets (format: `ember.engine.wire`).
+
+The loop never waits on the front end: commands are drained without blocking between steps, each step's outputs
+leave as one message on a send queue with no high-water mark, and the loop only blocks (on the command socket) when
+it has nothing to run. Constraint specs are turned into Constraints on a helper thread, so compiling a new grammar
+never stalls the steps of other requests. The process exits when told to, when its parent dies, or on a fatal error
+(reported as a ``fatal`` event first).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ember.engine import wire
+
+log = logging.getLogger("ember.engine.core")
+
+_IDLE_POLL_MS = 500
+
+
+def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, commands_addr: str,
+         events_addr: str, log_level: str = "WARNING") -> None:
+    """Process entry point (spawned by `ProcessEngineClient`)."""
+    import zmq
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    ctx = zmq.Context()
+    events = ctx.socket(zmq.PUSH)
+    events.setsockopt(zmq.SNDHWM, 0)
+    events.setsockopt(zmq.LINGER, 1000)
+    events.connect(events_addr)
+    commands = ctx.socket(zmq.PULL)
+    commands.setsockopt(zmq.RCVHWM, 0)
+    commands.connect(commands_addr)
+    try:
+        core = _Core(model_dir, args_fields, constraint_factory, events)
+    except BaseException as e:
+        events.send(wire.pack(["fatal", f"{type(e).__name__}: {e}"]))
+        log.debug("engine start-up failed:\n%s", traceback.format_exc())
+        events.close()
+        ctx.term()
+        sys.exit(1)
+    try:
+        core.run(commands, parent)
+    finally:
+        core.close()
+        events.close()
+        commands.close(linger=0)
+        ctx.term()
+
+
+class _Core:
+    def __init__(self, model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, events: Any) -> None:
+        from ember.engine.args import EngineArgs
+        from ember.engine.async_engine import StepClock
+        from ember.engine.launch import build_engine
+
+        args = EngineArgs(**args_fields)
+        self.constraints = constraint_factory(model_dir) if constraint_factory is not None else None
+        self.engine, info = build_engine(model_dir, args, self.constraints)
+        self.events = events
+        self.clock = StepClock()
+        self.builder: ThreadPoolExecutor | None = None
+        self.building: dict[str, tuple[Future, list, Any]] = {}
+        self.stopping = False
+        events.send(wire.pack(["ready", wire.encode_fields(info)]))
+
+    def run(self, commands: Any, parent: int) -> None:
+        import zmq
+
+        engine = self.engine
+        last_parent_check = time.monotonic()
+        while not self.stopping:
+            busy = engine.has_unfinished()
+            if not busy:
+                timeout = 5 if self.building else _IDLE_POLL_MS
+                if not commands.poll(timeout, zmq.POLLIN):
+                    self._adopt_built()
+                    if os.getppid() != parent:
+                        log.warning("the front-end process is gone; the engine core exits")
+                        return
+                    continue
+            while True:  # drain every queued command, never waiting
+                try:
+                    msg = commands.recv(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._apply(wire.unpack(msg))
+            if self.building:
+                self._adopt_built()
+            if self.stopping:
+                return
+            if engine.has_unfinished():
+                t0, n0 = time.perf_counter(), engine.num_steps
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # outside the forward (the engine catches those): fail what is in flight
+                    log.exception("engine loop error")
+                    outputs = engine.fail_all(f"engine error: {type(e).__name__}: {e}")
+                if engine.num_steps != n0:
+                    self.clock.add(time.perf_counter() - t0)
+                if outputs:
+                    self._send_step(outputs)
+            now = time.monotonic()
+            if now - last_parent_check > 1.0:
+                last_parent_check = now
+                if os.getppid() != parent:
+                    log.warning("the front-end process is gone; the engine core exits")
+                    return
+
+    def _send_step(self, outputs: list) -> None:
+        import dataclasses
+
+        stats = dataclasses.replace(self.engine.stats(), step_ms=self.clock.mean_ms)
+        self.events.send(wire.pack(["step", [wire.encode_output(o) for o in outputs], wire.encode_fields(stats)]))
+
+    def _apply(self, msg: list) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, prompt, params, spec = msg
+            if spec is not None and self.constraints is not None:
+                if self.builder is None:
+                    self.builder = ThreadPoolExecutor(1, thread_name_prefix="ember-constraints")
+                self.building[rid] = (self.builder.submit(self.constraints.build, spec), prompt, params)
+                return
+            if spec is not None:
+                self._reject(rid, "structured output is not available on this server")
+                return
+            self._add(rid, prompt, params, None)
+        elif kind == "abort":
+            for rid in msg[1]:
+                if self.building.pop(rid, None) is None:
+                    self.engine.abort(rid)
+        elif kind == "shutdown":
+            self.stopping = True
+
+    def _add(self, rid: str, prompt: list, params: list, constraint: Any) -> None:
+        try:
+            self.engine.add_request(prompt, wire.decode_params(params), request_id=rid, constraint=constraint)
+        except ValueError as e:
+            self._reject(rid, str(e))
+        except Exception as e:
+            log.exception("add_request failed")
+            self._reject(rid, f"{type(e).__name__}: {e}")
+
+    def _adopt_built(self) -> None:
+        for rid in [r for r, (f, _, _) in self.building.items() if f.done()]:
+            fut, prompt, params = self.building.pop(rid)
+            try:
+                constraint = fut.result()
+            except Exception as e:
+                self._reject(rid, str(e))
+                continue
+            self._add(rid, prompt, params, constraint)
+
+    def _reject(self, rid: str, message: str) -> None:
+        self.events.send(wire.pack(["reject", rid, message]))
+
+    def close(self) -> None:
+        if self.builder is not None:
+            self.builder.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
