@@ -6,6 +6,11 @@ model. From then on every decode-only step (each chunk one token, every sequence
 captured batch) replays the CUDA graph of the next captured size, padding the batch; prefill and mixed steps, and
 larger decode batches, stay eager. Without CUDA the same runner runs eagerly over its padded buffers (what the CPU
 tests use to check the routing and the padding). `graph_blocker` says why a runner must not capture.
+
+Host syncs: `prepare` fills two persistent host buffers (int64: token IDs, positions, slots, logits indices; int32:
+query starts, sequence lengths, block table) and uploads each with one non-blocking copy from pinned memory
+(`ember.engine.staging`); nothing in `prepare` or the forward reads a device value back, so a decode step's only
+device -> host read is the sampler's.
 """
 from __future__ import annotations
 
@@ -13,13 +18,15 @@ import logging
 import time
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from ember.engine.attention import AttentionMetadata, get_backend
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
-from ember.engine.models.layers import DecoderForCausalLM
+from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
 from ember.engine.scheduler import SchedulerOutput
+from ember.engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +41,20 @@ class ModelRunner:
     """Owns the model, its KV cache and the attention backend; turns a `SchedulerOutput` into logits."""
 
     def __init__(self, model: DecoderForCausalLM, cfg: ModelConfig, block_size: int, device: torch.device,
-                 dtype: torch.dtype, backend: ModuleType | None = None) -> None:
+                 dtype: torch.dtype, backend: ModuleType | None = None,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.cfg = cfg
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        """The KV cache's element type: the model dtype, or ``torch.float8_e4m3fn`` (per-layer scales)."""
         self.backend = backend if backend is not None else get_backend(device)
+        self.row_ops = row_ops_backend(device)
+        use_triton_row_ops(model, self.row_ops == "triton")
+        self._staged64 = Staging(torch.int64, device)
+        self._staged32 = Staging(torch.int32, device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.last_batch_size = 0
@@ -53,49 +67,67 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(self.cfg.num_hidden_layers)
         ]
         self.num_blocks = num_blocks
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flat input ids ``[T]`` and the step's metadata; sampling rows follow the order of ``out.chunks``."""
+        """Flat input ids ``[T]`` and the step's metadata; sampling rows follow the order of ``out.chunks``.
+
+        The tensors are views of persistent device buffers, valid until the next `prepare`."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        for chunk in out.chunks:
+        chunks = out.chunks
+        b = len(chunks)
+        t = sum(c.num_tokens for c in chunks)
+        tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
+        width = max(len(tb) for tb in tables)
+        s = sum(1 for c in chunks if c.samples)
+        # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s]
+        h64 = self._staged64.host(3 * t + s)
+        ids, pos, slots, li = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
+        # int32 buffer: query starts [b+1] | seq lens [b] | block table [b, width]
+        h32 = self._staged32.host(2 * b + 1 + b * width)
+        cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
+        cu[0] = 0
+        row = j = 0
+        max_q = max_k = 0
+        for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             end = start + n
-            input_ids.extend(seq.token_ids_slice(start, end))
-            blocks = seq.block_ids
-            for p in range(start, end):
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            tables.append(blocks[: (end + bs - 1) // bs])
+            blocks = tables[i]
+            if n == 1:
+                ids[row] = seq.token_ids_slice(start, end)[0]
+                pos[row] = start
+                slots[row] = blocks[start // bs] * bs + start % bs
+            else:
+                ids[row:row + n] = seq.token_ids_slice(start, end)
+                p = np.arange(start, end)
+                pos[row:row + n] = p
+                slots[row:row + n] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
+            row += n
+            cu[i + 1] = row
+            lens[i] = end
+            table[i, :len(blocks)] = blocks
+            table[i, len(blocks):] = 0
             if chunk.samples:
-                logits_indices.append(cu[-1] - 1)
-        width = max(len(t) for t in tables)
-        table = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
+                li[j] = row - 1
+                j += 1
+            max_q, max_k = max(max_q, n), max(max_k, end)
+        d64 = self._staged64.upload(3 * t + s)
+        d32 = self._staged32.upload(2 * b + 1 + b * width)
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-            max_seqlen_q=max(c.num_tokens for c in out.chunks),
-            max_seqlen_k=max(seq_lens),
+            query_start_loc=d32[:b + 1],
+            seq_lens=d32[b + 1:2 * b + 1],
+            block_table=d32[2 * b + 1:].view(b, width),
+            slot_mapping=d64[2 * t:3 * t],
+            positions=d64[t:2 * t],
+            logits_indices=d64[3 * t:],
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
         )
-        return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
+        return d64[:t], meta
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -178,8 +210,9 @@ class ModelRunner:
         bs = self.block_size
         nblocks = (num_tokens + bs - 1) // bs
         shape = (nblocks, bs, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                   torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.cfg.num_hidden_layers)]
+        kvd = self.kv_cache_dtype
+        caches = [(torch.zeros(shape, dtype=kvd, device=self.device),
+                   torch.zeros(shape, dtype=kvd, device=self.device)) for _ in range(self.cfg.num_hidden_layers)]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),

@@ -1,8 +1,15 @@
 """Layers shared by the decoder-only models: RMSNorm, RoPE (with rope_scaling), paged-KV attention, gated MLP, and
-the decoder stack with its Hugging Face weight-name mapping (q/k/v and gate/up are fused on load)."""
+the decoder stack with its Hugging Face weight-name mapping (q/k/v and gate/up are fused on load).
+
+Row-wise ops: on CUDA the norms (plain and fused residual-add), the rotary embedding and SiLU-and-mul run the Triton
+kernels of `ember.kernels` (`norm`, `rotary`, `activation`); elsewhere the torch code below, which matches
+transformers. `row_ops_backend` decides (``EMBER_ROW_OPS=triton|torch`` overrides, e.g. to run the kernels under
+the Triton interpreter on a CPU) and `use_triton_row_ops` switches a built model.
+"""
 from __future__ import annotations
 
 import math
+import os
 from types import ModuleType
 from typing import Iterable
 
@@ -14,15 +21,47 @@ from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 
 
+def row_ops_backend(device: torch.device) -> str:
+    """``"triton"`` on CUDA, ``"torch"`` elsewhere; ``EMBER_ROW_OPS`` (triton / torch) overrides."""
+    forced = os.environ.get("EMBER_ROW_OPS", "").strip().lower()
+    if forced in ("triton", "torch"):
+        return forced
+    if forced:
+        raise ValueError(f"EMBER_ROW_OPS={forced!r}: expected 'triton' or 'torch'")
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def use_triton_row_ops(model: nn.Module, enabled: bool) -> None:
+    """Run ``model``'s norms, rotary embedding and SiLU-and-mul through the Triton kernels (or the torch code)."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            m.triton = enabled
+
+
 class RMSNorm(nn.Module):
-    """``w * (x * rsqrt(mean(x^2) + eps))`` computed in fp32, cast back before the weight (as transformers does)."""
+    """``w * (x * rsqrt(mean(x^2) + eps))`` computed in fp32, cast back before the weight (as transformers does).
+
+    With a ``residual``, the pre-norm of a residual block: returns ``(norm(x + residual), x + residual)`` (one fused
+    kernel on the Triton path)."""
+
+    triton = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.triton:
+            from ember.kernels import norm
+
+            if residual is None:
+                return norm.rms_norm(x, self.weight, self.eps)
+            return norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -81,10 +120,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate_half) RoPE with a cos/sin cache indexed by position."""
 
+    triton = False
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
-        self.cos = self.sin = torch.empty(0)
+        self.cos = self.sin = self.cos_sin = torch.empty(0)
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq, attn_scale = rope_inv_freq(self.head_dim, self.theta, self.scaling, self.max_position)
@@ -93,6 +134,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * attn_scale).to(device=device, dtype=dtype)
         self.sin = (emb.sin() * attn_scale).to(device=device, dtype=dtype)
+        half = self.head_dim // 2
+        # the rotary kernel's layout: [max_position, head_dim] with the cos half first, then the sin half
+        self.cos_sin = torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1).contiguous()
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +144,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.triton:
+            from ember.kernels import rotary
+
+            return rotary.rotary_neox(positions, q, k, self.cos_sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
@@ -162,6 +210,7 @@ class GatedMLP(nn.Module):
     intermediate channels, ``down`` summed over the ranks)."""
 
     tp = None
+    triton = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -170,8 +219,15 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.triton:
+            from ember.kernels import activation
+
+            act = activation.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -183,10 +239,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
-                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), meta, rope, kv, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+                backend: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sublayer output, residual stream)``: the stream is ``h + residual`` (``h`` alone for the first layer);
+        the next layer's (or the final) norm adds them, fused."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, meta, rope, kv, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderBody(nn.Module):
@@ -244,9 +308,10 @@ class DecoderForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
         """Hidden states ``[T, H]`` after the final norm; writes this step's K/V into ``kv_caches``."""
         h = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            h = layer(h, meta, self.rope, kv, backend)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, meta, self.rope, kv, backend)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
