@@ -21,6 +21,12 @@ Kernels:
   (max, exp-sum, unnormalised acc); the reduce kernel rescales and sums them. Empty segments (short sequences) write
   ``max = -inf``, ``expsum = 0`` and are weighed out.
 
+Sliding window (``WINDOW`` constexpr, 0 = none): a query at ``pos`` sees keys ``pos - WINDOW < key_pos <= pos``; the
+2D kernel starts at the first tile its first query's window touches and the split-KV kernel divides only the tiles
+that overlap the window among its segments, so tiles wholly outside are never loaded. Sinks (``HAS_SINKS``, gpt-oss):
+one logit per query head added to the softmax denominator only, ``exp(sink - m)`` against the running max in the 2D
+kernel and against the common max of the segments in the reduce.
+
 Dispatch (``paged_attention``): split-KV when ``max_seqlen_q == 1`` and ``num_seqs * num_kv_heads`` is at most
 ``SPLIT_KV_MAX_PROGRAMS`` (128, about one wave of an H200's 132 SMs), the 2D kernel otherwise. Nothing depends on
 device values, so calls can be captured in CUDA graphs.
@@ -135,9 +141,10 @@ def _attend_tiles(
     stride_kc0, stride_kc1, stride_kc2, stride_kc3,
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     offs_d, dim_mask,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """Online-softmax accumulation of tiles ``[tile_start, tile_end)`` of one sequence's KV for one KV head."""
+    """Online-softmax accumulation of tiles ``[tile_start, tile_end)`` of one sequence's KV for one KV head; with
+    ``WINDOW > 0`` a query at ``pos`` sees only keys ``pos - WINDOW < key_pos <= pos``."""
     offs_t = tl.arange(0, TILE)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     for j in range(tile_start, tile_end):
@@ -157,6 +164,8 @@ def _attend_tiles(
             v = v_raw.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * softmax_scale
         causal = kpos[None, :] < context_len + query_pos[:, None] + 1
+        if WINDOW > 0:
+            causal = causal & (kpos[None, :] > context_len + query_pos[:, None] - WINDOW)
         s = tl.where(query_mask[:, None] & kmask[None, :] & causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -170,7 +179,7 @@ def _attend_tiles(
 
 @triton.jit
 def _unified_attention_2d(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
     num_seqs, softmax_scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_qd,
@@ -180,6 +189,7 @@ def _unified_attention_2d(
     stride_bt,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -207,15 +217,22 @@ def _unified_attention_2d(
     # keys up to the last query of this block (causal), never past the sequence
     prefix_len = tl.minimum(context_len + local_block * BLOCK_Q + (BLOCK_M - 1) // GROUP + 1, seq_len)
     num_tiles = tl.cdiv(prefix_len, TILE)
+    first_tile = 0
+    if WINDOW > 0:  # tiles wholly before the first query's window are skipped, not masked
+        first_tile = tl.maximum(context_len + local_block * BLOCK_Q - WINDOW + 1, 0) // TILE
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_idx, stride_bt,
-        kv_head, query_pos, query_mask, context_len, prefix_len, 0, num_tiles, softmax_scale, k_scale, v_scale,
+        kv_head, query_pos, query_mask, context_len, prefix_len, first_tile, num_tiles, softmax_scale, k_scale,
+        v_scale,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW,
     )
+    if HAS_SINKS:  # the sink's exp joins the denominator only
+        sink = tl.load(sinks_ptr + q_head, mask=query_mask, other=0.0).to(tl.float32)
+        l_i = l_i + tl.where(m_i > float("-inf"), tl.exp(sink - m_i), 0.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     tl.store(
@@ -235,6 +252,7 @@ def _unified_attention_3d(
     stride_bt, num_q_heads,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Decode only (every query_len <= 1): program (seq, kv_head, segment); partials go to ``segm_*[tok, head, seg]``."""
     seq_idx = tl.program_id(0)
@@ -260,8 +278,11 @@ def _unified_attention_3d(
     )
     prefix_len = tl.maximum(seq_len, 0)
     num_tiles = tl.cdiv(prefix_len, TILE)
-    tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
-    tile_start = segment * tiles_per_segment
+    first_tile = 0
+    if WINDOW > 0:  # the segments split only the tiles that overlap the window
+        first_tile = tl.maximum(seq_len - WINDOW, 0) // TILE
+    tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
+    tile_start = first_tile + segment * tiles_per_segment
     tile_end = tl.minimum(tile_start + tiles_per_segment, num_tiles)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -271,7 +292,7 @@ def _unified_attention_3d(
         kv_head, query_pos, query_mask, context_len, prefix_len, tile_start, tile_end, softmax_scale,
         k_scale, v_scale,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW,
     )
     # a segment with no visible key keeps m = -inf, l = 0 (the reduce weighs it out)
     m_i = tl.where(l_i > 0.0, m_i, float("-inf"))
@@ -286,9 +307,9 @@ def _unified_attention_3d(
 
 @triton.jit
 def _reduce_segments(
-    out_ptr, segm_out_ptr, segm_max_ptr, segm_sum_ptr, cu_seqlens_q_ptr, num_q_heads,
+    out_ptr, segm_out_ptr, segm_max_ptr, segm_sum_ptr, cu_seqlens_q_ptr, sinks_ptr, num_q_heads,
     stride_ot, stride_oh, stride_od,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     head = tl.program_id(1)
@@ -306,6 +327,9 @@ def _reduce_segments(
     top = tl.where(top > float("-inf"), top, 0.0)
     w = tl.where(seg_max > float("-inf"), tl.exp(seg_max - top), 0.0)
     total = tl.sum(seg_sum * w, axis=0)
+    if HAS_SINKS:  # rescaled to the common max like the segments' sums
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        total = total + tl.where(tl.max(seg_max, axis=0) > float("-inf"), tl.exp(sink - top), 0.0)
     acc = tl.load(segm_out_ptr + rows[:, None] * HEAD_PAD + offs_d[None, :],
                   mask=(w > 0.0)[:, None] & dim_mask[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0)
@@ -336,13 +360,17 @@ def paged_attention(
     num_segments: int | None = None,
     tile_size: int | None = None,
     block_m: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` ``[T, Hq, D]`` (see module doc).
 
     Same contract as ``reference.paged_attention``. ``split_kv`` forces (True) or forbids (False) the split-KV decode
     path, which needs ``max_seqlen_q <= 1``; ``None`` dispatches by batch shape. ``num_segments`` (a power of two),
     ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
-    of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused.
+    of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
+    unlimited) and ``sinks`` ``[Hq]`` (None: none) as in the reference; KV tiles wholly outside the window are
+    skipped.
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -364,6 +392,13 @@ def paged_attention(
     if split_kv and not decode_only:
         raise ValueError("split-KV attention needs a decode-only batch (max_seqlen_q <= 1)")
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get fp32 matmuls, not TF32
+    window = int(sliding_window or 0)
+    if window < 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    has_sinks = sinks is not None
+    if has_sinks and tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must have one logit per query head ({hq}), got shape {tuple(sinks.shape)}")
+    sinks_arg = sinks.contiguous() if has_sinks else q
     common_strides = (*k_cache.stride(), *v_cache.stride(), block_table.stride(0))
 
     if split_kv:
@@ -376,11 +411,11 @@ def paged_attention(
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs, PRECISION=precision,
+            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window,
         )
         _reduce_segments[(num_seqs, hq)](
-            out, segm_out, segm_max, segm_sum, cu_seqlens_q, hq, *out.stride(),
-            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs,
+            out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
+            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, HAS_SINKS=has_sinks,
         )
         return out
 
@@ -388,9 +423,9 @@ def paged_attention(
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention_2d[(num_q_blocks, hkv)](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table,
+        q, k_cache, v_cache, out, sinks_arg, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale), ks, vs, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile, PRECISION=precision,
+        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks,
     )
     return out

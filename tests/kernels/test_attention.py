@@ -219,3 +219,77 @@ def test_reshape_and_cache_fp8_divides_by_the_scale():
     attention.reshape_and_cache(key, value, k_cache, v_cache, slots, 0.25, 2.0)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+# ---- sliding window and sinks ---------------------------------------------------------------------------------------
+
+def _run_window_sinks(specs, hq, hkv, d, dtype, window, with_sinks, seed, **kw):
+    q, kc, vc, cu, seq_lens, table = _batch(specs, hq, hkv, d, dtype, seed=seed)
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed + 1)) * 2 if with_sinks else None
+    max_q, max_k = max(ql for _, ql in specs), int(seq_lens.max())
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, max_q, max_k, d ** -0.5,
+                              sliding_window=window, sinks=sinks)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, max_q, max_k, d ** -0.5,
+                              sliding_window=window, sinks=sinks, **kw)
+    assert not out.isnan().any(), "some output rows were never written"
+    return out, ref, (q, kc, vc, cu, seq_lens, table, max_q, max_k)
+
+
+WINDOW_SPECS = [(21, 13), (37, 1), (0, 17), (70, 1), (5, 30)]  # chunked prefill, decode, fresh prefill
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("window", [5, 16, 35, 400], ids=["w5", "w16-tile", "w35", "w400-beyond-context"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_prefill_with_sliding_window_and_sinks_matches_reference(window, with_sinks, dtype):
+    out, ref, _ = _run_window_sinks(WINDOW_SPECS, 8, 2, 64, dtype, window, with_sinks, seed=window)
+    assert _rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("window", [3, 16, 40, 400], ids=["w3", "w16-tile", "w40", "w400-beyond-context"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_with_sliding_window_and_sinks_matches_reference(window, with_sinks, dtype, split):
+    specs = [(40, 1), (2, 1), (95, 1), (16, 1)]
+    out, ref, _ = _run_window_sinks(specs, 8, 2, 64, dtype, window, with_sinks, seed=window + 1, split_kv=split,
+                                    num_segments=4 if split else None)
+    assert _rel_err(out, ref) < 1e-3
+
+
+def test_window_and_sinks_change_the_result():
+    """The reference really applies them: a window shorter than the context and sinks each move the output."""
+    specs = [(40, 1), (10, 12)]
+    plain, _, args = _run_window_sinks(specs, 4, 2, 64, torch.float32, None, False, seed=3)
+    for window, with_sinks in [(8, False), (None, True)]:
+        out, ref, _ = _run_window_sinks(specs, 4, 2, 64, torch.float32, window, with_sinks, seed=3)
+        assert _rel_err(ref, plain) > 0.05 and _rel_err(out, ref) < 1e-3
+
+
+def test_tiles_outside_the_window_are_skipped_not_masked():
+    """Poisoning the KV outside every query's window (NaN) leaves the output finite: those tiles are never read."""
+    specs = [(80, 1), (64, 9)]
+    window = 8
+    q, kc, vc, cu, seq_lens, table = _batch(specs, 4, 2, 64, torch.float32, seed=9)
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, 9, 81, 0.125, sliding_window=window)
+    for b, (ctx, ql) in enumerate(specs):
+        first_visible = ctx - window + 1
+        for t in range(first_visible // 16 * 16):  # whole 16-token tiles before the window
+            blk, off = int(table[b, t // BLOCK]), t % BLOCK
+            kc[blk, off] = float("nan")
+            vc[blk, off] = float("nan")
+    for split in (False, True):
+        if split and max(ql for _, ql in specs) > 1:
+            continue
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, 9, 81, 0.125, sliding_window=window,
+                                  tile_size=16, split_kv=split)
+        assert not out.isnan().any()
+        assert _rel_err(out, ref) < 1e-3
+    out = torch.full_like(q[:1], float("nan"))
+    attention.paged_attention(q[:1], kc, vc, out, cu[:2], seq_lens[:1], table[:1], 1, 81, 0.125,
+                              sliding_window=window, tile_size=16, split_kv=True, num_segments=4)
+    assert not out.isnan().any() and _rel_err(out, ref[:1]) < 1e-3

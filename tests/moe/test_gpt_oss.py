@@ -98,3 +98,27 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_gp
     got = _run(engine, [shared], 8)
     assert engine.kv.prefix_hits - hits == 24
     assert got == [hf_greedy(tiny_gpt_oss_dir, [shared])[0][0]]
+
+
+def test_triton_attention_in_the_model_matches_the_torch_path(tiny_gpt_oss_dir):
+    """The same model with the Triton paged attention (interpreter on CPU): windowed + sink layers, one prefill."""
+    from ember.engine.attention import AttentionMetadata
+    from ember.kernels import attention, reference
+
+    model = ember_model(tiny_gpt_oss_dir)
+    prompt = prompts(1, seed=11, min_len=21, max_len=21)[0]
+    t, bs = len(prompt), 16
+    nb = (t + bs - 1) // bs
+    outs = []
+    for backend in (reference, attention):
+        cfg = model.config
+        caches = [(torch.zeros(nb, bs, cfg.num_key_value_heads, cfg.head_dim),
+                   torch.zeros(nb, bs, cfg.num_key_value_heads, cfg.head_dim)) for _ in range(cfg.num_hidden_layers)]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32), seq_lens=torch.tensor([t], dtype=torch.int32),
+            block_table=torch.arange(nb, dtype=torch.int32).unsqueeze(0), slot_mapping=torch.arange(t),
+            positions=torch.arange(t), logits_indices=torch.arange(t), max_seqlen_q=t, max_seqlen_k=t)
+        with torch.inference_mode():
+            outs.append(model.compute_logits(model(torch.tensor(prompt), meta, caches, backend)).float())
+    want, got = outs
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
