@@ -1,4 +1,5 @@
-"""Model-family profiles: each family's output syntax as data, interpreted by `parsers.machine.ParserMachine`.
+"""Model-family profiles: each family's output syntax as data, interpreted by `parsers.machine.ParserMachine` and the
+tool syntax (`parsers.tools`) that its ``tool_format`` names.
 
 Families: ``qwen3`` (think + Hermes JSON tool calls), ``qwen3_coder`` (think + XML tool calls typed by JSON schema),
 ``deepseek_r1`` (the template opens the thought), ``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony
@@ -9,19 +10,37 @@ from __future__ import annotations
 from .base import Profile, ReasoningSpec, Rule
 from . import deepseek_r1, gpt_oss, hermes, none, qwen3, qwen3_coder
 
-__all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "get_profile", "detect_profile"]
+__all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
+           "get_profile", "detect_profile"]
 
 _PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
                                  for m in (qwen3, qwen3_coder, deepseek_r1, hermes, gpt_oss, none)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
+ALIASES: dict[str, str] = {
+    "openai": "gpt_oss",              # vLLM --tool-call-parser for gpt-oss
+    "openai_gptoss": "gpt_oss",       # vLLM --reasoning-parser for gpt-oss
+    "qwen3_xml": "qwen3_coder",       # vLLM's second Qwen3-Coder tool parser
+}
+"""vLLM's parser names (its ``--tool-call-parser`` / ``--reasoning-parser`` values) that differ from ours -> our
+profile name, so a vLLM command line works unchanged. The names both share (``hermes``, ``qwen3_coder``, ``qwen3``,
+``deepseek_r1``) need no entry. The one alias table: the CLI check and `get_profile` both read it."""
+
+PARSER_NAMES: tuple[str, ...] = PROFILE_NAMES + tuple(ALIASES)
+"""Every name `get_profile` accepts: the profile names, then the aliases."""
+
+
+def canonical_name(name: str) -> str:
+    """The profile name ``name`` stands for (itself unless it is an alias); "none" stays "none"."""
+    return ALIASES.get(name, name)
+
 
 def get_profile(name: str) -> Profile:
-    """The profile called ``name``; ValueError naming the known names otherwise."""
+    """The profile called ``name`` (or an alias of it); ValueError naming the known names otherwise."""
     try:
-        return _PROFILES[name]
+        return _PROFILES[canonical_name(name)]
     except KeyError:
-        raise ValueError(f"unknown parser profile {name!r}; known: {', '.join(PROFILE_NAMES)}") from None
+        raise ValueError(f"unknown parser profile {name!r}; known: {', '.join(PARSER_NAMES)}") from None
 
 
 _MODEL_TYPES = {"gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
