@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,10 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
     from ember.engine.models.qwen3_moe import moe_settings
 
     fields = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
-    sparse = moe_settings(cfg)[1] if "num_experts" in cfg.raw or "num_local_experts" in cfg.raw else []
+    # Qwen3-MoE-style experts have moe_intermediate_size; gpt-oss's experts use intermediate_size (checked as dense)
+    has_moe_size = "moe_intermediate_size" in cfg.raw
+    sparse = moe_settings(cfg)[1] if has_moe_size and ("num_experts" in cfg.raw or "num_local_experts" in cfg.raw) \
+        else []
     if not sparse or not all(sparse):  # some layer has the dense MLP
         fields.append(("intermediate_size", cfg.intermediate_size))
     if any(sparse):
@@ -181,12 +184,16 @@ def _read_shard(sl: Any, name: str, rule: tuple[str, int], tp: TensorParallel, s
     return take(tp.rank * size)
 
 
-def iter_shard_weights(model_dir: str | Path, tp: TensorParallel) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk."""
+def iter_shard_weights(model_dir: str | Path, tp: TensorParallel,
+                       split_rule: Callable[[str], tuple[str, int]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk.
+    ``split_rule`` (a model class's ``tp_split_rule``, where its tensors differ from the rules here) overrides
+    :func:`_split_rule`."""
+    rule = split_rule or _split_rule
     for f in loader.weight_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                yield name, _read_shard(sf.get_slice(name), name, _split_rule(name), tp, f)
+                yield name, _read_shard(sf.get_slice(name), name, rule(name), tp, f)
 
 
 def attach(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
@@ -221,7 +228,8 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
 
     cfg = shard_config(loader.load_model_config(model_dir), tp)
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
-                       weights=iter_shard_weights(model_dir, tp), model_class=spec.model_class)
+                       weights=iter_shard_weights(model_dir, tp, getattr(spec.model_class, "tp_split_rule", None)),
+                       model_class=spec.model_class)
     return attach(model, tp), cfg
 
 

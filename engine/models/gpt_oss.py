@@ -48,7 +48,8 @@ class GptOssExperts(nn.Module):
 
 class GptOssMoeBlock(SparseMoeBlock):
     """Router with bias, softmax over the top-k logits, biased experts with the clamped GLU. Under tensor
-    parallelism each rank holds every expert's share of the intermediate channels; ``b2`` is added on rank 0 only."""
+    parallelism each rank holds every expert's share of the intermediate channels (``b2`` is loaded on rank 0
+    only, see :meth:`GptOssForCausalLM.tp_split_rule`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)
@@ -66,8 +67,7 @@ class GptOssMoeBlock(SparseMoeBlock):
     def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
         topk_w, topk_ids = moe_reference.topk_softmax_routing(self.router(x), self.top_k)
         ex = self.experts
-        b2 = ex.b2 if self.tp is None or self.tp.is_driver else None
-        return moe_reference.fused_moe(x, ex.w13, ex.w2, topk_w, topk_ids, b13=ex.b13, b2=b2,
+        return moe_reference.fused_moe(x, ex.w13, ex.w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2,
                                        activation=self.activation)
 
 
@@ -100,6 +100,21 @@ class GptOssForCausalLM(DecoderForCausalLM):
         self.model = _Body(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    @staticmethod
+    def tp_split_rule(name: str) -> tuple[str, int]:
+        """Tensor-parallel split of a checkpoint tensor (see `ember.engine.distributed`): the expert stacks split
+        their intermediate dimension contiguously (gate/up stay interleaved pairs: ``gate_up_proj [E, H, 2I]`` dim
+        2, ``down_proj [E, I, H]`` dim 1), ``down_proj_bias`` goes to rank 0 only, ``sinks`` follow the heads."""
+        from ember.engine import distributed
+
+        parent, _, leaf = name.rpartition(".")
+        if parent.endswith(".mlp.experts"):
+            return {"gate_up_proj": ("shard", 2), "gate_up_proj_bias": ("shard", 1), "down_proj": ("shard", 1),
+                    "down_proj_bias": ("rank0", -1)}.get(leaf, ("replicate", -1))
+        if parent.endswith(".self_attn") and leaf == "sinks":
+            return "shard", 0
+        return distributed._split_rule(name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

@@ -122,3 +122,26 @@ def test_triton_attention_in_the_model_matches_the_torch_path(tiny_gpt_oss_dir):
             outs.append(model.compute_logits(model(torch.tensor(prompt), meta, caches, backend)).float())
     want, got = outs
     assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_two_tensor_parallel_ranks_generate_the_same_greedy_tokens(tiny_gpt_oss_dir):
+    """Heads, sinks and the interleaved expert stacks split over 2 CPU ranks (gloo); down_proj_bias added once."""
+    import multiprocessing as mp
+
+    ps = prompts(4, seed=3, min_len=6, max_len=30)
+    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
+    expected = _run(Engine.from_pretrained(tiny_gpt_oss_dir, **opts), ps, 6)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained(tiny_gpt_oss_dir, tensor_parallel_size=2, **opts)
+    workers = list(engine.runner.workers)
+    try:
+        assert engine.runner.model.model.layers[0].self_attn.sinks.shape == (2,)
+        assert _run(engine, ps, 6) == expected
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(saved)
+    for p in workers:
+        p.join(timeout=10)
+        assert p.exitcode == 0
+    assert not mp.active_children()
