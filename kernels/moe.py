@@ -10,10 +10,11 @@ Design (vLLM's ``fused_moe_kernel``, reimplemented):
    ``[M*k, H]`` (fp32) and summed over ``k`` (the weighted combine).
 
 Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) or NVFP4 stacks
-(:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): the packed byte of each K element
-is loaded, its nibble decoded, multiplied by its E4M3 block scale (decoded with integer ops, so no FP8 hardware
-support is needed) and cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the
-epilogue. This uses only Triton features present in 3.6 and supported by the interpreter.
+(:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed
+``[BLOCK_N, BLOCK_K/2]`` bytes and ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the nibbles decoded
+and scaled (integer ops, so no FP8 hardware support is needed), interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and
+cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. This uses only
+Triton features present in 3.6 and supported by the interpreter.
 
 On Blackwell (capability >= 10.0) :func:`fused_moe_nvfp4` can instead run W4A4: activations quantized per 16
 (:func:`ember.kernels.nvfp4.quantize_activations`) and ``tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1")``. Triton's
@@ -23,7 +24,7 @@ interpreter (3.9) decodes E4M3 ``dot_scaled`` scales as E8M0, so that path is on
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -53,11 +54,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def default_config(num_tokens: int, num_experts: int, top_k: int, device: torch.device) -> GemmConfig:
-    """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU."""
+def default_config(
+    num_tokens: int, num_experts: int, top_k: int, device: torch.device, *, nvfp4: bool = False
+) -> GemmConfig:
+    """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU.
+
+    ``nvfp4`` (W4A16 weights dequantized in the kernel): at most 2 pipeline stages, since the decoded tile lives in
+    registers next to the accumulators (3-4 stages spill on sm_90)."""
+    cfg = _table_config(num_tokens, device)
+    return replace(cfg, num_stages=min(cfg.num_stages, 2)) if nvfp4 else cfg
+
+
+def _table_config(m: int, device: torch.device) -> GemmConfig:
     if device.type != "cuda" or _interpreting():
         return GemmConfig(16, 64, 64)
-    m = num_tokens
     if m <= 2:
         return GemmConfig(16, 64, 64, 1, 4, 4)
     if m <= 16:
@@ -74,8 +84,8 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, device: torch.
 def linear_config(num_tokens: int, device: torch.device) -> GemmConfig:
     """Dense NVFP4 linear: one weight, so small-M decode needs narrow N tiles to occupy the SMs."""
     if device.type != "cuda" or _interpreting() or num_tokens > 64:
-        return default_config(num_tokens, 1, 1, device)
-    return GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 4)
+        return default_config(num_tokens, 1, 1, device, nvfp4=True)
+    return GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 2)
 
 
 def moe_align_block_size(
@@ -129,22 +139,48 @@ def _e4m3_to_f32(u):
 
 
 @triton.jit
-def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, kk, k_mask,
+def _block_scale_to_f32(s):
+    """Block-scale bytes (as int32) -> float32: the one place that knows the scale format (E4M3 per 16 for NVFP4)."""
+    return _e4m3_to_f32(s)
+
+
+@triton.jit
+def _e2m1_to_f32(code):
+    """E2M1 codes (int32, 0..15) -> float32 bits: sign from bit 3; magnitude codes 2..7 (1, 1.5, 2, 3, 4, 6) are
+    ``(m << 22) + 0x3F000000``, code 1 is 0.5, code 0 is 0."""
+    mag = code & 7
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, tl.where(mag == 1, 0x3F000000, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  stride_bn, stride_bk, stride_sn, stride_sk,
-                 NVFP4: tl.constexpr, DTYPE: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], kk[k]]`` of one expert, dequantized to DTYPE."""
-    mask = k_mask[:, None] & row_mask[None, :]
+                 NVFP4: tl.constexpr, DTYPE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
+    """K step ``k0`` of one expert as the ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], k]``, in DTYPE.
+
+    NVFP4: the packed ``[BLOCK_N, BLOCK_K/2]`` bytes and the ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each
+    loaded once (coalesced along K); low and high nibbles are decoded and scaled separately, then interleaved
+    (``tl.join`` + ``tl.reshape``: element ``2i`` is the low nibble) and transposed for ``tl.dot``.
+    """
     if NVFP4:
-        byte = tl.load(b_ptr + rows[None, :] * stride_bn + (kk // 2)[:, None] * stride_bk, mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15
-        mag = code & 7
-        v = ((mag << 22) + 0x3F000000).to(tl.float32, bitcast=True)
-        v = tl.where(mag == 0, 0.0, tl.where(mag == 1, 0.5, v))
-        v = tl.where(code >= 8, -v, v)
-        s = tl.load(bs_ptr + rows[None, :] * stride_sn + (kk // 16)[:, None] * stride_sk, mask=mask, other=0)
-        return (v * _e4m3_to_f32(s.to(tl.int32))).to(DTYPE)
+        kp = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ks = k0 * (BLOCK_K // SCALE_GROUP) + tl.arange(0, BLOCK_K // SCALE_GROUP)
+        packed = tl.load(b_ptr + rows[:, None] * stride_bn + kp[None, :] * stride_bk,
+                         mask=row_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)
+        s = tl.load(bs_ptr + rows[:, None] * stride_sn + ks[None, :] * stride_sk,
+                    mask=row_mask[:, None] & (ks < K // SCALE_GROUP)[None, :], other=0).to(tl.int32)
+        scale = _block_scale_to_f32(s)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // SCALE_GROUP, SCALE_GROUP // 2)),
+                           (BLOCK_N, BLOCK_K // 2))
+        lo = (_e2m1_to_f32(packed & 15) * scale).to(DTYPE)
+        hi = (_e2m1_to_f32(packed >> 4) * scale).to(DTYPE)
+        return tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)))
     else:
-        w = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk, mask=mask, other=0.0)
+        kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk,
+                    mask=(kk < K)[:, None] & row_mask[None, :], other=0.0)
         return w.to(DTYPE)
 
 
@@ -160,6 +196,7 @@ def _moe_gemm_kernel(
     stride_cm, stride_cn,
     A_ROW_DIV: tl.constexpr,
     NVFP4: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
     FUSE_SILU: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -186,12 +223,13 @@ def _moe_gemm_kernel(
         kk = k0 * BLOCK_K + offs_k
         k_mask = kk < K
         a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
-        b = _load_b_tile(b_base, s_base, offs_n, n_mask, kk, k_mask,
-                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype)
+        b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
+                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP)
         acc = tl.dot(a, b, acc)
         if FUSE_SILU:
-            b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, kk, k_mask,
-                                stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype)
+            b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
+                                stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
+                                SCALE_GROUP)
             acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
 
@@ -308,6 +346,7 @@ def _invoke(
         c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div,
         NVFP4=isinstance(w, NVFP4Tensor),
+        SCALE_GROUP=nvfp4.BLOCK,
         FUSE_SILU=fuse_silu,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -334,7 +373,7 @@ def fused_moe(
     shape13 = w13.shape if isinstance(w13, NVFP4Tensor) else tuple(w13.shape)
     e, n2 = shape13[0], shape13[1]
     inter_size = n2 // 2
-    cfg = config or default_config(m * top_k, e, top_k, x.device)
+    cfg = config or default_config(m * top_k, e, top_k, x.device, nvfp4=isinstance(w13, NVFP4Tensor))
     x = x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)

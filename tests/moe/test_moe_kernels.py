@@ -91,6 +91,28 @@ def test_nvfp4_linear_matches_reference(m, n, k):
     assert rel_err(got, ref.nvfp4_linear(x.float(), w, bias)) < 2e-3
 
 
+def test_w4a16_tile_decode_is_exact_for_every_code_and_scale():
+    """x = I in fp32: the kernel's output is its dequantized weight tile, bit for bit (nibble order, 16-wide scale
+    groups, subnormal E4M3 scales, -0 codes, ragged N and K tiles)."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 72, 96
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = NVFP4Tensor(packed, scales, torch.tensor(0.75))
+    got = moe.nvfp4_linear(torch.eye(k), w, config=CFG)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, w.dequantize().T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_moe_nvfp4_w4a16_activation_dtypes(dtype):
+    x, w13, w2, tw, ti = make_case(16, 4, 29, 80, 48, seed=21)
+    q13, q2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+    got = moe.fused_moe_nvfp4(x.to(dtype), q13, q2, tw, ti, w4a4=False, config=CFG)
+    assert got.dtype == dtype
+    assert rel_err(got, ref.fused_moe_nvfp4(x.float(), q13, q2, tw, ti)) < 2e-3
+
+
 def test_routing_softmax_topk_and_renormalisation():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
     w, ids = ref.topk_routing(logits, 2, renormalize=False)
