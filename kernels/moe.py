@@ -59,6 +59,8 @@ def default_config(
 ) -> GemmConfig:
     """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU.
 
+    Keyed by ``num_tokens``, the batch's token count M (as vLLM's tables), not by the ``M*k`` routed pairs.
+
     ``nvfp4`` (W4A16 weights dequantized in the kernel): at most 2 pipeline stages, since the decoded tile lives in
     registers next to the accumulators (3-4 stages spill on sm_90)."""
     cfg = _table_config(num_tokens, device)
@@ -373,7 +375,7 @@ def fused_moe(
     shape13 = w13.shape if isinstance(w13, NVFP4Tensor) else tuple(w13.shape)
     e, n2 = shape13[0], shape13[1]
     inter_size = n2 // 2
-    cfg = config or default_config(m * top_k, e, top_k, x.device, nvfp4=isinstance(w13, NVFP4Tensor))
+    cfg = config or default_config(m, e, top_k, x.device, nvfp4=isinstance(w13, NVFP4Tensor))
     x = x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
@@ -505,7 +507,7 @@ def fused_moe_nvfp4_w4a4(
     top_k = topk_ids.shape[1]
     e, n2 = w13.weight.shape[0], w13.weight.shape[1]
     inter_size = n2 // 2
-    cfg = config or w4a4_config(default_config(m * top_k, e, top_k, x.device))
+    cfg = config or w4a4_config(default_config(m, e, top_k, x.device))
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     s13 = _dynamic_scale(x) if a13_scale is None else a13_scale.float().reshape(())
     xq, xs = nvfp4.quantize_activations(x, s13)

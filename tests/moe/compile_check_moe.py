@@ -24,6 +24,7 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
     """Every configuration the engine and ``benchmarks/gpu_check_moe.py`` launch (``quick``: bf16 at one size)."""
     g = torch.Generator().manual_seed(0)
     e, h, i = 8, 256, 128
+    cuda = torch.device("cuda")  # the tile tables the GPU would pick
     w13 = torch.randn(e, 2 * i, h, generator=g)
     w2 = torch.randn(e, h, i, generator=g)
     q13 = NVFP4Tensor(*(torch.stack(t) for t in zip(*[(q.weight, q.weight_scale, q.weight_scale_2.expand(2))
@@ -34,11 +35,11 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
         for m in (64,) if quick else (1, 16, 64, 256, 512, 4096):
             x = torch.randn(m, h, generator=g).to(dt)
             tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), 2, True)
-            cfg = moe.default_config(m * 2, e, 2, torch.device("cuda"))
+            cfg = moe.default_config(m, e, 2, cuda)
             if not quick:
                 moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
-            moe.fused_moe(x, q13, q2, tw, ti, config=cfg)
-            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, torch.device("cuda")))
+            moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True))
+            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, cuda))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
 

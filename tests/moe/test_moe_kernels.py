@@ -139,3 +139,16 @@ def test_fused_moe_w4a4_matches_fake_quant_reference():
     got = moe.fused_moe_nvfp4(x.to(dev), to(q13), to(q2), tw.to(dev), ti.to(dev), w4a4=True, config=CFG)
     want = ref.fused_moe_nvfp4_w4a4(x.float(), q13, q2, tw, ti)
     assert rel_err(got.cpu(), want) < 2e-2
+
+
+def test_tile_configs_are_keyed_by_tokens_not_routed_pairs(monkeypatch):
+    """vLLM's tables are keyed by the batch's token count M; a top-8 decode of 8 tokens must not get M=64's tiles."""
+    seen = []
+    table = moe._table_config
+    monkeypatch.setattr(moe, "_table_config", lambda m, device: seen.append(m) or table(m, device))
+    x, w13, w2, tw, ti = make_case(8, 4, 5, 48, 16, seed=2)
+    moe.fused_moe(x, w13.half(), w2.half(), tw, ti)
+    assert seen == [5]
+    cuda = torch.device("cuda")
+    assert moe.default_config(8, 128, 8, cuda) == moe.default_config(8, 128, 1, cuda)
+    assert moe.default_config(8, 128, 8, cuda).block_m == 16
