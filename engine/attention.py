@@ -46,24 +46,36 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
+FP8_MAX = 448.0
+"""Largest finite e4m3 value: writes saturate to it, as the GPU's conversion does (torch's cast would give NaN)."""
+
+
 class TorchBackend:
     """The torch reference with every decode row (query length 1) of a batch computed in one batched SDPA call;
-    prefill rows go through the reference one sequence at a time. Same arguments and results as the reference."""
+    prefill rows go through the reference one sequence at a time. Same arguments and results as the reference.
+
+    A decode-only batch (``max_seqlen_q <= 1``, one query token per sequence) reads no metadata back to the host:
+    its key length bound is ``max_seqlen_k``. With an FP8 cache, K/V are stored divided by their scales (saturated
+    to +-448) and multiplied back when read."""
 
     name = "torch"
 
     @staticmethod
     def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            key = (key.float() / (k_scale or 1.0)).clamp(-FP8_MAX, FP8_MAX)
+            value = (value.float() / (v_scale or 1.0)).clamp(-FP8_MAX, FP8_MAX)
+            k_scale = v_scale = None
         reference.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, k_scale=None, v_scale=None, *, sliding_window=None,
                         sinks=None) -> torch.Tensor:
-        if k_scale is not None or v_scale is not None:
-            return reference.paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table,
-                                             max_seqlen_q, max_seqlen_k, softmax_scale, k_scale, v_scale,
-                                             sliding_window=sliding_window, sinks=sinks)
+        if max_seqlen_q <= 1 and q.shape[0] == seq_lens.shape[0]:
+            _decode_batched(q, k_cache, v_cache, out, None, seq_lens, block_table, softmax_scale, sliding_window,
+                            sinks, max_seqlen_k, k_scale, v_scale)
+            return out
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         decode = (qlens == 1).nonzero().flatten()
         if decode.numel() < qlens.numel():
@@ -72,24 +84,32 @@ class TorchBackend:
                 s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
                 reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
                                           seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
-                                          softmax_scale, sliding_window=sliding_window, sinks=sinks)
+                                          softmax_scale, k_scale, v_scale, sliding_window=sliding_window,
+                                          sinks=sinks)
         if decode.numel():
             _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
-                            block_table[decode], softmax_scale, sliding_window, sinks)
+                            block_table[decode], softmax_scale, sliding_window, sinks, None, k_scale, v_scale)
         return out
 
 
 def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float,
-                    sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> None:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    max_seqlen_k: int | None = None, k_scale: float | None = None,
+                    v_scale: float | None = None) -> None:
+    """One-token queries ``q[rows]`` (every row when ``rows`` is None) over their sequences' cached keys."""
     nb, bs, hkv, d = k_cache.shape
-    b = rows.numel()
+    b = seq_lens.shape[0]
     hq = q.shape[1]
-    kmax = int(seq_lens.max())
-    nblk = (kmax + bs - 1) // bs
+    kmax = int(seq_lens.max()) if max_seqlen_k is None else max_seqlen_k
+    nblk = min((kmax + bs - 1) // bs, block_table.shape[1])
     blocks = block_table[:, :nblk].long()
     k = k_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
     v = v_cache[blocks].reshape(b, nblk * bs, hkv, d).float()
-    qs = q[rows].float().reshape(b, hkv, hq // hkv, d)
+    if k_scale is not None:
+        k = k * k_scale
+    if v_scale is not None:
+        v = v * v_scale
+    qs = (q if rows is None else q[rows]).float().reshape(b, hkv, hq // hkv, d)
     kpos = torch.arange(nblk * bs, device=q.device).unsqueeze(0)
     valid = kpos < seq_lens.unsqueeze(1)
     if sliding_window is not None:
@@ -103,7 +123,10 @@ def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale
         sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         o = torch.einsum("bhgk,bkhd->bhgd", p, v)
-    out[rows] = o.reshape(b, hq, d).to(out.dtype)
+    if rows is None:
+        out.copy_(o.reshape(b, hq, d))
+    else:
+        out[rows] = o.reshape(b, hq, d).to(out.dtype)
 
 
 def backend_name(device: torch.device) -> str:

@@ -11,6 +11,19 @@ class ConfigError(ValueError):
     """A checkpoint's config is missing something or names something Ember does not support."""
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""``auto``: the KV cache holds the model dtype; ``fp8``: e4m3 with per-layer k/v scales from the checkpoint."""
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for a ``kv_cache_dtype`` setting; ValueError naming the choices."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}")
+
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -120,3 +133,4 @@ class EngineConfig:
     device: torch.device | None = None
     tensor_parallel_size: int = 1  # ranks that split every layer (ember.engine.distributed)
     enforce_eager: bool = False  # never capture CUDA graphs for decode steps (they are captured on CUDA otherwise)
+    kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (half the bytes of bf16), per-layer scales

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ember.engine import loader
-from ember.engine.config import ConfigError, EngineConfig, ModelConfig, parse_dtype
+from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import KVCacheManager
@@ -98,6 +98,7 @@ class Engine:
         self.device = torch.device(config.device) if config.device is not None else _default_device()
         self.dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                               f"({mc.max_position_embeddings}) in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -108,10 +109,13 @@ class Engine:
             if config.tensor_parallel_size < 1:
                 raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
             self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
+            if self.kv_cache_dtype != self.dtype:
+                raise ConfigError("kv_cache_dtype='fp8' is not supported with tensor_parallel_size > 1 yet")
                                                    self.dtype)
         else:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
-            self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype)
+            self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
+                                      kv_cache_dtype=self.kv_cache_dtype)
         try:
             self.cuda_graphs = self._use_cuda_graphs()
             num_blocks = self._num_kv_blocks()
@@ -136,14 +140,15 @@ class Engine:
                         enable_prefix_caching: bool = True, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
-                        tensor_parallel_size: int = 1, enforce_eager: bool = False) -> "Engine":
+                        tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                        kv_cache_dtype: str = "auto") -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
         )
         return cls(model_dir, config, bitmask_filler)
 
@@ -166,7 +171,7 @@ class Engine:
             if c.num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
             return c.num_kv_blocks
-        per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.dtype)  # this rank's KV heads
+        per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.kv_cache_dtype)  # this rank's KV heads
         if c.kv_cache_memory is not None:
             n = c.kv_cache_memory // per_block
             if n < 1:

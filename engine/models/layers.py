@@ -160,6 +160,9 @@ class Attention(nn.Module):
     (keys ``pos - window < key_pos <= pos``) and ``sinks`` (one learned logit per query head in the softmax
     denominator, gpt-oss) are set per layer by the model; None means full causal attention without sinks.
 
+    With an FP8 (e4m3) KV cache, K and V are stored divided by ``k_scale`` / ``v_scale`` (the checkpoint's per-layer
+    scales, 1.0 when it has none) and multiplied back when read.
+
     Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
     the partial ``o_proj`` outputs over the ranks."""
 
@@ -180,6 +183,7 @@ class Attention(nn.Module):
         self.scale = self.d ** -0.5
         self.sliding_window: int | None = None
         self.sinks: nn.Parameter | None = None
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
@@ -192,7 +196,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(meta.positions, q, k)
         k_cache, v_cache = kv
-        backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping)
+        scales = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
+        backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, *scales)
         out = torch.empty_like(q)
         extra = {}
         if self.sliding_window is not None:
@@ -200,7 +205,8 @@ class Attention(nn.Module):
         if self.sinks is not None:
             extra["sinks"] = self.sinks
         backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                                meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale, **extra)
+                                meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale, *scales,
+                                **extra)
         out = self.o_proj(out.reshape(t, self.hq * self.d))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -288,6 +294,15 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_KV_SCALES = ("k_scale", "v_scale")
+
+
+def _kv_scale_module(parts: list[str]) -> str | None:
+    """The attention module an FP8 KV scale belongs to: ModelOpt's ``self_attn.k_proj.k_scale`` /
+    ``self_attn.v_proj.v_scale`` or the older ``self_attn.k_scale`` / ``self_attn.v_scale``; None for other names."""
+    if len(parts) < 3 or parts[-1] not in _KV_SCALES:
+        return None
+    return ".".join(parts[:-2] if parts[-2] in ("k_proj", "v_proj") else parts[:-1])
 
 
 class DecoderForCausalLM(nn.Module):
@@ -317,6 +332,15 @@ class DecoderForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
 
+    def _load_kv_scale(self, attn: nn.Module | None, name: str, tensor: torch.Tensor, source: str) -> None:
+        if not isinstance(attn, Attention):
+            raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+        value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else float("nan")
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{source}: tensor {name!r} must be one positive finite FP8 KV scale, got "
+                              f"{tuple(tensor.shape)} {tensor.flatten()[:4].tolist()}")
+        setattr(attn, name.rsplit(".", 1)[-1], value)
+
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config
         if fused == "qkv_proj":
@@ -331,9 +355,14 @@ class DecoderForCausalLM(nn.Module):
 
         weights = nvfp4_loading.prepare(self, weights, source)
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         filled: dict[str, int] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            attn_name = _kv_scale_module(name.split("."))
+            if attn_name is not None:
+                self._load_kv_scale(modules.get(attn_name), name, tensor, source)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
