@@ -1,0 +1,113 @@
+"""Checkpoints and models the engine sections run: the demo Qwen3 (tiny), a tiny random Qwen3-MoE, and a random
+Qwen3-8B-shaped model cut to a few layers (bf16), each written once per run as a real checkpoint folder
+(``save_pretrained`` + the demo tokenizer) so the engine loads it through its own loader."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_sections.common import Ctx
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128)
+QWEN3_TOY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tiny_qwen3(ctx: Ctx) -> Path:
+    """The built-in demo model (2 layers, hidden 64, vocab 1280)."""
+    from ember.engine import demo
+
+    return ctx.cached("tiny_qwen3", lambda: demo.build(ctx.tmp / "qwen3-tiny"))
+
+
+def _with_tokenizer(path: Path, ctx: Ctx) -> Path:
+    src = tiny_qwen3(ctx)
+    for name in TOKENIZER_FILES:
+        shutil.copy(src / name, path / name)
+    return path
+
+
+def tiny_qwen3_moe(ctx: Ctx) -> Path:
+    """A random Qwen3-MoE (3 layers, one dense; 8 experts, top-2) saved by transformers; routers drawn wide so
+    top-k has no near-ties."""
+    def build() -> Path:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        cfg = Qwen3MoeConfig(vocab_size=1280, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=[1], max_position_embeddings=1024, initializer_range=0.1,
+                             tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.normal_(0.0, 0.5)
+        path = ctx.tmp / "qwen3-moe-tiny"
+        model.save_pretrained(path)
+        return _with_tokenizer(path, ctx)
+
+    return ctx.cached("tiny_qwen3_moe", build)
+
+
+def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:
+    """Qwen3-8B's shapes (toy shapes on a CPU run) with ``layers`` decoder layers."""
+    return dict(QWEN3_TOY if ctx.tiny else QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=40960,
+                rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def qwen3_8b_shaped(ctx: Ctx, layers: int) -> Path:
+    """A random Qwen3-8B-shaped checkpoint with ``layers`` layers in the run's dtype, built on the device by
+    transformers (seed 0) and saved with ``save_pretrained``: the same weights for Ember and the transformers peer."""
+    def build() -> Path:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        cfg = Qwen3Config(**qwen3_layers_config(ctx, layers))
+        saved = torch.get_default_dtype()
+        torch.manual_seed(0)
+        torch.set_default_dtype(ctx.dtype)
+        try:
+            with torch.device(ctx.device):
+                model = Qwen3ForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(saved)
+        path = ctx.tmp / f"qwen3-8b-shaped-{layers}l"
+        model.to(ctx.dtype).save_pretrained(path)
+        del model
+        raw = json.loads((path / "config.json").read_text())
+        raw["torch_dtype"] = str(ctx.dtype).removeprefix("torch.")
+        (path / "config.json").write_text(json.dumps(raw))
+        return _with_tokenizer(path, ctx)
+
+    return ctx.cached(f"qwen3_8b_shaped_{layers}", build)
+
+
+def random_ember_model(ctx: Ctx, raw: dict[str, Any], max_position: int):
+    """Ember's model class for a config dict, with random weights, built directly on the device (no checkpoint IO)."""
+    from ember.engine.config import ModelConfig
+    from ember.engine.models import get_model_class
+
+    cfg = ModelConfig.from_dict(dict(raw, architectures=["Qwen3ForCausalLM"], model_type="qwen3"))
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(ctx.dtype)
+    try:
+        with torch.device(ctx.device):
+            model = get_model_class(cfg.architecture)(cfg, max_position).to(ctx.dtype)
+    finally:
+        torch.set_default_dtype(saved)
+    g = torch.Generator(device=ctx.device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=g)
+    model.rope.build_cache(ctx.device, ctx.dtype)
+    return cfg, model.eval()

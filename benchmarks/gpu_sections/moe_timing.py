@@ -1,0 +1,147 @@
+"""The fused-MoE and NVFP4 kernels at the Qwen3-30B-A3B layer shape (E=128, H=2048, I=768, top-8).
+
+`correctness_checks` (part of section 1): the bf16 Triton fused MoE, NVFP4 W4A16 (and W4A4 where
+`kernels.moe.w4a4_available`) and the dense NVFP4 linear against the torch references, by relative error, at each
+token count M the timings use (each M has its own tile config). `run` (section 4): median time of each against the
+bf16 torch reference loop and against its **bytes floor**: distinct experts touched x bytes per expert plus the
+activations, over the measured copy rate. Target: NVFP4 W4A16 <= 1.5x its floor at the decode sizes (M <= 64);
+at M = 512 and 4096 the GEMMs are compute-bound and the bytes floor is reported only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels import moe, nvfp4
+from ember.kernels import moe_reference as ref
+from ember.kernels.nvfp4 import NVFP4Tensor
+
+from gpu_sections.common import Ctx, bench_ms
+
+NVFP4_FLOOR_TARGET = 1.5
+
+
+@dataclass
+class MoeWeights:
+    e: int
+    h: int
+    i: int
+    k: int
+    w13: torch.Tensor  # bf16/fp16 [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    q13: NVFP4Tensor
+    q2: NVFP4Tensor
+
+
+def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
+    """Per-expert NVFP4 of ``[E, N, K]`` (``parts=2``: gate and up share the tensor scale, as ModelOpt writes)."""
+    qs = [nvfp4.quantize(w[e]) for e in range(w.shape[0])]
+    s2 = torch.stack([q.weight_scale_2 for q in qs])
+    return NVFP4Tensor(torch.stack([q.weight for q in qs]), torch.stack([q.weight_scale for q in qs]),
+                       s2.unsqueeze(1).expand(-1, 2).contiguous() if parts == 2 else s2)
+
+
+def weights(ctx: Ctx) -> MoeWeights:
+    """The layer's random weights and their NVFP4 quantization, built once per run."""
+    def build() -> MoeWeights:
+        e, h, i, k = ctx.pick((8, 64, 32, 2), (128, 2048, 768, 8), (128, 2048, 768, 8))
+        g = torch.Generator().manual_seed(0)
+        w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(ctx.device)
+        w2 = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(ctx.device)
+        return MoeWeights(e, h, i, k, w13.to(ctx.dtype), w2.to(ctx.dtype), quantize_stack(w13, 2),
+                          quantize_stack(w2, 1))
+
+    return ctx.cached("moe_weights", build)
+
+
+def token_counts(ctx: Ctx) -> tuple[int, ...]:
+    return ctx.pick((1, 16), (1, 64), (1, 64, 512, 4096))
+
+
+def _inputs(ctx: Ctx, w: MoeWeights, m: int):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, w.h, generator=g).to(ctx.device, ctx.dtype)
+    tw, ti = ref.topk_routing(torch.randn(m, w.e, generator=g).to(ctx.device), w.k, True)
+    return x, tw, ti
+
+
+def correctness_checks(ctx: Ctx) -> None:
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 5e-3
+    w = weights(ctx)
+    ctx.report.data["moe_w4a4_available"] = moe.w4a4_available(ctx.device)
+    for m in token_counts(ctx):
+        x, tw, ti = _inputs(ctx, w, m)
+        with ctx.case(f"moe bf16 M={m}"):
+            want = ref.fused_moe(x.float(), w.w13.float(), w.w2.float(), tw, ti)
+            ctx.report.check(f"moe bf16 M={m}", moe.fused_moe(x, w.w13, w.w2, tw, ti), want, tol)
+        with ctx.case(f"moe nvfp4 w4a16 M={m}"):
+            want = ref.fused_moe_nvfp4(x.float(), w.q13, w.q2, tw, ti)
+            got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False)
+            ctx.report.check(f"moe nvfp4 w4a16 M={m}", got, want, tol)
+        if moe.w4a4_available(ctx.device):
+            with ctx.case(f"moe nvfp4 w4a4 M={m}"):
+                want = ref.fused_moe_nvfp4_w4a4(x.float(), w.q13, w.q2, tw, ti)
+                got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True)
+                ctx.report.check(f"moe nvfp4 w4a4 M={m}", got, want, 5e-2)
+    n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
+    g = torch.Generator().manual_seed(1)
+    qw = nvfp4.quantize((torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device))
+    for m in token_counts(ctx):
+        with ctx.case(f"nvfp4 linear M={m}"):
+            x = torch.randn(m, k_in, generator=g).to(ctx.device, ctx.dtype)
+            ctx.report.check(f"nvfp4 linear M={m}", moe.nvfp4_linear(x, qw), ref.nvfp4_linear(x.float(), qw), tol)
+
+
+def run(ctx: Ctx) -> None:
+    """Section 4: MoE timings against the torch loop and the bytes floor; the dense NVFP4 linear against bf16."""
+    rep = ctx.report
+    copy = ctx.env["copy_gbps"]
+    w = weights(ctx)
+    bytes_bf16 = 3 * w.i * w.h * torch.finfo(ctx.dtype).bits // 8
+    bytes_fp4 = 3 * w.i * w.h * (0.5 + 1 / 16)
+    w4a4 = moe.w4a4_available(ctx.device)
+    rep.data.update(shape=dict(E=w.e, H=w.h, I=w.i, top_k=w.k), w4a4=w4a4,
+                    dot_scaled_nvfp4_works=moe.dot_scaled_nvfp4_works(str(ctx.device)))
+    worst = None
+    for m in token_counts(ctx):
+        ctx.deadline.check(f"moe timing M={m}", 3.0)
+        x, tw, ti = _inputs(ctx, w, m)
+        touched = int(torch.unique(ti).numel())
+        act = m * w.h * 2 * 2 + m * w.k * w.h * 4  # x in, output, the fp32 per-pair partials
+        row = rep.row(kind="moe", M=m, experts_touched=touched, floor_bf16_ms=(touched * bytes_bf16 + act) / copy / 1e6,
+                      floor_nvfp4_ms=(touched * bytes_fp4 + act) / copy / 1e6)
+        row["torch_ms"] = bench_ms(lambda: ref.fused_moe(x, w.w13, w.w2, tw, ti), rep=20, warmup=3)
+        row["bf16_ms"] = bench_ms(lambda: moe.fused_moe(x, w.w13, w.w2, tw, ti), rep=50, warmup=10)
+        row["nvfp4_ms"] = bench_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False), rep=50,
+                                   warmup=10)
+        if w4a4:
+            row["w4a4_ms"] = bench_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True), rep=50,
+                                      warmup=10)
+        row["bf16_over_floor"] = row["bf16_ms"] / row["floor_bf16_ms"]
+        row["nvfp4_over_floor"] = row["nvfp4_ms"] / row["floor_nvfp4_ms"]
+        if m <= 64:
+            worst = max(worst or 0.0, row["nvfp4_over_floor"])
+        rep.log(f"  moe M={m:<5} experts {touched:>3}  torch {row['torch_ms']:8.3f} ms  bf16 {row['bf16_ms']:7.3f} ms "
+                f"({row['bf16_over_floor']:.1f}x floor)  nvfp4 {row['nvfp4_ms']:7.3f} ms "
+                f"({row['nvfp4_over_floor']:.1f}x floor {row['floor_nvfp4_ms']:.3f} ms)")
+        rep.save()
+    if worst is not None:
+        rep.target("NVFP4 MoE time / bytes floor (worst of M<=64)", worst, f"<= {NVFP4_FLOOR_TARGET}",
+                   worst <= NVFP4_FLOOR_TARGET)
+    n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
+    g = torch.Generator().manual_seed(1)
+    wd = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device)
+    qw, wb = nvfp4.quantize(wd), wd.to(ctx.dtype)
+    for m in token_counts(ctx):
+        ctx.deadline.check(f"nvfp4 linear timing M={m}", 1.0)
+        x = torch.randn(m, k_in, generator=g).to(ctx.device, ctx.dtype)
+        floor = (n_out * k_in * (0.5 + 1 / 16) + m * (k_in + n_out) * 2) / copy / 1e6
+        r = rep.row(kind="nvfp4_linear", M=m, N=n_out, K=k_in, floor_ms=floor,
+                    nvfp4_ms=bench_ms(lambda: moe.nvfp4_linear(x, qw), rep=50, warmup=10),
+                    bf16_ms=bench_ms(lambda: F.linear(x, wb), rep=50, warmup=10))
+        rep.log(f"  nvfp4 linear {n_out}x{k_in} M={m:<5} {r['nvfp4_ms']:.4f} ms (F.linear {r['bf16_ms']:.4f} ms, "
+                f"floor {floor:.4f} ms)")
+    rep.save()
+    ctx.cache.pop("moe_weights", None)

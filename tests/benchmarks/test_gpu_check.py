@@ -1,0 +1,77 @@
+"""benchmarks/gpu_check.py on a CPU (Triton interpreter, toy shapes): every section writes its JSON, a failing check
+or a raising section never stops the next, and the hard deadline is honoured."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+NAMES = ["kernels", "parity", "attention", "moe", "graphs", "scale"]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("gpu_check", None)
+
+
+def _sections(out: pathlib.Path) -> dict[str, dict]:
+    return {json.loads(p.read_text())["section"]: json.loads(p.read_text()) for p in sorted(out.glob("[1-9]_*.json"))}
+
+
+def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_path, monkeypatch, capsys):
+    from ember.kernels import reference_ops
+
+    assert [s.name for s in gpu_check.SECTIONS] == NAMES
+    # a wrong reference: the silu_and_mul check fails, the other kernel checks still run and pass
+    monkeypatch.setattr(reference_ops, "silu_and_mul", lambda x: x[..., : x.shape[-1] // 2])
+
+    def boom(ctx):
+        raise RuntimeError("injected section failure")
+
+    monkeypatch.setattr(gpu_check.SECTIONS[1], "run", boom)
+    rc = gpu_check.main(["--out", str(tmp_path), "--quick", "--budget-s", "120"])
+    assert rc == 1
+    got = _sections(tmp_path)
+    assert list(got) == NAMES  # one JSON per section, in order
+    kernels = got["kernels"]
+    assert kernels["status"] == "fail"
+    failed = [c["name"] for c in kernels["checks"] if not c["ok"]]
+    assert failed == ["silu_and_mul"]
+    assert len(kernels["checks"]) > 15 and any(c["name"].startswith("moe nvfp4") for c in kernels["checks"])
+    assert got["parity"]["status"] == "error" and "injected section failure" in got["parity"]["errors"][0]
+    for name in NAMES[2:]:
+        assert got[name]["status"] == "ok", (name, got[name].get("errors"), got[name].get("timeout"))
+        assert all(c["ok"] for c in got[name]["checks"]), name
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["status"] for s in summary["sections"]] == ["fail", "error", "ok", "ok", "ok", "ok"]
+    targets = {t["name"].split(" ")[0] for t in summary["targets"]}
+    assert targets == {"decode", "NVFP4", "graph", "e2e"}  # every target's code path ran (values mean nothing here)
+    table = capsys.readouterr().out
+    assert "FAIL silu_and_mul" in table and "e2e decode B=2 /" in table
+    assert (tmp_path / "gpu_check.log").read_text().count("==") >= 6
+
+
+def test_deadline_is_honoured(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1.0)
+    budget = 3.0
+    t0 = time.monotonic()
+    gpu_check.main(["--out", str(tmp_path), "--quick", "--budget-s", str(budget)])
+    elapsed = time.monotonic() - t0
+    assert elapsed < budget + 1.0 + 3.0, elapsed  # budget, grace, and the summary
+    got = _sections(tmp_path)
+    assert list(got) == NAMES
+    statuses = [got[n]["status"] for n in NAMES]
+    assert "timeout" in statuses and statuses[-1] == "skipped", statuses
+    assert all(s in ("ok", "timeout", "skipped") for s in statuses), statuses
+    timed_out = [got[n] for n in NAMES if got[n]["status"] == "timeout"]
+    assert all("s left" in d["timeout"] or "hard deadline" in d["timeout"] for d in timed_out)
