@@ -184,8 +184,8 @@ def _read_shard(sl: Any, name: str, rule: tuple[str, int], tp: TensorParallel, s
     return take(tp.rank * size)
 
 
-def iter_shard_weights(model_dir: str | Path, tp: TensorParallel,
-                       split_rule: Callable[[str], tuple[str, int]] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_shard_weights(model_dir: str | Path, tp: TensorParallel, split_rule: Callable[[str], tuple[str, int]]
+                       | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk.
     ``split_rule`` (a model class's ``tp_split_rule``, where its tensors differ from the rules here) overrides
     :func:`_split_rule`."""
@@ -323,7 +323,8 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     source = str(Path(model_dir) / "config.json")
     model_class = get_model_class(mc.architecture, source=source)
     check_split(mc, n, source)
-    if nvfp4_loading.plan(model_dir, mc.raw) is not None:
+    mxfp4 = (mc.raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"  # gpt-oss: splits like bf16
+    if not mxfp4 and nvfp4_loading.plan(model_dir, mc.raw) is not None:
         raise ConfigError(f"{model_dir}: tensor_parallel_size > 1 is not supported for NVFP4 checkpoints yet")
     if device.type == "cuda":
         if device.index not in (None, 0):

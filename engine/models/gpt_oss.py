@@ -6,8 +6,11 @@ MoE: router ``x @ W.T + b``, top-k of the logits, softmax over those k; each exp
 whose even/odd columns are gate/up (interleaved in the checkpoint, split into ``[gate | up]`` halves on load), the
 clamped GLU of :func:`ember.kernels.moe_reference.clamped_swiglu` (``swiglu_limit``, ``swiglu_alpha``), then
 ``down + b2``. Expert tensors come as transformers writes them (``mlp.experts.gate_up_proj [E, H, 2I]``,
-``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``). The MoE runs on the torch
-reference (:func:`ember.kernels.moe_reference.fused_moe` with biases and the clamped GLU) on every device.
+``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``) or as OpenAI's MXFP4 checkpoints
+hold them (``gate_up_proj_blocks [E, 2I, H/32, 16]`` + ``gate_up_proj_scales [E, 2I, H/32]``, ``down_proj_blocks`` +
+``down_proj_scales``, see :mod:`ember.kernels.mxfp4`), which stay packed (:class:`MXFP4Tensor` stacks). The MoE runs
+on the torch reference (:func:`ember.kernels.moe_reference.fused_moe` with biases and the clamped GLU; MXFP4 experts
+dequantized one hit expert at a time) on every device.
 """
 from __future__ import annotations
 
@@ -23,8 +26,12 @@ from ember.engine.models.layers import Attention, DecoderForCausalLM, DecoderLay
     sliding_windows
 from ember.engine.models.qwen3_moe import SparseMoeBlock
 from ember.kernels import moe_reference
+from ember.kernels.mxfp4 import BLOCK as MX_BLOCK
+from ember.kernels.mxfp4 import MXFP4Tensor
 
 _EXPERT_LEAVES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_MXFP4_LEAVES = {"gate_up_proj_blocks": ("w13", "weight"), "gate_up_proj_scales": ("w13", "scale"),
+                 "down_proj_blocks": ("w2", "weight"), "down_proj_scales": ("w2", "scale")}
 
 
 def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -44,6 +51,25 @@ class GptOssExperts(nn.Module):
         self.register_buffer("b13", torch.empty(num_experts, 2 * inter))
         self.register_buffer("w2", torch.empty(num_experts, hidden, inter))
         self.register_buffer("b2", torch.empty(num_experts, hidden))
+        self.quant13: MXFP4Tensor | None = None
+        self.quant2: MXFP4Tensor | None = None
+
+    def make_mxfp4(self, which: str) -> MXFP4Tensor:
+        """Replace one stack (``"w13"`` or ``"w2"``) by an empty MXFP4 stack for the loader to fill."""
+        n, k = (2 * self.inter, self.hidden) if which == "w13" else (self.hidden, self.inter)
+        if k % MX_BLOCK:
+            field = "hidden_size" if which == "w13" else "intermediate_size"
+            raise ConfigError(f"config.json: MXFP4 experts need {field} to be a multiple of {MX_BLOCK}, got {k}")
+        device = self.b13.device
+        q = MXFP4Tensor(torch.zeros(self.num_experts, n, k // 2, dtype=torch.uint8, device=device),
+                        torch.zeros(self.num_experts, n, k // MX_BLOCK, dtype=torch.uint8, device=device))
+        setattr(self, "quant13" if which == "w13" else "quant2", q)
+        self.register_buffer(which, None)
+        return q
+
+    def stacks(self) -> tuple[torch.Tensor | MXFP4Tensor, torch.Tensor | MXFP4Tensor]:
+        return (self.quant13 if self.quant13 is not None else self.w13,
+                self.quant2 if self.quant2 is not None else self.w2)
 
 
 class GptOssMoeBlock(SparseMoeBlock):
@@ -67,7 +93,8 @@ class GptOssMoeBlock(SparseMoeBlock):
     def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
         topk_w, topk_ids = moe_reference.topk_softmax_routing(self.router(x), self.top_k)
         ex = self.experts
-        return moe_reference.fused_moe(x, ex.w13, ex.w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2,
+        w13, w2 = ex.stacks()
+        return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2,
                                        activation=self.activation)
 
 
@@ -111,7 +138,9 @@ class GptOssForCausalLM(DecoderForCausalLM):
         parent, _, leaf = name.rpartition(".")
         if parent.endswith(".mlp.experts"):
             return {"gate_up_proj": ("shard", 2), "gate_up_proj_bias": ("shard", 1), "down_proj": ("shard", 1),
-                    "down_proj_bias": ("rank0", -1)}.get(leaf, ("replicate", -1))
+                    "down_proj_bias": ("rank0", -1), "gate_up_proj_blocks": ("shard", 1),
+                    "gate_up_proj_scales": ("shard", 1), "down_proj_blocks": ("shard", 2),
+                    "down_proj_scales": ("shard", 2)}.get(leaf, ("replicate", -1))
         if parent.endswith(".self_attn") and leaf == "sinks":
             return "shard", 0
         return distributed._split_rule(name)
@@ -130,10 +159,14 @@ class GptOssForCausalLM(DecoderForCausalLM):
                     yield name, tensor
 
         super().load_weights(nvfp4_loading.PreparedWeights(rest()), source)
-        for i in range(len(self.model.layers)):
+        for i, layer in enumerate(self.model.layers):
+            ex = layer.mlp.experts
             for leaf in _EXPERT_LEAVES:
-                if not filled.get((i, leaf)):
-                    raise ConfigError(f"{source}: missing tensor model.layers.{i}.mlp.experts.{leaf}")
+                quant = ex.quant13 if leaf == "gate_up_proj" else ex.quant2 if leaf == "down_proj" else None
+                needed = [leaf] if quant is None else [f"{leaf}_blocks", f"{leaf}_scales"]
+                for n in needed:
+                    if not filled.get((i, n)):
+                        raise ConfigError(f"{source}: missing tensor model.layers.{i}.mlp.experts.{n}")
 
     def _place_expert_tensor(self, name: str, tensor: torch.Tensor, source: str,
                              filled: dict[tuple[int, str], int]) -> None:
@@ -144,6 +177,13 @@ class GptOssForCausalLM(DecoderForCausalLM):
         except (ValueError, IndexError):
             raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}") from None
         leaf = parts[-1]
+        if leaf in _MXFP4_LEAVES:
+            self._place_mxfp4(ex, name, leaf, tensor, source)
+            filled[(layer, leaf)] = 1
+            return
+        if leaf in ("gate_up_proj", "down_proj") and getattr(ex, leaf.replace("gate_up_proj", "w13").replace(
+                "down_proj", "w2")) is None:
+            raise ConfigError(f"{source}: tensor {name!r} is unquantized but the layer's experts are MXFP4")
         if leaf == "gate_up_proj":  # [E, H, 2I] interleaved columns
             dest, value = ex.w13, deinterleave(tensor.transpose(1, 2), 1)
         elif leaf == "gate_up_proj_bias":
@@ -160,3 +200,24 @@ class GptOssForCausalLM(DecoderForCausalLM):
                               "intermediate_size)")
         dest.copy_(value.to(dest.dtype))
         filled[(layer, leaf)] = 1
+
+    @staticmethod
+    def _place_mxfp4(ex: GptOssExperts, name: str, leaf: str, tensor: torch.Tensor, source: str) -> None:
+        """``*_blocks [E, N, K/32, 16]`` / ``*_scales [E, N, K/32]`` uint8, rows de-interleaved for gate/up."""
+        which, part = _MXFP4_LEAVES[leaf]
+        q = ex.quant13 if which == "w13" else ex.quant2
+        if q is None:
+            if getattr(ex, which) is None:
+                raise ConfigError(f"{source}: tensor {name!r}: the layer's experts are already unquantized")
+            q = ex.make_mxfp4(which)
+        dest = getattr(q, part)
+        if tensor.dtype != torch.uint8:
+            raise ConfigError(f"{source}: tensor {name!r} is {tensor.dtype}, expected uint8 (MXFP4)")
+        value = tensor.reshape(*tensor.shape[:2], -1) if part == "weight" and tensor.dim() == 4 else tensor
+        if which == "w13":
+            value = deinterleave(value, 1)
+        if tuple(value.shape) != tuple(dest.shape):
+            raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, which does not match "
+                              f"the MXFP4 experts' {tuple(dest.shape)} (config.json: num_local_experts, hidden_size, "
+                              "intermediate_size)")
+        dest.copy_(value)
