@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -251,6 +252,10 @@ class Engine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            if chunk.seq.scheduled_at is None:
+                chunk.seq.scheduled_at = now
         try:
             outputs.extend(self._run(sched))
         except Exception as e:  # a failed forward ends the requests it carried, never the engine
@@ -323,7 +328,8 @@ class Engine:
                 error: str | None = None) -> RequestOutput:
         return RequestOutput(request_id=seq.request_id, new_token_ids=new, logprobs=lp, finished=finished,
                              finish_reason=reason, stop_token_id=stop_token_id, error=error,
-                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             queue_seconds=None if seq.scheduled_at is None else seq.scheduled_at - seq.queued_at)
 
     def _finish(self, seq: Sequence, new: list[int], lp, reason: FinishReason, stop_token_id: int | None = None,
                 error: str | None = None) -> RequestOutput:

@@ -54,3 +54,4 @@ class RequestOutput:
     error: str | None = None  # set with finish_reason "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_seconds: float | None = None  # from add_request to the first step that scheduled it (None: not yet)

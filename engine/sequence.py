@@ -7,6 +7,7 @@ every position is computed. Tokens are append-only: the prefix cache keys a sequ
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,9 @@ class Sequence:
     """Content hashes of this sequence's full blocks (a prefix of them, extended lazily by the KV cache manager)."""
     num_registered_blocks: int = 0
     """Leading entries of ``block_ids`` that are in the prefix cache (hit at admission or registered since)."""
+    queued_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""
 
     @property
     def all_token_ids(self) -> list[int]:
