@@ -23,16 +23,15 @@ _RESERVED_KWARGS = frozenset({
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a path to a Jinja file, or the template text itself."""
-    if value is None:
-        return None
+    """`--chat-template`: the template text itself when it contains `{`, `}` or a newline (vLLM's rule), else the
+    path of a Jinja file (ValueError naming it when it cannot be read)."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
     p = Path(value).expanduser()
     try:
-        if p.is_file():
-            return p.read_text()
-    except OSError:
-        pass
-    return value
+        return p.read_text()
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: cannot read the file ({e.strerror or e})") from None
 
 
 def _join_text(parts: Iterable[Any], field: str) -> str:

@@ -1,13 +1,34 @@
-"""Prometheus metrics of one server: a registry per app (no process-global state), engine gauges read at scrape."""
+"""Prometheus metrics of one server: a registry per app (no process-global state), engine gauges read at scrape.
+
+Every measurement is exported twice: under Ember's own `ember_*` names and under the `vllm:*` names (with a
+`model_name` label) that Grafana dashboards and autoscalers built for vLLM already scrape.
+"""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _Both:
+    """One measurement recorded under two metrics (Ember's name and vLLM's)."""
+
+    def __init__(self, *targets: Any):
+        self.targets = targets
+
+    def observe(self, value: float) -> None:
+        for t in self.targets:
+            t.observe(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for t in self.targets:
+            t.inc(amount)
 
 
 class Metrics:
@@ -18,27 +39,67 @@ class Metrics:
         self._stats = stats
         self.model_name = model_name
         r = self.registry
+        m = ["model_name"]
         self.requests = Counter("ember_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("ember_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("ember_generation_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = _Both(
+            Counter("ember_prompt_tokens", "Prompt tokens admitted", registry=r),
+            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r).labels(model_name))
+        self.generation_tokens = _Both(
+            Counter("ember_generation_tokens", "Tokens generated", registry=r),
+            Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
+                    registry=r).labels(model_name))
         self.finished = Counter("ember_request_finished", "Finished choices by finish reason", ["reason"],
                                 registry=r)
-        self.ttft = Histogram("ember_time_to_first_token_seconds", "Time from admission to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ember_request_latency_seconds", "Time from admission to the last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = _Both(
+            Histogram("ember_time_to_first_token_seconds", "Time from admission to the first token",
+                      buckets=_LATENCY_BUCKETS, registry=r),
+            Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m,
+                      buckets=_LATENCY_BUCKETS, registry=r).labels(model_name))
+        self.itl = _Both(
+            Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
+                      buckets=_LATENCY_BUCKETS, registry=r),
+            Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m,
+                      buckets=_LATENCY_BUCKETS, registry=r).labels(model_name))
+        self.e2e = _Both(
+            Histogram("ember_request_latency_seconds", "Time from admission to the last token",
+                      buckets=_LATENCY_BUCKETS, registry=r),
+            Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m,
+                      buckets=_REQUEST_BUCKETS, registry=r).labels(model_name))
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", m,
+                                    buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("ember_num_requests_running", "Sequences running in the engine", registry=r)
         self.waiting = Gauge("ember_num_requests_waiting", "Sequences waiting in the engine", registry=r)
         self.kv_usage = Gauge("ember_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
         self.kv_free = Gauge("ember_kv_cache_free_blocks", "Free KV-cache blocks", registry=r)
+        self.v_running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m,
+                               registry=r).labels(model_name)
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m,
+                               registry=r).labels(model_name)
+        self.v_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m,
+                                registry=r).labels(model_name)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", m,
+                                      registry=r).labels(model_name)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                   m, registry=r).labels(model_name)
+        self._seen_queries = 0
+        self._seen_hits = 0
 
     def render(self) -> bytes:
         s = self._stats()
-        self.running.set(getattr(s, "num_running", 0))
-        self.waiting.set(getattr(s, "num_waiting", 0))
-        self.kv_usage.set(getattr(s, "kv_usage", 0.0))
+        running, waiting = getattr(s, "num_running", 0), getattr(s, "num_waiting", 0)
+        usage = getattr(s, "kv_usage", 0.0)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(usage)
         self.kv_free.set(getattr(s, "num_free_blocks", 0))
+        self.v_running.set(running)
+        self.v_waiting.set(waiting)
+        self.v_kv_usage.set(usage)
+        queries, hits = getattr(s, "prefix_cache_queries", 0), getattr(s, "prefix_cache_hits", 0)
+        self.prefix_queries.inc(max(0, queries - self._seen_queries))  # the engine's totals, as counters
+        self.prefix_hits.inc(max(0, hits - self._seen_hits))
+        self._seen_queries, self._seen_hits = max(queries, self._seen_queries), max(hits, self._seen_hits)
         return generate_latest(self.registry)

@@ -1,0 +1,88 @@
+"""`POST /tokenize` and `POST /detokenize`, in vLLM's request and response shapes.
+
+`/tokenize` takes either a `prompt` (encoded as `/v1/completions` encodes it) or chat `messages` (rendered with the
+chat template as `/v1/chat/completions` renders them) and answers `{count, max_model_len, tokens, token_strs}`;
+`/detokenize` turns `{tokens}` back into `{prompt}`.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import model_validator
+
+from . import chat
+from . import protocol_openai as po
+from .errors import ApiError, bad_request
+
+
+class TokenizeRequest(po._Lenient):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one body: `prompt` or `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[po.ChatMessage] | None = None
+    tools: list[po.Tool] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        return self
+
+
+class DetokenizeRequest(po._Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _runtime(request: Request, model: str | None) -> Any:
+    rt = request.app.state.ember.runtime
+    if model is not None and model != rt.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{rt.model_name}'",
+                       param="model", code="model_not_found")
+    return rt
+
+
+def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(rt.tokenizer.encode(body.prompt, add_special_tokens=special))
+    text = chat.render(rt.tokenizer, rt.chat_template, chat.openai_messages(body.messages or []),
+                       tools=chat.openai_tools(body.tools), add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
+    return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    rt = _runtime(request, body.model)
+    ids = await asyncio.to_thread(_tokenize, rt, body)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": rt.max_model_len, "tokens": ids, "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = list(rt.tokenizer.convert_ids_to_tokens(ids))
+    return out
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    rt = _runtime(request, body.model)
+    size = len(rt.tokenizer)
+    for i, t in enumerate(body.tokens):
+        if not 0 <= t < size:
+            raise bad_request(f"token ID {t} is outside the tokenizer's vocabulary [0, {size})", param=f"tokens[{i}]")
+    return {"prompt": rt.tokenizer.decode(body.tokens)}
+
+
+def router(dependencies: list[Any]) -> APIRouter:
+    """The two routes, behind `dependencies` (the app's API-key check)."""
+    r = APIRouter(dependencies=dependencies)
+    r.add_api_route("/tokenize", tokenize, methods=["POST"])
+    r.add_api_route("/detokenize", detokenize, methods=["POST"])
+    return r
