@@ -18,8 +18,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 
-class OutOfTime(Exception):
-    """A section's (or the whole run's) deadline passed; what it recorded so far stays."""
+class OutOfTime(BaseException):
+    """A section's (or the whole run's) deadline passed; what it recorded so far stays. A BaseException, so code
+    that catches ``Exception`` (the engine's step, a check) cannot swallow the hard deadline's alarm."""
 
 
 @dataclass

@@ -26,7 +26,7 @@ def run(ctx: Ctx) -> None:
     layers = ctx.pick(2, LAYERS, LAYERS)
     cfg, model = models.random_ember_model(ctx, models.qwen3_layers_config(ctx, layers), 4096)
     seq_ctx, bs = ctx.pick((40, 16), (1024, 16), (1024, 16))
-    batches = ctx.pick((1, 3), (32,), (1, 32, 100))
+    batches = ctx.pick((1, 3), (3, 32), (1, 3, 32, 100))  # 3 and 100 replay padded graphs
     max_seqs = ctx.pick(4, 32, 128)
     blocks_per_seq = (seq_ctx + 1 + bs - 1) // bs
     nb = max_seqs * blocks_per_seq + 1

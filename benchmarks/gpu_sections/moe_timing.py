@@ -47,9 +47,9 @@ def weights(ctx: Ctx) -> MoeWeights:
     """The layer's random weights and their NVFP4 quantization, built once per run."""
     def build() -> MoeWeights:
         e, h, i, k = ctx.pick((8, 64, 32, 2), (128, 2048, 768, 8), (128, 2048, 768, 8))
-        g = torch.Generator().manual_seed(0)
-        w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(ctx.device)
-        w2 = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(ctx.device)
+        g = torch.Generator(device=ctx.device).manual_seed(0)
+        w13 = torch.randn(e, 2 * i, h, generator=g, device=ctx.device) / h ** 0.5
+        w2 = torch.randn(e, h, i, generator=g, device=ctx.device) / i ** 0.5
         return MoeWeights(e, h, i, k, w13.to(ctx.dtype), w2.to(ctx.dtype), quantize_stack(w13, 2),
                           quantize_stack(w2, 1))
 

@@ -113,7 +113,7 @@ def engine_e2e(ctx: Ctx) -> dict | None:
     sizing = dict(gpu_memory_utilization=GPU_MEMORY_UTILIZATION) if ctx.cuda else dict(num_kv_blocks=64)
     t0 = time.monotonic()
     eng = Engine.from_pretrained(path, device=ctx.device, dtype=ctx.dtype, max_num_seqs=max_seqs,
-                                 max_num_batched_tokens=8192, max_model_len=max_len, **sizing)
+                                 max_num_batched_tokens=max_len, max_model_len=max_len, **sizing)
     try:
         runner = eng.runner
         kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
