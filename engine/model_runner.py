@@ -167,13 +167,14 @@ class ModelRunner:
         if self.device.type != "cuda":
             return "no CUDA device"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
+        from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 
         if getattr(self.backend, "__name__", "") != "ember.kernels.attention":
             return (f"the attention backend {getattr(self.backend, 'name', self.backend)!r} synchronises with the "
                     "host (only the Triton kernels are graph-safe)")
         for m in self.model.modules():
-            if isinstance(m, SparseMoeBlock):
-                return "the MoE layers' routing (torch.bincount) synchronises with the host"
+            if isinstance(m, SparseMoeBlock) and (type(m) is not SparseMoeBlock or not use_triton_moe(self.device)):
+                return "MoE layers on the torch reference path (torch.unique/nonzero) synchronise with the host"
             tp = getattr(m, "tp", None)
             if tp is not None and tp.enabled:
                 return ("tensor parallelism: capturing torch.distributed NCCL all-reduces in CUDA graphs is not "

@@ -2,8 +2,8 @@
 
 Design (vLLM's ``fused_moe_kernel``, reimplemented):
 1. routing: :func:`ember.kernels.moe_reference.topk_routing` (softmax fp32, top-k, optional renormalisation);
-2. :func:`moe_align_block_size` (torch): the ``M*k`` (token, slot) pairs sorted by expert, each expert's group
-   padded to a multiple of ``BLOCK_M`` with the sentinel ``M*k``; buffers sized to a static upper bound;
+2. :func:`moe_align_block_size` (torch, no host sync): the ``M*k`` (token, slot) pairs sorted by expert, each
+   expert's group padded to a multiple of ``BLOCK_M`` with the sentinel ``M*k``; buffers sized to a static upper bound;
 3. GEMM 1 (``w13``): rows gathered as ``pair // k``; gate and up tiles of the same columns are accumulated side by
    side and SiLU-and-mul is fused into the epilogue, writing ``[M*k, I]``;
 4. GEMM 2 (``w2``): rows are the pairs themselves, scaled by their routing weight in the epilogue, written
@@ -97,13 +97,15 @@ def moe_align_block_size(
 
     Returns ``sorted_ids`` int32 ``[cap]`` (pair index ``token*k + slot``; padding is ``M*k``), ``expert_ids`` int32
     ``[cap // block_m]`` (the expert of each block of ``block_m`` rows) and ``num_tokens_post_padded`` int32 ``[1]``,
-    with ``cap = roundup(M*k + E*(block_m-1), block_m)``, a static upper bound.
+    with ``cap = roundup(M*k + E*(block_m-1), block_m)``, a static upper bound. Every shape depends only on
+    ``(M, k, E, block_m)`` and no op reads device data on the host (expert counts by ``scatter_add_`` into ``[E]``,
+    not ``bincount``), so the call can be captured in a CUDA graph.
     """
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
     dev = flat.device
     cap = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

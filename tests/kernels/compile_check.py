@@ -30,7 +30,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append((self.name, self.kernel, args, kwargs))
+            self.launches.append((self.name, self.kernel, args, kwargs, grid))
         return launch
 
 
@@ -114,7 +114,7 @@ def compile_launches(launches: list, arch: int, what: str) -> int:
     """Compile each distinct recorded launch for ``sm_{arch}``, print OK/FAIL per launch; 1 if any failed."""
     target = GPUTarget("cuda", arch, 32)
     seen, failures = set(), 0
-    for name, kernel, args, kwargs in launches:
+    for name, kernel, args, kwargs, _ in launches:
         sig, constexprs, options = _signature(kernel, args, dict(kwargs))
         key = (name, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())))
         if key in seen:

@@ -152,3 +152,62 @@ def test_tile_configs_are_keyed_by_tokens_not_routed_pairs(monkeypatch):
     cuda = torch.device("cuda")
     assert moe.default_config(8, 128, 8, cuda) == moe.default_config(8, 128, 1, cuda)
     assert moe.default_config(8, 128, 8, cuda).block_m == 16
+
+
+def _align_reference(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The routing as plain Python: each expert's pairs in order, padded with the sentinel ``M*k`` to ``block_m``."""
+    flat = topk_ids.reshape(-1).tolist()
+    n = len(flat)
+    sorted_ids, expert_ids = [], []
+    for e in range(num_experts):
+        pairs = [i for i, x in enumerate(flat) if x == e]
+        pairs += [n] * (-len(pairs) % block_m)
+        sorted_ids += pairs
+        expert_ids += [e] * (len(pairs) // block_m)
+    return sorted_ids, expert_ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_align_block_size_matches_plain_routing_without_host_syncs(seed):
+    from tests.kernels.host_sync import count_host_syncs
+
+    g = torch.Generator().manual_seed(seed)
+    e = (4, 8, 64, 128)[seed % 4]
+    k = (1, 2, 8)[seed % 3]
+    m = int(torch.randint(1, 40, (1,), generator=g))
+    block_m = (16, 64)[seed % 2]
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+    if seed == 5:
+        ids[:] = ids[0]  # every token routed to the same k experts: the longest groups
+    with count_host_syncs() as calls:
+        sorted_ids, expert_ids, num_post = moe.moe_align_block_size(ids, block_m, e)
+    assert calls == []
+    cap = -(-(m * k + e * (block_m - 1)) // block_m) * block_m
+    assert sorted_ids.shape == (cap,) and expert_ids.shape == (cap // block_m,) and num_post.shape == (1,)
+    want_ids, want_experts = _align_reference(ids, block_m, e)
+    total = int(num_post)
+    assert total == len(want_ids)
+    assert sorted_ids[:total].tolist() == want_ids and expert_ids[:total // block_m].tolist() == want_experts
+    assert (sorted_ids[total:] == m * k).all() and (expert_ids[total // block_m:] == e - 1).all()
+
+
+def test_fused_moe_host_side_has_no_sync_and_static_launches(monkeypatch):
+    """Everything fused_moe does around its two GEMM launches (routing, alignment, buffers) reads nothing back from
+    the device, and launch shapes depend only on (M, k, E): MoE layers can be captured in CUDA graphs."""
+    from tests.kernels.compile_check import _Recorder
+    from tests.kernels.host_sync import count_host_syncs
+
+    launches: list = []
+    monkeypatch.setattr(moe, "_moe_gemm_kernel", _Recorder("gemm", moe._moe_gemm_kernel, launches))
+    grids = []
+    for seed in (0, 1):
+        x, w13, w2, _, _ = make_case(16, 4, 7, 48, 32, seed=seed)
+        q13, q2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+        logits = torch.randn(7, 16, generator=torch.Generator().manual_seed(seed))
+        with count_host_syncs() as calls:
+            tw, ti = ref.topk_routing(logits, 4, renormalize=True)
+            moe.fused_moe(x, q13, q2, tw, ti, config=CFG)
+        assert calls == []
+        grids.append([(grid, [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
+                      for _, _, args, _, grid in launches[-2:]])
+    assert len(launches) == 4 and grids[0] == grids[1]
