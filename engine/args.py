@@ -16,25 +16,32 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 
+class SettingValueError(argparse.ArgumentTypeError, ValueError):
+    """A setting's value is malformed; argparse shows the message as is (not `invalid parse_x value`)."""
+
+
 def parse_fraction(text: str) -> float:
-    """`"0.9"` -> 0.9; ValueError outside (0, 1]."""
-    value = float(text)
+    """`"0.9"` -> 0.9; SettingValueError outside (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingValueError(f"{text!r} is not a number in (0, 1], e.g. 0.9") from None
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"{text!r} is not in (0, 1]")
+        raise SettingValueError(f"{text!r} is not in (0, 1], e.g. 0.9")
     return value
 
 
 def parse_memory(text: str) -> int:
-    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes."""
+    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes; SettingValueError otherwise."""
     s = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if s and s[-1] in scale:
-        return int(float(s[:-1]) * scale[s[-1]])
-    return int(float(s))
-
-
-parse_fraction.__name__ = "fraction"  # argparse names the type in its error message
-parse_memory.__name__ = "memory size"
+    try:
+        value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
+    except ValueError:
+        raise SettingValueError(f"{text!r} is not a size in bytes, e.g. 512M, 2G or 1.5GiB") from None
+    if value <= 0:
+        raise SettingValueError(f"{text!r} is not a positive size, e.g. 512M, 2G or 1.5GiB")
+    return int(value)
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -121,7 +128,9 @@ def _is_bool(f: dataclasses.Field) -> bool:
 def _show(default: Any) -> str:
     if isinstance(default, bool):
         return "on" if default else "off"
-    return "unset" if default is None else str(default)
+    if default is None or default == ():
+        return "none"
+    return str(default)
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -132,18 +141,24 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if "help" not in meta:
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        helptext = f"{meta['help']} (default: {_show(default)})"
+        helptext = meta["help"] if "default:" in meta["help"] else f"{meta['help']} (default: {_show(default)})"
         if meta.get("positional"):
             parser.add_argument(f.name, nargs="?", type=_flag_type(f), default=default,
                                 metavar=meta.get("metavar", f.name.upper()), help=helptext)
             continue
         target: Any = parser
         if "group" in meta:
-            target = groups.setdefault(meta["group"], parser.add_mutually_exclusive_group())
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_mutually_exclusive_group()
+            target = groups[meta["group"]]
         flag = meta.get("flag") or "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helptext}
         if _is_bool(f):
             kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
+        elif meta.get("action") == "append":
+            kw.update(action="append", default=None, type=_flag_type(f))
+            if "metavar" in meta:
+                kw["metavar"] = meta["metavar"]
         else:
             kw["type"] = _flag_type(f)
             if "choices" in meta:
@@ -154,6 +169,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
-    """``cls`` built from the parsed arguments (fields without a flag keep their defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+    """``cls`` built from the parsed arguments (fields without a flag keep their defaults; repeated flags become
+    tuples)."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not hasattr(args, f.name):
+            continue
+        v = getattr(args, f.name)
+        if f.metadata.get("action") == "append":
+            v = tuple(v) if v is not None else f.default
+        values[f.name] = v
+    return cls(**values)

@@ -100,11 +100,7 @@ class AsyncEngine:
         try:
             await added
             while True:
-                try:
-                    item = await stream.get()
-                except BaseException:
-                    finished = True
-                    raise
+                item = await stream.get()  # a failure (engine gone, refused) leaves nothing to abort
                 finished = item.finished
                 yield item
                 if finished:

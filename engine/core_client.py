@@ -115,11 +115,7 @@ class ProcessEngineClient:
             self._send(["add", rid, [int(t) for t in prompt_ids], wire.encode_params(params or SamplingParams()),
                         constraint])
             while True:
-                try:
-                    item = await stream.get()
-                except BaseException:
-                    finished = True
-                    raise
+                item = await stream.get()  # a failure (engine gone, refused) leaves nothing to abort
                 finished = item.finished
                 yield item
                 if finished:
