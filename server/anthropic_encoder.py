@@ -3,6 +3,8 @@
 Per design A.13: `message_start`, then a content block per channel run (`thinking` with `thinking_delta`s and a
 `signature_delta` before its stop; `text` with `text_delta`s; `tool_use` with `input_json_delta`s carrying the same
 fragments as OpenAI `arguments`), then `message_delta` (stop_reason, stop_sequence, usage) and `message_stop`.
+The non-streaming `message` is built from the one fold of the parser events (`parsers.result.fold`): its content
+blocks are the fold's ordered runs, which are exactly the blocks the stream opens and closes.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from typing import Any, Iterable
 
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallEnd, ToolCallStart)
+from ember.parsers.result import fold
 
-from .choice import ChoiceEnd
+from .choice import ChoiceEnd, ChoiceStep
 
 
 def sse(event: dict[str, Any]) -> str:
@@ -37,15 +40,14 @@ class MessageEncoder:
         self.completed_calls = 0
 
     def start(self) -> list[dict[str, Any]]:
+        return [{"type": "message_start", "message": self._head()}, {"type": "ping"}]
+
+    def _head(self) -> dict[str, Any]:
         usage: dict[str, Any] = {"input_tokens": self.input_tokens, "output_tokens": 0}
         if self.cached_tokens is not None:
             usage["cache_read_input_tokens"] = self.cached_tokens
-        return [
-            {"type": "message_start", "message": {
-                "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": usage}},
-            {"type": "ping"},
-        ]
+        return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": usage}
 
     def _close(self) -> list[dict[str, Any]]:
         if self.block_kind is None:
@@ -99,75 +101,76 @@ class MessageEncoder:
                 out.append({"type": "content_block_delta", "index": self.block_index,
                             "delta": {"type": "input_json_delta", "partial_json": ev.fragment}})
             elif isinstance(ev, ToolCallEnd):
+                self.completed_calls += 1
                 if self.block_kind == "tool_use" and self.block_tool == ev.index:
-                    self.completed_calls += 1
                     out += self._close()
             elif isinstance(ev, Dropped):
                 continue
         return out
 
     def stop_reason(self, end: ChoiceEnd) -> str:
-        if end.reason == "length":
-            return "max_tokens"
-        if end.reason == "stop_string":
-            return "stop_sequence"
-        if end.reason == "eos" and self.completed_calls:
-            return "tool_use"
-        return "end_turn"
+        return stop_reason(end, self.completed_calls)
 
     def finish(self, end: ChoiceEnd) -> list[dict[str, Any]]:
         out = self._close()
-        out.append({"type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason(end),
-                              "stop_sequence": end.stop_string if end.reason == "stop_string" else None},
-                    "usage": {"output_tokens": self.output_tokens}})
+        out.append(self._message_delta(end))
         out.append({"type": "message_stop"})
         return out
 
+    def _message_delta(self, end: ChoiceEnd) -> dict[str, Any]:
+        return {"type": "message_delta",
+                "delta": {"stop_reason": self.stop_reason(end),
+                          "stop_sequence": end.stop_string if end.reason == "stop_string" else None},
+                "usage": {"output_tokens": self.output_tokens}}
 
-def fold_message(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """The non-streaming `message` body: the fold of the stream events. A tool call whose arguments are not valid
-    JSON (cut by max_tokens) gets `input: {}` and its raw text in the `partial_input` extension."""
-    message: dict[str, Any] | None = None
-    raw_json: dict[int, list[str]] = {}
-    for ev in events:
-        t = ev["type"]
-        if t == "message_start":
-            message = json.loads(json.dumps(ev["message"]))
-        elif message is None:
-            continue
-        elif t == "content_block_start":
-            message["content"].append(dict(ev["content_block"]))
-        elif t == "content_block_delta":
-            block = message["content"][ev["index"]]
-            d = ev["delta"]
-            if d["type"] == "text_delta":
-                block["text"] += d["text"]
-            elif d["type"] == "thinking_delta":
-                block["thinking"] += d["thinking"]
-            elif d["type"] == "signature_delta":
-                block["signature"] = d["signature"]
-            elif d["type"] == "input_json_delta":
-                raw_json.setdefault(ev["index"], []).append(d["partial_json"])
-        elif t == "message_delta":
-            message["stop_reason"] = ev["delta"]["stop_reason"]
-            message["stop_sequence"] = ev["delta"]["stop_sequence"]
-            message["usage"]["output_tokens"] = ev["usage"]["output_tokens"]
-    assert message is not None, "a stream starts with message_start"
-    for i, block in enumerate(message["content"]):
-        if block["type"] != "tool_use":
-            continue
-        raw = "".join(raw_json.get(i, ()))
-        if not raw.strip():
-            block["input"] = {}
-            continue
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = None
-        if isinstance(value, dict):
-            block["input"] = value
-        else:
-            block["input"] = {}
-            block["partial_input"] = raw
-    return message
+    def body(self, steps: Iterable[ChoiceStep]) -> dict[str, Any]:
+        """The non-streaming `message` from the response's steps: content blocks from the fold of their events
+        (`parsers.result.fold`), usage and stop reason as `finish` would send them. A tool call whose arguments are
+        not valid JSON (cut by max_tokens) gets `input: {}` and its raw text in the `partial_input` extension."""
+        events: list[Event] = []
+        end: ChoiceEnd | None = None
+        for step in steps:
+            events += step.events
+            self.output_tokens += len(step.tokens)
+            end = step.end or end
+        out = fold(events)
+        self.completed_calls = out.completed_calls
+        calls = {c.index: c for c in out.tool_calls}
+        message = self._head()
+        for b in out.blocks:
+            if b.kind == "reasoning":
+                sig = base64.b64encode(hashlib.sha256(b.text.encode()).digest()).decode()
+                message["content"].append({"type": "thinking", "thinking": b.text, "signature": sig})
+            elif b.kind == "content":
+                message["content"].append({"type": "text", "text": b.text})
+            else:
+                call = calls[b.index]
+                message["content"].append({"type": "tool_use", "id": call.id, "name": call.name,
+                                           **_tool_input(b.text)})
+        if end is not None:
+            delta = self._message_delta(end)
+            message.update(delta["delta"])
+            message["usage"].update(delta["usage"])
+        return message
+
+
+def stop_reason(end: ChoiceEnd, completed_calls: int) -> str:
+    """`max_tokens`, `stop_sequence`, `tool_use` (the turn ended after complete calls) or `end_turn`."""
+    if end.reason == "length":
+        return "max_tokens"
+    if end.reason == "stop_string":
+        return "stop_sequence"
+    if end.reason == "eos" and completed_calls:
+        return "tool_use"
+    return "end_turn"
+
+
+def _tool_input(raw: str) -> dict[str, Any]:
+    """A tool_use block's ``input`` and, when the arguments are not a JSON object, ``partial_input`` (raw text)."""
+    if not raw.strip():
+        return {"input": {}}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = None
+    return {"input": value} if isinstance(value, dict) else {"input": {}, "partial_input": raw}

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
-from .anthropic_encoder import MessageEncoder, fold_message, sse as anthropic_sse
+from .anthropic_encoder import MessageEncoder, sse as anthropic_sse
 from .choice import ChoiceStep
 from .config import ServeConfig
 from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
@@ -37,7 +37,7 @@ from ember.parsers.pipeline import ParserSetup
 from .generation import (ChoiceSpec, GenRequest, ModelRuntime, dumps, make_pipeline, run_choices, sampling_params,
                          seeded)
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, fold_chat, fold_completion,
+from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
                              usage, usage_chunk)
 
 log = logging.getLogger("ember.server")
@@ -192,14 +192,21 @@ class _Run:
             raise ApiError(500, "generation failed: " + "; ".join(self.errors))
 
 
+async def _steps(st: ServerState, req: GenRequest, run: _Run) -> AsyncIterator[ChoiceStep]:
+    """The request's steps, noted in ``run``: what a stream encodes and a non-streaming body folds."""
+    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
+        async for step in steps:
+            run.note(step)
+            yield step
+
+
 async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run) -> AsyncIterator[dict]:
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
     for i, e in enumerate(encs):
         yield e.start(req.choices[0].prompt_ids if i == 0 else None)
-    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
+    async with aclosing(_steps(st, req, run)) as steps:
         async for step in steps:
-            run.note(step)
             for ch in encs[step.index].step(step):
                 yield ch
 
@@ -293,9 +300,11 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                 yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens)))
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = await _collect(request, _chat_chunks(st, req, meta, run))
+    collected = await _collect(request, _steps(st, req, run))
     run.raise_for_errors()
-    return JSONResponse(fold_chat(collected, usage_body=usage(len(prompt_ids), run.completion_tokens)))
+    return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
+                                  prompt_token_ids=prompt_ids,
+                                  usage_body=usage(len(prompt_ids), run.completion_tokens)))
 
 
 # ----------------------------------------------------------------------------------------------- completions (OpenAI)
@@ -440,9 +449,9 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             for err in run.errors:
                 yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = [ev for ev in await _collect(request, events()) if ev["type"] != "ping"]
+    collected = await _collect(request, _steps(st, req, run))
     run.raise_for_errors()
-    return JSONResponse(fold_message(collected))
+    return JSONResponse(enc.body(collected))
 
 
 def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict]:

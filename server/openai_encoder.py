@@ -1,5 +1,8 @@
-"""Pipeline events -> OpenAI `chat.completion.chunk`s / `text_completion` chunks, and their fold into the
-non-streaming body (so a response always equals the fold of the stream it would have sent).
+"""Pipeline events -> OpenAI `chat.completion.chunk`s / `text_completion` chunks, and the non-streaming bodies.
+
+A non-streaming `chat.completion` is built from the one fold of the parser events (`parsers.result.fold`) plus each
+choice's tokens (logprobs, token IDs) and end, with the same per-token and finish-reason rules as the chunks, so it
+equals what a client rebuilds from the stream.
 
 Per design A.11-A.12: one channel per chunk, order preserved; reasoning under `reasoning_content` and `reasoning`;
 a tool call's first delta has id, type, name and `arguments` "", later ones index + argument fragments; every
@@ -7,11 +10,12 @@ generated token ID rides in exactly one chunk (a token-only chunk when its text 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallEnd, ToolCallStart)
+from ember.parsers.result import fold
 
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 
@@ -157,13 +161,18 @@ class ChatChoiceEncoder:
         return chunks
 
     def finish_reason(self, end: ChoiceEnd) -> str:
-        if end.reason == "length":
-            return "length"
-        if end.reason == "eos" and self.completed_calls:
-            return "tool_calls"
-        if end.reason == "error":
-            return "error"
-        return "stop"
+        return finish_reason(end, self.completed_calls)
+
+
+def finish_reason(end: ChoiceEnd, completed_calls: int) -> str:
+    """`length` wins; a turn that ended after complete tool calls is `tool_calls`; a stop string is `stop`."""
+    if end.reason == "length":
+        return "length"
+    if end.reason == "eos" and completed_calls:
+        return "tool_calls"
+    if end.reason == "error":
+        return "error"
+    return "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
@@ -179,77 +188,42 @@ def usage_chunk(meta: ChunkMeta, u: dict[str, Any], object_name: str = "chat.com
             "usage": u}
 
 
-@dataclass
-class _ChoiceFold:
-    content: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
-    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    lp_content: list[dict] = field(default_factory=list)
-    lp_reasoning: list[dict] = field(default_factory=list)
-    has_logprobs: bool = False
-    token_ids: list[int] | None = None
-    finish_reason: str | None = None
-
-
-def fold_chat(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, Any] | None) -> dict[str, Any]:
-    """The non-streaming `chat.completion` body: the fold of the chunks a stream would carry."""
-    head: dict[str, Any] | None = None
-    prompt_token_ids = None
-    choices: dict[int, _ChoiceFold] = {}
-    for ch in chunks:
-        head = head or ch
-        if "prompt_token_ids" in ch:
-            prompt_token_ids = ch["prompt_token_ids"]
-        for c in ch["choices"]:
-            f = choices.setdefault(c["index"], _ChoiceFold())
-            d = c["delta"]
-            if d.get("content"):
-                f.content.append(d["content"])
-            if d.get("reasoning_content"):
-                f.reasoning.append(d["reasoning_content"])
-            for tc in d.get("tool_calls") or ():
-                call = f.calls.setdefault(tc["index"], {"id": None, "type": "function",
-                                                        "function": {"name": "", "arguments": ""}})
-                if "id" in tc:
-                    call["id"] = tc["id"]
-                fn = tc.get("function", {})
-                if "name" in fn:
-                    call["function"]["name"] = fn["name"]
-                call["function"]["arguments"] += fn.get("arguments", "")
-            if c.get("logprobs") is not None:
-                f.has_logprobs = True
-                f.lp_content.extend(c["logprobs"].get("content") or ())
-                f.lp_reasoning.extend(c["logprobs"].get("reasoning_content") or ())
-            if "token_ids" in c:
-                f.token_ids = (f.token_ids or []) + c["token_ids"]
-            if c.get("finish_reason") is not None:
-                f.finish_reason = c["finish_reason"]
-    assert head is not None, "a response has at least its role chunk"
-    out_choices = []
-    for idx in sorted(choices):
-        f = choices[idx]
-        content = "".join(f.content)
-        calls = [f.calls[i] for i in sorted(f.calls)]
-        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
-        if f.reasoning:
-            r = "".join(f.reasoning)
-            msg["reasoning_content"] = r
-            msg["reasoning"] = r
+def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBytesFn, *, n: int,
+              prompt_token_ids: Sequence[int] | None, usage_body: dict[str, Any] | None) -> dict[str, Any]:
+    """The non-streaming `chat.completion` body of ``n`` choices from their steps: each message is the fold
+    (`parsers.result.fold`) of its choice's events; logprobs, token IDs and finish_reason follow the chunks' rules."""
+    events: list[list[Event]] = [[] for _ in range(n)]
+    tokens: list[list[TokenInfo]] = [[] for _ in range(n)]
+    ends: list[ChoiceEnd | None] = [None] * n
+    for step in steps:
+        events[step.index] += step.events
+        tokens[step.index] += step.tokens
+        if step.end is not None:
+            ends[step.index] = step.end
+    choices = []
+    for idx in range(n):
+        out = fold(events[idx])
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in out.tool_calls]
+        msg: dict[str, Any] = {"role": "assistant", "content": out.content if (out.content or not calls) else None}
+        if out.reasoning:
+            msg["reasoning_content"] = out.reasoning
+            msg["reasoning"] = out.reasoning
         if calls:
             msg["tool_calls"] = calls
-        choice: dict[str, Any] = {"index": idx, "message": msg, "finish_reason": f.finish_reason, "logprobs": None}
-        if f.has_logprobs:
-            lp: dict[str, Any] = {"content": f.lp_content}
-            if f.lp_reasoning:
-                lp["reasoning_content"] = f.lp_reasoning
-            choice["logprobs"] = lp
-        if f.token_ids is not None:
-            choice["token_ids"] = f.token_ids
-        out_choices.append(choice)
-    body: dict[str, Any] = {"id": head["id"], "object": "chat.completion", "created": head["created"],
-                            "model": head["model"], "choices": out_choices, "usage": usage_body}
-    if prompt_token_ids is not None:
-        body["prompt_token_ids"] = prompt_token_ids
+        end = ends[idx]
+        choice: dict[str, Any] = {"index": idx, "message": msg,
+                                  "finish_reason": finish_reason(end, out.completed_calls) if end else None,
+                                  "logprobs": None}
+        if meta.logprobs and tokens[idx]:
+            choice["logprobs"] = _chat_logprobs(token_bytes, tokens[idx], meta.top_logprobs)
+        if meta.return_token_ids:
+            choice["token_ids"] = [t.token_id for t in tokens[idx]]
+        choices.append(choice)
+    body: dict[str, Any] = {"id": meta.id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+                            "choices": choices, "usage": usage_body}
+    if meta.return_token_ids and prompt_token_ids is not None:
+        body["prompt_token_ids"] = list(prompt_token_ids)
     return body
 
 

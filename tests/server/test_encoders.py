@@ -1,16 +1,18 @@
-"""The wire encoders are pure: any split of the same events into steps gives the same folded response, and the
-official SDKs' own stream accumulators rebuild exactly the non-streaming body from our chunks / events."""
+"""The wire encoders are pure: any split of the same events into steps gives the same non-streaming body (built from
+the one fold of the events, `parsers.result.fold`), and the official SDKs' own stream accumulators rebuild exactly
+that body from our chunks / events."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from hypothesis import given, settings, strategies as st
 
 from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
                                   ToolCallStart)
-from ember.server.anthropic_encoder import MessageEncoder, fold_message
+from ember.server.anthropic_encoder import MessageEncoder
 from ember.server.choice import ChoiceEnd, ChoiceStep, TokenInfo
-from ember.server.openai_encoder import ChatChoiceEncoder, ChunkMeta, fold_chat, usage
+from ember.server.openai_encoder import ChatChoiceEncoder, ChunkMeta, chat_body, usage
 
 EVENTS = [
     ReasoningDelta("Let me "), ReasoningDelta("think."), Dropped("</think>", "delimiter"), ContentDelta("Calling "),
@@ -38,7 +40,18 @@ def _chat_body(steps, meta):
     chunks = [enc.start([1, 2, 3])]
     for s in steps:
         chunks += enc.step(s)
-    return chunks, fold_chat(chunks, usage_body=usage(3, enc.num_tokens))
+    return chunks, chat_body(meta, steps, _tb, n=1, prompt_token_ids=[1, 2, 3], usage_body=usage(3, enc.num_tokens))
+
+
+def _sdk_rebuilt(chunks):
+    """The non-streaming completion the OpenAI SDK rebuilds from our chunks."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+    for ch in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(ch))
+    return state.get_final_completion()
 
 
 @settings(max_examples=60, deadline=None)
@@ -60,18 +73,16 @@ def test_chat_fold_is_independent_of_step_boundaries(cuts):
         assert len({"content", "reasoning_content", "tool_calls"} & delta.keys()) <= 1
     assert split["choices"][0]["token_ids"] == [100 + i for i in range(len(set(cuts)) + 1)]
     assert split["prompt_token_ids"] == [1, 2, 3]
+    rebuilt = _sdk_rebuilt(chunks).choices[0]
+    assert rebuilt.message.content == msg["content"] and rebuilt.finish_reason == "tool_calls"
+    assert [(t.id, t.function.name, t.function.arguments) for t in rebuilt.message.tool_calls] == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]]
 
 
 def test_openai_sdk_accumulator_rebuilds_the_folded_body():
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-    from openai.types.chat import ChatCompletionChunk
-
     meta = ChunkMeta(id="chatcmpl-y", created=1, model="m", logprobs=True, top_logprobs=1)
     chunks, body = _chat_body(_steps(EVENTS, [2, 5, 9, 12], ChoiceEnd("eos")), meta)
-    state = ChatCompletionStreamState()
-    for ch in chunks:
-        state.handle_chunk(ChatCompletionChunk.model_validate(ch))
-    final = state.get_final_completion()
+    final = _sdk_rebuilt(chunks)
     msg = final.choices[0].message
     assert msg.content == body["choices"][0]["message"]["content"]
     want = body["choices"][0]["message"]["tool_calls"]
@@ -107,18 +118,25 @@ def _anthropic_events(steps, end):
     return evs
 
 
+def _anthropic_body(steps, end):
+    steps = [*steps[:-1], dataclasses.replace(steps[-1], end=end)]
+    return MessageEncoder("msg_1", "m", input_tokens=3).body(steps)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(min_value=1, max_value=len(EVENTS) - 1), max_size=6))
 def test_anthropic_sdk_accumulator_equals_fold(cuts):
     from anthropic.lib.streaming._messages import accumulate_event
 
-    evs = _anthropic_events(_steps(EVENTS, cuts, None), ChoiceEnd("eos"))
+    steps = _steps(EVENTS, cuts, None)
+    evs = _anthropic_events(steps, ChoiceEnd("eos"))
     assert [e["type"] for e in evs[:2]] == ["message_start", "ping"]
     assert [e["type"] for e in evs[-2:]] == ["message_delta", "message_stop"]
     snapshot, bufs = None, {}
     for ev in json.loads(json.dumps(evs)):
         snapshot = accumulate_event(event=ev, current_snapshot=snapshot, json_bufs=bufs)
-    folded = fold_message(evs)
+    folded = _anthropic_body(steps, ChoiceEnd("eos"))
+    assert folded == _anthropic_body(_steps(EVENTS, [], None), ChoiceEnd("eos")) | {"usage": folded["usage"]}
     sdk = snapshot.to_dict()
     assert [b["type"] for b in folded["content"]] == ["thinking", "text", "tool_use", "tool_use"]
     assert folded["content"][0]["thinking"] == "Let me think." and folded["content"][0]["signature"]
@@ -126,15 +144,50 @@ def test_anthropic_sdk_accumulator_equals_fold(cuts):
     assert folded["content"][2]["input"] == {"city": "Paris"} and folded["content"][3]["input"] == {}
     assert folded["stop_reason"] == "tool_use"
     assert folded["usage"] == {"input_tokens": 3, "output_tokens": len(set(cuts)) + 1}
+    assert len(folded["content"]) == len(sdk["content"])
     for mine, theirs in zip(folded["content"], sdk["content"]):
         assert {k: theirs[k] for k in mine} == mine
     assert sdk["stop_reason"] == folded["stop_reason"]
 
 
 def test_anthropic_truncated_tool_input_is_empty_with_raw_text():
-    evs = _anthropic_events([ChoiceStep(0, [], [ToolCallStart(0, "call_q", "f"), ToolCallArguments(0, '{"a": [1')])],
-                            ChoiceEnd("length"))
-    msg = fold_message(evs)
+    steps = [ChoiceStep(0, [], [ToolCallStart(0, "call_q", "f"), ToolCallArguments(0, '{"a": [1')])]
+    evs = _anthropic_events(steps, ChoiceEnd("length"))
+    msg = _anthropic_body(steps, ChoiceEnd("length"))
     assert msg["stop_reason"] == "max_tokens"
     assert msg["content"][0]["input"] == {} and msg["content"][0]["partial_input"] == '{"a": [1'
     assert [e["type"] for e in evs].count("content_block_stop") == 1
+
+
+def test_interleaved_reply_stream_equals_body_in_both_apis():
+    """Text between two calls, a thought after content, and text that interrupts an open call (its later arguments
+    are not in the Anthropic block, in the stream and the body alike)."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    events = [ContentDelta("a"), ToolCallStart(0, "call_a", "f"), ToolCallArguments(0, '{"x": 1}'), ToolCallEnd(0),
+              ContentDelta("between"), ReasoningDelta("hmm"), ContentDelta("b"),
+              ToolCallStart(1, "call_b", "g"), ToolCallArguments(1, '{"y": '), Malformed("<oops", "bad"),
+              ToolCallArguments(1, "2}"), ToolCallEnd(1), ContentDelta("end")]
+    for cuts in ([], [1, 4, 6, 9, 10, 11]):
+        steps = _steps(events, cuts, ChoiceEnd("eos"))
+        chunks, body = _chat_body(steps, ChunkMeta(id="c", created=1, model="m"))
+        rebuilt = _sdk_rebuilt(chunks).choices[0].message
+        msg = body["choices"][0]["message"]
+        assert msg["content"] == rebuilt.content == "abetweenb<oopsend" and msg["reasoning"] == "hmm"
+        assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [
+            t.function.arguments for t in rebuilt.tool_calls] == ['{"x": 1}', '{"y": 2}']
+        evs = _anthropic_events(steps[:-1] + [dataclasses.replace(steps[-1], end=None)], ChoiceEnd("eos"))
+        snapshot, bufs = None, {}
+        for ev in json.loads(json.dumps(evs)):
+            snapshot = accumulate_event(event=ev, current_snapshot=snapshot, json_bufs=bufs)
+        sdk = snapshot.to_dict()
+        folded = _anthropic_body(steps, ChoiceEnd("eos"))
+        assert [b["type"] for b in folded["content"]] == [
+            "text", "tool_use", "text", "thinking", "text", "tool_use", "text"]
+        assert len(sdk["content"]) == len(folded["content"])
+        for mine, theirs in zip(folded["content"], sdk["content"]):
+            if mine["type"] == "tool_use" and "partial_input" in mine:
+                assert theirs["input"] == {} and mine["input"] == {} and mine["partial_input"] == '{"y": '
+                continue
+            assert {k: theirs[k] for k in mine} == mine
+        assert folded["stop_reason"] == sdk["stop_reason"] == "tool_use"
