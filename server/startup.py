@@ -1,0 +1,177 @@
+"""Start-up of `ember serve`: fail fast and in one line, then say what is being served and where.
+
+Order: flags are checked at parse time; the port is bound before anything heavy (a port in use is reported at once,
+not after the weights load); the model is resolved (local directory or Hugging Face id) and loaded; the chat template
+is rendered once (and once with a tool when tool calls are parsed) so a broken template stops the start, not every
+request. Each failure is a `StartupError`: one line naming the flag or file, no traceback unless
+`--log-level debug`; exit code 2 for a bad argument, 1 for a model that cannot be loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import ServeConfig
+
+log = logging.getLogger("ember.server")
+
+BAD_ARGUMENT = 2
+LOAD_FAILED = 1
+
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+class StartupError(Exception):
+    """`ember serve` cannot start; the message is the one line the user sees."""
+
+    def __init__(self, message: str, exit_code: int = BAD_ARGUMENT):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on `host:port` (IPv6 when `host` is an IPv6 address), made before the model loads;
+    connections made meanwhile wait in the backlog until the server answers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise StartupError(f"--port {port}: {host}:{port} is already in use (another server is running there; "
+                               f"stop it or pass another --port)") from None
+        if e.errno == errno.EACCES:
+            raise StartupError(f"--port {port}: permission denied binding {host}:{port} (ports below 1024 need "
+                               f"root)") from None
+        if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            raise StartupError(f"--host {host}: cannot listen on this address ({e.strerror or e})") from None
+        raise StartupError(f"--host {host} --port {port}: cannot listen ({e.strerror or e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_template(runtime: Any, config: ServeConfig) -> None:
+    """Render the chat template over a one-message conversation (and with a tool when the profile parses tool
+    calls); StartupError naming where the template came from when it fails. No template at all is only a warning:
+    /v1/completions still works."""
+    from . import chat
+    from .errors import ApiError
+
+    source = (f"--chat-template {config.chat_template}" if config.chat_template is not None and
+              not any(c in config.chat_template for c in "{}\n") else
+              "--chat-template" if config.chat_template is not None else
+              "the model's chat template (tokenizer_config.json / chat_template.jinja)")
+    if runtime.chat_template is None and getattr(runtime.tokenizer, "chat_template", None) is None:
+        log.warning("the model has no chat template: chat endpoints answer 400; pass --chat-template FILE")
+        return
+    probes: list[tuple[str, list | None]] = [("a one-message conversation", None)]
+    if runtime.tools_enabled:
+        probes.append(("a conversation with a tool", [_PROBE_TOOL]))
+    for what, tools in probes:
+        try:
+            chat.render(runtime.tokenizer, runtime.chat_template, [{"role": "user", "content": "Hello!"}],
+                        tools=tools, add_generation_prompt=True)
+        except ApiError as e:
+            reason = e.message.removeprefix("the chat template could not render these messages: ")
+            raise StartupError(f"{source} fails to render {what}: {reason}") from None
+
+
+def url_of(host: str, port: int) -> str:
+    shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
+    return f"http://{shown}:{port}"
+
+
+def summary_lines(runtime: Any, config: ServeConfig, model_dir: Path, load_seconds: float) -> list[str]:
+    """The start-up report: model, architecture, dtype, device, load time, KV cache, concurrency, parser, URL."""
+    info = runtime.engine.model_info
+    secs = info.load_seconds or load_seconds
+    tokens = info.num_kv_blocks * info.block_size
+    full = min(tokens // info.max_model_len, info.max_num_seqs)
+    setup = runtime.parser
+    delimiters = ", ".join(f"{k}={v}" for k, v in sorted(setup.delimiter_ids.items())) or "none"
+    url = url_of(config.host, config.port)
+    fits = (f"{full} sequences of full length fit at once" if full else
+            "not one sequence of full length fits (lower --max-model-len or give the KV cache more memory)")
+    return [
+        f"model {runtime.model_name!r} from {model_dir}: {info.architecture}, {info.dtype} on {info.device}, "
+        f"loaded in {secs:.1f} s",
+        f"KV cache: {info.num_kv_blocks} blocks of {info.block_size} tokens = {tokens} tokens; max_model_len "
+        f"{info.max_model_len}; {fits} (max_num_seqs {info.max_num_seqs})",
+        f"parser profile {setup.profile.name} (tools {'on' if runtime.tools_enabled else 'off'}); delimiter token "
+        f"IDs: {delimiters}",
+        f"ready: OpenAI API at {url}/v1, Anthropic API at {url}, metrics at {url}/metrics",
+    ]
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
+    """Resolve and load the model; the config comes back with the checkpoint directory and served name filled in."""
+    from .app import load_runtime
+    from .model_source import ModelSourceError, resolve_model, served_name
+
+    try:
+        model_dir = resolve_model(config.model_dir, revision=config.revision, download_dir=config.download_dir)
+    except ModelSourceError as e:
+        raise StartupError(str(e)) from None
+    if model_dir is None:
+        from ember.engine import demo
+
+        model_dir = demo.ensure()
+    elif config.served_model_name is None:
+        config = dataclasses.replace(config, served_model_name=served_name(config.model_dir, model_dir))
+    config = dataclasses.replace(config, model_dir=model_dir)
+    log.info("loading %s", model_dir)
+    t0 = time.monotonic()
+    try:
+        runtime = load_runtime(config)
+    except (StartupError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if config.log_level == "debug":
+            log.exception("loading %s failed", model_dir)
+        raise StartupError(f"cannot load {model_dir}: {_one_line(e)}", LOAD_FAILED) from None
+    return runtime, config, time.monotonic() - t0
+
+
+def serve(config: ServeConfig) -> int:
+    """Run `ember serve` to the end; start-up failures print one line on stderr and return their exit code."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime = None
+    try:
+        sock = bind_socket(config.host, config.port)
+        try:
+            runtime, config, seconds = _load(config)
+            check_template(runtime, config)
+        except BaseException:
+            sock.close()
+            if runtime is not None:
+                runtime.engine.shutdown()
+            raise
+    except StartupError as e:
+        print(f"ember serve: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    import uvicorn
+
+    from .app import create_app
+
+    for line in summary_lines(runtime, config, config.model_dir, seconds):
+        log.info("%s", line)
+    app = create_app(runtime, config, exit_on_engine_death=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, lifespan="on"))
+    server.run(sockets=[sock])
+    return 1 if app.state.ember.engine_dead else 0
