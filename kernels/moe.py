@@ -13,8 +13,11 @@ Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) or NVFP
 (:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed
 ``[BLOCK_N, BLOCK_K/2]`` bytes and ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the nibbles decoded
 and scaled (integer ops, so no FP8 hardware support is needed), interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and
-cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. This uses only
-Triton features present in 3.6 and supported by the interpreter.
+cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. MXFP4 stacks
+(:class:`ember.kernels.mxfp4.MXFP4Tensor`, gpt-oss) take the same path with ``SCALE_E8M0``: one E8M0 scale per 32
+(the byte is the float32 exponent), no tensor scale. gpt-oss also adds per-expert biases in both epilogues and
+replaces SiLU-and-mul by its clamped GLU (``CLAMPED_SWIGLU``). This uses only Triton features present in 3.6 and
+supported by the interpreter.
 
 On Blackwell (capability >= 10.0) :func:`fused_moe_nvfp4` can instead run W4A4: activations quantized per 16
 (:func:`ember.kernels.nvfp4.quantize_activations`) and ``tl.dot_scaled(a, a_s, "e2m1", b, b_s, "e2m1")``. Triton's
@@ -30,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels import nvfp4
+from ember.kernels import mxfp4, nvfp4
 from ember.kernels.moe_reference import silu_and_mul
 from ember.kernels.moe_reference import topk_routing as fused_topk  # noqa: F401 (routing is torch on every device)
+from ember.kernels.mxfp4 import MXFP4Tensor
 from ember.kernels.nvfp4 import NVFP4Tensor
 
 
@@ -143,9 +147,13 @@ def _e4m3_to_f32(u):
 
 
 @triton.jit
-def _block_scale_to_f32(s):
-    """Block-scale bytes (as int32) -> float32: the one place that knows the scale format (E4M3 per 16 for NVFP4)."""
-    return _e4m3_to_f32(s)
+def _block_scale_to_f32(s, SCALE_E8M0: tl.constexpr):
+    """Block-scale bytes (as int32) -> float32: the one place that knows the scale format (E4M3 per 16 for NVFP4;
+    E8M0 per 32 for MXFP4: the byte is the float32 exponent field, ``2 ** (s - 127)``)."""
+    if SCALE_E8M0:
+        return (s << 23).to(tl.float32, bitcast=True)
+    else:
+        return _e4m3_to_f32(s)
 
 
 @triton.jit
@@ -161,7 +169,8 @@ def _e2m1_to_f32(code):
 def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  stride_bn, stride_bk, stride_sn, stride_sk,
                  NVFP4: tl.constexpr, DTYPE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
+                 SCALE_E8M0: tl.constexpr):
     """K step ``k0`` of one expert as the ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], k]``, in DTYPE.
 
     NVFP4: the packed ``[BLOCK_N, BLOCK_K/2]`` bytes and the ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each
@@ -175,7 +184,7 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                          mask=row_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)
         s = tl.load(bs_ptr + rows[:, None] * stride_sn + ks[None, :] * stride_sk,
                     mask=row_mask[:, None] & (ks < K // SCALE_GROUP)[None, :], other=0).to(tl.int32)
-        scale = _block_scale_to_f32(s)
+        scale = _block_scale_to_f32(s, SCALE_E8M0)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // SCALE_GROUP, SCALE_GROUP // 2)),
                            (BLOCK_N, BLOCK_K // 2))
         lo = (_e2m1_to_f32(packed & 15) * scale).to(DTYPE)
@@ -198,14 +207,18 @@ def _moe_gemm_kernel(
     stride_se, stride_sn, stride_sk,
     stride_s2e, stride_s2p,
     stride_cm, stride_cn,
+    bias_ptr, stride_bias_e, swiglu_limit, swiglu_alpha,
     A_ROW_DIV: tl.constexpr,
     NVFP4: tl.constexpr,
     SCALE_GROUP: tl.constexpr,
     FUSE_SILU: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
 ):
-    """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T) (* routing weight), rows in sorted order."""
+    """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
+    order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
+    (MXFP4) E8M0 scales per 32 and none. ``CLAMPED_SWIGLU`` is gpt-oss's GLU instead of SiLU-and-mul."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -228,21 +241,33 @@ def _moe_gemm_kernel(
         k_mask = kk < K
         a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
         b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
-                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP)
+                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
+                         SCALE_E8M0)
         acc = tl.dot(a, b, acc)
         if FUSE_SILU:
             b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
                                 stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
-                                SCALE_GROUP)
+                                SCALE_GROUP, SCALE_E8M0)
             acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
 
     if NVFP4:
-        acc = acc * tl.load(bs2_ptr + expert * stride_s2e)
+        if not SCALE_E8M0:
+            acc = acc * tl.load(bs2_ptr + expert * stride_s2e)
+            if FUSE_SILU:
+                acc_up = acc_up * tl.load(bs2_ptr + expert * stride_s2e + stride_s2p)
+    if HAS_BIAS:
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc = acc + tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if FUSE_SILU:
-            acc_up = acc_up * tl.load(bs2_ptr + expert * stride_s2e + stride_s2p)
+            acc_up = acc_up + tl.load(bias_row + offs_n + up_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if FUSE_SILU:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if CLAMPED_SWIGLU:
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
         acc = acc * w[:, None]
@@ -324,9 +349,20 @@ def _invoke(
     fuse_silu: bool,
     num_valid: int,
     cfg: GemmConfig,
+    bias: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> None:
-    """One grouped-GEMM launch over a dense (``[E, N', K]``) or NVFP4 weight stack."""
-    if isinstance(w, NVFP4Tensor):
+    """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4 or MXFP4 weight stack; optional per-expert
+    ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of SiLU."""
+    mx = isinstance(w, MXFP4Tensor)
+    if mx:
+        b = w.weight
+        scale = w.scale
+        s2 = b  # unused: MXFP4 has no tensor scale
+        k = b.shape[-1] * 2
+        s_strides = scale.stride()
+        s2_strides = (0, 0)
+    elif isinstance(w, NVFP4Tensor):
         b = w.weight
         scale = w.weight_scale.view(torch.uint8)
         s2 = w.weight_scale_2.float().reshape(b.shape[0], -1)
@@ -348,12 +384,15 @@ def _invoke(
         *s_strides,
         *s2_strides,
         c.stride(0), c.stride(1),
+        bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
+        float(swiglu[0]) if swiglu else 0.0, float(swiglu[1]) if swiglu else 0.0,
         A_ROW_DIV=a_row_div,
-        NVFP4=isinstance(w, NVFP4Tensor),
-        SCALE_GROUP=nvfp4.BLOCK,
+        NVFP4=isinstance(w, NVFP4Tensor) or mx,
+        SCALE_GROUP=mxfp4.BLOCK if mx else nvfp4.BLOCK,
         FUSE_SILU=fuse_silu,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -365,26 +404,34 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: GemmConfig | None = None,
+    *,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    swiglu: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """``[M, H]`` = sum over each token's ``k`` experts of ``w * down(silu(gate(x)) * up(x))``.
 
     ``w13``/``w2`` are dense stacks ``[E, 2I, H]`` / ``[E, H, I]`` or NVFP4 stacks of the same logical shapes
-    (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``). ``x`` is fp16/bf16/fp32; the output has its
-    dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``.
+    (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``) or MXFP4 stacks. ``x`` is fp16/bf16/fp32; the
+    output has its dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``. gpt-oss: per-expert biases
+    ``b13 [E, 2I]`` / ``b2 [E, H]`` and ``swiglu = (limit, alpha)`` for its clamped GLU
+    (:func:`ember.kernels.moe_reference.clamped_swiglu`).
     """
     m, h = x.shape
     top_k = topk_ids.shape[1]
-    shape13 = w13.shape if isinstance(w13, NVFP4Tensor) else tuple(w13.shape)
+    packed = isinstance(w13, (NVFP4Tensor, MXFP4Tensor))
+    shape13 = w13.shape if packed else tuple(w13.shape)
     e, n2 = shape13[0], shape13[1]
     inter_size = n2 // 2
-    cfg = config or default_config(m, e, top_k, x.device, nvfp4=isinstance(w13, NVFP4Tensor))
+    cfg = config or default_config(m, e, top_k, x.device, nvfp4=packed)
     x = x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
-    _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, m * top_k, cfg)
+    _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, m * top_k, cfg,
+            bias=b13, swiglu=swiglu)
     out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg)
+    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2)
     return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
 
 

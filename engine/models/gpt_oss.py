@@ -9,8 +9,9 @@ clamped GLU of :func:`ember.kernels.moe_reference.clamped_swiglu` (``swiglu_limi
 ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``) or as OpenAI's MXFP4 checkpoints
 hold them (``gate_up_proj_blocks [E, 2I, H/32, 16]`` + ``gate_up_proj_scales [E, 2I, H/32]``, ``down_proj_blocks`` +
 ``down_proj_scales``, see :mod:`ember.kernels.mxfp4`), which stay packed (:class:`MXFP4Tensor` stacks). The MoE runs
-on the torch reference (:func:`ember.kernels.moe_reference.fused_moe` with biases and the clamped GLU; MXFP4 experts
-dequantized one hit expert at a time) on every device.
+on the Triton fused MoE on CUDA (or ``EMBER_MOE=triton``: biases and the clamped GLU in its epilogues, MXFP4
+dequantized in its W4A16 loads) and on the torch reference otherwise (MXFP4 experts dequantized one hit expert at a
+time).
 """
 from __future__ import annotations
 
@@ -87,13 +88,17 @@ class GptOssMoeBlock(SparseMoeBlock):
                               "1 <= num_experts_per_tok <= num_local_experts")
         self.router = nn.Linear(cfg.hidden_size, num_experts, bias=True)
         self.experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size)
-        self.activation = partial(moe_reference.clamped_swiglu, limit=float(raw.get("swiglu_limit", 7.0)),
-                                  alpha=float(raw.get("swiglu_alpha", 1.702)))
+        self.swiglu = (float(raw.get("swiglu_limit", 7.0)), float(raw.get("swiglu_alpha", 1.702)))
+        self.activation = partial(moe_reference.clamped_swiglu, limit=self.swiglu[0], alpha=self.swiglu[1])
 
     def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
         topk_w, topk_ids = moe_reference.topk_softmax_routing(self.router(x), self.top_k)
         ex = self.experts
         w13, w2 = ex.stacks()
+        if nvfp4_loading.use_triton(x.device):
+            from ember.kernels import moe
+
+            return moe.fused_moe(x, w13, w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2, swiglu=self.swiglu)
         return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2,
                                        activation=self.activation)
 
