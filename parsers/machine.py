@@ -229,13 +229,14 @@ class ParserMachine:
         if fragment:
             self._out.append(ToolCallArguments(self.n_calls - 1, fragment))
 
-    def start_call(self, name: str) -> None:
-        """A call named ``name`` begins (its index and id are the machine's)."""
+    def start_call(self, name: str, call_id: str | None = None) -> None:
+        """A call named ``name`` begins (its index is the machine's; its id too unless the model wrote one, as Kimi
+        K2's `functions.NAME:IDX`)."""
         index = self.n_calls
         self.n_calls += 1
         self.call_open = True
         self.call_name = name
-        self._out.append(ToolCallStart(index, self._call_id(index), name))
+        self._out.append(ToolCallStart(index, call_id or self._call_id(index), name))
 
     def end_call(self) -> None:
         """The open call (if any) is complete."""

@@ -8,19 +8,20 @@ channels), ``none`` (all content).
 from __future__ import annotations
 
 from .base import Profile, ReasoningSpec, Rule
-from . import deepseek_r1, gpt_oss, hermes, none, qwen3, qwen3_coder
+from . import deepseek_r1, deepseek_v3, gpt_oss, hermes, none, qwen3, qwen3_coder
 
 __all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
            "get_profile", "detect_profile"]
 
 _PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
-                                 for m in (qwen3, qwen3_coder, deepseek_r1, hermes, gpt_oss, none)}
+                                 for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, hermes, gpt_oss, none)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
 ALIASES: dict[str, str] = {
     "openai": "gpt_oss",              # vLLM --tool-call-parser for gpt-oss
     "openai_gptoss": "gpt_oss",       # vLLM --reasoning-parser for gpt-oss
     "qwen3_xml": "qwen3_coder",       # vLLM's second Qwen3-Coder tool parser
+    "deepseek_v31": "deepseek_v3",    # vLLM's V3.1 tool parser (one syntax here reads both spellings)
 }
 """vLLM's parser names (its ``--tool-call-parser`` / ``--reasoning-parser`` values) that differ from ours -> our
 profile name, so a vLLM command line works unchanged. The names both share (``hermes``, ``qwen3_coder``, ``qwen3``,
@@ -52,6 +53,9 @@ def detect_profile(chat_template: str | None, model_type: str | None = None) -> 
     t = chat_template or ""
     if "<|channel|>" in t and "<|message|>" in t:
         return "gpt_oss"
+    if "<｜tool▁calls▁begin｜>" in t and ("</think>" not in t or "<｜Assistant｜></think>" in t
+                                      or "<｜Assistant｜><think></think>" in t):
+        return "deepseek_v3"          # V3 (no thought) and V3.1 (renders an empty thought when thinking is off)
     if "<｜Assistant｜>" in t and "</think>" in t:
         return "deepseek_r1"
     if "<|im_start|>" in t and "<tool_call>" in t:

@@ -6,6 +6,7 @@ To add a syntax: a module here with a `ToolSyntax` subclass, its profile under `
 from __future__ import annotations
 
 from .base import ToolSyntax
+from .deepseek_v3 import DeepSeekV3Syntax
 from .harmony import HarmonySyntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
@@ -16,6 +17,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     HermesSyntax,
     Qwen3CoderSyntax,
     HarmonySyntax,
+    DeepSeekV3Syntax,
 )}
 
 
