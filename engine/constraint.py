@@ -1,8 +1,10 @@
 """The seam through which structured output (``ember.grammar``) restricts sampling.
 
 Bitmask format (llguidance's): ``int32 [rows, ceil(vocab/32)]``; bit ``j`` of word ``i`` set means token ``32*i + j``
-is allowed. The engine allocates the batch's bitmask, asks the filler to fill the rows of constrained requests, masks
-those rows' logits to -inf where the bit is clear, samples, then calls ``accept_token`` with the sampled token.
+is allowed. The engine keeps the bitmask in a host buffer (pinned on CUDA; rows zeroed before each fill), asks the
+filler to fill the rows of constrained requests, uploads the packed words with one non-blocking copy, expands them
+on the device to mask those rows' logits to -inf where the bit is clear, samples, then calls ``accept_token`` with
+the sampled token. Fillers and ``fill_bitmask`` write host (CPU) int32 rows only.
 """
 from __future__ import annotations
 

@@ -1,10 +1,18 @@
-"""Turning a batch of next-token logits into tokens, vectorised over the batch.
+"""Turning a batch of next-token logits into tokens, vectorised over the batch, with one device -> host read.
 
 Order per row: logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties, the constraint
 bitmask, then logprobs (log-softmax of these processed logits, before temperature), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. Draws use the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``;
 a seeded request draws its ``E`` from its own ``torch.Generator``, one draw per step, so its tokens do not depend on
 the rest of the batch.
+
+Host syncs: per-row settings, logit-bias / ban indices and the packed int32 constraint bitmask go up through
+persistent pinned buffers with non-blocking copies (`ember.engine.staging`); the bitmask is expanded on the device;
+penalties read per-request token counts kept on the device (`ember.engine.penalties`); greedy and sampled rows are
+chosen with ``torch.where`` (which rows draw is known from the requests, never read back). The only read is one
+transfer at the end: the sampled IDs, packed with the "no token allowed" flags of constrained rows and the logprobs
+when any row asks for them. Every shape depends on the batch and the requests' settings only, never on device
+values.
 """
 from __future__ import annotations
 
@@ -15,9 +23,12 @@ import torch
 
 from ember.engine.constraint import BitmaskFiller, bitmask_words, fill_bitmasks_serial
 from ember.engine.params import SamplingParams, TokenLogprob
+from ember.engine.penalties import PenaltyState
 from ember.engine.sequence import Sequence
+from ember.engine.staging import Staging
 
 _GREEDY_EPS = 1e-5
+_T, _TOP_P, _MIN_P, _TOP_K, _REP, _FREQ, _PRES = range(7)  # columns of the per-row settings
 
 
 @dataclass
@@ -59,22 +70,51 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
                              f"(0..{vocab_size - 1})")
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0) or 1
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+class _Uploads:
+    """Host lists packed into one staging buffer and uploaded with one copy; `get` returns each as a device view."""
+
+    def __init__(self, staging: Staging) -> None:
+        self.staging = staging
+        self.parts: dict[str, list] = {}
+
+    def add(self, name: str, values: list) -> None:
+        self.parts[name] = values
+
+    def upload(self) -> dict[str, torch.Tensor]:
+        total = sum(len(v) for v in self.parts.values())
+        if total == 0:
+            return {}
+        host = self.staging.host(total)
+        offsets, o = {}, 0
+        for name, values in self.parts.items():
+            host[o:o + len(values)] = values
+            offsets[name] = (o, o + len(values))
+            o += len(values)
+        dev = self.staging.upload(total)
+        return {name: dev[a:b] for name, (a, b) in offsets.items()}
 
 
 class Sampler:
-    """Samples one token per row. Holds the per-request generators of seeded requests."""
+    """Samples one token per row. Holds the per-request generators of seeded requests and the device-side token
+    counts of requests with penalties."""
 
     def __init__(self, vocab_size: int, device: torch.device, bitmask_filler: BitmaskFiller | None = None) -> None:
         self.vocab_size = vocab_size
-        self.device = device
+        self.device = torch.device(device)
         self.bitmask_filler = bitmask_filler
         self._generators: dict[str, torch.Generator] = {}
+        self._penalties = PenaltyState(vocab_size, self.device)
+        self._f32 = Staging(torch.float32, self.device)
+        self._i64 = Staging(torch.int64, self.device)
+        self._bitmask = Staging(torch.int32, self.device, capacity=bitmask_words(vocab_size) * 4)
+        vocab = torch.arange(vocab_size, device=self.device)
+        self._word_of = vocab // 32  # token -> its bitmask word, and its bit in it
+        self._bit_of = (vocab % 32).to(torch.int32)
+        self._neg_inf = torch.tensor(float("-inf"), device=self.device)
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._penalties.forget(request_id)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         g = self._generators.get(seq.request_id)
@@ -87,145 +127,182 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
         n, v = logits.shape
-        dev = logits.device
         logits = logits.float().clone()
         params = [s.params for s in seqs]
         errors: dict[int, str] = {}
 
-        # logit_bias
+        # ---- host side: what this step needs, from the requests alone
+        up = _Uploads(self._i64)
         bias_rows, bias_cols, bias_vals = [], [], []
         for i, p in enumerate(params):
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(i), bias_cols.append(int(tok)), bias_vals.append(float(b))
-        if bias_rows:
-            logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
-                              torch.tensor(bias_vals, device=dev), accumulate=True)
-
-        # min_tokens: stop tokens are not allowed yet
         ban_rows, ban_cols = [], []
         for i, (s, p) in enumerate(zip(seqs, params)):
             if s.num_output_tokens < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-                for tok in stops:
+                for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids):
                     if 0 <= tok < v:
                         ban_rows.append(i), ban_cols.append(tok)
+        pen_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                    or p.frequency_penalty != 0.0]
+        pen_seqs = [seqs[i] for i in pen_rows]
+        sample_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+        con_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        for name, values in (("bias_rows", bias_rows), ("bias_cols", bias_cols), ("ban_rows", ban_rows),
+                             ("ban_cols", ban_cols), ("pen_rows", pen_rows), ("con_rows", con_rows)):
+            if values:
+                up.add(name, values)
+        if pen_rows:
+            slots, rb = self._penalties.slots_for(pen_seqs)
+            up.add("pen_slots", slots)
+            if rb.slots:
+                for name in ("slots", "output_slots", "output_ids", "prompt_slots", "prompt_ids"):
+                    up.add("rb_" + name, getattr(rb, name))
+        settings = sample_rows or pen_rows
+        floats = _Uploads(self._f32)
+        if settings:
+            floats.add("settings", [x for p in params for x in (
+                p.temperature, p.top_p, p.min_p, float(p.top_k if p.top_k > 0 else v), p.repetition_penalty,
+                p.frequency_penalty, p.presence_penalty)])
+        if bias_vals:
+            floats.add("bias_vals", bias_vals)
+        bitmask = self._fill_bitmasks([seqs[i] for i in con_rows], v, con_rows, errors) if con_rows else None
+
+        # ---- device side
+        dev = up.upload()
+        fdev = floats.upload()
+        cfg = fdev["settings"].view(n, 7) if settings else None
+        if bias_rows:
+            logits.index_put_((dev["bias_rows"], dev["bias_cols"]), fdev["bias_vals"], accumulate=True)
         if ban_rows:
-            logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = float("-inf")
+            logits.index_put_((dev["ban_rows"], dev["ban_cols"]), self._neg_inf)
+        if pen_rows:
+            if "rb_slots" in dev:
+                self._penalties.load(dev["rb_slots"], dev["rb_output_slots"], dev["rb_output_ids"],
+                                     dev["rb_prompt_slots"], dev["rb_prompt_ids"])
+            self._apply_penalties(logits, dev["pen_rows"], dev["pen_slots"], cfg)
+        dead = None
+        if con_rows:
+            dead = self._apply_bitmask(logits, dev["con_rows"], bitmask, filler_failed=bool(errors))
 
-        self._apply_penalties(logits, seqs)
-        self._apply_constraints(logits, seqs, errors)
-
-        want_lp = [p.logprobs is not None for p in params]
-        logprobs_all = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        greedy = temps < _GREEDY_EPS
+        logprobs_all = torch.log_softmax(logits, dim=-1) if lp_rows else None
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            rows = (~greedy).nonzero().flatten()
-            sub_seqs = [seqs[i] for i in rows.tolist()]
-            tokens[rows] = self._sample(logits[rows] / temps[rows].unsqueeze(1), sub_seqs)
+        if sample_rows:
+            sampled = self._sample(logits, cfg, seqs, sample_rows)
+            tokens = sampled if len(sample_rows) == n else torch.where(cfg[:, _T] < _GREEDY_EPS, tokens, sampled)
+        if pen_rows:
+            self._penalties.count_sampled(pen_seqs, dev["pen_slots"], tokens[dev["pen_rows"]])
 
-        token_list = tokens.tolist()
-        for i in errors:
-            token_list[i] = -1
-        lps: list[TokenLogprob | None] = [None] * n
+        # ---- the one read: tokens, plus dead-row flags and logprobs when there are any
+        cols = [tokens.unsqueeze(1)]
+        k = max((params[i].logprobs for i in lp_rows), default=0)
+        if dead is not None:
+            cols.append(torch.zeros(n, 1, device=logits.device).index_put_((dev["con_rows"],), dead.unsqueeze(1)))
         if logprobs_all is not None:
-            lp_rows = [i for i in range(n) if want_lp[i] and i not in errors]
-            if lp_rows:
-                idx = torch.tensor(lp_rows, device=dev)
-                sel = logprobs_all[idx]
-                chosen = sel.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
-                k = max(params[i].logprobs for i in lp_rows)
-                top_v, top_i = (sel.topk(k, dim=-1) if k > 0 else (None, None))
-                top_v = top_v.tolist() if top_v is not None else None
-                top_i = top_i.tolist() if top_i is not None else None
-                for j, i in enumerate(lp_rows):
-                    kk = params[i].logprobs
-                    top = [(top_i[j][m], top_v[j][m]) for m in range(kk)] if kk and top_v is not None else []
-                    lps[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[j], top=top)
-        return SamplerOutput(token_ids=token_list, logprobs=lps, errors=errors)
+            cols.append(logprobs_all.gather(1, tokens.unsqueeze(1)))
+            if k > 0:
+                top_v, top_i = logprobs_all.topk(k, dim=-1)
+                cols += [top_v, top_i]
+        if len(cols) == 1:
+            rows = [[t] for t in tokens.tolist()]
+        else:
+            rows = torch.cat([c.double() for c in cols], dim=1).tolist()
+        return self._unpack(rows, seqs, con_rows, errors, lp_rows, k, dead is not None)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
-                or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
-        if not rows:
-            return
-        dev, v = logits.device, logits.shape[1]
-        idx = torch.tensor(rows, device=dev)
-        sub = logits[idx]
-        out_ids = _padded([seqs[i].output_token_ids for i in rows], v, dev)
-        counts = torch.zeros(len(rows), v + 1, device=dev)
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-        counts = counts[:, :v]
-        rep = torch.tensor([seqs[i].params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
-        if bool((rep != 1.0).any()):
-            prompt_ids = _padded([seqs[i].prompt_token_ids for i in rows], v, dev)
-            seen = torch.zeros(len(rows), v + 1, dtype=torch.bool, device=dev)
-            seen.scatter_(1, prompt_ids, True)
-            seen = seen[:, :v] | (counts > 0)
-            penalised = torch.where(sub > 0, sub / rep, sub * rep)
-            sub = torch.where(seen, penalised, sub)
-        freq = torch.tensor([seqs[i].params.frequency_penalty for i in rows], device=dev).unsqueeze(1)
-        pres = torch.tensor([seqs[i].params.presence_penalty for i in rows], device=dev).unsqueeze(1)
-        sub = sub - freq * counts - pres * (counts > 0).float()
-        logits[idx] = sub
-
-    def _apply_constraints(self, logits: torch.Tensor, seqs: Seq[Sequence], errors: dict[int, str]) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not rows:
-            return
-        v = logits.shape[1]
-        constraints = [seqs[i].constraint for i in rows]
-        bitmask = torch.zeros(len(rows), bitmask_words(v), dtype=torch.int32)
+    def _fill_bitmasks(self, seqs: list[Sequence], v: int, con_rows: list[int],
+                       errors: dict[int, str]) -> torch.Tensor:
+        """Fill the constrained rows' packed bitmask on the host and upload it (int32 ``[m, ceil(V/32)]``)."""
+        words = bitmask_words(v)
+        m = len(seqs)
+        host = self._bitmask.host_tensor(m * words).view(m, words)
+        host.zero_()
+        constraints = [s.constraint for s in seqs]
         try:
-            (self.bitmask_filler or fill_bitmasks_serial)(constraints, bitmask)
+            (self.bitmask_filler or fill_bitmasks_serial)(constraints, host)
         except Exception as e:  # the filler failed as a whole: every constrained row fails
-            for i in rows:
+            for i in con_rows:
                 errors[i] = f"constraint failed while computing allowed tokens: {type(e).__name__}: {e}"
-            logits[torch.tensor(rows, device=logits.device)] = 0.0
-            return
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :v].bool()
-        allowed = allowed.to(logits.device)
-        idx = torch.tensor(rows, device=logits.device)
-        sub = logits[idx].masked_fill(~allowed, float("-inf"))
-        dead = torch.isinf(sub).all(dim=1) & (sub < 0).all(dim=1)
-        for j in dead.nonzero().flatten().tolist():
-            i = rows[j]
-            msg = constraints[j].error_message() if hasattr(constraints[j], "error_message") else None
-            errors[i] = msg or "the constraint allows no next token"
-            sub[j] = 0.0
-        logits[idx] = sub
+            host.fill_(-1)
+        return self._bitmask.upload(m * words).view(m, words)
 
-    def _sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    def _apply_bitmask(self, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor,
+                       filler_failed: bool) -> torch.Tensor:
+        """Mask the constrained ``rows``' disallowed tokens to -inf on the device. Returns, per constrained row, 1.0
+        where no token is left (its logits become 0 so the draw stays finite; the request ends with an error).
+        When the filler failed (its error is already known) every constrained row is zeroed."""
+        allowed = ((bitmask[:, self._word_of] >> self._bit_of) & 1).bool()
+        sub = logits[rows].masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(sub).all(dim=1)
+        zero = torch.ones_like(dead) if filler_failed else dead
+        logits[rows] = torch.where(zero.unsqueeze(1), 0.0, sub)
+        return dead.float()
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                         cfg: torch.Tensor) -> None:
+        sub = logits[rows]
+        counts = self._penalties.counts[slots]
+        present = counts > 0
+        seen = self._penalties.prompt_seen[slots] | present
+        c = cfg[rows]
+        rep = c[:, _REP].unsqueeze(1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - c[:, _FREQ].unsqueeze(1) * counts - c[:, _PRES].unsqueeze(1) * present.float()
+        logits[rows] = sub
+
+    def _sample(self, logits: torch.Tensor, cfg: torch.Tensor, seqs: Seq[Sequence],
+                sample_rows: list[int]) -> torch.Tensor:
+        """A draw for every row (rows that are greedy get a token too, discarded by the caller)."""
         n, v = logits.shape
-        dev = logits.device
-        top_k = [s.params.top_k if s.params.top_k > 0 else v for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
-        if any(k < v for k in top_k) or any(p < 1.0 for p in top_p):
+        params = [seqs[i].params for i in sample_rows]
+        logits = logits / cfg[:, _T].clamp(min=_GREEDY_EPS).unsqueeze(1)
+        use_top_k = any(0 < p.top_k < v for p in params)
+        use_top_p = any(p.top_p < 1.0 for p in params)
+        if use_top_k or use_top_p:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(v, device=dev).unsqueeze(0)
-            sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=dev).unsqueeze(1),
-                                                      float("-inf"))
-            if any(p < 1.0 for p in top_p):
+            if use_top_k:
+                ranks = torch.arange(v, device=logits.device).unsqueeze(0)
+                sorted_logits = sorted_logits.masked_fill(ranks >= cfg[:, _TOP_K].unsqueeze(1), float("-inf"))
+            if use_top_p:
                 probs = sorted_logits.softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs
-                sorted_logits = sorted_logits.masked_fill(before > torch.tensor(top_p, device=dev).unsqueeze(1),
-                                                          float("-inf"))
+                top_p = cfg[:, _TOP_P]
+                top_p = torch.where(top_p >= 1.0, torch.inf, top_p)  # "off" must not trim rounding-error tails
+                sorted_logits = sorted_logits.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-        min_p = [s.params.min_p for s in seqs]
         probs = logits.softmax(dim=-1)
-        if any(m > 0 for m in min_p):
-            thresh = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        if any(p.min_p > 0 for p in params):
+            thresh = cfg[:, _MIN_P].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)
-        noise = torch.empty_like(probs)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
-        if unseeded:
-            noise[torch.tensor(unseeded, device=dev)] = torch.empty(len(unseeded), v, device=dev).exponential_()
-        for i in seeded:
-            noise[i] = torch.empty(v, device=dev).exponential_(generator=self._generator(seqs[i]))
+        noise = torch.empty_like(probs).exponential_()
+        for i in sample_rows:
+            if seqs[i].params.seed is not None:
+                noise[i] = torch.empty(v, device=logits.device).exponential_(generator=self._generator(seqs[i]))
         # an exact 0 draw would make 0/0 = NaN, which argmax picks, for a token whose probability is 0
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _unpack(rows: list[list[float]], seqs: Seq[Sequence], con_rows: list[int], errors: dict[int, str],
+                lp_rows: list[int], k: int, has_dead: bool) -> SamplerOutput:
+        """Host lists from the one read -> tokens, errors of rows left with no allowed token, logprobs."""
+        n = len(rows)
+        tokens = [int(r[0]) for r in rows]
+        if has_dead:
+            for i in con_rows:
+                if rows[i][1] and i not in errors:
+                    c = seqs[i].constraint
+                    msg = c.error_message() if hasattr(c, "error_message") else None
+                    errors[i] = msg or "the constraint allows no next token"
+        for i in errors:
+            tokens[i] = -1
+        lps: list[TokenLogprob | None] = [None] * n
+        first = 2 if has_dead else 1
+        for i in lp_rows:
+            if i in errors:
+                continue
+            r = rows[i]
+            kk = seqs[i].params.logprobs
+            top = [(int(r[first + 1 + k + m]), r[first + 1 + m]) for m in range(kk)] if kk else []
+            lps[i] = TokenLogprob(token_id=tokens[i], logprob=r[first], top=top)
+        return SamplerOutput(token_ids=tokens, logprobs=lps, errors=errors)

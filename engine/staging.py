@@ -36,12 +36,19 @@ class Staging:
 
     def host(self, n: int) -> np.ndarray:
         """The numpy view of the first ``n`` host elements, to fill (after any pending copy out of them)."""
+        return self._reserve(n)[1]
+
+    def host_tensor(self, n: int) -> torch.Tensor:
+        """`host` as a torch tensor (for fillers that take one, e.g. llguidance's bitmask)."""
+        return self._reserve(n)[0]
+
+    def _reserve(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
         if n > self.capacity:
             self._alloc(1 << (n - 1).bit_length())
-        return self._np[:n]
+        return self._host[:n], self._np[:n]
 
     def upload(self, n: int) -> torch.Tensor:
         """The first ``n`` elements on the device (a non-blocking copy from pinned memory on CUDA)."""

@@ -115,15 +115,11 @@ class GrammarConstraint:
         return self.matcher is not None and not self.budget_spent() and self._error is None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write row ``row`` of a host (CPU) int32 bitmask; the engine uploads the packed mask itself."""
         if self.budget_spent():
             _only(bitmask, row, self.budget.close_id)
         elif self.matcher is not None and self._error is None:
-            if bitmask.is_cpu:
-                llgt.fill_next_token_bitmask(self.matcher, bitmask, row)
-            else:
-                tmp = torch.empty((1, bitmask.shape[1]), dtype=torch.int32)
-                llgt.fill_next_token_bitmask(self.matcher, tmp, 0)
-                bitmask[row].copy_(tmp[0])
+            llgt.fill_next_token_bitmask(self.matcher, bitmask, row)
         else:
             bitmask[row].fill_(-1)
 
@@ -246,20 +242,18 @@ class GrammarBackend:
         words = (self.vocab_size + 31) // 32
 
         def fill(constraints: Sequence[Any], bitmask: torch.Tensor) -> None:
-            target = bitmask if bitmask.is_cpu and bitmask.is_contiguous() else \
-                torch.empty(bitmask.shape, dtype=torch.int32)
-            if target.dtype != torch.int32 or target.dim() != 2 or target.shape[1] != words:
-                raise ValueError(f"bitmask must be int32 [rows, {words}] for a {self.vocab_size}-token vocabulary, "
-                                 f"got {target.dtype} {tuple(target.shape)}")
+            if not (bitmask.is_cpu and bitmask.is_contiguous() and bitmask.dtype == torch.int32
+                    and bitmask.dim() == 2 and bitmask.shape[1] == words):
+                raise ValueError(f"bitmask must be a contiguous host int32 [rows, {words}] tensor for a "
+                                 f"{self.vocab_size}-token vocabulary, got {bitmask.dtype} {tuple(bitmask.shape)} "
+                                 f"on {bitmask.device}")
             par: list[tuple[llguidance.LLMatcher, int]] = []
             for row, c in enumerate(constraints):
                 if isinstance(c, GrammarConstraint) and c.needs_matcher_mask():
                     par.append((c.matcher, row))
                 else:
-                    c.fill_bitmask(target, row)
+                    c.fill_bitmask(bitmask, row)
             if par:
-                llgt.fill_next_token_bitmask_par(self.executor, par, target)
-            if target is not bitmask:
-                bitmask.copy_(target)
+                llgt.fill_next_token_bitmask_par(self.executor, par, bitmask)
 
         return fill
