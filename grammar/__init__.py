@@ -4,9 +4,26 @@
   parallel_tool_calls=..., thinking_budget=...)` -> `GrammarPlan | None` (pure; `GrammarError` for a bad request)
 - `GrammarBackend.from_pretrained(model_dir)` once per model; ``backend.validate(grammar)``,
   ``backend.constraint(plan)`` per request and choice, ``backend.bitmask_filler()`` for the engine.
+
+The compiler is pure Python; the matcher (llguidance's tokenizer and torch bitmasks) is imported on first use of one
+of its names, so importing the compiler never loads torch.
 """
+from __future__ import annotations
+
+from typing import Any
+
 from .compiler import JSON_OPTIONS, GrammarError, GrammarPlan, ThinkingBudget, build_grammar, compile_request
-from .matcher import GrammarBackend, GrammarConstraint, build_ll_tokenizer, model_eos_ids, model_vocab_size
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
            "GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids", "model_vocab_size"]
+
+_MATCHER_NAMES = frozenset({"GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids",
+                            "model_vocab_size"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MATCHER_NAMES:
+        from . import matcher
+
+        return getattr(matcher, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
