@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .base import ToolSyntax
 from .deepseek_v3 import DeepSeekV3Syntax
+from .glm45 import Glm45Syntax
 from .harmony import HarmonySyntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
@@ -18,6 +19,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     Qwen3CoderSyntax,
     HarmonySyntax,
     DeepSeekV3Syntax,
+    Glm45Syntax,
 )}
 
 
