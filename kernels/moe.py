@@ -26,8 +26,15 @@ interpreter (3.9) decodes E4M3 ``dot_scaled`` scales as E8M0, so that path is on
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import logging
+import os
+import sys
+import tempfile
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import torch
 import triton
@@ -38,6 +45,8 @@ from ember.kernels.moe_reference import silu_and_mul
 from ember.kernels.moe_reference import topk_routing as fused_topk  # noqa: F401 (routing is torch on every device)
 from ember.kernels.mxfp4 import MXFP4Tensor
 from ember.kernels.nvfp4 import NVFP4Tensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -463,26 +472,53 @@ def nvfp4_linear(
 
 
 def w4a4_available(device: torch.device) -> bool:
-    """True on CUDA devices of capability >= 10.0 whose Triton has ``tl.dot_scaled``."""
+    """True on CUDA devices of capability >= 10.0 whose Triton has ``tl.dot_scaled`` and computes NVFP4 with it
+    correctly (:func:`dot_scaled_nvfp4_works`, probed once per device; sm_120 is not assumed to)."""
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(tl, "dot_scaled"):
         return False
-    return torch.cuda.get_device_capability(device) >= (10, 0)
+    if torch.cuda.get_device_capability(device) < (10, 0):
+        return False
+    return dot_scaled_nvfp4_works(str(device))
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to a scratch file for the block: a failing Triton compile prints its MLIR module and
+    pass reproducer (tens of KB) from C++, which ``sys.stderr`` redirection alone cannot catch (Python-level writes
+    are redirected too)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink, contextlib.redirect_stderr(io.StringIO()):
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
 
 
 @functools.lru_cache(maxsize=None)
 def dot_scaled_nvfp4_works(device_str: str = "cpu") -> bool:
     """One-tile known-answer probe: does this Triton (or its interpreter) compute e2m1 x e2m1 ``dot_scaled`` with
-    E4M3 block-16 scales correctly? (Triton 3.9's interpreter reads the scales as E8M0.)"""
+    E4M3 block-16 scales correctly? (Triton 3.9's interpreter reads the scales as E8M0.) On CUDA only devices of
+    capability >= 10.0 are probed (sm_90 has no FP4 MMA; Triton 3.6 fails to compile it there); the probe's compile
+    diagnostics are kept out of the log."""
     if not hasattr(tl, "dot_scaled"):
         return False
     dev = torch.device(device_str)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (10, 0):
+        return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=g).to(dev)
     w = nvfp4.quantize(torch.randn(16, 64, generator=g).to(dev))
     w.weight_scale_2 = w.weight_scale_2.reshape(1)
     try:
-        got = _w4a4_dense(x, w, torch.tensor(1.0, device=dev))
-    except Exception:  # noqa: BLE001 - any compile/run failure means "not supported"
+        with _quiet_stderr():
+            got = _w4a4_dense(x, w, torch.tensor(1.0, device=dev))
+    except Exception as e:  # noqa: BLE001 - any compile/run failure means "not supported"
+        log.info("NVFP4 dot_scaled probe on %s failed (%s); NVFP4 runs W4A16", device_str, type(e).__name__)
         return False
     xq, xs = nvfp4.quantize_activations(x, torch.tensor(1.0, device=dev))
     want = nvfp4.dequantize_activations(xq, xs, torch.tensor(1.0, device=dev)) @ w.dequantize().T
