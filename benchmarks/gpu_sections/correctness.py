@@ -1,8 +1,8 @@
 """Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16
 under the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and
-split-KV incl. empty segments, GQA 4/8, FP8 KV), ``reshape_and_cache`` (bf16, FP8; padding slots untouched),
-RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it)
-and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
+split-KV incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks), ``reshape_and_cache`` (bf16, FP8; padding slots untouched),
+RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it,
+MXFP4 with biases and gpt-oss's clamped GLU) and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
 raises is recorded with its traceback and the next one runs."""
 from __future__ import annotations
 
@@ -19,12 +19,16 @@ def _tol(ctx: Ctx) -> float:
 
 
 def _attention_case(ctx: Ctx, name: str, specs, hq: int, hkv: int, hd: int, *, cache_dtype=None, scales=(None, None),
-                    seed: int = 0, **kernel_kw) -> None:
+                    seed: int = 0, window: int | None = None, sinks: bool = False, **kernel_kw) -> None:
     with ctx.case(name):
         q, kc, vc, cu, sl, bt = paged_batch(specs, hq, hkv, hd, device=ctx.device, dtype=ctx.dtype,
                                             cache_dtype=cache_dtype, seed=seed)
         args = dict(cu_seqlens_q=cu, seq_lens=sl, block_table=bt, max_seqlen_q=max(x for _, x in specs),
                     max_seqlen_k=int(sl.max()), softmax_scale=hd ** -0.5, k_scale=scales[0], v_scale=scales[1])
+        if window is not None:
+            args["sliding_window"] = window
+        if sinks:  # gpt-oss: one learned logit per query head joins each softmax
+            args["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)).to(ctx.device, ctx.dtype)
         ref = torch.zeros_like(q)
         reference.paged_attention(q=q, k_cache=kc, v_cache=vc, out=ref, **args)
         out = torch.full_like(q, float("nan"))
@@ -57,6 +61,11 @@ def attention_checks(ctx: Ctx) -> None:
                                               "decode split-kv empty segments")]
     for i, (name, specs, (hq, hkv), kw) in enumerate(cases):
         _attention_case(ctx, f"attention {name} hd{hd}", specs, hq, hkv, hd, seed=i, **kw)
+    window = ctx.pick(16, 256, 256)
+    _attention_case(ctx, f"attention mixed window={window}+sinks hd{hd}", mixed, *g4, hd, seed=13, window=window,
+                    sinks=True, split_kv=False)
+    _attention_case(ctx, f"attention decode split-kv window={window}+sinks hd{hd}", decode, *g8, hd, seed=14,
+                    window=window, sinks=True, split_kv=True)
     fp8 = torch.float8_e4m3fn
     _attention_case(ctx, f"attention fp8-kv mixed hd{hd}", mixed, *g4, hd, cache_dtype=fp8, scales=(0.05, 0.3),
                     seed=11, split_kv=False)

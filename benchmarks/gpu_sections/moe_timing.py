@@ -85,6 +85,7 @@ def correctness_checks(ctx: Ctx) -> None:
                 want = ref.fused_moe_nvfp4_w4a4(x.float(), w.q13, w.q2, tw, ti)
                 got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True)
                 ctx.report.check(f"moe nvfp4 w4a4 M={m}", got, want, 5e-2)
+    mxfp4_checks(ctx, w, tol)
     n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
     g = torch.Generator().manual_seed(1)
     qw = nvfp4.quantize((torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device))
@@ -92,6 +93,24 @@ def correctness_checks(ctx: Ctx) -> None:
         with ctx.case(f"nvfp4 linear M={m}"):
             x = torch.randn(m, k_in, generator=g).to(ctx.device, ctx.dtype)
             ctx.report.check(f"nvfp4 linear M={m}", moe.nvfp4_linear(x, qw), ref.nvfp4_linear(x.float(), qw), tol)
+
+
+def mxfp4_checks(ctx: Ctx, w: MoeWeights, tol: float) -> None:
+    """gpt-oss's experts: MXFP4 weights (E8M0 per 32), per-expert biases, the clamped GLU (limit 7, alpha 1.702)."""
+    from ember.kernels import mxfp4
+
+    q13, q2 = mxfp4.quantize(w.w13.float()), mxfp4.quantize(w.w2.float())
+    g = torch.Generator().manual_seed(2)
+    b13 = (0.1 * torch.randn(w.e, 2 * w.i, generator=g)).to(ctx.device, ctx.dtype)
+    b2 = (0.1 * torch.randn(w.e, w.h, generator=g)).to(ctx.device, ctx.dtype)
+    for m in token_counts(ctx)[:2]:
+        name = f"moe mxfp4 bias clamped-glu M={m}"
+        with ctx.case(name):
+            x, tw, ti = _inputs(ctx, w, m)
+            want = ref.fused_moe(x.float(), q13, q2, tw, ti, b13=b13, b2=b2,
+                                 activation=lambda t: ref.clamped_swiglu(t, 7.0, 1.702))
+            got = moe.fused_moe(x, q13, q2, tw, ti, b13=b13, b2=b2, swiglu=(7.0, 1.702))
+            ctx.report.check(name, got, want, tol)
 
 
 def run(ctx: Ctx) -> None:

@@ -2,7 +2,8 @@
 
 For the demo Qwen3 and a tiny Qwen3-MoE: the same prompts (shared prefixes for prefix-cache hits, a small token
 budget for chunked prefill and mixed prefill + decode steps) through ``Engine`` on the CPU (torch path, fp32) and on
-the device (fp32, eager): the greedy tokens must be equal. Then on CUDA the device engine with decode CUDA graphs
+the device (fp32, eager): the greedy tokens must be equal, or first differ only where the reference's top-2 logprobs
+are a near-tie (fp32 matmuls differ in rounding between devices; the fused MoE's ``tl.dot`` uses TF32). Then on CUDA the device engine with decode CUDA graphs
 must give the tokens of the eager one (and is recorded as having replayed graphs, or why not), and a bf16 run's
 agreement with fp32 is recorded (information, not a check). On a CPU run the "device" is the CPU with
 ``EMBER_ATTENTION=triton`` / ``EMBER_MOE=triton`` (the kernels under the interpreter).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -50,18 +52,30 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return out
 
 
+NEAR_TIE = 0.02
+"""A first difference where the reference's top-2 logprobs are closer than this (nats) is rounding, not a bug."""
+
+
+@dataclass
+class Run:
+    tokens: list[list[int]]  # greedy tokens per prompt
+    margins: list[list[float]]  # top-1 minus top-2 logprob at each of them
+    info: dict[str, Any]  # what the engine did (graph/eager steps, backend)
+
+
 def greedy(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[int]], new_tokens: int,
-           **engine_kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    """Greedy tokens of every prompt, all in flight together, and what the engine did (graph/eager steps)."""
+           **engine_kw: Any) -> Run:
+    """Greedy tokens of every prompt, all in flight together, with their top-2 margins and the engine's counters."""
     from ember.engine.engine import Engine
     from ember.engine.params import SamplingParams
 
     eng = Engine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=32,
                                  max_model_len=256, num_kv_blocks=128, **engine_kw)
     try:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
         ids = [eng.add_request(p, params) for p in ps]
         got: dict[str, list[int]] = {r: [] for r in ids}
+        margins: dict[str, list[float]] = {r: [] for r in ids}
         steps = 0
         while eng.has_unfinished():
             steps += 1
@@ -69,14 +83,36 @@ def greedy(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[i
                 if o.error:
                     raise RuntimeError(f"request failed: {o.error}")
                 got[o.request_id].extend(o.new_token_ids)
+                margins[o.request_id].extend(lp.top[0][1] - lp.top[1][1] for lp in o.logprobs or [])
         runner = eng.runner
         info = {"steps": steps, "graph_steps": getattr(runner, "num_graph_steps", None),
                 "eager_steps": getattr(runner, "num_eager_steps", None), "cuda_graphs": eng.cuda_graphs,
                 "graph_blocker": runner.graph_blocker() if hasattr(runner, "graph_blocker") else None,
                 "backend": getattr(runner.backend, "__name__", str(runner.backend))}
-        return [got[r] for r in ids], info
+        return Run([got[r] for r in ids], [margins[r] for r in ids], info)
     finally:
         eng.shutdown()
+
+
+def differences(got: Run, want: Run) -> list[dict[str, Any]]:
+    """Where each prompt's tokens first differ, with the reference's top-2 margin there."""
+    out = []
+    for i, (g, w) in enumerate(zip(got.tokens, want.tokens)):
+        j = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        if j is None and len(g) == len(w):
+            continue
+        j = min(len(g), len(w)) if j is None else j
+        m = want.margins[i]
+        out.append({"prompt": i, "position": j, "got": g, "want": w, "margin": m[j] if j < len(m) else None})
+    return out
+
+
+def check_agree(ctx: Ctx, name: str, got: Run, want: Run) -> bool:
+    """Equal tokens, or every first difference at a near-tie of the reference (recorded either way)."""
+    diffs = differences(got, want)
+    ok = all(d["margin"] is not None and d["margin"] < NEAR_TIE for d in diffs)
+    ctx.report.add_check(name, ok, exact=not diffs, differences=diffs, near_tie=NEAR_TIE)
+    return ok
 
 
 def _model(ctx: Ctx, name: str, path: Path) -> None:
@@ -87,27 +123,28 @@ def _model(ctx: Ctx, name: str, path: Path) -> None:
     want = None
     with ctx.case(f"{name}: cpu reference run"):
         with env(EMBER_ATTENTION=None, EMBER_MOE=None):
-            want, info = greedy(path, torch.device("cpu"), torch.float32, ps, new)
-        rep.row(model=name, run="cpu fp32", **info)
+            want = greedy(path, torch.device("cpu"), torch.float32, ps, new)
+        rep.row(model=name, run="cpu fp32", **want.info)
     if want is None:
         return
     eager = None
     with ctx.case(f"{name}: device fp32 eager == cpu"):
         with env(**kernels_on_cpu):
-            eager, info = greedy(path, ctx.device, torch.float32, ps, new, enforce_eager=True)
-        rep.row(model=name, run="device fp32 eager", **info)
-        rep.check_equal(f"{name}: device fp32 eager == cpu", eager, want)
+            eager = greedy(path, ctx.device, torch.float32, ps, new, enforce_eager=True)
+        rep.row(model=name, run="device fp32 eager", **eager.info)
+        check_agree(ctx, f"{name}: device fp32 eager == cpu", eager, want)
     if ctx.cuda and eager is not None:
         with ctx.case(f"{name}: cuda graphs == eager"):
-            graphs, info = greedy(path, ctx.device, torch.float32, ps, new)
-            rep.row(model=name, run="device fp32 graphs", **info)
-            rep.check_equal(f"{name}: cuda graphs == eager", graphs, eager, graph_steps=info["graph_steps"],
-                            graph_blocker=info["graph_blocker"])
-            ctx.cache.setdefault("graph_equal", []).append(graphs == eager)
+            graphs = greedy(path, ctx.device, torch.float32, ps, new)
+            rep.row(model=name, run="device fp32 graphs", **graphs.info)
+            ok = check_agree(ctx, f"{name}: cuda graphs == eager", graphs, eager)
+            ctx.cache.setdefault("graph_equal", []).append(ok)
+            if not graphs.info["graph_steps"]:
+                rep.log(f"  {name}: no step replayed a CUDA graph ({graphs.info['graph_blocker']})")
         with ctx.case(f"{name}: device bf16 run"):
-            bf16, info = greedy(path, ctx.device, torch.bfloat16, ps, new)
-            same = sum(a == b for x, y in zip(bf16, want) for a, b in zip(x, y))
-            rep.row(model=name, run="device bf16 graphs", token_agreement_with_fp32=same / (n * new), **info)
+            bf16 = greedy(path, ctx.device, torch.bfloat16, ps, new)
+            same = sum(a == b for x, y in zip(bf16.tokens, want.tokens) for a, b in zip(x, y))
+            rep.row(model=name, run="device bf16 graphs", token_agreement_with_fp32=same / (n * new), **bf16.info)
             rep.log(f"  {name}: bf16 agrees with fp32 on {same}/{n * new} tokens (information)")
 
 

@@ -75,3 +75,19 @@ def test_deadline_is_honoured(gpu_check, tmp_path, monkeypatch):
     assert all(s in ("ok", "timeout", "skipped") for s in statuses), statuses
     timed_out = [got[n] for n in NAMES if got[n]["status"] == "timeout"]
     assert all("s left" in d["timeout"] or "hard deadline" in d["timeout"] for d in timed_out)
+
+
+def test_parity_tolerates_only_near_ties(gpu_check):
+    from gpu_sections import parity
+    from gpu_sections.common import Report
+
+    want = parity.Run([[5, 6, 7], [1, 2, 3]], [[3.0, 0.001, 2.0], [4.0, 4.0, 4.0]], {})
+    near_tie = parity.Run([[5, 9, 9], [1, 2, 3]], [], {})  # differs where the reference's top-2 margin is 0.001
+    real_bug = parity.Run([[5, 6, 7], [1, 8, 3]], [], {})  # differs where the margin is 4 nats
+    rep = Report(pathlib.Path("/tmp"), "unused")
+    ctx = type("C", (), {"report": rep})()
+    assert parity.check_agree(ctx, "tie", near_tie, want)
+    assert not parity.check_agree(ctx, "bug", real_bug, want)
+    assert parity.check_agree(ctx, "same", want, want)
+    assert [c["exact"] for c in rep.data["checks"]] == [False, False, True]
+    assert rep.data["checks"][1]["differences"][0]["position"] == 1
