@@ -8,13 +8,14 @@ channels), ``none`` (all content).
 from __future__ import annotations
 
 from .base import Profile, ReasoningSpec, Rule
-from . import deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, none, qwen3, qwen3_coder
+from . import deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, none, qwen3, qwen3_coder
 
 __all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
            "get_profile", "detect_profile"]
 
 _PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
-                                 for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, glm45, hermes, gpt_oss, none)}
+                                 for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, glm45,
+                                           kimi_k2, hermes, gpt_oss, none)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
 ALIASES: dict[str, str] = {
@@ -58,6 +59,8 @@ def detect_profile(chat_template: str | None, model_type: str | None = None) -> 
         return "deepseek_v3"          # V3 (no thought) and V3.1 (renders an empty thought when thinking is off)
     if "<｜Assistant｜>" in t and "</think>" in t:
         return "deepseek_r1"
+    if "<|tool_calls_section_begin|>" in t and "<|tool_call_argument_begin|>" in t:
+        return "kimi_k2"
     if "<tool_call>" in t and "<arg_key>" in t and "<arg_value>" in t:
         return "glm45"
     if "<|im_start|>" in t and "<tool_call>" in t:

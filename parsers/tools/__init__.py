@@ -9,6 +9,7 @@ from .base import ToolSyntax
 from .deepseek_v3 import DeepSeekV3Syntax
 from .glm45 import Glm45Syntax
 from .harmony import HarmonySyntax
+from .kimi_k2 import KimiK2Syntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
 
@@ -20,6 +21,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     HarmonySyntax,
     DeepSeekV3Syntax,
     Glm45Syntax,
+    KimiK2Syntax,
 )}
 
 

@@ -33,6 +33,7 @@ class SepJsonSyntax(ToolSyntax):
         self._scan: JsonValueScanner | None = None
         self._lang = -1                 # SJ_PRE: how much of "json" followed the fence's backticks (-1: no backtick)
         self._has_args = False
+        self._broken = False            # stray text around the arguments: the rest of the call is Malformed
 
     def handlers(self) -> dict[str, Handler]:
         return {SJ_HEAD: self._head_text, SJ_NAME: self._name_text, SJ_PRE: self._pre_text,
@@ -73,7 +74,7 @@ class SepJsonSyntax(ToolSyntax):
         m.drop(before + raw[:at], "tool call header")
         m.start_call(name, call_id)
         m.drop(raw[at + len(name):] + after, "tool call header")
-        self._has_args, self._lang = False, -1
+        self._has_args, self._broken, self._lang = False, False, -1
         m.state = SJ_PRE
 
     # ------------------------------------------------------------------------------------------- text handlers
@@ -117,7 +118,6 @@ class SepJsonSyntax(ToolSyntax):
         m = self.m
         i, n = 0, len(s)
         while i < n:
-            c = s[i]
             j = i
             while j < n:
                 c = s[j]
@@ -138,9 +138,9 @@ class SepJsonSyntax(ToolSyntax):
                 self._scan = JsonValueScanner()
                 m.state = SJ_ARGS
                 return i
-            m.malformed(s[i:], "text before tool arguments")
-            m.state = BAD_CALL
-            return n
+            self._broken = True
+            m.state = SJ_POST
+            return i
         return n
 
     def _args_text(self, s: str) -> int:
@@ -153,18 +153,15 @@ class SepJsonSyntax(ToolSyntax):
         return end
 
     def _post_text(self, s: str) -> int:
-        i, n = 0, len(s)
-        while i < n:
-            fence = s[i] in _FENCE
-            j = i + 1
-            while j < n and (s[j] in _FENCE) == fence:
-                j += 1
-            if fence:
-                self.m.drop(s[i:j], "template fence")
-            else:
-                self.m.malformed(s[i:j], "text after tool arguments")
-            i = j
-        return n
+        i = 0
+        if not self._broken:
+            n = len(s)
+            while i < n and s[i] in _FENCE:
+                i += 1
+            self.m.drop(s[:i], "template fence")
+            self._broken = i < n
+        self.m.malformed(s[i:], "malformed tool arguments")        # from the first stray character to the closer
+        return len(s)
 
     # ------------------------------------------------------------------------------------------- actions
     def _do_call_open(self, text: str) -> None:

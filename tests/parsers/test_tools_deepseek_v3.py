@@ -109,7 +109,7 @@ def test_broken_calls_are_content_and_neighbours_parse():
             (IDS[CALL], CALL), (None, "good"), (IDS[SEP], SEP), (None, '{"b": 2} trailing'), (IDS[END], END),
             (IDS[CLOSE], CLOSE)]
     f = fold(run(m, toks))
-    assert [(n, a) for n, a, _ in f.calls] == [("ok", ""), ("good", '{"b": 2}')]
+    assert [(n, a) for n, a, _ in f.calls] == [("ok", "{}"), ("good", '{"b": 2}')]
     assert "<｜tool▁sep｜>{}" in f.malformed and 'oops {"a": 1}' in f.malformed and "trailing" in f.malformed
 
 
