@@ -215,19 +215,6 @@ class KVCacheManager:
         seq.block_ids = []
         seq.num_registered_blocks = 0
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every unreferenced cached block (e.g. after weights change); returns how many were dropped."""
-        dropped = 0
-        while self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            block = self._blocks[block_id]
-            del self._cached[block.hash]
-            block.hash = None
-            block.token_ids = None
-            self._free.append(block_id)
-            dropped += 1
-        return dropped
-
     # ---- invariants --------------------------------------------------------------------------------------------
 
     def check_integrity(self, live: Iterable[Sequence] | None = None) -> None:
