@@ -43,17 +43,22 @@ def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class GptOssExperts(nn.Module):
     """All experts of one layer: ``w13 [E, 2I, H]`` (gate rows then up rows), ``b13 [E, 2I]``, ``w2 [E, H, I]``,
-    ``b2 [E, H]`` (buffers: the dense loader's parameter checks skip them; this model checks them itself)."""
+    ``b2 [E, H]`` (buffers: the dense loader's parameter checks skip them; this model checks them itself). With
+    ``mxfp4`` (config.json's ``quantization_config.quant_method``) the weight stacks are packed MXFP4 from the start,
+    so the bf16 stacks are never allocated."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, mxfp4: bool = False) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden))
         self.register_buffer("b13", torch.empty(num_experts, 2 * inter))
-        self.register_buffer("w2", torch.empty(num_experts, hidden, inter))
         self.register_buffer("b2", torch.empty(num_experts, hidden))
         self.quant13: MXFP4Tensor | None = None
         self.quant2: MXFP4Tensor | None = None
+        for which, shape in (("w13", (num_experts, 2 * inter, hidden)), ("w2", (num_experts, hidden, inter))):
+            if mxfp4:
+                self.make_mxfp4(which)
+            else:
+                self.register_buffer(which, torch.empty(shape))
 
     def make_mxfp4(self, which: str) -> MXFP4Tensor:
         """Replace one stack (``"w13"`` or ``"w2"``) by an empty MXFP4 stack for the loader to fill."""
@@ -87,7 +92,8 @@ class GptOssMoeBlock(SparseMoeBlock):
             raise ConfigError("config.json: gpt-oss needs num_local_experts >= 1 and "
                               "1 <= num_experts_per_tok <= num_local_experts")
         self.router = nn.Linear(cfg.hidden_size, num_experts, bias=True)
-        self.experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size)
+        quant = (raw.get("quantization_config") or {}).get("quant_method")
+        self.experts = GptOssExperts(num_experts, cfg.hidden_size, cfg.intermediate_size, mxfp4=quant == "mxfp4")
         self.swiglu = (float(raw.get("swiglu_limit", 7.0)), float(raw.get("swiglu_alpha", 1.702)))
         self.activation = partial(moe_reference.clamped_swiglu, limit=self.swiglu[0], alpha=self.swiglu[1])
 
@@ -188,7 +194,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
             return
         if leaf in ("gate_up_proj", "down_proj") and getattr(ex, leaf.replace("gate_up_proj", "w13").replace(
                 "down_proj", "w2")) is None:
-            raise ConfigError(f"{source}: tensor {name!r} is unquantized but the layer's experts are MXFP4")
+            raise ConfigError(f"{source}: tensor {name!r} is unquantized but config.json's quantization_config "
+                              "(quant_method mxfp4) makes the experts MXFP4 (*_blocks / *_scales)")
         if leaf == "gate_up_proj":  # [E, H, 2I] interleaved columns
             dest, value = ex.w13, deinterleave(tensor.transpose(1, 2), 1)
         elif leaf == "gate_up_proj_bias":
