@@ -118,10 +118,13 @@ class MessageEncoder:
         return out
 
     def _message_delta(self, end: ChoiceEnd) -> dict[str, Any]:
+        usage: dict[str, Any] = {"output_tokens": self.output_tokens}
+        if end.cached_tokens is not None:
+            usage["cache_read_input_tokens"] = end.cached_tokens
         return {"type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason(end),
                           "stop_sequence": end.stop_string if end.reason == "stop_string" else None},
-                "usage": {"output_tokens": self.output_tokens}}
+                "usage": usage}
 
     def body(self, steps: Iterable[ChoiceStep]) -> dict[str, Any]:
         """The non-streaming `message` from the response's steps: content blocks from the fold of their events

@@ -27,6 +27,7 @@ class ChoiceEnd:
     stop_string: str | None = None
     error: str | None = None
     rejected: bool = False  # the engine refused the request before generating (e.g. it can never fit the KV cache)
+    cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: not known)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from pydantic import model_validator
 
 from . import chat
@@ -80,9 +80,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": rt.tokenizer.decode(body.tokens)}
 
 
-def router(dependencies: list[Any]) -> APIRouter:
-    """The two routes, behind `dependencies` (the app's API-key check)."""
-    r = APIRouter(dependencies=dependencies)
-    r.add_api_route("/tokenize", tokenize, methods=["POST"])
-    r.add_api_route("/detokenize", detokenize, methods=["POST"])
-    return r
+def add_routes(app: FastAPI, dependencies: list[Any]) -> None:
+    """Serve the two routes on `app`, behind `dependencies` (the app's API-key check)."""
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], dependencies=dependencies)
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], dependencies=dependencies)
