@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def generate() -> tuple[float, list[int]]:
         stamp = Stamp()
-        kw = dict(cache_implementation="static") if compile_ else dict(disable_compile=True)
+        kw = dict(cache_implementation="static", disable_compile=not compile_)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                                  min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,

@@ -56,6 +56,10 @@ NEAR_TIE = 0.02
 """A first difference where the reference's top-2 logprobs are closer than this (nats) is rounding, not a bug."""
 
 
+FP8_NEAR_TIE = 0.5
+"""The same for an e4m3 KV cache against a bf16/fp32 one (a few percent per element)."""
+
+
 @dataclass
 class Run:
     tokens: list[list[int]]  # greedy tokens per prompt
@@ -88,7 +92,8 @@ def greedy(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[i
         info = {"steps": steps, "graph_steps": getattr(runner, "num_graph_steps", None),
                 "eager_steps": getattr(runner, "num_eager_steps", None), "cuda_graphs": eng.cuda_graphs,
                 "graph_blocker": runner.graph_blocker() if hasattr(runner, "graph_blocker") else None,
-                "backend": getattr(runner.backend, "__name__", str(runner.backend))}
+                "backend": getattr(runner.backend, "__name__", str(runner.backend)),
+                "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", None))}
         return Run([got[r] for r in ids], [margins[r] for r in ids], info)
     finally:
         eng.shutdown()
@@ -115,7 +120,7 @@ def check_agree(ctx: Ctx, name: str, got: Run, want: Run) -> bool:
     return ok
 
 
-def _model(ctx: Ctx, name: str, path: Path) -> None:
+def _model(ctx: Ctx, name: str, path: Path, fp8_kv: bool = False) -> None:
     rep = ctx.report
     n, new = ctx.pick((2, 3), (6, 8), (8, 12))
     ps = prompts(n, 1280)
@@ -141,6 +146,19 @@ def _model(ctx: Ctx, name: str, path: Path) -> None:
             ctx.cache.setdefault("graph_equal", []).append(ok)
             if not graphs.info["graph_steps"]:
                 rep.log(f"  {name}: no step replayed a CUDA graph ({graphs.info['graph_blocker']})")
+    if eager is not None and fp8_kv and _has_kv_cache_dtype():
+        with ctx.case(f"{name}: fp8 kv cache run"):
+            with env(**kernels_on_cpu):
+                fp8 = greedy(path, ctx.device, torch.float32, ps, new, kv_cache_dtype="fp8", enforce_eager=True)
+            rep.row(model=name, run="device fp32 fp8-kv eager", **fp8.info)
+            # an e4m3 cache moves the logits a little: the first tokens (after a prefill that reads the cache) must
+            # agree with the fp32 cache's except at near-ties; a wrong scale or cast gives noise
+            firsts = [{"prompt": i, "got": x[0], "want": y[0], "margin": eager.margins[i][0]}
+                      for i, (x, y) in enumerate(zip(fp8.tokens, eager.tokens)) if x[:1] != y[:1]]
+            rep.add_check(f"{name}: fp8 kv cache first tokens == fp32 cache (but near-ties)",
+                          all(d["margin"] < FP8_NEAR_TIE for d in firsts), differences=firsts,
+                          near_tie=FP8_NEAR_TIE)
+    if ctx.cuda and eager is not None:
         with ctx.case(f"{name}: device bf16 run"):
             bf16 = greedy(path, ctx.device, torch.bfloat16, ps, new)
             same = sum(a == b for x, y in zip(bf16.tokens, want.tokens) for a, b in zip(x, y))
@@ -148,9 +166,17 @@ def _model(ctx: Ctx, name: str, path: Path) -> None:
             rep.log(f"  {name}: bf16 agrees with fp32 on {same}/{n * new} tokens (information)")
 
 
+def _has_kv_cache_dtype() -> bool:
+    import inspect
+
+    from ember.engine.engine import Engine
+
+    return "kv_cache_dtype" in inspect.signature(Engine.from_pretrained).parameters
+
+
 def run(ctx: Ctx) -> None:
     with ctx.case("build tiny qwen3"):
-        _model(ctx, "qwen3", models.tiny_qwen3(ctx))
+        _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
     ctx.deadline.check("tiny qwen3-moe")
     with ctx.case("build tiny qwen3-moe"):
         _model(ctx, "qwen3-moe", models.tiny_qwen3_moe(ctx))

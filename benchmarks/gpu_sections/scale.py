@@ -70,6 +70,13 @@ def big_kv_cache(ctx: Ctx) -> None:
     del q, kc, vc
 
 
+def _tensors(x) -> list[torch.Tensor]:
+    """Every tensor in a nest of lists/tuples (the KV caches, whatever their grouping)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in (x or []) for t in _tensors(item)]
+
+
 def _decode_rate(eng, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """Decode tokens/s of one batch: steps after every request has its first token, wall time per step."""
     from ember.engine.params import SamplingParams
@@ -116,7 +123,7 @@ def engine_e2e(ctx: Ctx) -> dict | None:
                                  max_num_batched_tokens=max_len, max_model_len=max_len, **sizing)
     try:
         runner = eng.runner
-        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in runner.kv_caches)
+        kv_bytes = sum(t.numel() * t.element_size() for t in _tensors(runner.kv_caches))
         info = {"start_s": time.monotonic() - t0, "num_kv_blocks": runner.num_blocks, "kv_gib": kv_bytes / 2**30,
                 "cuda_graphs": eng.cuda_graphs, "graph_pool_mib": getattr(runner, "graph_pool_bytes", 0) / 2**20,
                 **sizing}
