@@ -3,7 +3,9 @@ generation config. Every failure names the file (and tensor) that is missing or 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -12,6 +14,7 @@ from safetensors import safe_open
 
 from ember.engine.config import ConfigError, ModelConfig
 
+log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """The checkpoint directory is missing a file or holds something unreadable."""
@@ -72,14 +75,19 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
 
 
 def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every weight file, loaded on CPU."""
-    for f in weight_files(model_dir):
+    """(name, tensor) for every tensor of every weight file, loaded on CPU; a sharded checkpoint logs its progress
+    (one line per file read)."""
+    files = weight_files(model_dir)
+    t0 = time.monotonic()
+    for i, f in enumerate(files, 1):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
         except (OSError, RuntimeError) as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        if len(files) > 1:
+            log.info("loading weights: %d/%d files (%s) after %.1f s", i, len(files), f.name, time.monotonic() - t0)
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
