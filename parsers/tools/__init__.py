@@ -10,6 +10,7 @@ from .deepseek_v3 import DeepSeekV3Syntax
 from .glm45 import Glm45Syntax
 from .harmony import HarmonySyntax
 from .kimi_k2 import KimiK2Syntax
+from .llama3_json import Llama3JsonSyntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
 
@@ -22,6 +23,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     DeepSeekV3Syntax,
     Glm45Syntax,
     KimiK2Syntax,
+    Llama3JsonSyntax,
 )}
 
 

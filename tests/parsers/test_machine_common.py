@@ -121,7 +121,7 @@ def test_every_profile_is_known_by_name_and_unknown_names_are_a_clear_error():
     ("templates/llama.cpp/Qwen-Qwen2.5-7B-Instruct.jinja", "hermes"),
     ("templates/vllm/tool_chat_template_hermes.jinja", "hermes"),
     ("templates/llama.cpp/openai-gpt-oss-120b.jinja", "gpt_oss"),
-    ("templates/llama.cpp/meta-llama-Llama-3.1-8B-Instruct.jinja", "none"),
+    ("templates/llama.cpp/meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3_json"),
     ("templates/hf/DeepSeek-V3.jinja", "deepseek_v3"),
 ])
 def test_profile_detected_from_real_chat_templates(path, expected):
