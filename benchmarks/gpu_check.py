@@ -70,13 +70,14 @@ class Section:
     name: str
     run: Callable[[Ctx], None]
     weight: float  # a section may use (time left) * weight / (weights of the sections still to run)
+    releases: tuple[str, ...] = ()  # ctx.cache entries dropped after it (run or not), to free device memory
 
 
 SECTIONS: list[Section] = [
     Section("kernels", correctness.run, 3.0),
     Section("parity", parity.run, 1.5),
     Section("attention", attention_timing.run, 1.0),
-    Section("moe", moe_timing.run, 1.0),
+    Section("moe", moe_timing.run, 1.0, releases=("moe_weights",)),
     Section("graphs", graphs.run, 1.0),
     Section("scale", scale.run, 3.0),  # the transformers peer compiles for about a minute
 ]
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 except OutOfTime as e:  # the alarm fired outside the section's own handlers
                     if rep.data["status"] == "running":
                         rep.data.update(status="timeout", timeout=str(e))
+                for key in sec.releases:
+                    ctx.cache.pop(key, None)
                 rep.save()
                 summary["sections"].append(_section_summary(rep.data))
         finally:
