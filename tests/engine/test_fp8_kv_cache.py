@@ -102,6 +102,8 @@ def test_fp8_cache_is_half_the_bytes_and_bad_settings_are_refused(plain_dir):
     assert fp8.kv.num_blocks == 4 * full.kv.num_blocks  # fp32 model: 4 bytes per element vs 1
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _engine(plain_dir, kv_cache_dtype="int4")
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):  # refused before any worker starts
+        _engine(plain_dir, kv_cache_dtype="fp8", tensor_parallel_size=2)
 
 
 def test_a_kv_scale_outside_attention_is_named(tmp_path, demo_model_dir):
