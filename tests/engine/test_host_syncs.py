@@ -119,3 +119,30 @@ def test_a_decode_step_reads_the_device_once(case, demo_model_dir, grammar_backe
                        for o, o_params in zip(outs, CASES[case]))
         decode_steps += 1
     assert decode_steps == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch's sync debug mode)")
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_cuda_decode_step_synchronises_once(case, demo_model_dir, grammar_backend):
+    """The same workloads on a GPU, counted by torch itself: ``set_sync_debug_mode("warn")`` warns on every
+    synchronising CUDA call (blocking copies, ``.item()``/``.tolist()``, ``nonzero``, stream/device syncs)."""
+    import warnings
+
+    engine = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, max_num_seqs=8, device="cuda",
+                                    dtype="float32", bitmask_filler=grammar_backend.bitmask_filler())
+    for i, params in enumerate(CASES[case]):
+        constraint = _constraint(grammar_backend) if case == "grammar" and i == 0 else None
+        engine.add_request([10 + i, 11, 12, 13 + i], params, constraint=constraint)
+    engine.step()
+    engine.step()  # staging buffers and penalty slots settle
+    per_step = []
+    for _ in range(3):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        per_step.append([str(w.message)[:120] for w in caught if "synchroniz" in str(w.message)])
+    assert all(len(s) == 1 for s in per_step), per_step
