@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,36 +295,104 @@ def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
     return g.add(rule, f"{rule}_json {close}")
 
 
+def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
+    """Tool ``t``'s parameters, each at most once, in any order, the required ones present: the rule to use (None when
+    it has none). ``param(name, schema, rule)`` adds rule ``rule`` for one parameter (its tags and value) and returns
+    the grammar text that writes it."""
+    props = t.parameters.get("properties") or {}
+    if not isinstance(props, Mapping):
+        raise GrammarError(f"tools: function {t.name!r}: parameters.properties must be an object")
+    required = [p for p in t.parameters.get("required", []) if p in props]
+    names = required + [p for p in props if p not in required]
+    if len(names) > 64:
+        raise GrammarError(f"tools: function {t.name!r} has {len(names)} parameters; at most 64 are supported")
+    if not names:
+        return None
+    perm = f"t{k}_params"
+    rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
+    for b, p in enumerate(names):
+        ps = props[p] if isinstance(props[p], Mapping) else {}
+        rows.append(f'{param(p, ps, f"t{k}_p{b}")} {perm}::set_bit({b}) %if bit_clear({b})')
+    g.add(f"{perm}::_", "\n    | ".join(rows))
+    return f"{perm}::0x0"
+
+
 def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
     """``<tool_call>\\n<function=NAME>\\n(<parameter=K>\\nV\\n</parameter>\\n)*</function>\\n</tool_call>`` with each
     parameter at most once, in any order, required ones present, each value constrained by its schema."""
     alts = []
     for k, t in enumerate(tools):
-        props = t.parameters.get("properties") or {}
-        if not isinstance(props, Mapping):
-            raise GrammarError(f"tools: function {t.name!r}: parameters.properties must be an object")
-        required = [p for p in t.parameters.get("required", []) if p in props]
-        names = required + [p for p in props if p not in required]
-        if len(names) > 64:
-            raise GrammarError(f"tools: function {t.name!r} has {len(names)} parameters; at most 64 are supported")
         lenient = not t.strict
-        head = _lit("<function=" + t.name + ">" + chr(10))
-        if not names:
-            alts.append(g.add(f"t{k}_fn", f'{head} "</function>\\n"'))
-            continue
-        perm = f"t{k}_params"
-        rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
-        for b, p in enumerate(names):
+
+        def param(p: str, ps: Mapping, rule: str) -> str:
             if not p or any(ch in p for ch in "<>\n"):
                 raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as "
                                    f"<parameter={p}>")
-            ps = props[p] if isinstance(props[p], Mapping) else {}
-            value = _coder_value(g, f"t{k}_p{b}", ps, lenient)
-            rows.append(f'{_lit("<parameter=" + p + ">" + chr(10))} {value} {perm}::set_bit({b}) %if bit_clear({b})')
-        g.add(f"{perm}::_", "\n    | ".join(rows))
-        alts.append(g.add(f"t{k}_fn", f'{head} {perm}::0x0 "</function>\\n"'))
+            return f'{_lit("<parameter=" + p + ">" + chr(10))} {_coder_value(g, rule, ps, lenient)}'
+
+        head = _lit("<function=" + t.name + ">" + chr(10))
+        params = _param_set(g, k, t, param)
+        alts.append(g.add(f"t{k}_fn", f'{head} {params or ""} "</function>\\n"'))
     g.add("fn", " | ".join(alts))
     return g.add("call", f'{d.ref("tool_open")} "\\n" fn {d.ref("tool_close")}')
+
+
+def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool) -> str:
+    """Rule for one GLM argument value, ending with its ``</arg_value>``: raw text where the parser streams it as a
+    string (as `_coder_value`), else JSON of its schema."""
+    close = d.ref("value_close")
+    text_close = d.id("value_close") is None
+    if _is_text_param(schema):
+        values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
+            [schema["const"]] if "const" in schema else None
+        if values is not None and all(isinstance(v, str) for v in values):
+            return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
+        lo = int(schema.get("minLength", 0) or 0)
+        hi = schema.get("maxLength")
+        span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
+        term = rule.upper() + "_TEXT"
+        if text_close:     # the closer is text: a value never contains it, and ends lazily at it
+            g.add(term, f"/(?s:.{span})/ & ~/(?s:.*)<\\/arg_value>(?s:.*)/")
+            return g.add(rule, term, f"[suffix={_lit(d.profile.terminals['value_close'])}]")
+        g.add(term, f"/(?s:.{span})/")
+        return g.add(rule, f"{term} {close}")
+    g.add(rule + "_json", _json_rule(schema, lenient=lenient))
+    return g.add(rule, f"{rule}_json {close}")
+
+
+def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
+    """GLM-4.5: ``<tool_call>NAME\\n(<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n)*</tool_call>``, each argument at
+    most once, in any order, required ones present, values as the parser types them."""
+    alts = []
+    for k, t in enumerate(tools):
+        lenient = not t.strict
+
+        def param(p: str, ps: Mapping, rule: str) -> str:
+            return (f'{d.ref("key_open")} {_lit(p)} {d.ref("key_close")} "\\n" {d.ref("value_open")} '
+                    f'{_glm_value(g, d, rule, ps, lenient)} "\\n"')
+
+        params = _param_set(g, k, t, param)
+        alts.append(g.add(f"t{k}_fn", f'{_lit(t.name + chr(10))} {params or ""}'.rstrip()))
+    g.add("fn", " | ".join(alts))
+    return g.add("call", f'{d.ref("tool_open")} fn {d.ref("tool_close")}')
+
+
+def _section_call(g: _Lark, d: _Delims, tools: list[_Tool], fmt: str, many: bool) -> str:
+    """DeepSeek and Kimi K2: ``tool_open (call_open HEAD call_sep {args} call_close)+ tool_close``. DeepSeek's head is
+    V3.1's ``NAME`` (bare JSON after the separator) or V3's ``function`` with ``NAME\\n```json\\n{args}\\n``` ``
+    after it; Kimi's is ``functions.NAME:IDX``."""
+    alts = []
+    for k, t in enumerate(tools):
+        args = g.add(f"t{k}_args", _json_rule(t.parameters, lenient=not t.strict))
+        sep = d.ref("call_sep")
+        if fmt == "kimi_k2":
+            body = f'{_lit("functions." + t.name + ":")} /[0-9]{{1,3}}/ {sep} {args}'
+        else:
+            fenced = _lit(t.name + "\n```json\n") + f" {args} " + _lit("\n```")
+            body = f'({_lit(t.name)} {sep} {args} | "function" {sep} {fenced})'
+        alts.append(g.add(f"t{k}_call", f'{d.ref("call_open")} {body} {d.ref("call_close")}'))
+    g.add("one_call", " | ".join(alts))
+    return g.add("call", f'{d.ref("tool_open")} {"one_call+" if many else "one_call"} {d.ref("tool_close")}')
 
 
 def _harmony_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
@@ -432,6 +500,10 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
         call = _hermes_call(g, d, tools)
     elif profile.tool_format == "qwen3_coder":
         call = _coder_call(g, d, tools)
+    elif profile.tool_format == "glm45":
+        call = _glm_call(g, d, tools)
+    elif profile.tool_format in ("deepseek_v3", "kimi_k2"):
+        call = _section_call(g, d, tools, profile.tool_format, parallel and mode != "named")
     else:
         call = _harmony_call(g, d, tools)
     if harmony:
