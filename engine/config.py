@@ -42,7 +42,11 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
 
 @dataclass
 class ModelConfig:
-    """The architecture facts the model code needs, normalised across transformers v4/v5 config spellings."""
+    """The architecture facts the model code needs, normalised across transformers v4/v5 config spellings.
+
+    ``num_key_value_heads`` and ``head_dim`` are also the KV cache's geometry; for MLA models (``kv_lora_rank`` in
+    config.json) that is one latent head of ``kv_lora_rank + qk_rope_head_dim`` (the model reads its real head
+    dimensions from ``raw``)."""
 
     architecture: str
     model_type: str
@@ -91,6 +95,10 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3) caches one latent "head": kv_lora_rank + rope dims
+            kv_heads, head_dim = 1, int(cfg["kv_lora_rank"]) + int(need("qk_rope_head_dim"))
         return cls(
             architecture=archs[0],
             model_type=cfg.get("model_type", ""),
@@ -99,8 +107,8 @@ class ModelConfig:
             intermediate_size=int(need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,

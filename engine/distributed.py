@@ -109,6 +109,9 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
     """ConfigError naming the config.json field that ``world_size`` does not divide."""
     from ember.engine.models.qwen3_moe import moe_settings
 
+    if world_size > 1 and cfg.raw.get("kv_lora_rank"):
+        raise ConfigError(f"{source}: {cfg.architecture} (multi-head latent attention) does not support "
+                          "tensor_parallel_size > 1 yet")
     fields = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
     # Qwen3-MoE-style experts have moe_intermediate_size; gpt-oss's experts use intermediate_size (checked as dense)
     has_moe_size = "moe_intermediate_size" in cfg.raw

@@ -40,6 +40,27 @@ def topk_softmax_routing(router_logits: torch.Tensor, top_k: int) -> tuple[torch
     return w, ids.to(torch.int32)
 
 
+def grouped_topk_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
+                         topk_groups: int, renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (``noaux_tc``): sigmoid scores; experts are chosen on ``score + correction_bias``, first
+    keeping the ``topk_groups`` groups whose two best experts sum highest, then the top-k experts in them; the weights
+    are the chosen experts' plain scores, renormalised when asked, times ``scale`` (``routed_scaling_factor``).
+    Returns ``topk_weights`` float32 ``[M, k]`` and ``topk_ids`` int32."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    m, e = choice.shape
+    grouped = choice.view(m, num_groups, e // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape(m, e), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, ids.to(torch.int32)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]``."""
     gate, up = x.chunk(2, dim=-1)

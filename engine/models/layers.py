@@ -377,7 +377,9 @@ class DecoderForCausalLM(nn.Module):
             if shard is None:
                 dest = param
             else:
-                sizes = self._shard_sizes(target.split(".")[-2])
+                fused = target.split(".")[-2]
+                # gate/up halves from the parameter itself: MoE models also fuse shared experts of another width
+                sizes = [param.shape[0] // 2] * 2 if fused == "gate_up_proj" else self._shard_sizes(fused)
                 start = sum(sizes[:shard])
                 dest = param.narrow(0, start, sizes[shard])
             if tuple(dest.shape) != tuple(tensor.shape):
