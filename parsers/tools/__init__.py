@@ -11,6 +11,7 @@ from .glm45 import Glm45Syntax
 from .harmony import HarmonySyntax
 from .kimi_k2 import KimiK2Syntax
 from .llama3_json import Llama3JsonSyntax
+from .mistral import MistralSyntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
 
@@ -24,6 +25,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     Glm45Syntax,
     KimiK2Syntax,
     Llama3JsonSyntax,
+    MistralSyntax,
 )}
 
 

@@ -65,7 +65,8 @@ def fold(events) -> Folded:
         elif isinstance(e, Malformed):
             f.malformed += e.text
         elif isinstance(e, ToolCallStart):
-            assert e.index == len(f.calls) and (e.id == f"call_{e.index}" or e.id.startswith("functions."))  # Kimi
+            assert e.index == len(f.calls) and (e.id == f"call_{e.index}" or e.id.startswith("functions.")  # Kimi
+                                                or len(e.id) == 9 and e.id.isalnum())                # Mistral
             f.calls.append([e.name, "", False])
         elif isinstance(e, ToolCallArguments):
             assert e.index == len(f.calls) - 1 and not f.calls[-1][2]
