@@ -106,3 +106,47 @@ def test_glm_and_kimi_forced_calls_parse_back(tmp_path):
                     "<|im_assistant|>assistant<|im_middle|>")])
     _check(tok, [r for r in results if r[0].profile.name == "glm45"], "<arg_key>")
     _check(tok, [r for r in results if r[0].profile.name == "kimi_k2"], "<|tool_call_argument_begin|>")
+
+
+def test_deepseek_grammar_takes_both_spellings_and_refuses_other_tools_and_bad_arguments():
+    tok = _tokenizer("deepseek-v3")
+    eos = [tok.token_to_id("<｜end▁of▁sentence｜>")]
+    backend = GrammarBackend.from_tokenizer(tok, eos_ids=eos)
+    setup = ParserSetup.from_tokenizer(tok, "deepseek_v3")
+    plan = compile_request(setup.profile, setup.initial_state([]), setup.delimiter_ids, tools=TOOLS,
+                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+
+    def accepted(text: str) -> bool:
+        c = backend.constraint(plan)
+        ids = tok.encode(text, add_special_tokens=False).ids + eos
+        return all(c.accept_token(t) for t in ids)
+
+    begin = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>"
+    end = "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert accepted(begin + 'get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "celsius"}' + end)
+    assert accepted(begin + 'function<｜tool▁sep｜>get_weather\n```json\n{"city": "Oslo", "unit": "celsius"}\n```'
+                    + end)
+    assert not accepted(begin + 'set_alarm<｜tool▁sep｜>{"hour": 1, "label": "x"}' + end)
+    assert not accepted(begin + 'get_weather<｜tool▁sep｜>{"city": "Oslo", "unit": "kelvin"}' + end)
+
+
+def test_glm_grammar_with_text_tags_ends_values_at_the_spelled_closer():
+    """A vocabulary without GLM's argument tags (Qwen3's: only `<tool_call>` is a token): the tags are text, a string
+    value ends lazily at `</arg_value>`, and the parser reads the same call back."""
+    tok = _tokenizer("qwen3")
+    eos = [tok.token_to_id("<|endoftext|>")]
+    backend = GrammarBackend.from_tokenizer(tok, eos_ids=eos)
+    setup = ParserSetup.from_tokenizer(tok, "glm45")
+    assert "<arg_value>" not in setup.delimiter_ids and "<tool_call>" in setup.delimiter_ids
+    plan = compile_request(setup.profile, setup.initial_state([]), setup.delimiter_ids, tools=TOOLS,
+                           tool_choice={"type": "function", "function": {"name": "set_alarm"}})
+    reply = ("<tool_call>set_alarm\n<arg_key>hour</arg_key>\n<arg_value>7</arg_value>\n<arg_key>label</arg_key>\n"
+             "<arg_value>wake up</arg_value>\n</tool_call>")
+    ids = tok.encode(reply, add_special_tokens=False).ids
+    c = backend.constraint(plan)
+    assert all(c.accept_token(t) for t in ids + eos), c.error_message()
+    calls = parse_all(setup.pipeline(initial=setup.initial_state([]), tools=TOOLS), ids).tool_calls
+    assert [(x.name, json.loads(x.arguments)) for x in calls] == [("set_alarm", {"hour": 7, "label": "wake up"})]
+    c = backend.constraint(plan)
+    bad = tok.encode(reply.replace("7", "seven"), add_special_tokens=False).ids
+    assert not all(c.accept_token(t) for t in bad)
