@@ -1,14 +1,16 @@
 #!/usr/bin/env python
 """Output-pipeline cost per token: replies of 1k, 10k and 100k tokens fed one token at a time.
 
-    python benchmarks/parsers.py [--sizes 1000,10000,100000] [--repeat 3]
+    python benchmarks/parsers.py [--sizes 1000,10000,100000] [--repeat 3] [--scenarios "glm45 args,kimi_k2 args"]
 
 Scenarios (Qwen3 tokenizer from ../shared/data where present, else the demo model's): a thought (`reasoning`), an
 answer (`content`), one Hermes tool call whose JSON arguments hold a long string (`hermes args`), and one Qwen3-Coder
 call whose string parameter is that long (`qwen3_coder args`, converted to JSON as it streams). Each row prints the
 CPU time (thread time, so other load on the machine does not count) per token in microseconds at each size, best of
 ``--repeat`` runs of the whole `OutputPipeline` (bytes, UTF-8, machine, events), and the ratio of the largest size to
-the smallest: about 1.0 means linear time (design I5).
+the smallest: about 1.0 means linear time (design I5). `deepseek_v3 args`, `glm45 args` and `kimi_k2 args` are one
+call of each family whose string argument is that long (DeepSeek V3.1's bare JSON, GLM's `<arg_value>` converted to a
+JSON string as it streams, Kimi's JSON); their markers are added to the tokenizer as single special tokens.
 """
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}]
 
 
+SECTION_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                   "<｜tool▁calls▁end｜>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                   "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                   "<|tool_call_end|>", "<|tool_calls_section_end|>")
+"""DeepSeek's, GLM's and Kimi K2's tool-call markers: single tokens in their own vocabularies, added here."""
+
+
 def load_tokenizer():
     from tokenizers import Tokenizer
 
@@ -47,7 +56,7 @@ def load_tokenizer():
 
 def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, list[int], dict]]:
     """Token sequences of exactly ``n`` tokens (a repeated, really tokenized paragraph)."""
-    d = setup.delimiter_ids
+    opener = tok.encode("<tool_call>", add_special_tokens=False).ids     # one token (an added token)
 
     def body(prefix: str, text: str, lead: list[int]) -> list[int]:
         head = lead + tok.encode(prefix, add_special_tokens=False).ids
@@ -60,9 +69,17 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
         "reasoning": (InitialState.REASONING, body("", PARAGRAPH, []), {}),
         "content": (InitialState.CONTENT, body("", PARAGRAPH, []), {}),
         "hermes args": (InitialState.CONTENT, body('\n{"name": "write_file", "arguments": {"content": "', escaped,
-                                                  [d["<tool_call>"]]), {"tools": TOOLS}),
+                                                  opener), {"tools": TOOLS}),
         "qwen3_coder args": (InitialState.CONTENT, body("\n<function=write_file>\n<parameter=content>\n", PARAGRAPH,
-                                                       [d["<tool_call>"]]), {"tools": TOOLS}),
+                                                       opener), {"tools": TOOLS}),
+        "deepseek_v3 args": (InitialState.CONTENT, body("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>write_file<｜tool▁sep｜>"
+                                                       '{"content": "', escaped, []), {"tools": TOOLS}),
+        "glm45 args": (InitialState.CONTENT, body("<tool_call>write_file\n<arg_key>content</arg_key>\n<arg_value>",
+                                                 PARAGRAPH, []), {"tools": TOOLS}),
+        "kimi_k2 args": (InitialState.CONTENT, body("<|tool_calls_section_begin|><|tool_call_begin|>"
+                                                   "functions.write_file:0<|tool_call_argument_begin|>"
+                                                   '{"content": "', escaped, []),
+                         {"tools": TOOLS}),
     }
 
 
@@ -83,10 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--scenarios", default="", help="comma-separated scenario names (default: all)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     tok, name = load_tokenizer()
-    profiles = {"reasoning": "qwen3", "content": "qwen3", "hermes args": "qwen3", "qwen3_coder args": "qwen3_coder"}
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SECTION_MARKERS])
+    profiles = {"reasoning": "qwen3", "content": "qwen3", "hermes args": "qwen3", "qwen3_coder args": "qwen3_coder",
+                "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2"}
+    if args.scenarios:
+        wanted = [s.strip() for s in args.scenarios.split(",")]
+        unknown = [s for s in wanted if s not in profiles]
+        if unknown:
+            ap.error(f"unknown scenarios {unknown}; known: {', '.join(profiles)}")
+        profiles = {s: profiles[s] for s in wanted}
     setups = {p: ParserSetup.from_tokenizer(tok, p) for p in set(profiles.values())}
     table: dict[str, list[float]] = {}
     for n in sizes:

@@ -361,8 +361,8 @@ def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool) 
 
 
 def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
-    """GLM-4.5: ``<tool_call>NAME\\n(<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n)*</tool_call>``, each argument at
-    most once, in any order, required ones present, values as the parser types them."""
+    """GLM-4.5: ``<tool_call>NAME\\n(<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n)*</tool_call>``, each argument
+    at most once, in any order, required ones present, values as the parser types them."""
     alts = []
     for k, t in enumerate(tools):
         lenient = not t.strict

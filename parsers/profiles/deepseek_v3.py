@@ -1,6 +1,7 @@
 """DeepSeek-V3 / R1-0528 / V3.1 tool calls, one syntax for both spellings of a call:
 
-V3 and R1-0528 write `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{args}\n```<｜tool▁call▁end｜>`
+V3 and R1-0528 write
+`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{args}\n```<｜tool▁call▁end｜>`
 (a type word, then the name and fenced JSON); V3.1 writes `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{args}<｜tool▁call▁end｜>`
 (the name before the separator, bare JSON). Calls follow each other until `<｜tool▁calls▁end｜>`. Reasoning is
 `<think>`/`</think>` (V3.1 thinking mode, R1-0528); the prompt tail decides where the reply starts (V3.1's template
