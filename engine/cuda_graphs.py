@@ -8,8 +8,8 @@ static input buffers every captured graph reads (sized for the largest batch):
 - ``query_start_loc`` int32 ``[N+1]`` (fixed ``0..N``: one token per sequence), ``seq_lens`` int32 ``[N]``;
 - ``block_table`` int32 ``[N, max_blocks_per_seq]``; ``logits_indices`` int64 ``[N]`` (fixed ``0..N-1``).
 
-A batch of ``n`` sequences is copied into the first ``n`` rows and replayed with the graph of the smallest captured
-size ``>= n``; rows ``n..size-1`` are padding: slot ``-1`` (the KV write skips them), ``seq_len 0`` (attention reads
+A batch of ``n`` sequences is copied into the first ``n`` rows (the buffers are never rebound: the graphs hold their
+addresses) and replayed with the graph of the smallest captured size ``>= n``; rows ``n..size-1`` are padding: slot ``-1`` (the KV write skips them), ``seq_len 0`` (attention reads
 no key and writes zeros), token and position 0. The output rows past ``n`` are garbage and are sliced away. With
 graphs the returned tensor lives in the graph's pool and is overwritten by the next replay: consume it first.
 
