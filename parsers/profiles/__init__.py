@@ -2,8 +2,9 @@
 tool syntax (`parsers.tools`) that its ``tool_format`` names.
 
 Families: ``qwen3`` (think + Hermes JSON tool calls), ``qwen3_coder`` (think + XML tool calls typed by JSON schema),
-``deepseek_r1`` (the template opens the thought), ``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony
-channels), ``none`` (all content).
+``deepseek_r1`` (the template opens the thought), ``deepseek_v3`` (DeepSeek's tool-call section, V3 and V3.1
+spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`` (think + Kimi's tool-call section),
+``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def get_profile(name: str) -> Profile:
         raise ValueError(f"unknown parser profile {name!r}; known: {', '.join(PARSER_NAMES)}") from None
 
 
-_MODEL_TYPES = {"gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3"}
+_MODEL_TYPES = {"gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
+                "deepseek_v3": "deepseek_v3", "glm4_moe": "glm45", "kimi_k2": "kimi_k2"}
 
 
 def detect_profile(chat_template: str | None, model_type: str | None = None) -> str:

@@ -147,13 +147,16 @@ def test_without_tools_the_markup_is_content(tok, setup):
     assert out.tool_calls == [] and out.content == "a" + "".join(parts[1:])
 
 
-@pytest.mark.parametrize("path", ["templates/hf/DeepSeek-V3.jinja", "templates/hf/DeepSeek-V3.1.jinja",
-                                  "templates/llama.cpp/deepseek-ai-DeepSeek-V3.1.jinja",
-                                  "templates/vllm/tool_chat_template_deepseekv3.jinja",
-                                  "templates/vllm/tool_chat_template_deepseekv31.jinja",
-                                  "templates/rtp-llm/tool_chat_template_deepseekv31.jinja"])
-def test_detected_from_the_real_deepseek_templates(path):
-    assert detect_profile(shared_path(path).read_text()) == "deepseek_v3"
+TEMPLATES = ["hf/DeepSeek-V3.jinja", "hf/DeepSeek-V3.1.jinja", "llama.cpp/deepseek-ai-DeepSeek-V3.1.jinja",
+             "vllm/tool_chat_template_deepseekv3.jinja", "vllm/tool_chat_template_deepseekv31.jinja",
+             "rtp-llm/tool_chat_template_deepseekv31.jinja"]
+
+
+def test_detected_from_exactly_the_real_deepseek_v3_and_v31_templates():
+    root = shared_path("templates")
+    found = {str(p.relative_to(root)) for p in root.glob("*/*.jinja") if detect_profile(p.read_text()) == "deepseek_v3"}
+    assert found == set(TEMPLATES)
+    assert detect_profile(None, "deepseek_v3") == "deepseek_v3"
 
 
 def test_vllm_names_and_r1_templates_keep_their_profile():

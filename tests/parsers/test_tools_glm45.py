@@ -125,10 +125,11 @@ def test_without_tools_the_markup_is_content(tok, setup):
     assert out.tool_calls == [] and out.content == reply
 
 
-@pytest.mark.parametrize("path", ["templates/rtp-llm/glm-4.5.jinja", "templates/llama.cpp/GLM-4.6.jinja",
-                                  "templates/llama.cpp/GLM-4.7-Flash.jinja"])
-def test_detected_from_the_real_glm_templates(path):
-    assert detect_profile(shared_path(path).read_text()) == "glm45"
+def test_detected_from_exactly_the_real_glm_templates():
+    root = shared_path("templates")
+    found = {str(p.relative_to(root)) for p in root.glob("*/*.jinja") if detect_profile(p.read_text()) == "glm45"}
+    assert found == {"rtp-llm/glm-4.5.jinja", "llama.cpp/GLM-4.6.jinja", "llama.cpp/GLM-4.7-Flash.jinja"}
+    assert detect_profile(None, "glm4_moe") == "glm45"
 
 
 VALUES = {"city": text(max_size=6), "days": st.integers(-99, 99), "hourly": st.booleans(),

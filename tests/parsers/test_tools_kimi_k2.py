@@ -128,11 +128,12 @@ def test_without_tools_the_markup_is_content(tok, setup):
     assert parse_all(setup.pipeline(initial=InitialState.CONTENT), ids_of(tok, reply)).content == reply
 
 
-@pytest.mark.parametrize("path", ["templates/llama.cpp/Kimi-K2-Instruct.jinja",
-                                  "templates/llama.cpp/Kimi-K2-Thinking.jinja",
-                                  "templates/llama.cpp/moonshotai-Kimi-K2.jinja"])
-def test_detected_from_the_real_kimi_templates(path):
-    assert detect_profile(shared_path(path).read_text()) == "kimi_k2"
+def test_detected_from_exactly_the_real_kimi_templates():
+    root = shared_path("templates")
+    found = {str(p.relative_to(root)) for p in root.glob("*/*.jinja") if detect_profile(p.read_text()) == "kimi_k2"}
+    assert found == {"llama.cpp/Kimi-K2-Instruct.jinja", "llama.cpp/Kimi-K2-Thinking.jinja",
+                     "llama.cpp/moonshotai-Kimi-K2.jinja"}
+    assert detect_profile(None, "kimi_k2") == "kimi_k2"
 
 
 @SETTINGS
