@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ember.parsers.initial import InitialState
+from ember.parsers.machine import ParserMachine
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import canonical_name, detect_profile, get_profile
 from tests.conftest import shared_path
@@ -164,6 +165,18 @@ def test_vllm_names_and_r1_templates_keep_their_profile():
     assert canonical_name("deepseek_v31") == "deepseek_v3"
     for path in ("templates/llama.cpp/llama-cpp-deepseek-r1.jinja", "templates/hf/DeepSeek-R1-Distill-Qwen-14B.jinja"):
         assert detect_profile(shared_path(path).read_text()) == "deepseek_r1"
+
+
+def test_r1_0528_command_line_combines_r1_thoughts_with_deepseek_calls():
+    from ember.server.generation import choose_profile
+
+    p = choose_profile(None, None, "deepseek_r1", "deepseek_v3")         # --reasoning-parser / --tool-parser
+    assert (p.tool_format, p.reasoning.start_mode) == ("deepseek_v3", "always")
+    m = ParserMachine(p, IDS, InitialState.REASONING, [{}], call_id=lambda i: f"call_{i}")
+    f = fold(run(m, [(None, "think</think>\n\n"), (IDS[BEGIN], BEGIN), (IDS[CALL], CALL), (None, "function"),
+                     (IDS[SEP], SEP), (None, 'f\n```json\n{"a": 1}\n```'), (IDS[END], END), (IDS[CLOSE], CLOSE),
+                     (IDS[EOS], EOS)]))
+    assert (f.reasoning, f.content, f.calls) == ("think", "", [["f", '{"a": 1}', True]])
 
 
 @SETTINGS
