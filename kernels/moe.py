@@ -207,6 +207,20 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
 
 
 @triton.jit
+def _load_b_mx_packed(b_ptr, bs_ptr, rows, row_mask, k0, K, stride_bn, stride_bk, stride_sn, stride_sk,
+                      BLOCK_K: tl.constexpr):
+    """K step ``k0`` of one MXFP4 expert as ``tl.dot_scaled`` operands: the packed ``[BLOCK_K/2, BLOCK_N]`` E2M1
+    bytes (two K elements each, low nibble first) and the ``[BLOCK_N, BLOCK_K/32]`` E8M0 scales."""
+    kp = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    ks = k0 * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    packed = tl.load(b_ptr + rows[None, :] * stride_bn + kp[:, None] * stride_bk,
+                     mask=(kp < K // 2)[:, None] & row_mask[None, :], other=0)
+    scale = tl.load(bs_ptr + rows[:, None] * stride_sn + ks[None, :] * stride_sk,
+                    mask=row_mask[:, None] & (ks < K // 32)[None, :], other=0)
+    return packed, scale
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, bs_ptr, bs2_ptr, c_ptr, topk_w_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
@@ -224,10 +238,13 @@ def _moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
-    (MXFP4) E8M0 scales per 32 and none. ``CLAMPED_SWIGLU`` is gpt-oss's GLU instead of SiLU-and-mul."""
+    (MXFP4) E8M0 scales per 32 and none; MXFP4 with ``DOT_SCALED`` (Blackwell) feeds the packed bytes and scales to
+    ``tl.dot_scaled`` against the ``A_FORMAT`` (bf16/fp16) activations instead of dequantizing them. ``CLAMPED_SWIGLU``
+    is gpt-oss's GLU instead of SiLU-and-mul."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -249,15 +266,24 @@ def _moe_gemm_kernel(
         kk = k0 * BLOCK_K + offs_k
         k_mask = kk < K
         a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
-        b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
-                         stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
-                         SCALE_E8M0)
-        acc = tl.dot(a, b, acc)
-        if FUSE_SILU:
-            b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
-                                stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
-                                SCALE_GROUP, SCALE_E8M0)
-            acc_up = tl.dot(a, b_up, acc_up)
+        if DOT_SCALED:
+            bp, bsc = _load_b_mx_packed(b_base, s_base, offs_n, n_mask, k0, K,
+                                        stride_bn, stride_bk, stride_sn, stride_sk, BLOCK_K)
+            acc = tl.dot_scaled(a, None, A_FORMAT, bp, bsc, "e2m1", acc)
+            if FUSE_SILU:
+                bp_up, bsc_up = _load_b_mx_packed(b_base, s_base, offs_n + up_off, n_mask, k0, K,
+                                                  stride_bn, stride_bk, stride_sn, stride_sk, BLOCK_K)
+                acc_up = tl.dot_scaled(a, None, A_FORMAT, bp_up, bsc_up, "e2m1", acc_up)
+        else:
+            b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
+                             stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
+                             SCALE_E8M0)
+            acc = tl.dot(a, b, acc)
+            if FUSE_SILU:
+                b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
+                                    stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
+                                    SCALE_GROUP, SCALE_E8M0)
+                acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
 
     if NVFP4:
@@ -360,6 +386,7 @@ def _invoke(
     cfg: GemmConfig,
     bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    dot_scaled: bool = False,
 ) -> None:
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4 or MXFP4 weight stack; optional per-expert
     ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of SiLU."""
@@ -402,6 +429,7 @@ def _invoke(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
+        DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -417,6 +445,7 @@ def fused_moe(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
+    dot_scaled: bool | None = None,
 ) -> torch.Tensor:
     """``[M, H]`` = sum over each token's ``k`` experts of ``w * down(silu(gate(x)) * up(x))``.
 
@@ -424,7 +453,8 @@ def fused_moe(
     (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``) or MXFP4 stacks. ``x`` is fp16/bf16/fp32; the
     output has its dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``. gpt-oss: per-expert biases
     ``b13 [E, 2I]`` / ``b2 [E, H]`` and ``swiglu = (limit, alpha)`` for its clamped GLU
-    (:func:`ember.kernels.moe_reference.clamped_swiglu`).
+    (:func:`ember.kernels.moe_reference.clamped_swiglu`). MXFP4 stacks with bf16/fp16 activations use
+    ``tl.dot_scaled`` where :func:`mxfp4_dot_scaled_available` says so (``dot_scaled`` forces it on or off).
     """
     m, h = x.shape
     top_k = topk_ids.shape[1]
@@ -433,14 +463,21 @@ def fused_moe(
     e, n2 = shape13[0], shape13[1]
     inter_size = n2 // 2
     cfg = config or default_config(m, e, top_k, x.device, nvfp4=packed)
+    if not isinstance(w13, MXFP4Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
+        dot_scaled = False
+    elif dot_scaled is None:
+        dot_scaled = mxfp4_dot_scaled_available(x.device)
+    if dot_scaled and cfg.block_k % 32:
+        raise ValueError(f"MXFP4 dot_scaled needs block_k to be a multiple of 32, got {cfg.block_k}")
     x = x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
     _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, m * top_k, cfg,
-            bias=b13, swiglu=swiglu)
+            bias=b13, swiglu=swiglu, dot_scaled=dot_scaled)
     out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2)
+    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2,
+            dot_scaled=dot_scaled)
     return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
 
 
@@ -497,6 +534,42 @@ def _quiet_stderr() -> Iterator[None]:
                 os.dup2(saved, 2)
     finally:
         os.close(saved)
+
+
+def mxfp4_dot_scaled_available(device: torch.device) -> bool:
+    """True on CUDA devices of capability >= 10.0 where :func:`dot_scaled_mxfp4_works` (probed once per device)."""
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(tl, "dot_scaled"):
+        return False
+    if torch.cuda.get_device_capability(device) < (10, 0):
+        return False
+    return dot_scaled_mxfp4_works(str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def dot_scaled_mxfp4_works(device_str: str = "cpu") -> bool:
+    """Known-answer probe: does this Triton compute the MXFP4 fused MoE with ``tl.dot_scaled`` (bf16 x e2m1, E8M0
+    scales) as the dequantizing W4A16 kernel does? On CUDA only devices of capability >= 10.0 are probed."""
+    if not hasattr(tl, "dot_scaled"):
+        return False
+    dev = torch.device(device_str)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (10, 0):
+        return False
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16  # the interpreter's bf16 dot is unusable
+    x = torch.randn(8, 64, generator=g).to(device=dev, dtype=dtype)
+    w13 = mxfp4.quantize(torch.randn(2, 64, 64, generator=g))
+    w2 = mxfp4.quantize(torch.randn(2, 64, 32, generator=g))
+    w13, w2 = (MXFP4Tensor(w.weight.to(dev), w.scale.to(dev)) for w in (w13, w2))
+    ids = torch.randint(0, 2, (8, 1), generator=g, dtype=torch.int32).to(dev)
+    ones = torch.ones(8, 1, device=dev)
+    try:
+        with _quiet_stderr():
+            got = fused_moe(x, w13, w2, ones, ids, dot_scaled=True)
+    except Exception as e:  # noqa: BLE001 - any compile/run failure means "not supported"
+        log.info("MXFP4 dot_scaled probe on %s failed (%s); MXFP4 runs W4A16", device_str, type(e).__name__)
+        return False
+    want = fused_moe(x, w13, w2, ones, ids, dot_scaled=False)
+    return bool(((got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()).item())
 
 
 @functools.lru_cache(maxsize=None)

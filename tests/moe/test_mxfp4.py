@@ -230,3 +230,19 @@ def test_loader_names_missing_and_mismatched_expert_tensors(mxfp4_dirs):
     model = get_model_class(cfg.architecture)(cfg, 64)
     with pytest.raises(ConfigError, match="unquantized but config.json"):
         model.load_weights(list(dense.items()))
+
+
+@pytest.mark.parametrize("m", [3, 37])
+def test_fused_moe_kernel_mxfp4_through_dot_scaled_matches_reference(m):
+    """The Blackwell variant (packed E2M1 + E8M0 straight into ``tl.dot_scaled``), run by the interpreter in fp16."""
+    from functools import partial
+
+    from ember.kernels import moe, moe_reference
+
+    x, w13, w2, b13, b2, tw, ti = _gpt_oss_moe_inputs(m, 8, 64, 96, 2, seed=m + 100, dtype=torch.float16)
+    want = moe_reference.fused_moe(x.float(), w13, w2, tw, ti, b13=b13.float(), b2=b2.float(),
+                                   activation=partial(moe_reference.clamped_swiglu, limit=7.0, alpha=1.702))
+    got = moe.fused_moe(x, w13, w2, tw, ti, b13=b13, b2=b2, swiglu=(7.0, 1.702), dot_scaled=True)
+    assert ((got.float() - want).norm() / want.norm()).item() < 3e-3
+    assert moe.dot_scaled_mxfp4_works("cpu")
+    assert not moe.mxfp4_dot_scaled_available(torch.device("cpu"))  # CPU and Hopper dequantize (W4A16)
