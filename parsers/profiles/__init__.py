@@ -9,14 +9,15 @@ spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`
 from __future__ import annotations
 
 from .base import Profile, ReasoningSpec, Rule
-from . import deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3_json, mistral, none, qwen3, qwen3_coder
+from . import (deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3_json, mistral, none, pythonic, qwen3,
+               qwen3_coder)
 
 __all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
            "get_profile", "detect_profile"]
 
 _PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
                                  for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, glm45,
-                                           kimi_k2, llama3_json, mistral, hermes, gpt_oss, none)}
+                                           kimi_k2, llama3_json, mistral, pythonic, hermes, gpt_oss, none)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
 ALIASES: dict[str, str] = {
@@ -73,6 +74,8 @@ def detect_profile(chat_template: str | None, model_type: str | None = None) -> 
         return "qwen3"
     if "[TOOL_CALLS]" in t and "[INST]" in t:
         return "mistral"              # Mistral 7B v0.3 / Nemo / Small 3.x / Devstral / Magistral / Ministral 3
+    if "[func_name" in t:
+        return "pythonic"             # vLLM's llama3.2 / llama4 / gemma3 pythonic templates
     if "<|start_header_id|>" in t and '"parameters"' in t and "[func_name" not in t:
         return "llama3_json"          # Llama 3.1/3.2/3.3 and vLLM's llama3.x_json templates
     return _MODEL_TYPES.get(model_type or "", "none")

@@ -12,6 +12,7 @@ from .harmony import HarmonySyntax
 from .kimi_k2 import KimiK2Syntax
 from .llama3_json import Llama3JsonSyntax
 from .mistral import MistralSyntax
+from .pythonic import PythonicSyntax
 from .hermes import HermesSyntax
 from .qwen3_coder import Qwen3CoderSyntax
 
@@ -26,6 +27,7 @@ SYNTAXES: dict[str, type[ToolSyntax]] = {s.tool_format: s for s in (
     KimiK2Syntax,
     Llama3JsonSyntax,
     MistralSyntax,
+    PythonicSyntax,
 )}
 
 

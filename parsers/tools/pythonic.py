@@ -1,0 +1,174 @@
+"""Pythonic tool calls: `[f(a=1, b="x"), g(c=[1, 2])]` (see `parsers.profiles.pythonic`), converted to JSON arguments
+as they stream (`parsers.python_literals.PythonArgs`: a character-level scanner, nothing is re-parsed).
+
+At the reply's start (only whitespace before it) a `[` may open the list: the `[`, the name and its `(` are withheld
+(bounded by `MAX_NAME`) until the `(` proves a call, else they are content and the whole reply stays content. After
+`<|python_start|>` the list is expected, and text that breaks it is Malformed. Once a call's name is out, a break
+in its arguments closes their JSON (so they stay valid) and the rest of the reply is Malformed; a call cut by the end
+of the output keeps the JSON prefix it streamed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..profiles.base import BAD_CALL, CONTENT, TOOL_BETWEEN, TOOL_PREAMBLE, Rule
+from ..profiles.pythonic import P_AFTER, P_ARGS, P_HEAD
+from ..python_literals import PythonArgs
+from .base import MAX_NAME, Handler, ToolSyntax
+
+_WS = " \t\r\n"
+_NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
+_OPEN = Rule("tool_open")
+
+
+class PythonicSyntax(ToolSyntax):
+    tool_format = "pythonic"
+
+    def __init__(self, machine, tools: Sequence[dict] | None) -> None:
+        super().__init__(machine, tools)
+        self._at_start = True         # only whitespace so far: a `[` may open a bare list
+        self._bare = False            # the list opened without `<|python_start|>` (a broken head is content)
+        self._first = True            # the head still expects the list's `[`
+        self._head = ""               # raw head text withheld
+        self._name = ""
+        self._name_done = False
+        self._args: PythonArgs | None = None
+
+    def handlers(self) -> dict[str, Handler]:
+        return {CONTENT: self._content_text, TOOL_PREAMBLE: self._preamble_text, P_HEAD: self._head_text,
+                P_ARGS: self._args_text, P_AFTER: self._after_text}
+
+    def close(self, state: str, at_finish: bool) -> None:
+        m = self.m
+        if state == P_HEAD:
+            head, self._head = self._head, ""
+            if self._bare and m.n_calls == 0:
+                m.state = CONTENT
+                if head:
+                    m.content_text(head)
+            else:
+                m.malformed(head, "tool call cut short")
+        elif state == P_ARGS:
+            if not at_finish:
+                m.args(self._args.closers())
+            m.end_call()
+
+    # ------------------------------------------------------------------------------------------- text handlers
+    def _content_text(self, s: str) -> int:
+        m = self.m
+        if not self._at_start:
+            return m.content_text(s)
+        j = len(s) - len(s.lstrip(_WS))
+        if j == len(s):
+            return m.content_text(s)          # held: may precede a bare list
+        self._at_start = False
+        if s[j] != "[" or not m.parse_tools:
+            return m.content_text(s)
+        if j:
+            m.content_text(s[:j])
+        self._new_head(bare=True)
+        return j
+
+    def _preamble_text(self, s: str) -> int:
+        m = self.m
+        i = len(s) - len(s.lstrip(_WS))
+        m.drop(s[:i], "template whitespace")
+        if i == len(s):
+            return i
+        self._at_start = False
+        if s[i] == "[":
+            self._new_head(bare=False)
+            return i
+        m.state = BAD_CALL
+        return i
+
+    def _new_head(self, bare: bool) -> None:
+        self._bare, self._first = bare, True
+        self._head, self._name, self._name_done = "", "", False
+        self.m.state = P_HEAD
+
+    def _head_text(self, s: str) -> int:
+        m = self.m
+        i, n = 0, len(s)
+        while i < n:
+            c = s[i]
+            if self._first:
+                if c != "[":
+                    return self._broken_head(i)
+                self._first = False
+            elif c in _WS:
+                self._name_done = bool(self._name)
+            elif c in _NAME and not self._name_done:
+                self._name += c
+            elif c == "(" and self._name:
+                self._start(self._head + c)
+                return i + 1
+            else:
+                return self._broken_head(i)
+            self._head += c
+            i += 1
+            if len(self._head) > MAX_NAME:
+                return self._broken_head(i)
+        return n
+
+    def _broken_head(self, i: int) -> int:
+        m = self.m
+        head, self._head = self._head, ""
+        if self._bare and m.n_calls == 0:
+            m.state = CONTENT
+            if head:
+                m.content_text(head)
+        else:
+            m.malformed(head, "malformed tool call")
+            m.state = BAD_CALL
+        return i
+
+    def _start(self, raw: str) -> None:
+        m = self.m
+        if self._bare and m.n_calls == 0:
+            m.state = CONTENT
+            m.apply(_OPEN, "")                    # drops the held whitespace
+        name, self._head = self._name, ""
+        at = raw.find(name)
+        m.drop(raw[:at], "tool call list")
+        m.start_call(name)
+        m.drop(raw[at + len(name):], "tool call header")
+        m.args("{")
+        self._args = PythonArgs()
+        m.state = P_ARGS
+
+    def _args_text(self, s: str) -> int:
+        m = self.m
+        conv = self._args
+        n, text = conv.feed(s)
+        m.args(text)
+        if conv.error is not None:
+            m.args(conv.closers())
+            m.end_call()
+            m.malformed(conv.pending_raw + s[n:], conv.error)
+            m.state = BAD_CALL
+            return len(s)
+        if conv.done:
+            m.end_call()
+            m.state = P_AFTER
+        return n
+
+    def _after_text(self, s: str) -> int:
+        m = self.m
+        i, n = 0, len(s)
+        while i < n and s[i] in _WS:
+            i += 1
+        m.drop(s[:i], "template whitespace")
+        if i == n:
+            return n
+        if s[i] == ",":
+            m.drop(",", "tool call separator")
+            self._head, self._name, self._name_done, self._first = "", "", False, False
+            m.state = P_HEAD
+            return i + 1
+        if s[i] == "]":
+            m.drop("]", "tool call list")
+            m.state = TOOL_BETWEEN
+            return i + 1
+        m.state = BAD_CALL
+        return i
