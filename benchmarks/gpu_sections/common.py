@@ -177,6 +177,11 @@ def paged_batch(specs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, devi
     Returns ``q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table``.
     """
     g = torch.Generator(device="cpu").manual_seed(seed)
+    gd = torch.Generator(device=device).manual_seed(seed)  # large tensors are drawn where they live
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gd, device=device).to(dtype)
+
     need = [(c + q + block - 1) // block for c, q in specs]
     total = sum(need)
     nb = max(num_blocks or 0, total + 1)
@@ -185,11 +190,9 @@ def paged_batch(specs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, devi
         v_cache = torch.empty_like(k_cache)
         ids = torch.arange(nb - total, nb)
         for cache in (k_cache, v_cache):
-            tail = torch.randn(total, block, hkv, d, generator=g).to(device=device, dtype=dtype)
-            cache[nb - total:] = tail.to(cache.dtype)
+            cache[nb - total:] = randn(total, block, hkv, d).to(cache.dtype)
     else:
-        k_cache = torch.randn(nb, block, hkv, d, generator=g).to(device=device, dtype=dtype)
-        v_cache = torch.randn(nb, block, hkv, d, generator=g).to(device=device, dtype=dtype)
+        k_cache, v_cache = randn(nb, block, hkv, d), randn(nb, block, hkv, d)
         if cache_dtype is not None:
             k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
         ids = torch.randperm(nb, generator=g) if shuffle else torch.arange(nb)
@@ -201,7 +204,7 @@ def paged_batch(specs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, devi
     cu = torch.zeros(len(specs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor([q for _, q in specs]), 0)
     seq_lens = torch.tensor([c + q for c, q in specs], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), hq, d, generator=g).to(device=device, dtype=dtype)
+    q = randn(int(cu[-1]), hq, d)
     return q, k_cache, v_cache, cu.to(device), seq_lens.to(device), table.to(device)
 
 

@@ -104,10 +104,10 @@ def row_kernel_checks(ctx: Ctx) -> None:
     tol = _tol(ctx)
     t, h, inter = ctx.pick((7, 96, 200), (4096, 4096, 12288), (4096, 4096, 12288))
     hd, hq, hkv = ctx.pick((32, 8, 2), (128, 32, 8), (128, 32, 8))
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device=ctx.device).manual_seed(5)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(ctx.device, ctx.dtype)
+        return torch.randn(*shape, generator=g, device=ctx.device).to(ctx.dtype)
 
     x, r, w = rnd(t, h), rnd(t, h), rnd(h)
     with ctx.case("rms_norm"):
@@ -119,7 +119,7 @@ def row_kernel_checks(ctx: Ctx) -> None:
         ctx.report.check("fused_add_rms_norm (residual)", res, ref_res, tol)
     with ctx.case("rotary_neox"):
         cache = reference_ops.rotary_cos_sin_cache(hd, 40960, 1e6, device=ctx.device)
-        pos = torch.randint(0, 40960, (t,), generator=g).to(ctx.device)
+        pos = torch.randint(0, 40960, (t,), generator=g, device=ctx.device)
         qkv = rnd(t, hq + 2 * hkv, hd)  # q and k as strided views of a fused qkv output, as the model passes them
         q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
         got_q, got_k = rotary.rotary_neox(pos, q, k, cache)
