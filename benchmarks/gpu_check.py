@@ -21,6 +21,7 @@ Exit status 1 when a check failed or a section raised.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -115,19 +116,30 @@ def measure_env(quick: bool) -> dict[str, Any]:
 
 
 class _Alarm:
-    """Raises `OutOfTime` in the main thread at the hard deadline (budget + grace), even inside a long loop; an
-    interval timer already set (e.g. pytest-timeout's) is restored with its remaining time on `cancel`."""
+    """Raises `OutOfTime` in the main thread at the hard deadline (budget + grace), even inside a long loop, but
+    only while `armed` (inside a section), so the bookkeeping between sections is never interrupted. An interval
+    timer already set (e.g. pytest-timeout's) is restored with its remaining time on `cancel`."""
 
     def __init__(self, at: float) -> None:
+        self.armed = False
         self.on = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGALRM")
         if self.on:
             self.set_at = time.monotonic()
             self.saved = signal.signal(signal.SIGALRM, self._fire)
             self.saved_delay = signal.setitimer(signal.ITIMER_REAL, max(at - time.monotonic(), 0.01))[0]
 
-    @staticmethod
-    def _fire(signum, frame):
-        raise OutOfTime("hard deadline (budget + grace) passed")
+    def _fire(self, signum, frame) -> None:
+        if self.armed:
+            self.armed = False
+            raise OutOfTime("hard deadline (budget + grace) passed")
+
+    @contextlib.contextmanager
+    def arm(self) -> Iterator[None]:
+        self.armed = True
+        try:
+            yield
+        finally:
+            self.armed = False
 
     def cancel(self) -> None:
         if self.on:
@@ -173,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown sections {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
+    imported_before = set(sys.modules)
     log_file = open(args.out / "gpu_check.log", "w")
     summary: dict[str, Any] = {"budget_s": budget, "sections": []}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         alarm = _Alarm(deadline.at + GRACE_S)
         try:
             try:
-                summary["env"] = measure_env(args.quick)
+                with alarm.arm():
+                    summary["env"] = measure_env(args.quick)
             except OutOfTime as e:
                 summary["env"] = {"error": str(e)}
             print(f"env: {json.dumps(summary['env'])}", flush=True)
@@ -200,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                         weight = (lambda s: s.quick_weight) if args.quick else (lambda s: s.weight)
                         rest = sum(weight(s) for s in SECTIONS[i - 1:] if s.name in chosen)
                         ctx.deadline = deadline.within(deadline.left() * weight(sec) / rest)
-                        run_section(sec, ctx)
-                        free_cuda()
+                        with alarm.arm():
+                            run_section(sec, ctx)
+                            free_cuda()
                 except OutOfTime as e:  # the alarm fired outside the section's own handlers
                     if rep.data["status"] == "running":
                         rep.data.update(status="timeout", timeout=str(e))
@@ -213,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             alarm.cancel()
     summary["elapsed_s"] = round(time.monotonic() - start, 1)
     summary["targets"] = [t for s in summary["sections"] for t in s.pop("_targets")]
-    forbidden = sorted({m.split(".")[0] for m in sys.modules} & {"llguidance", "fastapi", "uvicorn"})
+    forbidden = sorted({m.split(".")[0] for m in set(sys.modules) - imported_before}
+                       & {"llguidance", "fastapi", "uvicorn"})
     if forbidden:  # the GPU image lacks them: an import here breaks the check there
         summary["import_error"] = f"imported {forbidden}, which the GPU image does not have"
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))

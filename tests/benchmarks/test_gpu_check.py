@@ -99,3 +99,20 @@ def test_parity_tolerates_only_near_ties(gpu_check):
     assert parity.check_agree(ctx, "same", want, want)
     assert [c["exact"] for c in rep.data["checks"]] == [False, False, True]
     assert rep.data["checks"][1]["differences"][0]["position"] == 1
+
+
+def test_a_stuck_section_is_interrupted_at_the_hard_deadline(gpu_check, tmp_path, monkeypatch):
+    """A section that never checks its deadline is stopped by the alarm at budget + grace; the rest are skipped."""
+    def stuck(ctx):
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1.0)
+    monkeypatch.setattr(gpu_check.SECTIONS[0], "run", stuck)
+    t0 = time.monotonic()
+    gpu_check.main(["--out", str(tmp_path), "--quick", "--budget-s", "2"])
+    elapsed = time.monotonic() - t0
+    assert 2.0 + 1.0 <= elapsed < 2.0 + 1.0 + 3.0, elapsed
+    got = _sections(tmp_path)
+    assert got["kernels"]["status"] == "timeout" and "hard deadline" in got["kernels"]["timeout"]
+    assert [got[n]["status"] for n in NAMES[1:]] == ["skipped"] * 5
