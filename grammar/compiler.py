@@ -405,6 +405,93 @@ def _harmony_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
     return g.add("call", " | ".join(alts))
 
 
+def _wrapper_schema(tools: list[_Tool], args_key: str) -> dict:
+    """``{"name": NAME, args_key: {..}}`` with one schema per tool keyed by name (Llama 3 JSON, Mistral's list)."""
+    entries = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
+                "required": ["name", args_key], "additionalProperties": False} for t in tools]
+    return entries[0] if len(entries) == 1 else {"anyOf": entries}
+
+
+def _python_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
+    """One pythonic keyword value: ``True``/``False``/``None`` for a boolean / null schema, else JSON of the schema
+    (JSON strings, numbers, lists and dicts are Python literals; the parser also reads a nested true/false/null)."""
+    kind = schema.get("type")
+    if kind == "boolean":
+        return g.add(rule, '"True" | "False"')
+    if kind == "null":
+        return g.add(rule, '"None"')
+    return g.add(rule, _json_rule(schema, lenient=lenient))
+
+
+def _pythonic_call(g: _Lark, tools: list[_Tool]) -> str:
+    """``NAME(k=v, ...)``: the parameters in declared order (required first), optional ones may be left out."""
+    alts = []
+    for k, t in enumerate(tools):
+        props = t.parameters.get("properties") or {}
+        if not isinstance(props, Mapping):
+            raise GrammarError(f"tools: function {t.name!r}: parameters.properties must be an object")
+        if not t.name.isidentifier():
+            raise GrammarError(f"tools: function name {t.name!r} cannot be written as a Python call")
+        required = [p for p in t.parameters.get("required", []) if p in props]
+        names = required + [p for p in props if p not in required]
+        if len(names) > 64:
+            raise GrammarError(f"tools: function {t.name!r} has {len(names)} parameters; at most 64 are supported")
+        items = []
+        for b, p in enumerate(names):
+            if not isinstance(p, str) or not p.isidentifier():
+                raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} is not a Python identifier")
+            ps = props[p] if isinstance(props[p], Mapping) else {}
+            items.append(f'{_lit(p + "=")} {_python_value(g, f"t{k}_v{b}", ps, not t.strict)}')
+        # t{k}_f{i}: parameters i.. with nothing written yet; t{k}_s{i}: the same after a written one (", " first)
+        after, first = '""', '""'
+        for b in range(len(names) - 1, -1, -1):
+            req = names[b] in required
+            s_rule = g.add(f"t{k}_s{b}", f'", " {items[b]} {after}' + ("" if req else f" | {after}"))
+            f_rule = g.add(f"t{k}_f{b}", f"{items[b]} {after}" + ("" if req else f" | {first}"))
+            after, first = s_rule, f_rule
+        alts.append(g.add(f"t{k}_call", f'{_lit(t.name + "(")} {first} ")"'))
+    return g.add("call", " | ".join(alts))
+
+
+def _flat_answer(g: _Lark, d: _Delims, fmt: str, mode: str, tools: list[_Tool], formatted: str | None,
+                 many: bool) -> str | None:
+    """Calls that need no section markers: Llama 3 JSON objects (bare, `; ` between them), a pythonic list, Mistral's
+    ``[TOOL_CALLS]NAME[ARGS]{..}`` (v11+ vocabularies, where ``[ARGS]`` is a token) or ``[TOOL_CALLS][{..}, ..]``."""
+    lenient = not all(t.strict for t in tools)
+    free_start = None
+    if fmt == "llama3_json":
+        g.add("call_json", _json_rule(_wrapper_schema(tools, "parameters"), lenient=lenient))
+        calls = g.add("calls", 'call_json ("; " call_json)*' if many else "call_json")
+        free_start = "{"
+    elif fmt == "pythonic":
+        _pythonic_call(g, tools)
+        calls = g.add("calls", '"[" call (", " call)* "]"' if many else '"[" call "]"')
+        free_start = "["
+    elif d.id("args") is not None:
+        alts = []
+        for k, t in enumerate(tools):
+            g.add(f"t{k}_args", _json_rule(t.parameters, lenient=not t.strict))
+            alts.append(g.add(f"t{k}_call", f'{d.ref("tool_open")} {_lit(t.name)} {d.ref("args")} t{k}_args'))
+        g.add("call", " | ".join(alts))
+        calls = g.add("calls", "call+" if many else "call")
+    else:
+        g.add("call_json", _json_rule(_wrapper_schema(tools, "arguments"), lenient=lenient))
+        items = 'call_json (", " call_json)*' if many else "call_json"
+        calls = g.add("calls", f'{d.ref("tool_open")} "[" {items} "]"')
+    if mode in ("required", "named"):
+        return calls
+    if formatted is not None:
+        return g.add("tools", f"{formatted} | {calls}")
+    if free_start is None:
+        if d.id("tool_open") is None:
+            return None  # the trigger is text: free text cannot be told apart from a call's start
+        g.add("TEXT", _TEXT)
+        return g.add("tools", f"TEXT {calls} | TEXT")
+    # the parser reads calls only at the reply's start: otherwise the reply must not start like one
+    g.add("FREE", f"/[ \\t\\r\\n]*([^{re.escape(free_start)} \\t\\r\\n](?s:.*))?/")
+    return g.add("tools", f"{calls} | FREE")
+
+
 # ------------------------------------------------------------------------------------------------------------ compose
 
 def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None], *,
@@ -496,6 +583,8 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
         formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
     if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):
         return formatted
+    if profile.tool_format in ("llama3_json", "pythonic", "mistral"):
+        return _flat_answer(g, d, profile.tool_format, mode, tools, formatted, parallel and mode != "named")
     if profile.tool_format == "hermes":
         call = _hermes_call(g, d, tools)
     elif profile.tool_format == "qwen3_coder":
