@@ -49,9 +49,11 @@ def _ember_importable() -> None:
     try:
         import ember.kernels  # noqa: F401
     except ImportError:
+        sys.modules.pop("ember", None)
+        sys.path.insert(0, str(ROOT))
         import ember
 
-        ember.__path__.append(str(ROOT))
+        ember.__path__.append(str(ROOT))  # ember.kernels -> ROOT/kernels, as pyproject's package-dir maps it
 
 
 _ember_importable()
