@@ -11,6 +11,9 @@ CPU time (thread time, so other load on the machine does not count) per token in
 the smallest: about 1.0 means linear time (design I5). `deepseek_v3 args`, `glm45 args` and `kimi_k2 args` are one
 call of each family whose string argument is that long (DeepSeek V3.1's bare JSON, GLM's `<arg_value>` converted to a
 JSON string as it streams, Kimi's JSON); their markers are added to the tokenizer as single special tokens.
+`llama3_json args` (a bare `{"name": .., "parameters": {..}}` at the reply's start), `mistral args` (`[TOOL_CALLS]NAME
+[ARGS]{..}`) and `pythonic args` (`[write_file(content="...")]`, Python literals converted to JSON as they stream) are
+the same for those syntaxes.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ SECTION_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
                    "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                    "<|tool_call_end|>", "<|tool_calls_section_end|>")
 """DeepSeek's, GLM's and Kimi K2's tool-call markers: single tokens in their own vocabularies, added here."""
+FLAT_MARKERS = ("<|python_tag|>", "<|eot_id|>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<|python_start|>", "<|python_end|>")
+"""Llama 3's, Mistral's and Llama 4's markers (single tokens in their vocabularies), added here."""
 
 
 def load_tokenizer():
@@ -80,6 +85,11 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
                                                    "functions.write_file:0<|tool_call_argument_begin|>"
                                                    '{"content": "', escaped, []),
                          {"tools": TOOLS}),
+        "llama3_json args": (InitialState.CONTENT, body('{"name": "write_file", "parameters": {"content": "', escaped,
+                                                       []), {"tools": TOOLS}),
+        "mistral args": (InitialState.CONTENT, body('[TOOL_CALLS]write_file[ARGS]{"content": "', escaped, []),
+                         {"tools": TOOLS}),
+        "pythonic args": (InitialState.CONTENT, body('[write_file(content="', escaped, []), {"tools": TOOLS}),
     }
 
 
@@ -106,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     tok, name = load_tokenizer()
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SECTION_MARKERS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SECTION_MARKERS + FLAT_MARKERS])
     profiles = {"reasoning": "qwen3", "content": "qwen3", "hermes args": "qwen3", "qwen3_coder args": "qwen3_coder",
-                "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2"}
+                "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2",
+                "llama3_json args": "llama3_json", "mistral args": "mistral", "pythonic args": "pythonic"}
     if args.scenarios:
         wanted = [s.strip() for s in args.scenarios.split(",")]
         unknown = [s for s in wanted if s not in profiles]
