@@ -27,6 +27,6 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     blk = min(block, triton.next_power_of_2(inter))
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, blk))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=blk
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=blk, num_warps=4, num_stages=1,
         )
     return out.view(*x.shape[:-1], inter)

@@ -46,6 +46,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DEFAULT_TILE_PREFILL = 16 if _INTERPRET else 32
 _DEFAULT_TILE_DECODE = 16
 _DEFAULT_SEGMENTS = 4 if _INTERPRET else 16
+_DEFAULT_BLOCK_M_PREFILL = 16 if _INTERPRET else 64
+"""Query rows per 2D program when a bf16/fp16 batch has a prefill: 64 makes Hopper use wgmma (16 compiles to
+mma.sync) without spilling at 4 warps (128 spills); the interpreter keeps 16 for speed. Decode-only batches use 16
+(one query row per sequence and head of the group); fp32 (IEEE, FMA matmuls) uses 16 with 8 warps."""
+_NUM_WARPS = 4
+_NUM_STAGES = 3
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def reshape_and_cache(
         value.stride(0), value.stride(1), value.stride(2),
         *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=hkv, HEAD_SIZE=d, BLOCK_HD=triton.next_power_of_2(hkv * d), BLOCK_SIZE=k_cache.shape[1],
-        USE_SCALE=use_scale,
+        USE_SCALE=use_scale, num_warps=4, num_stages=1,
     )
 
 
@@ -362,6 +368,8 @@ def paged_attention(
     block_m: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` ``[T, Hq, D]`` (see module doc).
 
@@ -370,7 +378,7 @@ def paged_attention(
     ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
     of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
     unlimited) and ``sinks`` ``[Hq]`` (None: none) as in the reference; KV tiles wholly outside the window are
-    skipped.
+    skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 8 for fp32 prefill; 3 stages).
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -381,17 +389,20 @@ def paged_attention(
     group = hq // hkv
     block_size = k_cache.shape[1]
     head_pad = triton.next_power_of_2(d)
-    block_m = block_m or _block_m(group)
+    decode_only = max_seqlen_q <= 1
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get fp32 matmuls, not TF32
+    small_m = decode_only or precision == "ieee"
+    block_m = block_m or (_block_m(group) if small_m else max(_DEFAULT_BLOCK_M_PREFILL, _block_m(group)))
     if block_m < group or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m} must be a power of two >= the GQA group size {group}")
     ks = float(k_scale if k_scale is not None else 1.0)
     vs = float(v_scale if v_scale is not None else 1.0)
-    decode_only = max_seqlen_q <= 1
+    warps_2d = num_warps or (8 if precision == "ieee" and not decode_only else _NUM_WARPS)
+    stages = num_stages or _NUM_STAGES
     if split_kv is None:
         split_kv = decode_only and num_seqs * hkv <= SPLIT_KV_MAX_PROGRAMS
     if split_kv and not decode_only:
         raise ValueError("split-KV attention needs a decode-only batch (max_seqlen_q <= 1)")
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get fp32 matmuls, not TF32
     window = int(sliding_window or 0)
     if window < 0:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -411,11 +422,12 @@ def paged_attention(
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window,
+            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, num_warps=num_warps or _NUM_WARPS,
+            num_stages=stages,
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
-            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, HAS_SINKS=has_sinks,
+            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, HAS_SINKS=has_sinks, num_warps=4, num_stages=1,
         )
         return out
 
@@ -426,6 +438,6 @@ def paged_attention(
         q, k_cache, v_cache, out, sinks_arg, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale), ks, vs, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks,
+        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, num_warps=warps_2d, num_stages=stages,
     )
     return out

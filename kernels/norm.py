@@ -44,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, x2, weight, out, out, x2.stride(0), x2.stride(0), out.stride(0), out.stride(0), n, float(eps),
-            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=False, num_warps=_num_warps(n),
+            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=False, num_warps=_num_warps(n), num_stages=1,
         )
     return out.view(x.shape)
 
@@ -61,6 +61,6 @@ def fused_add_rms_norm(
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0), n, float(eps),
-            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=True, num_warps=_num_warps(n),
+            BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=True, num_warps=_num_warps(n), num_stages=1,
         )
     return out.view(x.shape), res_out.view(residual.shape)

@@ -76,6 +76,6 @@ def rotary_neox(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1),
             cos_sin_cache.stride(0), hq, k.shape[1],
             HALF=half, HALF_PAD=triton.next_power_of_2(half), ROT=rot, HEAD_SIZE=d,
-            TAIL_PAD=triton.next_power_of_2(d - rot) if d > rot else 0, BLOCK_H=block_h,
+            TAIL_PAD=triton.next_power_of_2(d - rot) if d > rot else 0, BLOCK_H=block_h, num_warps=4, num_stages=1,
         )
     return qo, ko

@@ -1,26 +1,35 @@
-"""Compile Ember's Triton kernels for a CUDA target with the real compiler, no GPU needed (``python compile_check.py 90``).
+"""Compile Ember's Triton kernels for a CUDA target with the real compiler, no GPU needed (``compile_check.py 90``).
 
 The interpreter that runs the kernels in tests accepts programs the compiler rejects (loop-carried constexprs, dot
-shapes, dtype mixes). This script (``--quick``: only the bf16 attention core) drives each public wrapper with CPU tensors, records the launches instead of
-running them, and compiles every recorded (kernel, signature, constexprs) to a cubin for ``sm_<arch>``. It prints
-``OK``/``FAIL`` per launch and exits non-zero on any failure. It must run without ``TRITON_INTERPRET``.
+shapes, dtype mixes) and says nothing about registers. This script (``--quick``: only the bf16 attention core) drives
+each public wrapper with CPU tensors, records the launches instead of running them, and compiles every recorded launch
+to a cubin for ``sm_<arch>`` **specialized as the JIT would** (Triton's own binder for that target: integer arguments
+equal to 1 become constants, pointers and integers divisible by 16 carry the divisibility hint), so it checks the IR
+that runs (cp.async / wgmma / TMA decisions, register allocation). It prints ``OK``/``FAIL`` per launch with registers
+per thread and stack bytes (spills) from ``cuobjdump -res-usage``, then a table, and exits non-zero on any compile
+failure or on any stack use in a hot kernel (:data:`HOT`). It must run without ``TRITON_INTERPRET``.
 """
 from __future__ import annotations
 
-import inspect
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 from ember.kernels import activation, attention, norm, reference_ops, rotary
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-          torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8"}
-
+HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
+       "moe._moe_gemm_w4a4_kernel")
+"""Kernels on the per-token path (decode/prefill attention, the MoE and dense NVFP4 GEMMs): any spill fails."""
 
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` records instead of launching."""
@@ -34,30 +43,15 @@ class _Recorder:
         return launch
 
 
-def _signature(kernel, args, kwargs):
-    params = list(inspect.signature(kernel.fn).parameters)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    sig, constexprs = {}, {}
-    values = iter(args)
-    for i, p in enumerate(params):
-        if p in kwargs:
-            sig[p] = "constexpr"
-            constexprs[(i,)] = kwargs[p]
-            continue
-        v = next(values)
-        if isinstance(v, torch.Tensor):
-            sig[p] = "*" + _TYPES[v.dtype]
-        elif isinstance(v, bool):
-            sig[p] = "i1"
-        elif isinstance(v, int):
-            sig[p] = "i32" if -2**31 <= v < 2**31 else "i64"
-        else:
-            sig[p] = "fp32"
-    return sig, constexprs, options
+LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
+                         "_reduce_segments")),
+            (norm, ("_rms_norm_kernel",)), (activation, ("_silu_and_mul_kernel",)), (rotary, ("_rotary_kernel",)))
+"""The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
 def _drive(launches: list, quick: bool) -> None:
-    """Call each wrapper once per configuration the engine and gpu_check use (``quick``: the bf16 hd128 GQA-4 core)."""
+    """Call each wrapper once per configuration the engine and gpu_check use (``quick``: the bf16 hd128 GQA-4 core:
+    2D and split-KV decode, prefill, KV write)."""
     g = torch.Generator().manual_seed(0)
     dtypes = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn),
               (torch.float32, torch.float32))
@@ -75,9 +69,18 @@ def _drive(launches: list, quick: bool) -> None:
             for split in (False, True):
                 attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 1, 17, 0.1, *scales,
                                           split_kv=split)
-            if not quick:
+            # prefill with the defaults (max_seqlen_q > 1)
+            attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 3, 17, 0.1, *scales)
+            if not quick and dt != torch.float32:
                 attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 3, 17, 0.1, *scales,
-                                          block_m=128, tile_size=64)
+                                          block_m=128, tile_size=32, num_warps=8)
+            if not quick and dt == torch.bfloat16 and cache_dt == dt:  # gpt-oss: sliding window and sinks
+                sinks = torch.zeros(hq)
+                for split in (False, True):
+                    attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 1, 17, 0.1, split_kv=split,
+                                              sliding_window=128, sinks=sinks)
+                attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 3, 17, 0.1,
+                                          sliding_window=128, sinks=sinks)
             attention.reshape_and_cache(q[:, :hkv], q[:, :hkv], kc, kc, torch.tensor([0, -1, 5]), *scales)
     for dt in () if quick else (torch.bfloat16, torch.float16):
         x = torch.randn(4, 4096, generator=g).to(dt)
@@ -94,14 +97,12 @@ def main(arch: int, quick: bool = False) -> int:
         print("compile_check must run without TRITON_INTERPRET", file=sys.stderr)
         return 2
     launches: list = []
-    kernels = {"attention": attention, "norm": norm, "activation": activation, "rotary": rotary}
     saved = []
-    for mod in kernels.values():
-        for name, obj in vars(mod).items():
-            if isinstance(obj, triton.runtime.JITFunction) and name.startswith("_") and not name.startswith("_find") \
-                    and name not in ("_attend_tiles", "_rotate_heads"):
-                saved.append((mod, name, obj))
-                setattr(mod, name, _Recorder(f"{mod.__name__.split('.')[-1]}.{name}", obj, launches))
+    for mod, names in LAUNCHED:
+        for name in names:
+            obj = getattr(mod, name)
+            saved.append((mod, name, obj))
+            setattr(mod, name, _Recorder(f"{mod.__name__.split('.')[-1]}.{name}", obj, launches))
     try:
         _drive(launches, quick)
     finally:
@@ -110,25 +111,97 @@ def main(arch: int, quick: bool = False) -> int:
     return compile_launches(launches, arch, "kernel")
 
 
+@dataclass
+class Compiled:
+    """One compiled launch: its label, registers per thread and stack bytes per thread (None: not measured)."""
+
+    name: str
+    label: str
+    regs: int | None
+    stack: int | None
+    mma: str
+
+
+def _mma_kind(ptx: str) -> str:
+    """Which tensor-core instruction the kernel's PTX uses (``-`` for none)."""
+    for kind, op in (("tcgen05", "tcgen05.mma"), ("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync")):
+        if op in ptx:
+            return kind
+    return "-"
+
+
+def _specialize(kernel, args: tuple, kwargs: dict, backend):
+    """(signature, constexprs, attrs, options) exactly as ``JITFunction.run`` derives them for ``backend``."""
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers, stack bytes) per thread of the cubin's kernel, from ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True,
+                                 timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
+    return (int(regs.group(1)) if regs else None), (int(stack.group(1)) if stack else None)
+
+
+def _label(name: str, signature: dict, constexprs: dict, kernel, options) -> str:
+    names = [p.name for p in kernel.params]
+    ptrs = ",".join(v for v in signature.values() if v.startswith("*"))
+    consts = ",".join(f"{names[k[0]]}={v}" for k, v in sorted(constexprs.items()) if names[k[0]].isupper())
+    return f"{name} {ptrs} {consts} w{options.num_warps}s{options.num_stages}"
+
+
 def compile_launches(launches: list, arch: int, what: str) -> int:
-    """Compile each distinct recorded launch for ``sm_{arch}``, print OK/FAIL per launch; 1 if any failed."""
+    """Compile each distinct recorded launch for ``sm_{arch}`` as the JIT specializes it; print OK/FAIL per launch
+    with registers and stack bytes, then a table; 1 if any failed or a :data:`HOT` kernel uses stack (spills)."""
     target = GPUTarget("cuda", arch, 32)
-    seen, failures = set(), 0
+    backend = make_backend(target)
+    seen: set = set()
+    results: list[Compiled] = []
+    failures = spills = 0
     for name, kernel, args, kwargs, _ in launches:
-        sig, constexprs, options = _signature(kernel, args, dict(kwargs))
-        key = (name, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())))
+        kwargs = dict(kwargs)
+        signature, constexprs, attrs, options = _specialize(kernel, args, kwargs, backend)
+        label = _label(name, signature, constexprs, kernel, options)
+        key = (name, tuple(signature.items()), tuple(sorted(constexprs.items())), str(sorted(attrs.items())),
+               options.num_warps, options.num_stages)
         if key in seen:
             continue
         seen.add(key)
-        label = f"{name} {','.join(v for v in sig.values() if v.startswith('*'))} {sorted(kwargs.items())}"
         try:
-            triton.compile(ASTSource(kernel, sig, constexprs=constexprs), target=target, options=options)
-            print("OK  ", label)
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                      options=options.__dict__)
         except Exception as e:  # report every failing configuration, not just the first
             failures += 1
             print("FAIL", label, f"\n     {type(e).__name__}: {str(e)[:2000]}")
-    print(f"{len(seen)} {what} configurations for sm_{arch} with triton {triton.__version__}: {failures} failed")
-    return 1 if failures else 0
+            continue
+        regs, stack = resource_usage(compiled.asm["cubin"])
+        mma = _mma_kind(compiled.asm.get("ptx", ""))
+        results.append(Compiled(name, label, regs, stack, mma))
+        spilled = bool(stack) and name in HOT
+        spills += spilled
+        print("SPILL" if spilled else "OK  ", label, f"regs={regs} stack={stack} mma={mma}")
+    print("\n| kernel | configurations | registers (min-max) | max stack (spill) bytes | MMA |\n"
+          "| --- | ---: | ---: | ---: | --- |")
+    for name in sorted({r.name for r in results}):
+        rows = [r for r in results if r.name == name]
+        regs = [r.regs for r in rows if r.regs is not None]
+        stack = [r.stack for r in rows if r.stack is not None]
+        reg_range = f"{min(regs)}-{max(regs)}" if regs else "?"
+        mma = ", ".join(sorted({r.mma for r in rows}))
+        print(f"| {name} | {len(rows)} | {reg_range} | {max(stack) if stack else '?'} | {mma} |")
+    print(f"{len(seen)} {what} configurations for sm_{arch} with triton {triton.__version__}: {failures} failed, "
+          f"{spills} hot with spills")
+    return 1 if failures or spills else 0
 
 
 if __name__ == "__main__":

@@ -293,3 +293,63 @@ def test_tiles_outside_the_window_are_skipped_not_masked():
     attention.paged_attention(q[:1], kc, vc, out, cu[:2], seq_lens[:1], table[:1], 1, 81, 0.125,
                               sliding_window=window, tile_size=16, split_kv=True, num_segments=4)
     assert not out.isnan().any() and _rel_err(out, ref[:1]) < 1e-3
+
+
+def _huge_cache_case() -> None:
+    """KV offsets past 2^31 elements: an FP8 cache of 2^31 + 98,304 elements (8 KV heads x 128, 131,078 blocks; 2 GB
+    of address space, of which only the written blocks' pages are touched) with every sequence's blocks at its end.
+    Run in a subprocess: an int32 offset would wrap to a negative address and crash the interpreter."""
+    hkv, d, hq = 8, 128, 16
+    nb = (1 << 31) // (BLOCK * hkv * d) + 6
+    cache = torch.empty(nb, BLOCK, hkv, d, dtype=torch.float8_e4m3fn)
+    assert cache.numel() > 2**31
+    table = torch.tensor([[nb - 1, nb - 3, nb - 5], [nb - 2, nb - 4, nb - 6]], dtype=torch.int32)
+    seq_lens = torch.tensor([42, 21], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.cat([table[i, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK
+                       for i, n in enumerate(seq_lens.tolist())])
+    kv = torch.randn(len(slots), hkv, d, generator=g).to(torch.float8_e4m3fn).half()  # exact in e4m3
+    attention.reshape_and_cache(kv, kv, cache, cache, slots)
+    assert torch.equal(cache.view(-1, hkv, d)[slots].half(), kv)
+    assert cache.view(-1, hkv, d)[slots].float().abs().sum() > 0
+
+    for qlens, split in (([5, 1], False), ([1, 1], True), ([1, 1], False)):
+        cu = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+        q = torch.randn(sum(qlens), hq, d, generator=g).half()
+        ref = torch.zeros_like(q)
+        reference.paged_attention(q, cache, cache, ref, cu, seq_lens, table, max(qlens), 42, d ** -0.5, 0.5, 0.5)
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention(q, cache, cache, out, cu, seq_lens, table, max(qlens), 42, d ** -0.5, 0.5, 0.5,
+                                  split_kv=split)
+        assert _rel_err(out, ref) < 1e-3, (qlens, split)
+
+
+def test_kv_offsets_past_2_31_elements_use_64_bit_arithmetic():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent.parent
+    code = "from tests.kernels.test_attention import _huge_cache_case; _huge_cache_case()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+def test_block_table_entries_past_a_sequence_are_never_read(split):
+    """A table row is only valid up to its sequence's last block; stale entries past it (-1, or ids far outside the
+    cache) must stay masked in every tile, including the partial last tile of a wide TILE."""
+    specs = [(21, 1), (37, 1), (2, 1)]
+    q, kc, vc, cu, seq_lens, table = _batch(specs, 8, 2, 64, torch.float16, seed=4)
+    wide = torch.full((len(specs), 8), -1, dtype=torch.int32)
+    for i, (c, ql) in enumerate(specs):
+        used = (c + ql + BLOCK - 1) // BLOCK
+        wide[i, :used] = table[i, :used]
+        wide[i, used + 1:] = 2**31 - 1
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, wide, 1, 38, 0.125)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_attention(q, kc, vc, out, cu, seq_lens, wide, 1, 38, 0.125, split_kv=split, tile_size=64)
+    assert _rel_err(out, ref) < 1e-3
