@@ -3,13 +3,15 @@ the v11+ `NAME[ARGS]{json}` / `NAME[CALL_ID]ID[ARGS]{json}` (see `parsers.profil
 
 Which one follows is decided by the first non-whitespace character after `[TOOL_CALLS]`: `[` opens a list, whose
 objects are read by the Hermes wrapper code (`HermesSyntax`, ``"arguments"`` passed through as the model's bytes; an
-``"id"`` key is structure: the call has already streamed under the server's id when it arrives). Anything else is a
-name, buffered (bounded by `MAX_NAME`) until `[ARGS]` or `[CALL_ID]`; an id written with `[CALL_ID]` becomes the
-call's id. The arguments after `[ARGS]` stream through verbatim until their JSON value ends
+``"id"`` key is structure: the call has already streamed under the server's id when it arrives); `{` is one such
+object without its list. Anything else is a name (OpenAI's name characters plus `.` and `:`, else the call is
+Malformed), buffered (bounded by `MAX_NAME`) until `[ARGS]` or `[CALL_ID]`; an id written with `[CALL_ID]` becomes
+the call's id. The arguments after `[ARGS]` stream through verbatim until their JSON value ends
 (`parsers.json_stream.JsonValueScanner`). Stray text is Malformed (surfaced as content).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from ..json_stream import HermesWrapper, JsonValueScanner
@@ -19,6 +21,7 @@ from .base import MAX_NAME, Action, Handler
 from .hermes import HermesSyntax
 
 _WS = " \t\r\n"
+_NAME = re.compile(r"[A-Za-z0-9_.:\-]+")      # a tool name (OpenAI's characters, plus `.` and `:`)
 
 
 class MistralSyntax(HermesSyntax):
@@ -63,6 +66,10 @@ class MistralSyntax(HermesSyntax):
             self._in_list = True
             m.state = M_LIST
             return i + 1
+        if s[i] == "{":                    # one object without its list, as some older models write it
+            self._wrapper, self._pre, self._in_list = HermesWrapper(), [], False
+            m.state = TOOL_JSON
+            return i
         self._take_raw()
         m.state = M_NAME
         return i
@@ -151,8 +158,8 @@ class MistralSyntax(HermesSyntax):
             name_raw, after, call_id = self._name, text, None
         self._take_raw()
         name = name_raw.strip()
-        if not name:
-            m.malformed(name_raw + after, "empty tool name")
+        if not _NAME.fullmatch(name):
+            m.malformed(name_raw + after, "not a tool name")
             m.state = BAD_CALL
             return
         at = name_raw.find(name)

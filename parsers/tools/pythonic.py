@@ -145,7 +145,7 @@ class PythonicSyntax(ToolSyntax):
         if conv.error is not None:
             m.args(conv.closers())
             m.end_call()
-            m.malformed(conv.pending_raw + s[n:], conv.error)
+            m.malformed(conv.pending_raw + s[n:], "malformed tool call")     # the reason BAD_CALL goes on with
             m.state = BAD_CALL
             return len(s)
         if conv.done:

@@ -114,6 +114,15 @@ def test_broken_calls_are_content_and_neighbours_parse():
     assert f.malformed == "oops" + "trailing" + "[ARGS]{}" + "7]"
 
 
+def test_a_single_object_without_its_list_and_a_name_that_is_not_one():
+    f = fold(run(machine("mistral", IDS, tools=TOOLS), [(5, CALLS), (None, ' {"name": "f", "arguments": {"a": 1}}'),
+                                                        (2, EOS)]))
+    assert f.calls == [["f", '{"a": 1}', True]] and f.malformed == ""
+    f = fold(run(machine("mistral", IDS, tools=TOOLS), [(5, CALLS), (None, "I will call f"), (10, ARGS_),
+                                                        (None, "{}")]))
+    assert f.calls == [] and f.malformed == "I will call f[ARGS]{}"
+
+
 def test_an_overlong_name_is_content():
     f = fold(run(machine("mistral", IDS, tools=TOOLS), [(5, CALLS), (None, "x" * 600), (10, ARGS_), (None, "{}")]))
     assert f.calls == [] and f.malformed.startswith("x" * 600)
