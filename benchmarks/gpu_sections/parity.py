@@ -3,10 +3,11 @@
 For the demo Qwen3 and a tiny Qwen3-MoE: the same prompts (shared prefixes for prefix-cache hits, a small token
 budget for chunked prefill and mixed prefill + decode steps) through ``Engine`` on the CPU (torch path, fp32) and on
 the device (fp32, eager): the greedy tokens must be equal, or first differ only where the reference's top-2 logprobs
-are a near-tie (fp32 matmuls differ in rounding between devices; the fused MoE's ``tl.dot`` uses TF32). Then on CUDA the device engine with decode CUDA graphs
-must give the tokens of the eager one (and is recorded as having replayed graphs, or why not), and a bf16 run's
-agreement with fp32 is recorded (information, not a check). On a CPU run the "device" is the CPU with
-``EMBER_ATTENTION=triton`` / ``EMBER_MOE=triton`` (the kernels under the interpreter).
+are a near-tie (fp32 matmuls round differently on another device; the fused MoE's ``tl.dot`` uses TF32). The engine
+with decode CUDA graphs must give the eager engine's tokens (and records how many steps replayed graphs, or why
+none did); an FP8 KV cache's first tokens must be the fp32 cache's but at near-ties; a bf16 run's agreement with
+fp32 is recorded (information). On a CPU run the "device" is the CPU with ``EMBER_ATTENTION=triton`` /
+``EMBER_MOE=triton`` (the kernels under the interpreter) and there are no graphs to replay.
 """
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 NEAR_TIE = 0.02
 """A first difference where the reference's top-2 logprobs are closer than this (nats) is rounding, not a bug."""
-
 
 FP8_NEAR_TIE = 0.5
 """The same for an e4m3 KV cache against a bf16/fp32 one (a few percent per element)."""
