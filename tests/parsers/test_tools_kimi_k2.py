@@ -162,9 +162,9 @@ def test_chunking_properties(data, by_id):
         calls.append((name, args))
     if n:
         segs.append((ids.get(CLOSE), CLOSE))
-    if draw(st.booleans()):
-        segs.append((ids.get("<|im_end|>"), "<|im_end|>"))
-    toks = tokens_of(draw, [s for s in segs if s[1] and (s[0] is not None or s[1] != "<|im_end|>")])
+    if by_id and draw(st.booleans()):
+        segs.append((ids["<|im_end|>"], "<|im_end|>"))
+    toks = tokens_of(draw, [s for s in segs if s[1]])
     events = check_chunking_and_truncation("kimi_k2", ids, initial, toks, tools=[{}])
     f = fold(events)
     assert (f.reasoning, f.malformed) == (reasoning, "")
