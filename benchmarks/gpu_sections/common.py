@@ -209,13 +209,17 @@ def paged_batch(specs: list[tuple[int, int]], hq: int, hkv: int, d: int, *, devi
 
 
 def free_cuda() -> None:
-    """Return cached CUDA memory between sections (a no-op without CUDA)."""
+    """Return cached CUDA memory between sections (a no-op without CUDA). Never raises: after a kernel fault the
+    CUDA context is broken, and the run must still write its summary (the fault is in the section's record)."""
     import gc
 
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # e.g. "an illegal memory access was encountered", raised again at every sync
+            print(f"free_cuda: {type(e).__name__}: {e}", flush=True)
 
 
 def _json_default(o: Any) -> Any:
