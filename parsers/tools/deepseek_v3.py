@@ -116,32 +116,27 @@ class SepJsonSyntax(ToolSyntax):
 
     def _pre_text(self, s: str) -> int:
         m = self.m
-        i, n = 0, len(s)
-        while i < n:
-            j = i
-            while j < n:
-                c = s[j]
-                if c == "`":
-                    self._lang = 0
-                elif c in _WS:
-                    self._lang = -1
-                elif 0 <= self._lang < len(_LANG) and c == _LANG[self._lang]:
-                    self._lang += 1
-                else:
-                    break
-                j += 1
-            m.drop(s[i:j], "template fence")
-            i = j
-            if i == n:
+        j, n = 0, len(s)
+        while j < n:
+            c = s[j]
+            if c == "`":
+                self._lang = 0
+            elif c in _WS:
+                self._lang = -1
+            elif 0 <= self._lang < len(_LANG) and c == _LANG[self._lang]:
+                self._lang += 1
+            else:
                 break
-            if s[i] in "{[":
+            j += 1
+        m.drop(s[:j], "template fence")
+        if j < n:
+            if s[j] in "{[":
                 self._scan = JsonValueScanner()
                 m.state = SJ_ARGS
-                return i
-            self._broken = True
-            m.state = SJ_POST
-            return i
-        return n
+            else:
+                self._broken = True
+                m.state = SJ_POST
+        return j
 
     def _args_text(self, s: str) -> int:
         end = self._scan.feed(s)

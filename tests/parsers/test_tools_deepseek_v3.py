@@ -161,6 +161,11 @@ def test_detected_from_exactly_the_real_deepseek_v3_and_v31_templates():
 
 
 def test_vllm_names_and_r1_templates_keep_their_profile():
+    from ember.server.config import parse_profile_name
+
+    for name, ours in (("deepseek_v3", "deepseek_v3"), ("deepseek_v31", "deepseek_v3"), ("glm45", "glm45"),
+                       ("kimi_k2", "kimi_k2")):                     # `--tool-parser` / `--reasoning-parser` values
+        assert parse_profile_name(name) == ours
     assert get_profile("deepseek_v31") is get_profile("deepseek_v3")
     assert canonical_name("deepseek_v31") == "deepseek_v3"
     for path in ("templates/llama.cpp/llama-cpp-deepseek-r1.jinja", "templates/hf/DeepSeek-R1-Distill-Qwen-14B.jinja"):
