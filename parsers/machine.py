@@ -237,7 +237,11 @@ class ParserMachine:
         self.n_calls += 1
         self.call_open = True
         self.call_name = name
-        self._out.append(ToolCallStart(index, call_id or self._call_id(index), name))
+        if call_id is None:
+            call_id = self._call_id(index)
+            if self.syntax is not None:
+                call_id = self.syntax.call_id(call_id)
+        self._out.append(ToolCallStart(index, call_id, name))
 
     def end_call(self) -> None:
         """The open call (if any) is complete."""

@@ -60,6 +60,11 @@ class ToolSyntax:
         """Rule action name (as the profile's `Rule`s name it) -> action."""
         return {}
 
+    def call_id(self, generated: str) -> str:
+        """The id of a call whose model wrote none, from the server's ``generated`` one (a family whose templates check
+        ids reshapes it: Mistral's 9 alphanumerics)."""
+        return generated
+
     def close(self, state: str, at_finish: bool) -> None:
         """Close whatever this syntax has open in ``state``: a closer arrived, another call began (``at_finish``
         False), or the output ended (True: surface what was withheld, leave a cut call as it streamed)."""

@@ -21,6 +21,7 @@ from .base import MAX_NAME, Action, Handler
 from .hermes import HermesSyntax
 
 _WS = " \t\r\n"
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]+")      # a tool name (OpenAI's characters, plus `.` and `:`)
 
 
@@ -41,6 +42,10 @@ class MistralSyntax(HermesSyntax):
 
     def actions(self) -> dict[str, Action]:
         return {"m_args": self._do_args, "m_call_id": self._do_call_id}
+
+    def call_id(self, generated: str) -> str:
+        """Mistral's templates (and mistral_common) want 9 alphanumerics: the last 9 of the server's id, 0-padded."""
+        return "".join(c for c in generated if c in _ALNUM)[-9:].rjust(9, "0")
 
     def close(self, state: str, at_finish: bool) -> None:
         m = self.m

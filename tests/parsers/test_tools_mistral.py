@@ -71,8 +71,16 @@ def test_v11_calls_with_and_without_call_ids(tok, setup):
     out = parse(tok, setup, CALLS, "get_weather", ARGS_, body, CALLS, "get_time", CALL_ID, "a1B2c3D4e", ARGS_, "{}",
                 EOS)
     assert calls(out) == [("get_weather", ARGS), ("get_time", {})] and out.content == "" and out.malformed == []
-    assert [c.id for c in out.tool_calls] == ["call_0", "a1B2c3D4e"]                  # the model's id when written
+    assert [c.id for c in out.tool_calls] == ["0000call0", "a1B2c3D4e"]               # the model's id when written
     assert out.tool_calls[0].arguments == body
+
+
+def test_ids_the_model_did_not_write_are_nine_alphanumerics_as_mistral_templates_require(tok, setup):
+    ids = ids_of(tok, {t: tok.token_to_id(t) for t in SPECIALS}, CALLS, "f", ARGS_, "{}", CALLS,
+                 '[{"name": "g", "arguments": {}}]')
+    gen = iter(["call_0123456789abcdef01234567", "call_89abcdef0123456789abcdef"])
+    out = parse_all(setup.pipeline(initial=InitialState.CONTENT, tools=TOOLS, call_id=lambda i: next(gen)), ids)
+    assert [c.id for c in out.tool_calls] == ["f01234567", "789abcdef"]
 
 
 def test_magistral_thought_then_a_call(tok, setup):
@@ -193,4 +201,4 @@ def test_chunking_properties(data, by_id):
     assert f.content == (content if not n or content.strip() else "")
     assert [(nm, json.loads(a), e) for nm, a, e in f.calls] == [(nm, a, True) for nm, a in calls_]
     assert raw_text(events) == "".join(t for _, t in toks)
-    assert all(isinstance(e.id, str) for e in events if isinstance(e, ToolCallStart))
+    assert all(len(e.id) == 9 and e.id.isalnum() for e in events if isinstance(e, ToolCallStart))
