@@ -31,7 +31,15 @@ def _tokenizer(folder: str, added: tuple[str, ...] = ()):
     return tok
 
 
-def _engine(tmp, tok, eos: list[int]):
+@pytest.fixture(scope="module")
+def deepseek():
+    """The real DeepSeek-V3 tokenizer, its EOS and its grammar backend (built once: 128k tokens)."""
+    tok = _tokenizer("deepseek-v3")
+    eos = [tok.token_to_id("<｜end▁of▁sentence｜>")]
+    return tok, eos, GrammarBackend.from_tokenizer(tok, eos_ids=eos)
+
+
+def _engine(tmp, tok, eos: list[int], backend=None):
     """A 1-layer, 32-wide random Qwen3 over ``tok``'s vocabulary, its grammar backend and engine."""
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -44,7 +52,7 @@ def _engine(tmp, tok, eos: list[int]):
     Qwen3ForCausalLM(cfg).save_pretrained(tmp)
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tok.id_to_token(eos[0])).save_pretrained(tmp)
-    backend = GrammarBackend.from_tokenizer(tok, eos_ids=eos)
+    backend = backend or GrammarBackend.from_tokenizer(tok, eos_ids=eos)
     engine = Engine.from_pretrained(tmp, bitmask_filler=backend.bitmask_filler(), max_num_seqs=16,
                                     max_num_batched_tokens=2048, device="cpu", dtype="float32")
     return backend, engine
@@ -81,10 +89,9 @@ def _check(tok, results, marker: str):
             assert call.id.startswith(f"functions.{call.name}:")
 
 
-def test_deepseek_forced_calls_parse_back(tmp_path):
-    tok = _tokenizer("deepseek-v3")
-    eos = [tok.token_to_id("<｜end▁of▁sentence｜>")]
-    backend, engine = _engine(tmp_path, tok, eos)
+def test_deepseek_forced_calls_parse_back(tmp_path, deepseek):
+    tok, eos, backend = deepseek
+    backend, engine = _engine(tmp_path, tok, eos, backend)
     results = _forced(tok, backend, engine, eos, [("deepseek_v3", "<｜User｜>Set an alarm or check the weather."
                                                              "<｜Assistant｜></think>")])
     _check(tok, results, "<｜tool▁sep｜>")
@@ -108,10 +115,8 @@ def test_glm_and_kimi_forced_calls_parse_back(tmp_path):
     _check(tok, [r for r in results if r[0].profile.name == "kimi_k2"], "<|tool_call_argument_begin|>")
 
 
-def test_deepseek_grammar_takes_both_spellings_and_refuses_other_tools_and_bad_arguments():
-    tok = _tokenizer("deepseek-v3")
-    eos = [tok.token_to_id("<｜end▁of▁sentence｜>")]
-    backend = GrammarBackend.from_tokenizer(tok, eos_ids=eos)
+def test_deepseek_grammar_takes_both_spellings_and_refuses_other_tools_and_bad_arguments(deepseek):
+    tok, eos, backend = deepseek
     setup = ParserSetup.from_tokenizer(tok, "deepseek_v3")
     plan = compile_request(setup.profile, setup.initial_state([]), setup.delimiter_ids, tools=TOOLS,
                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
