@@ -29,3 +29,24 @@ def ids_of(tok, specials: dict[str, int], *parts: str) -> list[int]:
     for p in parts:
         out += [specials[p]] if p in specials else tok.encode(p, add_special_tokens=False).ids
     return out
+
+
+def recorded_replies(folder: str) -> list[list[str]]:
+    """The content deltas of the recorded vLLM chat streams in ../shared/data/outputs/dynamo/replays/``folder``
+    (plain answers of real models, one list of deltas per stream); skips where ../shared is absent."""
+    import json
+
+    from tests.conftest import shared_path
+
+    root = shared_path("outputs", "dynamo", "replays", folder)
+    out = []
+    for f in sorted(root.glob("chat-completion.streaming.*")):
+        deltas = []
+        for line in f.read_text().splitlines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if c:
+                    deltas.append(c)
+        out.append(deltas)
+    assert out, root
+    return out

@@ -14,7 +14,7 @@ from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import detect_profile, get_profile
 from tests.conftest import shared_path
-from tests.parsers.family_tokenizers import byte_bpe, ids_of
+from tests.parsers.family_tokenizers import byte_bpe, ids_of, recorded_replies
 from tests.parsers.test_machine_common import fold, machine, raw_text, run
 from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, json_values, text,
                                                    tokens_of)
@@ -152,6 +152,13 @@ def test_detected_from_the_real_llama_templates(path):
 ])
 def test_other_llama_based_templates_are_not_llama3_json(path, expected):
     assert detect_profile(shared_path(path).read_text()) == expected
+
+
+def test_recorded_plain_answers_stay_content_with_tools_offered():
+    """Real Llama 3.1 8B answers (vLLM streams), fed as they were streamed, with tools offered: content, byte for byte."""
+    for deltas in recorded_replies("meta/llama-3.1-8b-instruct/chat_completions"):
+        f = fold(run(machine("llama3_json", IDS, tools=TOOLS), deltas))
+        assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
 
 
 def test_vllm_name():

@@ -16,7 +16,7 @@ from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import detect_profile, get_profile
 from tests.conftest import shared_path
-from tests.parsers.family_tokenizers import byte_bpe, ids_of
+from tests.parsers.family_tokenizers import byte_bpe, ids_of, recorded_replies
 from tests.parsers.test_machine_common import fold, machine, raw_text, run
 from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, json_values, text,
                                                    tokens_of)
@@ -154,6 +154,13 @@ def test_detected_from_exactly_the_real_mistral_templates():
     found = {str(p.relative_to(root)) for p in sorted(Path(root).glob("*/*.jinja"))
              if detect_profile(p.read_text()) == "mistral"}
     assert found == MISTRAL_TEMPLATES
+
+
+def test_recorded_plain_answers_stay_content_with_tools_offered():
+    """Real Mixtral 8x22B answers (vLLM streams), fed as they were streamed, with tools offered: content, byte for byte."""
+    for deltas in recorded_replies("mistralai/mixtral-8x22b-instruct-v0.1/chat_completions"):
+        f = fold(run(machine("mistral", IDS, tools=TOOLS), deltas))
+        assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
 
 
 def test_vllm_name():

@@ -17,7 +17,7 @@ from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import detect_profile, get_profile
 from ember.parsers.python_literals import PythonArgs
 from tests.conftest import shared_path
-from tests.parsers.family_tokenizers import byte_bpe, ids_of
+from tests.parsers.family_tokenizers import byte_bpe, ids_of, recorded_replies
 from tests.parsers.test_machine_common import fold, machine, run
 from tests.parsers.test_machine_properties import NAMES, SETTINGS, check_chunking_and_truncation, tokens_of
 
@@ -134,6 +134,13 @@ def test_no_other_template_is_detected_as_pythonic():
     found = {p.name for p in sorted(Path(root).glob("*/*.jinja")) if detect_profile(p.read_text()) == "pythonic"}
     assert found == {"tool_chat_template_llama3.2_pythonic.jinja", "tool_chat_template_llama4_pythonic.jinja",
                      "tool_chat_template_gemma3_pythonic.jinja", "tool_chat_template_toolace.jinja"}
+
+
+def test_recorded_plain_answers_stay_content_with_tools_offered():
+    """Real Llama 3.1 8B answers (vLLM streams), fed as they were streamed, with tools offered: content, byte for byte."""
+    for deltas in recorded_replies("meta/llama-3.1-8b-instruct/chat_completions"):
+        f = fold(run(machine("pythonic", IDS, tools=TOOLS), deltas))
+        assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
 
 
 def test_vllm_name():
