@@ -74,10 +74,17 @@ def default_config(
 
     Keyed by ``num_tokens``, the batch's token count M (as vLLM's tables), not by the ``M*k`` routed pairs.
 
-    ``nvfp4`` (W4A16 weights dequantized in the kernel): at most 2 pipeline stages, since the decoded tile lives in
-    registers next to the accumulators (3-4 stages spill on sm_90)."""
+    ``nvfp4`` (W4A16 weights dequantized in the kernel): the decoded tile lives in registers next to the
+    accumulators, so at most 2 pipeline stages, 1 for the 32-row tile and 8 warps for the 64-row one (the choices
+    that compile without spills for sm_90 and sm_100 with Triton 3.6: ``tests/moe/compile_check_moe.py``)."""
     cfg = _table_config(num_tokens, device)
-    return replace(cfg, num_stages=min(cfg.num_stages, 2)) if nvfp4 else cfg
+    if not nvfp4:
+        return cfg
+    if cfg.block_m == 32:
+        return replace(cfg, num_stages=1)
+    if cfg.block_m == 64:
+        return replace(cfg, num_warps=8, num_stages=2)
+    return replace(cfg, num_stages=min(cfg.num_stages, 2))
 
 
 def _table_config(m: int, device: torch.device) -> GemmConfig:

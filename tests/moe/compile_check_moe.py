@@ -2,8 +2,9 @@
 
 ``python tests/moe/compile_check_moe.py 90 [--quick]`` (Hopper: the W4A16 and dense grouped GEMMs in bf16/fp16) or
 ``100`` (Blackwell: also the W4A4 ``dot_scaled`` kernel). Drives the public wrappers with CPU tensors, records each
-launch (the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin. Prints ``OK``/``FAIL`` per
-launch and exits non-zero on any failure. Must run without ``TRITON_INTERPRET``.
+launch (the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin specialized as the JIT would.
+Prints ``OK``/``FAIL``/``SPILL`` per launch with registers and stack bytes, then a table, and exits non-zero on any
+failure or spill (every MoE GEMM is a hot kernel). Must run without ``TRITON_INTERPRET``.
 """
 from __future__ import annotations
 
