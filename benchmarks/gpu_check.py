@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the subset that runs in under 2 minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="hard deadline in seconds (330; --quick: 110)")
     ap.add_argument("--sections", default="", help="comma-separated subset of " + ",".join(s.name for s in SECTIONS))
+    ap.add_argument("--from-section", type=int, default=1, help=argparse.SUPPRESS)  # a resumed run (see resume)
     args = ap.parse_args(argv)
     start = started if started is not None else time.monotonic()
     budget = args.budget_s if args.budget_s is not None else (110.0 if args.quick else 330.0)
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     imported_before = set(sys.modules)
-    log_file = open(args.out / "gpu_check.log", "w")
+    if args.from_section == 1:
+        (args.out / "gpu_check.log").write_text("")
+    log_file = open(args.out / "gpu_check.log", "a")  # appending: a resumed run writes to the same log
     summary: dict[str, Any] = {"budget_s": budget, "sections": []}
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         alarm = _Alarm(deadline.at + GRACE_S)
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                       dtype=torch.bfloat16 if cuda else torch.float16, tiny=not cuda, quick=args.quick,
                       deadline=deadline, report=None, env=summary["env"], tmp=Path(tmp))  # type: ignore[arg-type]
             for i, sec in enumerate(SECTIONS, 1):
+                if i < args.from_section:
+                    continue
                 rep = Report(args.out, f"{i}_{sec.name}", log_file, section=sec.name)
                 ctx.report = rep
                 try:
@@ -230,6 +235,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                     ctx.cache.pop(key, None)
                 rep.save()
                 summary["sections"].append(_section_summary(rep.data))
+                if i < len(SECTIONS) and context_broken():
+                    rep.log(f"== the CUDA context is broken after {sec.name}: sections {i + 1}.. go on in a fresh process")
+                    summary["sections"] += resume(args, i + 1, deadline)
+                    break
         finally:
             alarm.cancel()
     summary["elapsed_s"] = round(time.monotonic() - start, 1)
@@ -245,6 +254,40 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     log_file.close()
     bad = any(s["status"] in ("fail", "error") or s["failed"] for s in summary["sections"])
     return 1 if bad or forbidden else 0
+
+
+def context_broken() -> bool:
+    """After a kernel fault (illegal address, ...) every later CUDA call of this process fails."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() != 2.0
+    except Exception:
+        return True
+
+
+def resume(args: argparse.Namespace, first: int, deadline: Deadline) -> list[dict[str, Any]]:
+    """Run sections ``first..`` in a fresh process (same options, the time left) and return their summaries."""
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--budget-s",
+           f"{max(deadline.left(), 1.0):.1f}", "--from-section", str(first)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--sections", args.sections] if args.sections else []
+    try:
+        subprocess.run(cmd, timeout=max(deadline.left(), 1.0) + GRACE_S + 30.0)
+    except subprocess.TimeoutExpired:
+        pass
+    out = []
+    for i, sec in enumerate(SECTIONS[first - 1:], first):
+        path = args.out / f"{i}_{sec.name}.json"
+        data = json.loads(path.read_text()) if path.exists() else {
+            "section": sec.name, "status": "error", "errors": ["the resumed run wrote nothing for this section"]}
+        if data.get("status") == "running":
+            data.update(status="error", errors=data.get("errors", []) + ["the resumed run died in this section"])
+        out.append(_section_summary(data))
+    return out
 
 
 def _section_summary(data: dict[str, Any]) -> dict[str, Any]:

@@ -116,3 +116,20 @@ def test_a_stuck_section_is_interrupted_at_the_hard_deadline(gpu_check, tmp_path
     got = _sections(tmp_path)
     assert got["kernels"]["status"] == "timeout" and "hard deadline" in got["kernels"]["timeout"]
     assert [got[n]["status"] for n in NAMES[1:]] == ["skipped"] * 5
+
+
+def test_a_broken_device_context_resumes_in_a_fresh_process(gpu_check, tmp_path, monkeypatch):
+    """After a kernel fault the process's CUDA context is dead: the remaining sections run in a new process and the
+    summary still covers every section."""
+    calls = []
+    monkeypatch.setattr(gpu_check, "context_broken", lambda: not calls.append(1) and len(calls) == 1)
+    rc = gpu_check.main(["--out", str(tmp_path), "--quick", "--sections", "attention,moe", "--budget-s", "200"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["name"], s["status"]) for s in summary["sections"]] == [
+        ("kernels", "skipped"), ("parity", "skipped"), ("attention", "ok"), ("moe", "ok"), ("graphs", "skipped"),
+        ("scale", "skipped")]
+    assert {t["name"].split(" ")[0] for t in summary["targets"]} == {"decode", "NVFP4"}
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "go on in a fresh process" in log and "== 3_attention" in log
+    assert len(calls) == 1  # the fresh process ran the rest; this one stopped after the fault
