@@ -13,7 +13,8 @@ vs a copy of the same bytes, prefill vs SDPA, row kernels), 4 ``moe`` (fused MoE
 
 A hard deadline (``--budget-s``) is passed into every section, which checks it per batch / token count; a section
 out of time is recorded as ``timeout`` with what it measured, later ones as ``skipped``. A failing check, an
-exception or a NaN is recorded with its traceback and never stops the next check or section. ``DIR/summary.json``
+exception or a NaN is recorded with its traceback and never stops the next check or section; after a kernel fault
+that breaks the CUDA context, the later sections run in a fresh process. ``DIR/summary.json``
 and the table printed last hold every section's status, every failed check and the targets as ratios. Without a GPU
 the same script runs a smoke subset: Triton interpreter, fp16, toy shapes (timings there mean nothing).
 Exit status 1 when a check failed or a section raised.
