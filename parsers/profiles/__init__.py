@@ -25,6 +25,8 @@ ALIASES: dict[str, str] = {
     "openai_gptoss": "gpt_oss",       # vLLM --reasoning-parser for gpt-oss
     "qwen3_xml": "qwen3_coder",       # vLLM's second Qwen3-Coder tool parser
     "deepseek_v31": "deepseek_v3",    # vLLM's V3.1 tool parser (one syntax here reads both spellings)
+    "llama4_json": "llama3_json",     # vLLM reads Llama 4's JSON calls with its Llama 3 parser
+    "llama4_pythonic": "pythonic",    # Llama 4's pythonic calls inside <|python_start|> .. <|python_end|>
 }
 """vLLM's parser names (its ``--tool-call-parser`` / ``--reasoning-parser`` values) that differ from ours -> our
 profile name, so a vLLM command line works unchanged. The names both share (``hermes``, ``qwen3_coder``, ``qwen3``,
@@ -76,6 +78,6 @@ def detect_profile(chat_template: str | None, model_type: str | None = None) -> 
         return "mistral"              # Mistral 7B v0.3 / Nemo / Small 3.x / Devstral / Magistral / Ministral 3
     if "[func_name" in t:
         return "pythonic"             # vLLM's llama3.2 / llama4 / gemma3 pythonic templates
-    if "<|start_header_id|>" in t and '"parameters"' in t and "[func_name" not in t:
-        return "llama3_json"          # Llama 3.1/3.2/3.3 and vLLM's llama3.x_json templates
+    if ("<|start_header_id|>" in t or "<|header_start|>" in t) and '"parameters"' in t:
+        return "llama3_json"          # Llama 3.1/3.2/3.3 and vLLM's llama3.x_json / llama4_json templates
     return _MODEL_TYPES.get(model_type or "", "none")

@@ -139,7 +139,8 @@ def test_the_reply_starts_after_the_assistant_header(tok, setup):
                                   "templates/llama.cpp/meta-llama-Llama-3.2-3B-Instruct.jinja",
                                   "templates/llama.cpp/meta-llama-Llama-3.3-70B-Instruct.jinja",
                                   "templates/vllm/tool_chat_template_llama3.1_json.jinja",
-                                  "templates/vllm/tool_chat_template_llama3.2_json.jinja"])
+                                  "templates/vllm/tool_chat_template_llama3.2_json.jinja",
+                                  "templates/vllm/tool_chat_template_llama4_json.jinja"])
 def test_detected_from_the_real_llama_templates(path):
     assert detect_profile(shared_path(path).read_text()) == "llama3_json"
 
@@ -161,8 +162,9 @@ def test_recorded_plain_answers_stay_content_with_tools_offered():
         assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
 
 
-def test_vllm_name():
+def test_vllm_names():
     assert get_profile("llama3_json").tool_format == "llama3_json"
+    assert get_profile("llama4_json") is get_profile("llama3_json")
 
 
 def _not_json_start(t: str) -> bool:

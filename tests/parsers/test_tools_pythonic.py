@@ -143,8 +143,9 @@ def test_recorded_plain_answers_stay_content_with_tools_offered():
         assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
 
 
-def test_vllm_name():
+def test_vllm_names():
     assert get_profile("pythonic").tool_format == "pythonic"
+    assert get_profile("llama4_pythonic") is get_profile("pythonic")
 
 
 STRS = st.text(st.sampled_from(list("ab Z\n\t'\"\\é中😀()[]{},=") + ["\x00", "\x7f"]), max_size=6)
