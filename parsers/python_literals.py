@@ -36,7 +36,7 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 @dataclass
 class _Frame:
     kind: str                 # "args" | "list" | "tuple" | "dict"
-    state: str                # args: key0 key eq value after; list/tuple: value0 after; dict: key0 keyval colon value after
+    state: str    # args: key0 key eq value after; list/tuple: value0 after; dict: key0 keyval colon value after
     count: int = 0            # values written
     key: str = ""             # JSON text of the key of the next value (args, dict)
 

@@ -1,8 +1,8 @@
 """Llama 3.1 / 3.2 / 3.3 (and Llama 4) JSON tool calls (vLLM's `llama3_json`, `llama4_json`): `{"name": "f",
 "parameters": {...}}` (or ``"arguments"``), either after `<|python_tag|>` (one token in Llama 3's vocabulary) or as a
-bare JSON object at the very start of the reply; several calls are separated by `; `. A reply that starts with other text is content. No
-reasoning; the turn ends with `<|eot_id|>` (or `<|eom_id|>` after a `<|python_tag|>` call; Llama 4: `<|eot|>`,
-`<|eom|>`)."""
+bare JSON object at the very start of the reply; several calls are separated by `; `. A reply that starts with other
+text is content. No reasoning; the turn ends with `<|eot_id|>` (or `<|eom_id|>` after a `<|python_tag|>` call; Llama 4:
+`<|eot|>`, `<|eom|>`)."""
 from __future__ import annotations
 
 from .base import BAD_CALL, CONTENT, TOOL_BETWEEN, TOOL_JSON, TOOL_PREAMBLE, Profile, Rule, end_of_turn_rules

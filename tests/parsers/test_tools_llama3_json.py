@@ -156,7 +156,7 @@ def test_other_llama_based_templates_are_not_llama3_json(path, expected):
 
 
 def test_recorded_plain_answers_stay_content_with_tools_offered():
-    """Real Llama 3.1 8B answers (vLLM streams), fed as they were streamed, with tools offered: content, byte for byte."""
+    """Real Llama 3.1 8B answers (vLLM streams), fed as streamed, with tools offered: content, byte for byte."""
     for deltas in recorded_replies("meta/llama-3.1-8b-instruct/chat_completions"):
         f = fold(run(machine("llama3_json", IDS, tools=TOOLS), deltas))
         assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")

@@ -157,7 +157,7 @@ def test_detected_from_exactly_the_real_mistral_templates():
 
 
 def test_recorded_plain_answers_stay_content_with_tools_offered():
-    """Real Mixtral 8x22B answers (vLLM streams), fed as they were streamed, with tools offered: content, byte for byte."""
+    """Real Mixtral 8x22B answers (vLLM streams), fed as streamed, with tools offered: content, byte for byte."""
     for deltas in recorded_replies("mistralai/mixtral-8x22b-instruct-v0.1/chat_completions"):
         f = fold(run(machine("mistral", IDS, tools=TOOLS), deltas))
         assert (f.content, f.calls, f.malformed) == ("".join(deltas), [], "")
