@@ -49,7 +49,7 @@ _DEFAULT_SEGMENTS = 4 if _INTERPRET else 16
 _DEFAULT_BLOCK_M_PREFILL = 16 if _INTERPRET else 64
 """Query rows per 2D program when a bf16/fp16 batch has a prefill: 64 makes Hopper use wgmma (16 compiles to
 mma.sync) without spilling at 4 warps (128 spills); the interpreter keeps 16 for speed. Decode-only batches use 16
-(one query row per sequence and head of the group); fp32 (IEEE, FMA matmuls) uses 16 with 8 warps."""
+(one query row per sequence and head of the group), as fp32 (IEEE, FMA matmuls: 16 rows and 16-key tiles)."""
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 
@@ -378,7 +378,7 @@ def paged_attention(
     ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
     of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
     unlimited) and ``sinks`` ``[Hq]`` (None: none) as in the reference; KV tiles wholly outside the window are
-    skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 8 for fp32 prefill; 3 stages).
+    skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 3 stages).
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -397,7 +397,7 @@ def paged_attention(
         raise ValueError(f"block_m={block_m} must be a power of two >= the GQA group size {group}")
     ks = float(k_scale if k_scale is not None else 1.0)
     vs = float(v_scale if v_scale is not None else 1.0)
-    warps_2d = num_warps or (8 if precision == "ieee" and not decode_only else _NUM_WARPS)
+    warps = num_warps or _NUM_WARPS
     stages = num_stages or _NUM_STAGES
     if split_kv is None:
         split_kv = decode_only and num_seqs * hkv <= SPLIT_KV_MAX_PROGRAMS
@@ -422,8 +422,7 @@ def paged_attention(
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, num_warps=num_warps or _NUM_WARPS,
-            num_stages=stages,
+            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, num_warps=warps, num_stages=stages,
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
@@ -431,13 +430,13 @@ def paged_attention(
         )
         return out
 
-    tile = tile_size or (_DEFAULT_TILE_DECODE if decode_only else _DEFAULT_TILE_PREFILL)
+    tile = tile_size or (_DEFAULT_TILE_DECODE if small_m else _DEFAULT_TILE_PREFILL)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention_2d[(num_q_blocks, hkv)](
         q, k_cache, v_cache, out, sinks_arg, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale), ks, vs, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, num_warps=warps_2d, num_stages=stages,
+        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, num_warps=warps, num_stages=stages,
     )
     return out
