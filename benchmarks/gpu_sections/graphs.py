@@ -11,7 +11,7 @@ import time
 import torch
 
 from gpu_sections import models
-from gpu_sections.common import Ctx, bench_ms, rel_err
+from gpu_sections.common import Ctx, bench_ms
 
 LAYERS = 8  # 2 on a CPU run
 
