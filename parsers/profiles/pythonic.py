@@ -1,6 +1,7 @@
 """Pythonic tool calls (vLLM's `pythonic`; Llama 3.2 / Llama 4 / Gemma 3 templates that ask for them): the reply is a
 Python list of calls with literal keyword arguments, `[get_weather(city="Paris"), f(a=[1, 2], b={"k": None})]`, at the
-very start of the reply or wrapped in Llama 4's `<|python_start|>` ... `<|python_end|>`. A reply that starts with other
+very start of the reply, wrapped in Llama 4's `<|python_start|>` ... `<|python_end|>`, or after Llama 3's
+`<|python_tag|>`. A reply that starts with other
 text is content. No reasoning."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ P_STATES = (P_HEAD, P_ARGS, P_AFTER)
 
 TERMINALS = {
     "tool_open": "<|python_start|>",
+    "tool_open_tag": "<|python_tag|>",
     "tool_close": "<|python_end|>",
     "eot_eot_id": "<|eot_id|>",
     "eot_eom_id": "<|eom_id|>",
@@ -34,6 +36,7 @@ PROFILE = Profile(
     end_of_turn=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|eot|>", "<|eom|>", "<end_of_turn>"),
     transitions={
         (CONTENT, "tool_open"): Rule("tool_open"),
+        (CONTENT, "tool_open_tag"): Rule("tool_open"),
         **{(s, "tool_close"): Rule("tool_close", id_only=s == P_ARGS)
            for s in (TOOL_PREAMBLE, TOOL_BETWEEN, BAD_CALL, *P_STATES)},
         **end_of_turn_rules(EOT, STATES + P_STATES),

@@ -22,9 +22,9 @@ from tests.parsers.test_machine_common import fold, machine, run
 from tests.parsers.test_machine_properties import NAMES, SETTINGS, check_chunking_and_truncation, tokens_of
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-            "<|eot_id|>", "<|python_start|>", "<|python_end|>", "<|eot|>"]
+            "<|eot_id|>", "<|python_start|>", "<|python_end|>", "<|eot|>", "<|python_tag|>"]
 START, END, EOT = "<|python_start|>", "<|python_end|>", "<|eot_id|>"
-IDS = {START: 6, END: 7, EOT: 5, "<|eot|>": 8}
+IDS = {START: 6, END: 7, EOT: 5, "<|eot|>": 8, "<|python_tag|>": 9}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -87,6 +87,8 @@ def test_bare_list_of_calls_at_the_start(tok, setup):
 def test_python_start_wrapper(tok, setup):
     out = parse(tok, setup, "Let me look. ", START, "[get_weather(city='Paris')]", END, " Done.")
     assert calls(out) == [("get_weather", {"city": "Paris"})] and out.content == "Let me look.  Done."
+    out = parse(tok, setup, "<|python_tag|>", "[get_weather(city='Oslo')]", "<|eom_id|>")     # Llama 3's opener
+    assert calls(out) == [("get_weather", {"city": "Oslo"})] and out.content == "" and out.malformed == []
 
 
 @pytest.mark.parametrize("text", ["[1] See the notes.", "[link](http://x.y)", "[a b(c)]", "Sure: [f(a=1)]",
