@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -57,18 +59,21 @@ class ServerState:
 
 def _state(request: Request) -> ServerState:
     return request.app.state.ember
+    engine_dead: str | None = None  # why the engine stopped, once it died
 
 
 # ---------------------------------------------------------------------------------------------------------- admission
 
 async def require_api_key(request: Request) -> None:
-    key = _state(request).config.api_key
-    if key is None:
+    keys = _state(request).config.api_key
+    if isinstance(keys, str):
+        keys = (keys,)
+    if not keys:
         return
     auth = request.headers.get("authorization", "")
     bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
     given = request.headers.get("x-api-key") or bearer
-    if not given or not hmac.compare_digest(given.encode(), key.encode()):
+    if not given or not any([hmac.compare_digest(given.encode(), k.encode()) for k in keys]):
         raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                        code="invalid_api_key")
 
@@ -88,8 +93,7 @@ def _max_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tok
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
                             f"{limit} tokens (prompt plus at least one generated token)", param=param,
                        code="context_length_exceeded")
-    kv = st.runtime.engine.engine.kv
-    cache_tokens = kv.num_blocks * kv.block_size
+    cache_tokens = st.runtime.model_info.kv_capacity_tokens
     if prompt_len >= cache_tokens:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
                             f"tokens in all (prompt plus at least one generated token)", param=param,
@@ -113,7 +117,7 @@ def _logit_bias(st: ServerState, bias: dict[str, float] | None) -> dict[int, flo
     if not bias:
         return None
     out = {}
-    vocab = st.runtime.engine.engine.vocab_size
+    vocab = st.runtime.model_info.vocab_size
     for k, v in bias.items():
         tid = int(k)
         if not 0 <= tid < vocab:
@@ -128,7 +132,7 @@ def _stop_ids(st: ServerState, ids: list[int] | None) -> list[int]:
 
 
 def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
-    vocab = st.runtime.engine.engine.vocab_size
+    vocab = st.runtime.model_info.vocab_size
     for t in ids:
         if not 0 <= t < vocab:
             raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
@@ -489,9 +493,14 @@ async def get_model(model_id: str, request: Request, _: None = Depends(require_a
             "max_model_len": st.runtime.max_model_len}
 
 
-async def health(request: Request) -> dict:
-    s = _state(request).runtime.engine.stats()
-    return {"status": "ok", "num_running": s.num_running, "num_waiting": s.num_waiting}
+async def health(request: Request) -> Response:
+    engine = _state(request).runtime.engine
+    if not engine.is_alive():
+        reason = getattr(engine, "death_reason", None) or "the engine has stopped"
+        return JSONResponse({"status": "engine_dead", "message": f"{reason}; restart the server"}, status_code=503)
+    s = engine.stats()
+    return JSONResponse({"status": "ok", "num_running": s.num_running, "num_waiting": s.num_waiting,
+                         "num_steps": s.num_steps, "step_ms": s.step_ms})
 
 
 async def metrics(request: Request) -> Response:
@@ -530,11 +539,30 @@ class _RequestCounter:
 
 
 _ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-           "/health", "/metrics")
+           "/tokenize", "/detokenize", "/health", "/metrics")
 
 
-def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: bool = True) -> FastAPI:
-    """The HTTP app serving `runtime`; shuts the engine down when the app stops (unless told it is shared)."""
+async def _watch_engine(st: ServerState, exit_on_death: bool, poll_s: float = 0.2) -> None:
+    """Notice the engine's death (requests in flight already fail with its reason, /health answers 503); with
+    ``exit_on_death``, give those errors a moment to reach their clients, then stop the server (SIGTERM to this
+    process: uvicorn shuts down and `ember serve` exits non-zero)."""
+    engine = st.runtime.engine
+    while engine.is_alive():
+        await asyncio.sleep(poll_s)
+    reason = getattr(engine, "death_reason", None)
+    if reason is None:  # shut down on purpose
+        return
+    st.engine_dead = reason
+    log.error("%s; the server stops", reason)
+    if exit_on_death:
+        await asyncio.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: bool = True,
+               exit_on_engine_death: bool = False) -> FastAPI:
+    """The HTTP app serving `runtime`; shuts the engine down when the app stops (unless told it is shared), and
+    with ``exit_on_engine_death`` stops the server when the engine process dies (`ember serve`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -561,7 +589,9 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        watcher = asyncio.create_task(_watch_engine(st, exit_on_engine_death))
         return _error_response(request, validation_error(exc.errors()))
+        watcher.cancel()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -579,8 +609,10 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 # ------------------------------------------------------------------------------------------------------------ loading
 
 def load_runtime(config: ServeConfig) -> ModelRuntime:
-    """Load the engine for `config.model_dir` (building the demo model when None) and the parser/grammar setup."""
-    from ember.engine.async_engine import AsyncEngine
+    """Start the engine for `config.model_dir` (building the demo model when None): in its own process, or in a
+    thread of this one with `config.in_process`; then the front end's tokenizer, parser and grammar setup."""
+    from ember.engine.args import engine_args_of
+    from ember.engine.loader import load_tokenizer
 
     model_dir = config.model_dir
     if model_dir is None:
@@ -589,22 +621,38 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         model_dir = demo.ensure()
     model_dir = Path(model_dir)
     template = chat.load_chat_template(config.chat_template)
-    grammar = _structured(model_dir)
-    engine = AsyncEngine.from_pretrained(
-        str(model_dir), max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-        num_kv_blocks=config.kv_cache_blocks, kv_cache_memory=config.kv_cache_memory,
-        enable_prefix_caching=config.enable_prefix_caching, tensor_parallel_size=config.tensor_parallel_size,
-        gpu_memory_utilization=config.gpu_memory_utilization, enforce_eager=config.enforce_eager,
-        bitmask_filler=grammar.bitmask_filler() if grammar is not None else None)
-    return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar)
+    args = engine_args_of(config)
+    if config.in_process:
+        from ember.engine.async_engine import AsyncEngine
+
+        tokenizer = load_tokenizer(model_dir)
+        grammar = _structured(model_dir, tokenizer)
+        engine: Any = AsyncEngine.from_args(str(model_dir), args, grammar)
+    else:
+        from ember.engine.core_client import ProcessEngineClient
+
+        from .structured import engine_constraints
+
+        engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
+        try:
+            tokenizer = load_tokenizer(engine.model_info.tokenizer_path)
+            grammar = _structured(model_dir, tokenizer)
+        except BaseException:
+            engine.shutdown()
+            raise
+    try:
+        return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar, tokenizer=tokenizer)
+    except BaseException:
+        engine.shutdown()
+        raise
 
 
-def _structured(model_dir: Path) -> Any:
+def _structured(model_dir: Path, tokenizer: Any) -> Any:
     """The model's grammar backend; None (structured output refused with 400) if llguidance cannot load it."""
     try:
         from .structured import Structured
 
-        return Structured.from_pretrained(model_dir)
+        return Structured.from_pretrained(model_dir, tokenizer)
     except Exception as e:  # an exotic tokenizer llguidance cannot read must not stop the server
         log.warning("structured output disabled: %s", e)
         return None

@@ -1,53 +1,124 @@
 """Options of `ember serve`, as one plain dataclass shared by the CLI, the app factory and tests."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ember.engine.args import EngineArgs
 
 
 @dataclass
-class ServeConfig:
-    """How to load the model and run the HTTP server.
+class ServeConfig(EngineArgs):
+    """How to load the model and run the HTTP server; the engine's settings are the inherited `EngineArgs` fields.
 
-    `model_dir` None means the built-in demo model (built once into the cache directory). `kv_cache_blocks` and
-    `kv_cache_memory` (bytes) are alternatives; with neither the engine sizes the cache itself. `chat_template` is a
+    `model_dir` None means the built-in demo model (built once into the cache directory). `chat_template` is a
     path to a Jinja file or the template text. `reasoning_parser` / `tool_parser` name a parser profile (or
     "none" to switch that part off); unset, the profile is detected from the chat template and model type.
+    Every field with ``help`` metadata is a flag of `ember serve` (`ember.engine.args.add_flags`).
     """
 
-    model_dir: Path | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    kv_cache_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    reasoning_parser: str | None = None
-    tool_parser: str | None = None
-    chat_template: str | None = None
-    max_waiting: int = 1024  # admission answers 503 while this many requests already wait in the engine
+    model_dir: Path | None = field(default=None, metadata={
+        "help": "a Hugging Face model id (ORG/NAME[@REVISION]) or a checkpoint directory; default: the demo model",
+        "positional": True, "metavar": "MODEL", "type": lambda text: parse_model_arg(text)})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    api_key: tuple[str, ...] = field(default=(), metadata={
+        "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several",
+        "action": "append"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the model name clients send (default: the Hugging Face id, or the directory's name)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "help": "parser profile for reasoning, or 'none'", "type": lambda text: parse_profile_name(text)})
+    tool_parser: str | None = field(default=None, metadata={
+        "help": "parser profile for tool calls, or 'none'", "type": lambda text: parse_profile_name(text)})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template file (or its text, when it contains '{', '}' or a newline)",
+        "type": lambda text: parse_chat_template(text)})
+    max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
     max_n: int = 16  # largest `n` a request may ask for
-    log_level: str = "info"
-    tensor_parallel_size: int = 1  # ranks that split every layer (the engine spawns N-1 worker processes)
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use (sizes the KV cache)
-    enforce_eager: bool = False  # decode without CUDA graphs
+    log_level: str = field(default="info", metadata={"help": "log level",
+                                                     "choices": ("debug", "info", "warning", "error")})
+    in_process: bool = field(default=False, metadata={
+        "help": "run the engine loop in a thread of the server process instead of its own engine process"})
+    revision: str | None = field(default=None, metadata={
+        "help": "branch, tag or commit of a Hugging Face model id (same as ORG/NAME@REVISION)"})
+    download_dir: Path | None = field(default=None, metadata={
+        "help": "download Hugging Face models here instead of the Hugging Face cache ($HF_HOME/hub)",
+        "type": lambda text: parse_download_dir(text)})
+    allowed_origins: tuple[str, ...] = field(default=(), metadata={
+        "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *; repeatable; "
+                "CORS is off without it", "action": "append", "metavar": "ORIGIN"})
+    sse_keepalive_seconds: float = field(default=15.0, metadata={
+        "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
+                "thinking); 0 switches it off"})
+
+
+class SettingValueError(argparse.ArgumentTypeError, ValueError):
+    """A setting's value is malformed; argparse shows the message as is (not `invalid parse_x value`)."""
 
 
 def parse_fraction(text: str) -> float:
-    """`"0.9"` -> 0.9; ValueError outside (0, 1]."""
-    value = float(text)
+    """`"0.9"` -> 0.9; SettingValueError outside (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingValueError(f"{text!r} is not a number in (0, 1], e.g. 0.9") from None
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"{text!r} is not in (0, 1]")
+        raise SettingValueError(f"{text!r} is not in (0, 1], e.g. 0.9")
     return value
 
 
 def parse_memory(text: str) -> int:
-    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes."""
+    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes; SettingValueError otherwise."""
     s = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if s and s[-1] in scale:
-        return int(float(s[:-1]) * scale[s[-1]])
-    return int(float(s))
+    try:
+        value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
+    except ValueError:
+        raise SettingValueError(f"{text!r} is not a size in bytes, e.g. 512M, 2G or 1.5GiB") from None
+    if value <= 0:
+        raise SettingValueError(f"{text!r} is not a positive size, e.g. 512M, 2G or 1.5GiB")
+    return int(value)
+
+
+def parse_chat_template(text: str) -> str:
+    """`--chat-template`: template text when it contains `{`, `}` or a newline (vLLM's rule), else a file path that
+    must exist (SettingValueError otherwise). Returns the value unchanged; `chat.load_chat_template` reads it."""
+    if any(c in text for c in "{}\n"):
+        return text
+    p = Path(text).expanduser()
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "no such file"
+        raise SettingValueError(f"{text}: {what} (a template file, or template text containing '{{' or '}}')")
+    return text
+
+
+def parse_profile_name(text: str) -> str:
+    """`--reasoning-parser` / `--tool-parser`: a parser profile name (or a vLLM alias of one) or `none`; the profile
+    name."""
+    from ember.parsers.profiles import PARSER_NAMES, canonical_name
+
+    if text != "none" and text not in PARSER_NAMES:
+        raise SettingValueError(f"{text!r} is unknown; known: {', '.join(dict.fromkeys(('none', *PARSER_NAMES)))}")
+    return canonical_name(text)
+
+
+def parse_model_arg(text: str) -> Path:
+    """`ember serve MODEL`: an existing checkpoint directory or something shaped like a Hugging Face model id
+    (`ORG/NAME[@REVISION]`); the hub itself is only asked after the port is bound."""
+    from .model_source import ModelSourceError, parse_model_ref
+
+    try:
+        parse_model_ref(text)
+    except ModelSourceError as e:
+        raise SettingValueError(str(e)) from None
+    return Path(text)
+
+
+def parse_download_dir(text: str) -> Path:
+    """`--download-dir`: a directory (created when missing), not a file."""
+    p = Path(text).expanduser()
+    if p.exists() and not p.is_dir():
+        raise SettingValueError(f"{text} is a file, not a directory")
+    return p

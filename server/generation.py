@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
-from ember.engine.params import SamplingParams
+from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
+from ember.engine.loader import load_tokenizer
+from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import OutputPipeline, ParserSetup
 from ember.parsers.profiles import Profile, detect_profile, get_profile
@@ -76,9 +78,10 @@ def choose_profile(chat_template: str | None, model_type: str | None, reasoning_
 
 @dataclass
 class ModelRuntime:
-    """Everything built once per served model."""
+    """Everything built once per served model. The engine is reached only through its `EngineClient`; the
+    tokenizer is the front end's own copy, loaded from `ModelInfo.tokenizer_path`."""
 
-    engine: Any  # ember.engine.async_engine.AsyncEngine
+    engine: EngineClient
     tokenizer: Any
     token_bytes: TokenBytes
     model_name: str
@@ -87,20 +90,21 @@ class ModelRuntime:
     parser: ParserSetup  # the model's family
     parser_plain: ParserSetup  # the "none" profile, for /v1/completions
     tools_enabled: bool  # False with `--tool-parser none`: tool markup is always content
-    grammar: Any = None  # ember.server.structured.GrammarBackend, when the grammar package is available
+    grammar: Any = None  # ember.server.structured.Structured (front-end validation), when available
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
 
     @classmethod
-    def build(cls, engine: Any, config: ServeConfig, model_dir: Path, chat_template: str | None,
-              grammar: Any = None) -> "ModelRuntime":
-        core = engine.engine
-        tok = core.tokenizer
+    def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,
+              grammar: Any = None, tokenizer: Any = None) -> "ModelRuntime":
+        info = engine.model_info
+        tok = tokenizer if tokenizer is not None else load_tokenizer(info.tokenizer_path)
         template = chat_template if chat_template is not None else getattr(tok, "chat_template", None)
-        model_type = getattr(core.model_config, "model_type", None) if core.model_config is not None else None
-        if model_type is None and isinstance(core.model_config, dict):
-            model_type = core.model_config.get("model_type")
-        profile = choose_profile(template, model_type, config.reasoning_parser, config.tool_parser)
+        profile = choose_profile(template, info.model_type, config.reasoning_parser, config.tool_parser)
         tb = TokenBytes.from_tokenizer(tok)
-        drop = set(core.eos_token_ids)
+        drop = set(info.eos_token_ids)
         for attr in ("pad_token_id", "bos_token_id"):
             tid = getattr(tok, attr, None)
             if isinstance(tid, int):
@@ -110,7 +114,7 @@ class ModelRuntime:
         name = config.served_model_name or model_dir.name
         log.info("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
-        return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=core.max_model_len,
+        return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar)
 
@@ -146,9 +150,15 @@ def _end_reason(engine_reason: str | None) -> str:
     return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
 
 
+def _end(out: RequestOutput) -> ChoiceEnd:
+    return ChoiceEnd(_end_reason(out.finish_reason), error=out.error,  # type: ignore[arg-type]
+                     cached_tokens=out.num_cached_tokens)
+
+
 async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None
                      ) -> AsyncIterator[ChoiceStep]:
-    """The steps of choice `index`: one per generated token, the last one carrying `end`."""
+    """The steps of choice `index`: one per engine output (one engine step, or several merged when this consumer
+    lagged), the last one carrying `end`. A stop string ends the choice at the token that completed it."""
     spec = req.choices[index]
     pipe = spec.pipeline
     rid = f"{req.request_id}-{index}"
@@ -159,8 +169,10 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
         gen = rt.engine.generate(spec.prompt_ids, spec.params, request_id=rid, constraint=spec.constraint)
         async with aclosing(gen):
             async for out in gen:
-                lps = out.logprobs
-                for k, tid in enumerate(out.new_token_ids):
+                if last_t is None and metrics is not None and out.queue_seconds is not None:
+                    metrics.queue_time.observe(out.queue_seconds)  # the first output: waiting time is known
+                new_ids = out.new_token_ids
+                if new_ids:
                     now = time.monotonic()
                     if metrics is not None:
                         if last_t is None:
@@ -168,31 +180,30 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         else:
                             metrics.itl.observe(now - last_t)
                     last_t = now
+                lps = out.logprobs
+                step = ChoiceStep(index)
+                for k, tid in enumerate(new_ids):
                     ntok += 1
                     pstep = pipe.feed([tid])
                     lp = lps[k] if lps is not None and k < len(lps) else None
                     channels = getattr(pstep, "token_channels", None) or [None]
-                    tok = TokenInfo(tid, lp.logprob if lp else None, list(lp.top) if lp else None, channels[0])
-                    step = ChoiceStep(index, [tok], list(pstep.events))
+                    step.tokens.append(TokenInfo(tid, lp.logprob if lp else None, list(lp.top) if lp else None,
+                                                 channels[0]))
+                    step.events += pstep.events
                     if pstep.stopped:
                         step.events += pipe.finish("stop")
-                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop)
+                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
+                                        cached_tokens=out.num_cached_tokens)
                         step.end = end
                         yield step
                         return  # leaving `aclosing` aborts the engine request
-                    if out.finished and k == len(out.new_token_ids) - 1:
-                        reason = _end_reason(out.finish_reason)
-                        step.events += pipe.finish(out.finish_reason or "stop")
-                        end = ChoiceEnd(reason, error=out.error)  # type: ignore[arg-type]
-                        step.end = end
-                    yield step
-                    if end is not None:
-                        return
                 if out.finished:
-                    reason = _end_reason(out.finish_reason)
-                    end = ChoiceEnd(reason, error=out.error)  # type: ignore[arg-type]
-                    yield ChoiceStep(index, [], pipe.finish(out.finish_reason or "stop"), end)
+                    step.events += pipe.finish(out.finish_reason or "stop")
+                    end = step.end = _end(out)
+                    yield step
                     return
+                if step.tokens or step.events:
+                    yield step
         end = ChoiceEnd("abort")
         yield ChoiceStep(index, [], pipe.finish("abort"), end)
     except (asyncio.CancelledError, GeneratorExit):
@@ -201,6 +212,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     except Exception as e:  # an engine or pipeline failure ends this choice, never the server
         if isinstance(e, ValueError) and ntok == 0:  # `generate` refused the request at admission
             end = ChoiceEnd("error", error=str(e), rejected=True)
+        elif isinstance(e, EngineDeadError):
+            log.error("choice %s: %s", rid, e)
+            end = ChoiceEnd("error", error=str(e))
         else:
             log.exception("choice %s failed", rid)
             end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")

@@ -4,13 +4,17 @@ Grammar problems are the request's fault: they become 400s naming the field (`Gr
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ember.grammar import GrammarBackend, GrammarError, compile_request
+from ember.engine.eos import end_of_turn_ids
+from ember.grammar import GrammarBackend, GrammarError, GrammarPlan, compile_request, model_vocab_size
 from ember.parsers.initial import InitialState
 
 from .errors import bad_request
+
+log = logging.getLogger("ember.server")
 
 
 def _param(message: str) -> str | None:
@@ -22,31 +26,54 @@ def _param(message: str) -> str | None:
 
 
 class Structured:
-    """The grammar backend of one served model."""
+    """The grammar backend of one served model: the front end validates a request's grammar with it (a 400 before
+    streaming starts) and hands the engine the plain `GrammarPlan`; the engine side `build`s each request's
+    Constraint from that plan and fills the batch's bitmasks."""
 
     def __init__(self, backend: GrammarBackend):
         self.backend = backend
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, hf_tokenizer: Any | None = None) -> "Structured":
-        return cls(GrammarBackend.from_pretrained(model_dir, hf_tokenizer=hf_tokenizer))
+        """The backend of a checkpoint folder; its EOS set is the engine's (`end_of_turn_ids`)."""
+        if hf_tokenizer is None:
+            from ember.engine.loader import load_tokenizer
+
+            hf_tokenizer = load_tokenizer(model_dir)
+        return cls(GrammarBackend.from_tokenizer(hf_tokenizer, vocab_size=model_vocab_size(model_dir),
+                                                 eos_ids=end_of_turn_ids(hf_tokenizer, model_dir)))
 
     def bitmask_filler(self):
         return self.backend.bitmask_filler()
 
+    def build(self, spec: GrammarPlan) -> Any:
+        """The engine's Constraint for one request/choice (the `ConstraintBackend` side)."""
+        return self.backend.constraint(spec)
+
     def constraints(self, n: int, *, profile: Any, delimiter_ids: Mapping[str, int], initial: InitialState,
                     response_format: Mapping | None, tools: Sequence[Mapping] | None, tool_choice: Any,
                     parallel_tool_calls: bool, thinking_budget: int | None, thinking: bool = True) -> list[Any]:
-        """`n` fresh constraints (Nones when nothing constrains the tokens)."""
+        """`n` validated constraint specs (plain `GrammarPlan`s; Nones when nothing constrains the tokens)."""
         try:
             plan = compile_request(profile, initial, delimiter_ids, response_format=response_format, tools=tools,
                                    tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
                                    thinking_budget=thinking_budget, thinking=thinking)
             if plan is None:
                 return [None] * n
-            return [self.backend.constraint(plan) for _ in range(n)]
+            self.backend.constraint(plan)  # compiles (cached) and checks it: a bad grammar is a 400 here
+            return [plan] * n
         except GrammarError as e:
             raise bad_request(e.message, param=_param(e.message)) from None
         except (ValueError, TypeError, KeyError, RecursionError) as e:  # odd schemas the compiler did not foresee
             raise bad_request(f"structured output could not be set up for this request: {e}",
                               param="response_format" if response_format else "tools") from None
+
+
+def engine_constraints(model_dir: str) -> Structured | None:
+    """The engine process's `ConstraintBackend` (a top-level function, so it crosses to the spawned process by
+    name); None when llguidance cannot read this tokenizer (the front end then refuses structured output)."""
+    try:
+        return Structured.from_pretrained(model_dir)
+    except Exception as e:
+        log.warning("structured output disabled in the engine: %s", e)
+        return None

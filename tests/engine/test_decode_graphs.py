@@ -183,7 +183,7 @@ def test_serve_flags_reach_the_engine(demo_model_dir):
 
     c = cli.serve_config(parser.parse_args([
         "serve", str(demo_model_dir), "--kv-cache-blocks", "8", "--max-num-seqs", "2",
-        "--gpu-memory-utilization", "0.5", "--enforce-eager"]))
+        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--in-process"]))
     rt = load_runtime(c)
     try:
         config = rt.engine.engine.config

@@ -1,0 +1,130 @@
+"""The engine core in its own process: the default client, per-step messages coalesced for a lagging consumer, one
+EOS rule everywhere, and a killed engine process giving errors (500 / SSE error event, /health 503, non-zero exit),
+never hangs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from ember.engine.core_client import ProcessEngineClient
+from ember.engine.params import SamplingParams
+from ember.server.app import free_port
+
+
+def test_the_served_engine_runs_in_its_own_process(demo_server):
+    engine = demo_server.runtime.engine
+    assert isinstance(engine, ProcessEngineClient)
+    assert engine.process.is_alive() and engine.process.pid != os.getpid()
+    info = engine.model_info
+    assert info.kv_capacity_tokens == info.num_kv_blocks * info.block_size == 512 * 16
+    assert demo_server.stats().num_total_blocks == info.num_kv_blocks
+
+
+def test_a_lagging_consumer_gets_its_tokens_coalesced(demo_server):
+    """The engine steps on while this consumer sleeps: its tokens wait merged in one pending output (one item per
+    stream, not one per token), and every token arrives once, in order."""
+    engine = demo_server.runtime.engine
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+    async def run(lag: bool) -> tuple[list[int], list[int]]:
+        tokens, sizes = [], []
+        async for out in engine.generate([5, 6, 7, 8], params):
+            sizes.append(len(out.new_token_ids))
+            tokens += out.new_token_ids
+            if lag and len(sizes) == 1:
+                await asyncio.sleep(1.5)
+        return tokens, sizes
+
+    eager, _ = asyncio.run(run(False))
+    lagged, sizes = asyncio.run(run(True))
+    assert lagged == eager and len(eager) == 48
+    assert sizes[1] > 1 and len(sizes) < 48  # the steps taken during the lag arrived as one item
+
+
+def test_eos_ids_agree_between_engine_grammar_and_parser(qwen3_server):
+    """The real Qwen3 tokenizer with generation_config's [<|im_end|>, <|endoftext|>]: one set everywhere."""
+    from ember.engine.eos import end_of_turn_ids
+
+    rt = qwen3_server.runtime
+    tok = rt.tokenizer
+    expected = {tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")}
+    assert set(rt.model_info.eos_token_ids) == expected  # what the engine process stops on
+    assert set(end_of_turn_ids(tok, rt.model_info.model_dir)) == expected
+    assert set(rt.grammar.backend.eos_ids) == expected  # the grammar backend's EOS set
+    assert expected <= set(rt.parser.drop_ids)  # the output pipeline never surfaces them
+
+
+def _engine_pid(server_pid: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = []
+        for task in os.listdir(f"/proc/{server_pid}/task"):
+            with open(f"/proc/{server_pid}/task/{task}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+        for pid in kids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return pid
+        time.sleep(0.1)
+    raise AssertionError("no engine process found")
+
+
+def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_model_dir):
+    port = free_port()
+    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
+    proc = subprocess.Popen([*cmd, "serve", str(demo_model_dir), "--port", str(port), "--max-num-seqs", "4",
+                             "--kv-cache-blocks", "256", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "ember serve did not come up"
+            time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True}
+        results: dict[str, object] = {}
+
+        def blocking() -> None:
+            results["plain"] = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+        t = threading.Thread(target=blocking)
+        t.start()
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(x for x in lines if x.startswith("data: "))
+            assert "chat.completion.chunk" in first
+            os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert time.monotonic() - killed < 10
+        errors = [json.loads(x[6:]) for x in rest if x != "data: [DONE]" and "error" in json.loads(x[6:])]
+        assert errors and "engine process died" in errors[0]["error"]["message"]
+        t.join(30)
+        plain = results["plain"]
+        assert plain.status_code == 500 and "engine process died" in plain.json()["error"]["message"]
+        try:
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.status_code == 503
+        except httpx.TransportError:
+            pass  # already gone
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
