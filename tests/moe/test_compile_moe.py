@@ -9,13 +9,15 @@ import sys
 
 import pytest
 
+from tests.kernels.test_compile import nvidia_toolchain_or_skip
+
 SCRIPT = pathlib.Path(__file__).with_name("compile_check_moe.py")
 ROOT = SCRIPT.parent.parent.parent
 
 
 @pytest.mark.parametrize("arch,kernel", [(90, "_moe_gemm_kernel"), (100, "_moe_gemm_w4a4_kernel")])
 def test_moe_kernels_compile(arch, kernel):
-    pytest.importorskip("triton.backends.nvidia")
+    nvidia_toolchain_or_skip()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(SCRIPT), str(arch), "--quick"], env=env, capture_output=True,
