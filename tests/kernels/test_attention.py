@@ -353,3 +353,13 @@ def test_block_table_entries_past_a_sequence_are_never_read(split):
     out = torch.full_like(q, float("nan"))
     attention.paged_attention(q, kc, vc, out, cu, seq_lens, wide, 1, 38, 0.125, split_kv=split, tile_size=64)
     assert _rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 1, 128), (4, 4, 64)], ids=["gqa8-hd128", "mha-hd64"])
+def test_gpu_default_prefill_tiles_over_a_cached_prefix(hq, hkv, d):
+    """The CUDA defaults for a batch with a prefill (64 query rows, 32-key tiles, 4 warps), run by the interpreter:
+    chunks over cached prefixes that are not block multiples, a chunk longer than one q-block, a decode row."""
+    specs = [(29, 70), (45, 1), (0, 33), (16, 9)]
+    out, ref = _run_both(specs, hq, hkv, d, torch.float16, seed=hq + d, block_m=64, tile_size=32, num_warps=4,
+                         num_stages=3)
+    assert _rel_err(out, ref) < 1e-3
