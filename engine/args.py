@@ -77,6 +77,8 @@ class EngineArgs:
                                          choices=("triton", "torch", "reference"))
     moe_backend: str | None = _opt(None, "MoE / NVFP4 kernels; default: triton on CUDA, the torch reference on "
                                          "CPU", choices=("triton", "reference"))
+    cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
+                                         "(left to the HTTP front end)")
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of `Engine.from_pretrained` (everything but the backends, see `apply_environment`)."""
@@ -94,6 +96,13 @@ class EngineArgs:
         for name, value in (("EMBER_ATTENTION", self.attention_backend), ("EMBER_MOE", self.moe_backend)):
             if value is not None:
                 os.environ[name] = value
+
+    def apply_threads(self) -> None:
+        """Size torch's CPU thread pool for an engine process that shares the machine with the front end (on a
+        2-core host, two spinning OpenMP threads beside a busy front end make each step many times slower)."""
+        import torch
+
+        torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
 
 
 def engine_args_of(config: Any) -> EngineArgs:

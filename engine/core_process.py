@@ -63,6 +63,7 @@ class _Core:
         from ember.engine.launch import build_engine
 
         args = EngineArgs(**args_fields)
+        args.apply_threads()
         self.constraints = constraint_factory(model_dir) if constraint_factory is not None else None
         self.engine, info = build_engine(model_dir, args, self.constraints)
         self.events = events
