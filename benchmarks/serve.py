@@ -114,6 +114,7 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         cmd.insert(4, str(args.model_dir))
     if args.in_process:
         cmd.append("--in-process")
+    cmd += args.serve_args.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model name to send (default: what /v1/models lists)")
     ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
     ap.add_argument("--in-process", action="store_true", help="serve with the engine loop in the server process")
+    ap.add_argument("--serve-args", default="", help="more `ember serve` flags, e.g. '--sse-keepalive-seconds 0'")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 2 x concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
