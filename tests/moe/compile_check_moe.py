@@ -22,7 +22,8 @@ _KERNELS = ("_moe_gemm_kernel", "_moe_gemm_w4a4_kernel")
 
 
 def _drive(w4a4: bool, quick: bool = False) -> None:
-    """Every configuration the engine and ``benchmarks/gpu_check_moe.py`` launch (``quick``: bf16 at one size)."""
+    """Every configuration the engine and the MoE sections of ``benchmarks/gpu_check.py`` launch (``quick``: bf16
+    at one size)."""
     g = torch.Generator().manual_seed(0)
     e, h, i = 8, 256, 128
     cuda = torch.device("cuda")  # the tile tables the GPU would pick
