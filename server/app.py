@@ -22,12 +22,15 @@ from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
+from . import tokenize_api
+from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder, sse as anthropic_sse
 from .choice import ChoiceStep
 from .config import ServeConfig
@@ -41,6 +44,7 @@ from .generation import (ChoiceSpec, GenRequest, ModelRuntime, dumps, make_pipel
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
                              usage, usage_chunk)
+from .sse import with_keepalive
 
 log = logging.getLogger("ember.server")
 
@@ -55,11 +59,11 @@ class ServerState:
     runtime: ModelRuntime
     metrics: Metrics
     started: int = field(default_factory=lambda: int(time.time()))
+    engine_dead: str | None = None  # why the engine stopped, once it died
 
 
 def _state(request: Request) -> ServerState:
     return request.app.state.ember
-    engine_dead: str | None = None  # why the engine stopped, once it died
 
 
 # ---------------------------------------------------------------------------------------------------------- admission
@@ -182,9 +186,12 @@ class _Run:
     completion_tokens: int = 0
     errors: list[str] = field(default_factory=list)
     rejected: bool = False  # every error was the engine refusing the request (the client's fault: 400)
+    cached: dict[int, int] = field(default_factory=dict)  # choice index -> prompt tokens hit in the prefix cache
 
     def note(self, step: ChoiceStep) -> None:
         self.completion_tokens += len(step.tokens)
+        if step.end is not None and step.end.cached_tokens is not None:
+            self.cached[step.index] = step.end.cached_tokens
         if step.end is not None and step.end.reason == "error":
             self.rejected = step.end.rejected and (self.rejected or not self.errors)
             self.errors.append(step.end.error or "generation failed")
@@ -196,20 +203,22 @@ class _Run:
             raise ApiError(500, "generation failed: " + "; ".join(self.errors))
 
 
-async def _steps(st: ServerState, req: GenRequest, run: _Run) -> AsyncIterator[ChoiceStep]:
-    """The request's steps, noted in ``run``: what a stream encodes and a non-streaming body folds."""
+async def _steps(st: ServerState, req: GenRequest, run: _Run, single_call: bool = False) -> AsyncIterator[ChoiceStep]:
+    """The request's steps, noted in ``run`` (only the first tool call with ``single_call``): what a stream encodes
+    and a non-streaming body folds."""
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
             run.note(step)
-            yield step
+            yield first_call_only(step) if single_call else step
 
 
-async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run) -> AsyncIterator[dict]:
+async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run,
+                       single_call: bool = False) -> AsyncIterator[dict]:
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
     for i, e in enumerate(encs):
         yield e.start(req.choices[0].prompt_ids if i == 0 else None)
-    async with aclosing(_steps(st, req, run)) as steps:
+    async with aclosing(_steps(st, req, run, single_call)) as steps:
         async for step in steps:
             for ch in encs[step.index].step(step):
                 yield ch
@@ -243,6 +252,13 @@ def _stream_error(message: str) -> str:
     return _sse(openai_error_body(ApiError(500, message)))
 
 
+def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, plus `reasoning_effort` (gpt-oss's template reads it) unless they set it."""
+    if body.reasoning_effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+
+
 async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                            _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
@@ -260,7 +276,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     prompt_ids = await asyncio.to_thread(
         chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        kwargs=body.chat_template_kwargs)
+        kwargs=_template_kwargs(body))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = _max_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
@@ -295,20 +311,21 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     run = _Run()
     if body.stream:
         async def stream() -> AsyncIterator[str]:
-            async with aclosing(_chat_chunks(st, req, meta, run)) as chunks:
+            async with aclosing(_chat_chunks(st, req, meta, run, not body.parallel_tool_calls)) as chunks:
                 async for ch in chunks:
                     yield _sse(ch)
             for err in run.errors:
                 yield _stream_error(err)
             if include_usage:
-                yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens)))
+                yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0))))
             yield "data: [DONE]\n\n"
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = await _collect(request, _steps(st, req, run))
+        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    collected = await _collect(request, _steps(st, req, run, not body.parallel_tool_calls))
     run.raise_for_errors()
     return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
                                   prompt_token_ids=prompt_ids,
-                                  usage_body=usage(len(prompt_ids), run.completion_tokens)))
+                                  usage_body=usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0))))
 
 
 # ----------------------------------------------------------------------------------------------- completions (OpenAI)
@@ -358,6 +375,10 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                      return_token_ids=body.return_token_ids, include_usage=include_usage)
     run = _Run()
 
+    def completion_usage() -> dict:
+        cached = sum(run.cached.get(i, 0) for i in range(0, len(choices), body.n))  # each prompt's first choice
+        return usage(prompt_total, run.completion_tokens, cached)
+
     async def chunks() -> AsyncIterator[dict]:
         tb = rt.token_bytes.token_bytes
         encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
@@ -378,12 +399,13 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             for err in run.errors:
                 yield _stream_error(err)
             if include_usage:
-                yield _sse(usage_chunk(meta, usage(prompt_total, run.completion_tokens), "text_completion"))
+                yield _sse(usage_chunk(meta, completion_usage(), "text_completion"))
             yield "data: [DONE]\n\n"
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
     collected = await _collect(request, chunks())
     run.raise_for_errors()
-    return JSONResponse(fold_completion(collected, usage_body=usage(prompt_total, run.completion_tokens)))
+    return JSONResponse(fold_completion(collected, usage_body=completion_usage()))
 
 
 # ------------------------------------------------------------------------------------------------- messages (Anthropic)
@@ -442,7 +464,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             yield ev
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:
-                for ev in _message_step(enc, step, run):
+                for ev in _message_step(enc, step if parallel else first_call_only(step), run):
                     yield ev
 
     if body.stream:
@@ -452,8 +474,9 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                     yield anthropic_sse(ev)
             for err in run.errors:
                 yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-    collected = await _collect(request, _steps(st, req, run))
+        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    collected = await _collect(request, _steps(st, req, run, not parallel))
     run.raise_for_errors()
     return JSONResponse(enc.body(collected))
 
@@ -566,7 +589,9 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        watcher = asyncio.create_task(_watch_engine(st, exit_on_engine_death))
         yield
+        watcher.cancel()
         if shutdown_engine:
             runtime.engine.shutdown()
 
@@ -582,6 +607,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    tokenize_api.add_routes(app, [Depends(require_api_key)])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -589,9 +615,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        watcher = asyncio.create_task(_watch_engine(st, exit_on_engine_death))
         return _error_response(request, validation_error(exc.errors()))
-        watcher.cancel()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -603,6 +627,9 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
         return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}"))
 
     app.add_middleware(_RequestCounter, metrics=st.metrics)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 

@@ -24,16 +24,20 @@ class ServeConfig(EngineArgs):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
     api_key: tuple[str, ...] = field(default=(), metadata={
-        "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several",
+        "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several; "
+                "default: none (no key needed)",
         "action": "append"})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name clients send (default: the Hugging Face id, or the directory's name)"})
     reasoning_parser: str | None = field(default=None, metadata={
-        "help": "parser profile for reasoning, or 'none'", "type": lambda text: parse_profile_name(text)})
+        "help": "parser profile for reasoning, or 'none'; default: detected from the chat template and model type",
+        "type": lambda text: parse_profile_name(text)})
     tool_parser: str | None = field(default=None, metadata={
-        "help": "parser profile for tool calls, or 'none'", "type": lambda text: parse_profile_name(text)})
+        "help": "parser profile for tool calls, or 'none'; default: detected from the chat template and model type",
+        "type": lambda text: parse_profile_name(text)})
     chat_template: str | None = field(default=None, metadata={
-        "help": "a Jinja chat template file (or its text, when it contains '{', '}' or a newline)",
+        "help": "a Jinja chat template file (or its text, when it contains '{', '}' or a newline); default: the "
+                "model's own",
         "type": lambda text: parse_chat_template(text)})
     max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
     max_n: int = 16  # largest `n` a request may ask for
@@ -42,13 +46,14 @@ class ServeConfig(EngineArgs):
     in_process: bool = field(default=False, metadata={
         "help": "run the engine loop in a thread of the server process instead of its own engine process"})
     revision: str | None = field(default=None, metadata={
-        "help": "branch, tag or commit of a Hugging Face model id (same as ORG/NAME@REVISION)"})
+        "help": "branch, tag or commit of a Hugging Face model id (same as ORG/NAME@REVISION); default: the main "
+                "branch"})
     download_dir: Path | None = field(default=None, metadata={
-        "help": "download Hugging Face models here instead of the Hugging Face cache ($HF_HOME/hub)",
+        "help": "download Hugging Face models here; default: the Hugging Face cache ($HF_HOME/hub)",
         "type": lambda text: parse_download_dir(text)})
     allowed_origins: tuple[str, ...] = field(default=(), metadata={
         "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *; repeatable; "
-                "CORS is off without it", "action": "append", "metavar": "ORIGIN"})
+                "default: none (CORS off)", "action": "append", "metavar": "ORIGIN"})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
                 "thinking); 0 switches it off"})

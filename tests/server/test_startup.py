@@ -1,0 +1,202 @@
+"""A user's first hour with `ember serve`, through the real console script in a subprocess: a Hugging Face model id
+served from the hub cache offline, start-up mistakes reported in one line (before the weights load where possible),
+the start-up report, several API keys, CORS off by default, and the vLLM metric names after a request."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ember.server.app import free_port
+from tests.server.test_model_source import COMMIT, REPO_ID, hub_cache
+
+def ember_cmd() -> list[str]:
+    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
+
+
+def run_ember(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*ember_cmd(), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def error_line(r: subprocess.CompletedProcess) -> str:
+    """The one line a failed start prints on stderr (log lines before it are allowed, a traceback is not)."""
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+@contextmanager
+def serving(args: list[str], env: dict, log: Path):
+    """`ember serve ARGS` until the block ends; yields its base URL once /health answers."""
+    port = free_port()
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*ember_cmd(), "serve", *args, "--port", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=err, env={**os.environ, **env})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "ember serve did not come up:\n" + log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hub_server(demo_model_dir, tmp_path_factory):
+    """`ember serve tiny-org/tiny-demo` with HF_HUB_OFFLINE=1 and HF_HOME on a hand-built hub cache."""
+    root = tmp_path_factory.mktemp("hf-home")
+    hub_cache(root, demo_model_dir)
+    log = root / "serve.log"
+    env = {"HF_HOME": str(root), "HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}
+    args = [REPO_ID, "--max-num-seqs", "4", "--kv-cache-blocks", "64", "--api-key", "first-key", "--api-key",
+            "second-key"]
+    with serving(args, env, log) as url:
+        yield url, log
+
+
+def test_a_hub_id_is_served_from_the_hub_cache_offline(hub_server):
+    url, log = hub_server
+    headers = {"Authorization": "Bearer second-key"}
+    models = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()
+    assert models["data"][0]["id"] == REPO_ID  # the served name is the hub id, not the snapshot folder's
+    r = httpx.post(url + "/v1/chat/completions", headers={"x-api-key": "first-key"}, timeout=60,
+                   json={"model": REPO_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["model"] == REPO_ID
+    wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer third-key"}, timeout=10)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    text = log.read_text()
+    snapshot = f"models--tiny-org--tiny-demo/snapshots/{COMMIT}"
+    assert re.search(rf"model '{REPO_ID}' from \S*{snapshot}: Qwen3ForCausalLM, \w+ on \w+\S*, loaded in [\d.]+ s",
+                     text), text
+    assert "KV cache: 64 blocks of 16 tokens = 1024 tokens; max_model_len 4096" in text
+    assert re.search(r"parser profile qwen3 \(tools on\); delimiter token IDs: .*<think>=\d+", text)
+    assert f"OpenAI API at {url}/v1" in text
+
+
+def test_cors_is_off_by_default(hub_server):
+    url, _ = hub_server
+    pre = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+
+
+def test_vllm_metric_names_after_a_request(hub_server):
+    url, _ = hub_server
+    body = {"messages": [{"role": "user", "content": "metrics " * 20}], "max_tokens": 4, "ignore_eos": True}
+    for _ in range(2):  # the second one hits the prefix cache
+        r = httpx.post(url + "/v1/chat/completions", headers={"x-api-key": "first-key"}, json=body, timeout=60)
+        assert r.status_code == 200
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+    text = httpx.get(url + "/metrics", timeout=10).text
+    label = f'{{model_name="{REPO_ID}"}}'
+
+    def value(name: str) -> float:
+        m = re.search(rf"^{re.escape(name + label)} (\S+)$", text, flags=re.M)
+        assert m, f"{name}{label} is not exported"
+        return float(m.group(1))
+
+    assert value("vllm:num_requests_running") == 0 and value("vllm:num_requests_waiting") == 0
+    assert 0 <= value("vllm:kv_cache_usage_perc") <= 1
+    assert value("vllm:prompt_tokens_total") >= 2 * 20
+    assert value("vllm:generation_tokens_total") >= 8
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds"):
+        assert value(hist + "_count") >= 2, hist
+    assert value("vllm:inter_token_latency_seconds_count") >= 6
+    assert value("vllm:prefix_cache_queries_total") >= 2 * 20
+    assert 16 <= value("vllm:prefix_cache_hits_total") <= value("vllm:prefix_cache_queries_total")
+    assert "ember_prompt_tokens_total " in text  # Ember's own names stay
+
+
+def test_a_model_missing_offline_is_one_line(tmp_path):
+    r = run_ember("serve", "tiny-org/absent", "--port", str(free_port()),
+                  env={"HF_HOME": str(tmp_path), "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    line = error_line(r)
+    assert "tiny-org/absent is not in the Hugging Face cache" in line and "HF_HUB_OFFLINE=1" in line
+    assert "`hf download tiny-org/absent`" in line and "local checkpoint directory" in line
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = run_ember("serve", "--port", str(port), env={"EMBER_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 2
+    line = error_line(r)
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in line
+    assert not (tmp_path / "demo").exists()  # nothing was built or loaded
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: 'lots' is not a size in bytes"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: '1.5' is not in (0, 1]"),
+    (["--chat-template", "typo.jinja"], "argument --chat-template: typo.jinja: no such file"),
+    (["--tool-parser", "hermes2"], "argument --tool-parser: 'hermes2' is unknown; known: none, qwen3"),
+    (["./no/such/checkpoint"], "./no/such/checkpoint: no such directory, and not a Hugging Face model id"),
+    (["--download-dir", __file__], "argument --download-dir: "),
+])
+def test_bad_arguments_are_one_line_with_exit_code_2(args, message):
+    r = run_ember("serve", *args, timeout=60)
+    assert r.returncode == 2
+    line = error_line(r)
+    assert message in line and "parse_" not in line
+    assert r.stderr.strip() == line  # nothing else: no usage block, no log
+
+
+def test_version():
+    from importlib import metadata
+
+    r = run_ember("--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"ember {metadata.version('ember')}"
+
+
+@pytest.mark.parametrize("template, what", [
+    ("{{ raise_exception('this template needs a system message') }}", "a one-message conversation"),
+    ("{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}"
+     "{% for m in messages %}{{ m.content }}{% endfor %}", "a conversation with a tool"),
+])
+def test_a_chat_template_that_cannot_render_stops_the_start(demo_model_dir, tmp_path, template, what):
+    path = tmp_path / "broken.jinja"
+    path.write_text(template)
+    r = run_ember("serve", str(demo_model_dir), "--chat-template", str(path), "--kv-cache-blocks", "16",
+                  "--port", str(free_port()), "--log-level", "warning", "--in-process")
+    assert r.returncode == 2
+    line = error_line(r)
+    assert f"--chat-template {path} fails to render {what}:" in line
+    assert ("needs a system message" if "one-message" in what else "tools are not supported") in line
+
+
+def test_a_model_that_cannot_load_is_one_line_unless_debug(tmp_path):
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "nosuch"}')
+    r = run_ember("serve", str(bad), "--port", str(free_port()), "--log-level", "warning", "--in-process")
+    assert r.returncode == 1
+    assert error_line(r).startswith(f"ember serve: error: cannot load {bad}: ")
+    debug = run_ember("serve", str(bad), "--port", str(free_port()), "--log-level", "debug", "--in-process")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr

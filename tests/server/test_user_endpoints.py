@@ -1,0 +1,168 @@
+"""Endpoints and fields tools expect, on the real server: /tokenize and /detokenize (vLLM's shapes), cached prompt
+tokens in usage (OpenAI and Anthropic shapes), SSE keep-alive comments, `reasoning_effort` reaching the chat template,
+CORS with --allowed-origins, and /health failing once the engine is gone."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+
+import httpx
+import pytest
+
+from tests.server.conftest import _serve
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_tokenize_a_prompt_or_chat_messages_and_detokenize(demo_server):
+    tok = demo_server.tokenizer
+    r = _post(demo_server, "/tokenize", {"model": "ember-demo", "prompt": "Hello world", "return_token_strs": True})
+    ids = tok.encode("Hello world", add_special_tokens=True)
+    assert r.status_code == 200
+    assert r.json() == {"count": len(ids), "max_model_len": demo_server.runtime.max_model_len, "tokens": ids,
+                        "token_strs": tok.convert_ids_to_tokens(ids)}
+    plain = _post(demo_server, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert plain["tokens"] == tok.encode("Hello world", add_special_tokens=False) and plain["token_strs"] is None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = _post(demo_server, "/tokenize", {"messages": messages}).json()
+    reply = _post(demo_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == len(chat["tokens"]) == reply["usage"]["prompt_tokens"]  # what chat would prefill
+    text = _post(demo_server, "/detokenize", {"model": "ember-demo", "tokens": chat["tokens"]}).json()["prompt"]
+    assert text == tok.decode(chat["tokens"]) and "Hi there" in text and "Be brief." in text
+
+
+def test_tokenize_errors_name_the_field(demo_server):
+    both = _post(demo_server, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
+    assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
+    bad = _post(demo_server, "/detokenize", {"tokens": [5, 10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    wrong = _post(demo_server, "/tokenize", {"model": "other", "prompt": "x"})
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_needs_the_api_key_when_one_is_set(keyed_server):
+    assert _post(keyed_server, "/tokenize", {"prompt": "x"}).status_code == 401
+    ok = httpx.post(keyed_server.url + "/detokenize", json={"tokens": [5]}, headers={"x-api-key": "sekrit"})
+    assert ok.status_code == 200
+
+
+def _unique_prompt() -> str:
+    return f"cache probe {secrets.token_hex(6)} " + "the quick brown fox jumps " * 12
+
+
+def test_openai_usage_reports_prompt_tokens_served_from_the_prefix_cache(demo_server):
+    client = demo_server.openai()
+    messages = [{"role": "user", "content": _unique_prompt()}]
+    first = client.chat.completions.create(model="ember-demo", messages=messages, max_tokens=2)
+    second = client.chat.completions.create(model="ember-demo", messages=messages, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0  # whole KV blocks
+    stream = client.chat.completions.create(model="ember-demo", messages=messages, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True})
+    last = list(stream)[-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == cached
+    prompt = _unique_prompt()
+    client.completions.create(model="ember-demo", prompt=prompt, max_tokens=1)
+    again = client.completions.create(model="ember-demo", prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_anthropic_usage_reports_cache_read_input_tokens(demo_server):
+    client = demo_server.anthropic()
+    messages = [{"role": "user", "content": _unique_prompt()}]
+    first = client.messages.create(model="ember-demo", max_tokens=2, messages=messages)
+    second = client.messages.create(model="ember-demo", max_tokens=2, messages=messages)
+    assert first.usage.cache_read_input_tokens == 0
+    assert 16 <= second.usage.cache_read_input_tokens < second.usage.input_tokens
+    with client.messages.stream(model="ember-demo", max_tokens=2, messages=messages) as s:
+        final = s.get_final_message()
+    assert final.usage.cache_read_input_tokens == second.usage.cache_read_input_tokens
+
+
+def test_a_silent_stream_gets_keepalive_comments(demo_runtime):
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, sse_keepalive_seconds=0.001))
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            events = [e for e in r.read().decode().split("\n\n") if e]
+        assert ": keep-alive" in events  # at least the wait for the first token was filled
+        data = [e for e in events if e != ": keep-alive"]
+        assert all(e.startswith("data: ") for e in data) and data[-1] == "data: [DONE]"
+        assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] is not None
+        import openai
+
+        sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        chunks = list(sdk.chat.completions.create(model="ember-demo", stream=True, **{
+            k: v for k, v in body.items() if k != "stream"}))
+        assert chunks[-1].choices[0].finish_reason is not None  # the SDK skips the comments
+    finally:
+        srv.stop()
+
+
+def test_reasoning_effort_reaches_the_chat_template(demo_runtime):
+    runtime, config = demo_runtime
+    template = "{% for m in messages %}{{ m.content }}{% endfor %} effort={{ reasoning_effort | default('unset') }}"
+    srv, _ = _serve(dataclasses.replace(runtime, chat_template=template), config)
+    tok = runtime.tokenizer
+
+    def prompt(**extra) -> str:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "return_token_ids": True, **extra}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return tok.decode(r.json()["prompt_token_ids"])
+
+    try:
+        assert prompt(reasoning_effort="high") == "Hi effort=high"
+        assert prompt() == "Hi effort=unset"
+        assert prompt(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == "Hi effort=low"
+        bad = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        srv.stop()
+
+
+def test_allowed_origins_switch_cors_on(demo_runtime):
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, allowed_origins=("http://localhost:3000",)))
+    try:
+        pre = httpx.options(srv.url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://evil.example"}, timeout=10)
+        assert "access-control-allow-origin" not in other.headers
+        ok = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=10)
+        assert ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+    finally:
+        srv.stop()
+
+
+def test_health_fails_once_the_engine_is_gone(demo_model_dir):
+    from ember.server.app import BackgroundServer, create_app, load_runtime
+    from ember.server.config import ServeConfig
+
+    config = ServeConfig(model_dir=demo_model_dir, kv_cache_blocks=16, max_num_seqs=2, in_process=True)
+    runtime = load_runtime(config)
+    srv = BackgroundServer(create_app(runtime, config)).start()
+    try:
+        assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+        runtime.engine.shutdown()
+        r = httpx.get(srv.url + "/health", timeout=10)
+        assert r.status_code == 503
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_new_routes_are_counted_in_metrics(demo_server, path):
+    body = {"prompt": "x"} if path == "/tokenize" else {"tokens": [5]}
+    assert _post(demo_server, path, body).status_code == 200
+    text = httpx.get(demo_server.url + "/metrics", timeout=10).text
+    assert f'ember_requests_total{{endpoint="{path}",status="200"}}' in text
