@@ -98,8 +98,8 @@ class Engine:
         mc = self.model_config
         self.device = torch.device(config.device) if config.device is not None else _default_device()
         self.dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
                               f"({mc.max_position_embeddings}) in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -109,9 +109,9 @@ class Engine:
 
             if config.tensor_parallel_size < 1:
                 raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
-            self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
             if self.kv_cache_dtype != self.dtype:
                 raise ConfigError("kv_cache_dtype='fp8' is not supported with tensor_parallel_size > 1 yet")
+            self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
                                                    self.dtype)
         else:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
