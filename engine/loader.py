@@ -12,12 +12,10 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from ember.engine.checkpoint import CheckpointError, checkpoint_dir, load_tokenizer  # noqa: F401 (re-exported)
 from ember.engine.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
-
-class CheckpointError(ValueError):
-    """The checkpoint directory is missing a file or holds something unreadable."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -27,13 +25,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
-
-
-def checkpoint_dir(model_dir: str | os.PathLike) -> Path:
-    path = Path(model_dir).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory (Ember loads local checkpoint directories only)")
-    return path
 
 
 def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
@@ -88,18 +79,3 @@ def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
         if len(files) > 1:
             log.info("loading weights: %d/%d files (%s) after %.1f s", i, len(files), f.name, time.monotonic() - t0)
-
-
-def load_tokenizer(model_dir: str | os.PathLike):
-    """The checkpoint's tokenizer (a transformers PreTrainedTokenizerBase)."""
-    from transformers import AutoTokenizer
-
-    root = checkpoint_dir(model_dir)
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any((root / n).exists() for n in names):
-        raise CheckpointError(f"{root}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
-    try:
-        return AutoTokenizer.from_pretrained(str(root))
-    except Exception as e:  # transformers raises many types here; name the directory
-        raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
-

@@ -2,7 +2,7 @@
 
 - `compile_request(profile, initial, delimiter_ids, response_format=..., tools=..., tool_choice=...,
   parallel_tool_calls=..., thinking_budget=...)` -> `GrammarPlan | None` (pure; `GrammarError` for a bad request)
-- `GrammarBackend.from_pretrained(model_dir)` once per model; ``backend.validate(grammar)``,
+- `GrammarBackend.from_pretrained(model_dir, eos_ids=...)` once per model; ``backend.validate(grammar)``,
   ``backend.constraint(plan)`` per request and choice, ``backend.bitmask_filler()`` for the engine.
 
 The compiler is pure Python; the matcher (llguidance's tokenizer and torch bitmasks) is imported on first use of one
@@ -15,10 +15,9 @@ from typing import Any
 from .compiler import JSON_OPTIONS, GrammarError, GrammarPlan, ThinkingBudget, build_grammar, compile_request
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
-           "GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids", "model_vocab_size"]
+           "GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"]
 
-_MATCHER_NAMES = frozenset({"GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids",
-                            "model_vocab_size"})
+_MATCHER_NAMES = frozenset({"GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"})
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ import torch
 
 from .compiler import GrammarError, GrammarPlan, ThinkingBudget
 
-__all__ = ["GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_eos_ids", "model_vocab_size"]
+__all__ = ["GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"]
 
 _MAX_MESSAGE = 600
 
@@ -52,14 +52,6 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-def model_eos_ids(model_dir: str | Path, hf_tokenizer: Any | None = None) -> list[int]:
-    """EOS / end-of-turn IDs of a checkpoint, by the engine's one rule (`ember.engine.eos.end_of_turn_ids`, a
-    torch-free module of plain tokenizer facts)."""
-    from ember.engine.eos import end_of_turn_ids
-
-    return list(end_of_turn_ids(hf_tokenizer, model_dir))
 
 
 def model_vocab_size(model_dir: str | Path) -> int | None:
@@ -185,15 +177,17 @@ class GrammarBackend:
         return cls(build_ll_tokenizer(hf_tokenizer, vocab_size=vocab_size, eos_ids=eos_ids), **kwargs)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, hf_tokenizer: Any | None = None,
+    def from_pretrained(cls, model_dir: str | Path, *, eos_ids: Iterable[int], hf_tokenizer: Any | None = None,
                         **kwargs: Any) -> "GrammarBackend":
-        """From a checkpoint folder: its tokenizer, ``config.json`` vocab size and every EOS ID it declares."""
+        """From a checkpoint folder: its tokenizer and ``config.json`` vocab size. ``eos_ids`` come from the caller
+        (the engine's one rule, `ember.engine.eos.end_of_turn_ids`, which the server reads from the engine's
+        `ModelInfo`), so grammar, engine and parsers end turns on the same IDs."""
         if hf_tokenizer is None:
             from transformers import AutoTokenizer
 
             hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls.from_tokenizer(hf_tokenizer, vocab_size=model_vocab_size(model_dir),
-                                  eos_ids=model_eos_ids(model_dir, hf_tokenizer), **kwargs)
+                                  eos_ids=eos_ids, **kwargs)
 
     # -------------------------------------------------------------------------------------------- admission
 

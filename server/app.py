@@ -639,7 +639,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     """Start the engine for `config.model_dir` (building the demo model when None): in its own process, or in a
     thread of this one with `config.in_process`; then the front end's tokenizer, parser and grammar setup."""
     from ember.engine.args import engine_args_of
-    from ember.engine.loader import load_tokenizer
+    from ember.engine.checkpoint import load_tokenizer
 
     model_dir = config.model_dir
     if model_dir is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
-from ember.engine.loader import load_tokenizer
+from ember.engine.checkpoint import load_tokenizer
 from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import OutputPipeline, ParserSetup

@@ -37,7 +37,7 @@ class Structured:
     def from_pretrained(cls, model_dir: str | Path, hf_tokenizer: Any | None = None) -> "Structured":
         """The backend of a checkpoint folder; its EOS set is the engine's (`end_of_turn_ids`)."""
         if hf_tokenizer is None:
-            from ember.engine.loader import load_tokenizer
+            from ember.engine.checkpoint import load_tokenizer
 
             hf_tokenizer = load_tokenizer(model_dir)
         return cls(GrammarBackend.from_tokenizer(hf_tokenizer, vocab_size=model_vocab_size(model_dir),

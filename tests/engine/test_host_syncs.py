@@ -71,7 +71,9 @@ class SyncCounter:
 def grammar_backend(demo_model_dir):
     from ember.grammar.matcher import GrammarBackend
 
-    return GrammarBackend.from_pretrained(demo_model_dir)
+    from ember.engine.eos import end_of_turn_ids
+
+    return GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
 
 
 def _constraint(backend):

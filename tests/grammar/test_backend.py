@@ -5,13 +5,14 @@ import json
 
 import torch
 
+from ember.engine.eos import end_of_turn_ids
 from ember.grammar import GrammarBackend, compile_request
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup
 
 
 def test_from_pretrained_takes_every_eos_and_the_model_vocab(demo_model_dir):
-    backend = GrammarBackend.from_pretrained(demo_model_dir)
+    backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
     gen = json.loads((demo_model_dir / "generation_config.json").read_text())
     assert set(gen["eos_token_id"]) <= set(backend.eos_ids)
     assert backend.vocab_size == json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]

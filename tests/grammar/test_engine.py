@@ -14,7 +14,8 @@ import pytest
 
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
-from ember.grammar import compile_request, model_eos_ids, model_vocab_size
+from ember.engine.eos import end_of_turn_ids
+from ember.grammar import compile_request, model_vocab_size
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import DELIMITER, ParserSetup, parse_all
 from tests.grammar.conftest import QWEN3
@@ -46,7 +47,7 @@ def model_dir(tmp_path_factory, vocab_dir, hf_tok):
 @pytest.fixture(scope="module")
 def engine(model_dir, backend):
     assert model_vocab_size(model_dir) == backend.vocab_size
-    assert set(model_eos_ids(model_dir)) <= set(backend.eos_ids)
+    assert set(end_of_turn_ids(None, model_dir)) <= set(backend.eos_ids)
     return Engine.from_pretrained(model_dir, bitmask_filler=backend.bitmask_filler(), max_num_seqs=64,
                                   max_num_batched_tokens=4096, device="cpu", dtype="float32")
 
