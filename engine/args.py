@@ -77,6 +77,8 @@ class EngineArgs:
                                          choices=("triton", "torch", "reference"))
     moe_backend: str | None = _opt(None, "MoE / NVFP4 kernels; default: triton on CUDA, the torch reference on "
                                          "CPU", choices=("triton", "reference"))
+    row_ops_backend: str | None = _opt(None, "RMSNorm, rotary and SiLU-and-mul kernels; default: triton on CUDA, "
+                                             "torch on CPU", choices=("triton", "torch"))
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
                                          "(left to the HTTP front end)")
 
@@ -93,7 +95,8 @@ class EngineArgs:
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""
-        for name, value in (("EMBER_ATTENTION", self.attention_backend), ("EMBER_MOE", self.moe_backend)):
+        for name, value in (("EMBER_ATTENTION", self.attention_backend), ("EMBER_MOE", self.moe_backend),
+                            ("EMBER_ROW_OPS", self.row_ops_backend)):
             if value is not None:
                 os.environ[name] = value
 
