@@ -22,7 +22,8 @@ from ember.engine.config import ConfigError, ModelConfig
 
 
 def row_ops_backend(device: torch.device) -> str:
-    """``"triton"`` on CUDA, ``"torch"`` elsewhere; ``--row-ops-backend`` (``EMBER_ROW_OPS``, triton / torch) overrides."""
+    """``"triton"`` on CUDA, ``"torch"`` elsewhere; ``--row-ops-backend`` (``EMBER_ROW_OPS``: triton / torch)
+    overrides."""
     forced = os.environ.get("EMBER_ROW_OPS", "").strip().lower()
     if forced in ("triton", "torch"):
         return forced
