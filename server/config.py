@@ -1,11 +1,10 @@
 """Options of `ember serve`, as one plain dataclass shared by the CLI, the app factory and tests."""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.engine.args import EngineArgs
+from ember.engine.args import EngineArgs, SettingValueError
 
 
 @dataclass
@@ -57,34 +56,6 @@ class ServeConfig(EngineArgs):
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
                 "thinking); 0 switches it off"})
-
-
-class SettingValueError(argparse.ArgumentTypeError, ValueError):
-    """A setting's value is malformed; argparse shows the message as is (not `invalid parse_x value`)."""
-
-
-def parse_fraction(text: str) -> float:
-    """`"0.9"` -> 0.9; SettingValueError outside (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise SettingValueError(f"{text!r} is not a number in (0, 1], e.g. 0.9") from None
-    if not 0.0 < value <= 1.0:
-        raise SettingValueError(f"{text!r} is not in (0, 1], e.g. 0.9")
-    return value
-
-
-def parse_memory(text: str) -> int:
-    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes; SettingValueError otherwise."""
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    try:
-        value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
-    except ValueError:
-        raise SettingValueError(f"{text!r} is not a size in bytes, e.g. 512M, 2G or 1.5GiB") from None
-    if value <= 0:
-        raise SettingValueError(f"{text!r} is not a positive size, e.g. 512M, 2G or 1.5GiB")
-    return int(value)
 
 
 def parse_chat_template(text: str) -> str:
