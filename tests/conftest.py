@@ -46,6 +46,21 @@ def write_shared_tokenizer(family: str, out: pathlib.Path, extra: tuple[str, ...
     return out
 
 
+def save_tiny_qwen3(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int, **config) -> pathlib.Path:
+    """A 2-layer random Qwen3 checkpoint (GQA 4/2, head_dim 16, 1280-token vocabulary) saved into ``path`` with the
+    tokenizer files of ``tokenizer_dir`` (the demo model's); ``config`` overrides Qwen3Config fields."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**{**dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                initializer_range=0.1, tie_word_embeddings=False), **config})
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory) -> pathlib.Path:
     """The built-in demo model, built once per test session."""

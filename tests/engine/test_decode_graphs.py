@@ -4,7 +4,6 @@ with the torch and the Triton (interpreter) attention backends, only decode-only
 server flags reach the engine."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from ember.engine.attention import TorchBackend
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from ember.kernels import reference
+from tests.conftest import save_tiny_qwen3
 
 # (prompt lengths, max_tokens, graph sizes captured up to): the requests arrive one per step and, once all are in,
 # one ends per step, so the decode batches shrink by one down to 1. Torch: sizes 1, 2, 4, 6 (3 and 5 padded; 7 and 8
@@ -27,17 +27,7 @@ WORKLOADS = {
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, demo_model_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("graphs-qwen3")
-    torch.manual_seed(3)
-    cfg = Qwen3Config(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.1, tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("graphs-qwen3"), demo_model_dir, seed=3)
 
 
 def _engine(path, **kw) -> Engine:

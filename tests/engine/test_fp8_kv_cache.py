@@ -4,8 +4,6 @@ checkpoint's per-layer k/v scales (ModelOpt's ``k_proj.k_scale`` / ``v_proj.v_sc
 of the full-precision cache."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,25 +12,18 @@ from ember.engine.attention import TorchBackend
 from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
+from tests.conftest import save_tiny_qwen3
 
 SCALES = {"model.layers.0.self_attn.k_proj.k_scale": 0.5, "model.layers.0.self_attn.v_proj.v_scale": 0.25,
           "model.layers.1.self_attn.k_scale": 2.0}
 
 
 def _save(path, demo_model_dir, extra: dict[str, float]) -> None:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(5)
-    cfg = Qwen3Config(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.1, tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    save_tiny_qwen3(path, demo_model_dir, seed=5)
     if extra:
         tensors = load_file(path / "model.safetensors")
         tensors.update({k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()})
         save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
 
 
 @pytest.fixture(scope="module")

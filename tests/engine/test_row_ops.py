@@ -3,7 +3,6 @@ interpreter on a CPU) generates the same greedy tokens, with logits within fp32 
 choice follows the device and ``EMBER_ROW_OPS``."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -11,21 +10,12 @@ import torch
 from ember.engine.engine import Engine
 from ember.engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_ops_backend
 from ember.engine.params import SamplingParams
+from tests.conftest import save_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, demo_model_dir):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = tmp_path_factory.mktemp("row-ops-qwen3")
-    torch.manual_seed(7)
-    cfg = Qwen3Config(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      initializer_range=0.1, tie_word_embeddings=False)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("row-ops-qwen3"), demo_model_dir, seed=7, intermediate_size=96)
 
 
 def _run(path, monkeypatch, ops: str) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
