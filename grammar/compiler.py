@@ -276,9 +276,11 @@ def _is_text_param(schema: Mapping) -> bool:
     return streams_as_string(types)
 
 
-def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
-    """Rule for one parameter value, ending with its ``\\n</parameter>\\n``."""
-    close = '"\\n</parameter>\\n"'
+def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, lazy: tuple[str, str] | None) -> str:
+    """Rule for one tag-delimited argument value ending with ``close`` (a rule reference or literal): raw text where
+    the parser streams the value as a string (an enum/const of strings as its literals), else JSON of its schema.
+    ``lazy`` = (closer regex, suffix literal) when the closer is text: a text value never contains the closer (the
+    parser ends the value at its first occurrence) and ends lazily at the suffix; None when the closer is a token."""
     if _is_text_param(schema):
         values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
             [schema["const"]] if "const" in schema else None
@@ -288,11 +290,20 @@ def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
         hi = schema.get("maxLength")
         span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
         term = rule.upper() + "_TEXT"
-        # A value never contains `</parameter>`: the parser ends the value at its first occurrence.
-        g.add(term, f"/(?s:.{span})/ & ~/(?s:.*)<\\/parameter>(?s:.*)/")
-        return g.add(rule, term, '[suffix="\\n</parameter>\\n"]')
+        if lazy is None:
+            g.add(term, f"/(?s:.{span})/")
+            return g.add(rule, f"{term} {close}")
+        closer, suffix = lazy
+        g.add(term, f"/(?s:.{span})/ & ~/(?s:.*){closer}(?s:.*)/")
+        return g.add(rule, term, f"[suffix={suffix}]")
     g.add(rule + "_json", _json_rule(schema, lenient=lenient))
     return g.add(rule, f"{rule}_json {close}")
+
+
+def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
+    """Rule for one parameter value, ending with its ``\\n</parameter>\\n``."""
+    close = '"\\n</parameter>\\n"'
+    return _tag_value(g, rule, schema, lenient, close, ("<\\/parameter>", close))
 
 
 def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
@@ -338,26 +349,10 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 
 
 def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool) -> str:
-    """Rule for one GLM argument value, ending with its ``</arg_value>``: raw text where the parser streams it as a
-    string (as `_coder_value`), else JSON of its schema."""
-    close = d.ref("value_close")
-    text_close = d.id("value_close") is None
-    if _is_text_param(schema):
-        values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
-            [schema["const"]] if "const" in schema else None
-        if values is not None and all(isinstance(v, str) for v in values):
-            return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
-        lo = int(schema.get("minLength", 0) or 0)
-        hi = schema.get("maxLength")
-        span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
-        term = rule.upper() + "_TEXT"
-        if text_close:     # the closer is text: a value never contains it, and ends lazily at it
-            g.add(term, f"/(?s:.{span})/ & ~/(?s:.*)<\\/arg_value>(?s:.*)/")
-            return g.add(rule, term, f"[suffix={_lit(d.profile.terminals['value_close'])}]")
-        g.add(term, f"/(?s:.{span})/")
-        return g.add(rule, f"{term} {close}")
-    g.add(rule + "_json", _json_rule(schema, lenient=lenient))
-    return g.add(rule, f"{rule}_json {close}")
+    """Rule for one GLM argument value, ending with its ``</arg_value>`` (a token, or text where the vocabulary lacks
+    it)."""
+    lazy = None if d.id("value_close") is not None else ("<\\/arg_value>", _lit(d.profile.terminals["value_close"]))
+    return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy)
 
 
 def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
