@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import chat
@@ -44,7 +44,7 @@ from .generation import (ChoiceSpec, GenRequest, ModelRuntime, dumps, make_pipel
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
                              usage, usage_chunk)
-from .sse import with_keepalive
+from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
 
@@ -212,16 +212,17 @@ async def _steps(st: ServerState, req: GenRequest, run: _Run, single_call: bool 
             yield first_call_only(step) if single_call else step
 
 
-async def _chat_chunks(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run,
-                       single_call: bool = False) -> AsyncIterator[dict]:
+async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run,
+                    single_call: bool = False) -> AsyncIterator[str]:
+    """The chat stream's SSE text up to its tail: the role chunks, then one item per step (all of its chunks)."""
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
-    for i, e in enumerate(encs):
-        yield e.start(req.choices[0].prompt_ids if i == 0 else None)
+    yield "".join(_sse(e.start(req.choices[0].prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
     async with aclosing(_steps(st, req, run, single_call)) as steps:
         async for step in steps:
-            for ch in encs[step.index].step(step):
-                yield ch
+            text = encs[step.index].step_sse(step)
+            if text:
+                yield text
 
 
 async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
@@ -245,7 +246,7 @@ async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
+    return "data: " + dumps(obj) + "\n\n"
 
 
 def _stream_error(message: str) -> str:
@@ -311,16 +312,16 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     run = _Run()
     if body.stream:
         async def stream() -> AsyncIterator[str]:
-            async with aclosing(_chat_chunks(st, req, meta, run, not body.parallel_tool_calls)) as chunks:
-                async for ch in chunks:
-                    yield _sse(ch)
-            for err in run.errors:
-                yield _stream_error(err)
+            async with aclosing(_chat_sse(st, req, meta, run, not body.parallel_tool_calls)) as texts:
+                async for text in texts:
+                    yield text
+            tail = [_stream_error(err) for err in run.errors]
             if include_usage:
-                yield _sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0))))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                tail.append(_sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens,
+                                                         run.cached.get(0, 0)))))
+            tail.append("data: [DONE]\n\n")
+            yield "".join(tail)
+        return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await _collect(request, _steps(st, req, run, not body.parallel_tool_calls))
     run.raise_for_errors()
     return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
@@ -401,8 +402,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             if include_usage:
                 yield _sse(usage_chunk(meta, completion_usage(), "text_completion"))
             yield "data: [DONE]\n\n"
-        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await _collect(request, chunks())
     run.raise_for_errors()
     return JSONResponse(fold_completion(collected, usage_body=completion_usage()))
@@ -474,8 +474,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                     yield anthropic_sse(ev)
             for err in run.errors:
                 yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
-        return StreamingResponse(with_keepalive(stream(), st.config.sse_keepalive_seconds),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await _collect(request, _steps(st, req, run, not parallel))
     run.raise_for_errors()
     return JSONResponse(enc.body(collected))
@@ -547,6 +546,7 @@ class _RequestCounter:
             await self.app(scope, receive, send)
             return
         status = {"code": 500}
+        scope[RAW_SEND] = send  # streamed body messages skip the wrappers inside this one
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":

@@ -277,6 +277,10 @@ def seeded(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, non-ASCII kept (one shared encoder: `json.dumps` with options builds a new one per call)."""
+    return _ENCODER.encode(obj)
 

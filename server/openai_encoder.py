@@ -10,7 +10,9 @@ generated token ID rides in exactly one chunk (a token-only chunk when its text 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any, Callable, Iterable, Sequence
 
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
@@ -20,6 +22,19 @@ from ember.parsers.result import fold
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 
 TokenBytesFn = Callable[[int], bytes]
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_dumps = _JSON.encode
+
+
+def sse_line(obj: Any) -> str:
+    """One SSE event of compact JSON, non-ASCII kept: ``data: {...}`` and a blank line."""
+    return "data: " + _dumps(obj) + "\n\n"
+
+
+def _delta_json(delta: dict[str, Any]) -> str:
+    if len(delta) == 1 and "content" in delta:
+        return '{"content":' + encode_basestring(delta["content"]) + "}"
+    return _dumps(delta)
 
 
 @dataclass
@@ -123,6 +138,11 @@ class ChatChoiceEncoder:
         self.tb = token_bytes
         self.completed_calls = 0
         self.num_tokens = 0
+        # the constant text around a chunk's delta, for `step_sse` (the same bytes as `sse_line(chunk)`)
+        self._head = ('data: {"id":' + encode_basestring(meta.id) + ',"object":"chat.completion.chunk","created":'
+                      + _dumps(meta.created) + ',"model":' + encode_basestring(meta.model) + ',"choices":[{"index":'
+                      + _dumps(index) + ',"delta":')
+        self._tail = "}]" + (',"usage":null' if meta.include_usage else "") + "}\n\n"
 
     def _chunk(self, delta: dict[str, Any], *, tokens: Sequence[TokenInfo] = (), finish_reason: str | None = None,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -159,6 +179,34 @@ class ChatChoiceEncoder:
         if step.end is not None:
             chunks.append(self._chunk({}, finish_reason=self.finish_reason(step.end)))
         return chunks
+
+    def step_sse(self, step: ChoiceStep) -> str:
+        """`step`'s chunks as SSE text, equal to joining `sse_line` over `step(step)`, without building the chunk
+        dicts: the id/created/model text is fixed per choice, only the delta and the per-token parts are encoded."""
+        self.completed_calls += sum(isinstance(e, ToolCallEnd) for e in step.events)
+        self.num_tokens += len(step.tokens)
+        deltas = event_deltas(step.events)
+        meta = self.meta
+        carries_tokens = bool(step.tokens) and (meta.return_token_ids or meta.logprobs)
+        if not deltas and carries_tokens:
+            deltas = [{}]
+        parts = []
+        for i, d in enumerate(deltas):
+            parts.append(self._chunk_sse(_delta_json(d), step.tokens if i == 0 else (), "null"))
+        if step.end is not None:
+            parts.append(self._chunk_sse("{}", (), encode_basestring(self.finish_reason(step.end))))
+        return "".join(parts)
+
+    def _chunk_sse(self, delta_json: str, tokens: Sequence[TokenInfo], finish_json: str) -> str:
+        meta = self.meta
+        lp = "null"
+        if tokens and meta.logprobs:
+            lp = _dumps(_chat_logprobs(self.tb, tokens, meta.top_logprobs))
+        ids = ""
+        if meta.return_token_ids:
+            ids = ',"token_ids":[' + ",".join([str(t.token_id) for t in tokens]) + "]"
+        return (self._head + delta_json + ',"logprobs":' + lp + ',"finish_reason":' + finish_json + ids
+                + self._tail)
 
     def finish_reason(self, end: ChoiceEnd) -> str:
         return finish_reason(end, self.completed_calls)

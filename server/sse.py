@@ -1,98 +1,88 @@
-"""Server-sent-event streams kept open through long silences (a long prefill, a long thought whose tokens are
-withheld): a comment line every `interval` seconds without a chunk, which SSE clients ignore and proxies count as
-traffic."""
+"""Server-sent-event responses: one body message per item of the stream (a step's events joined into one item), and
+a comment line after every `interval` seconds without one (a long prefill, a long thought whose tokens are
+withheld), which SSE clients ignore and proxies count as traffic.
+
+This sits on every streamed token's path, so it is lean: the body messages skip the middleware chain's send
+wrappers (the response start and the final message still pass through it), and the keep-alive is one timer per
+interval, not a task or a timer per chunk."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Mapping
+
+from starlette.responses import StreamingResponse
 
 KEEPALIVE = ": keep-alive\n\n"
+RAW_SEND = "ember.raw_send"
+"""Scope key of the ASGI `send` outside the per-route wrappers (set by the outermost middleware of ours)."""
 
 
-async def with_keepalive(chunks: AsyncIterator[str], interval: float) -> AsyncIterator[str]:
-    """`chunks` as they come, plus `KEEPALIVE` after each `interval` seconds in which none came (never when
-    `interval` <= 0). Closing this stream closes `chunks`."""
-    it = aiter(chunks)
-    if interval <= 0:
+class EventStreamResponse(StreamingResponse):
+    """`text/event-stream` of `chunks` (str, one body message each), plus `KEEPALIVE` after each `interval` seconds
+    in which no chunk was sent (never when `interval` <= 0). The stream is closed when the response ends, also when
+    the client went away."""
+
+    def __init__(self, chunks: AsyncIterator[str], interval: float, headers: Mapping[str, str] | None = None):
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self.interval = interval
+        self._body_send: Any = None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        self._body_send = scope.get(RAW_SEND)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self._body_send or send
+        keepalive = _KeepAlive(body, self.interval) if self.interval > 0 else None
+        it = self.body_iterator
         try:
-            async for item in it:
-                yield item
+            async for chunk in it:
+                if keepalive is not None:
+                    keepalive.last = keepalive.loop.time()
+                await body({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         finally:
+            if keepalive is not None:
+                keepalive.stop()
             await _aclose(it)
-        return
-    loop = asyncio.get_running_loop()
-    slot = _Slot(loop)
-    pump = loop.create_task(_pump(it, slot))
-    try:
-        while True:
-            kind, value = await slot.take(interval)
-            if kind is _ITEM:
-                yield value
-            elif kind is _TICK:
-                yield KEEPALIVE
-            elif kind is _ERROR:
-                raise value
-            else:
-                return
-    finally:
-        if not pump.done():
-            pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-_ITEM, _TICK, _ERROR, _END = "item", "tick", "error", "end"
+class _KeepAlive:
+    """Sends `KEEPALIVE` from a timer when `last` (the latest chunk's loop time) is `interval` seconds old."""
 
+    def __init__(self, send: Any, interval: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.send = send
+        self.interval = interval
+        self.last = self.loop.time()
+        self.closed = False
+        self.task: asyncio.Task | None = None
+        self.timer = self.loop.call_at(self.last + interval, self._tick)
 
-class _Slot:
-    """A one-item handoff from the pump task to the stream: a chunk costs two futures, not a task and a wait()
-    (this sits on every streamed chunk's path)."""
+    def _tick(self) -> None:
+        if self.closed:
+            return
+        now = self.loop.time()
+        due = self.last + self.interval
+        if now + 1e-3 >= due:  # timers may fire up to the clock's resolution early
+            self.last = now
+            due = now + self.interval
+            if self.task is None or self.task.done():
+                self.task = self.loop.create_task(self._send())
+        self.timer = self.loop.call_at(due, self._tick)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.item: tuple[str, object] | None = None
-        self.taker: asyncio.Future | None = None
-        self.giver: asyncio.Future | None = None
+    async def _send(self) -> None:
+        if self.closed:
+            return
+        try:
+            await self.send({"type": "http.response.body", "body": KEEPALIVE.encode(), "more_body": True})
+        except Exception:  # the client went away: the stream's own send notices
+            pass
 
-    async def give(self, kind: str, value: object) -> None:
-        self.item = (kind, value)
-        if self.taker is not None and not self.taker.done():
-            self.taker.set_result(None)
-        self.giver = self.loop.create_future()
-        await self.giver  # until the stream took it: never more than one chunk ahead
-
-    async def take(self, timeout: float) -> tuple[str, object]:
-        if self.item is None:
-            self.taker = self.loop.create_future()
-            timer = self.loop.call_later(timeout, _set, self.taker)
-            try:
-                await self.taker
-            finally:
-                timer.cancel()
-                self.taker = None
-            if self.item is None:
-                return _TICK, None
-        item, self.item = self.item, None
-        if self.giver is not None and not self.giver.done():
-            self.giver.set_result(None)
-        return item
-
-
-def _set(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-async def _pump(it: AsyncIterator[str], slot: _Slot) -> None:
-    try:
-        async for item in it:
-            await slot.give(_ITEM, item)
-        await slot.give(_END, None)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # the stream re-raises it
-        await slot.give(_ERROR, e)
-    finally:
-        await _aclose(it)
+    def stop(self) -> None:
+        self.closed = True
+        self.timer.cancel()
 
 
 async def _aclose(it: AsyncIterator[str]) -> None:
