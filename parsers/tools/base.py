@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from ..machine import ParserMachine
 
-__all__ = ["ToolSyntax", "Handler", "Action", "MAX_NAME"]
+__all__ = ["ToolSyntax", "Handler", "Action", "MAX_NAME", "WHITESPACE"]
 
 Handler = Callable[[str], int]
 Action = Callable[[str], None]
 
 MAX_NAME = 512
 """A tool name, parameter name or header longer than this is Malformed (bounds what a syntax buffers)."""
+
+WHITESPACE = " \t\r\n"
 
 
 class ToolSyntax:
@@ -50,6 +52,26 @@ class ToolSyntax:
 
     def __init__(self, machine: "ParserMachine", tools: Sequence[dict] | None) -> None:
         self.m = machine
+        self.at_reply_start = True  # only whitespace so far (see `bare_start_text`)
+
+    def bare_start_text(self, s: str, opener: str, begin: Callable[[], None]) -> int:
+        """A ``CONTENT`` handler for a syntax whose call may open bare at the very start of the reply, with no
+        delimiter token (Llama 3 JSON's ``{``, pythonic's ``[``): leading whitespace is held as content; when the
+        first other character is ``opener`` and the request parses tools, ``begin()`` moves to the call's state
+        (which then reads from ``opener`` on); otherwise the rest of the reply is content."""
+        m = self.m
+        if not self.at_reply_start:
+            return m.content_text(s)
+        j = len(s) - len(s.lstrip(WHITESPACE))
+        if j == len(s):
+            return m.content_text(s)  # held: may precede a bare call
+        self.at_reply_start = False
+        if s[j] != opener or not m.parse_tools:
+            return m.content_text(s)
+        if j:
+            m.content_text(s[:j])
+        begin()
+        return j
 
     def handlers(self) -> dict[str, Handler]:
         """State -> text handler, for this syntax's states (may replace the driver's default for a shared state such

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..profiles.base import CONTENT, TOOL_BETWEEN, TOOL_PREAMBLE, Rule
-from .base import Handler
+from .base import WHITESPACE, Handler
 from .hermes import HermesSyntax
 
-_WS = " \t\r\n"
+_WS = WHITESPACE
 _SEPARATORS = _WS + ";"
 _OPEN = Rule("tool_open")
 
@@ -26,26 +26,14 @@ class Llama3JsonSyntax(HermesSyntax):
 
     def __init__(self, machine, tools: Sequence[dict] | None) -> None:
         super().__init__(machine, tools)
-        self._at_start = True        # only whitespace so far: a `{` now starts a bare call
         self._trailing = False       # stray text after a call: the rest is Malformed
 
     def handlers(self) -> dict[str, Handler]:
         return {**super().handlers(), CONTENT: self._content_text, TOOL_BETWEEN: self._between_text}
 
     def _content_text(self, s: str) -> int:
-        m = self.m
-        if not self._at_start:
-            return m.content_text(s)
-        j = len(s) - len(s.lstrip(_WS))
-        if j == len(s):
-            return m.content_text(s)          # held: may precede a bare call
-        self._at_start = False
-        if s[j] != "{" or not m.parse_tools:
-            return m.content_text(s)
-        if j:
-            m.content_text(s[:j])
-        m.apply(_OPEN, "")                    # drops the held whitespace, enters TOOL_PREAMBLE
-        return j
+        # a bare `{` opens the call as `tool_open` would (drops the held whitespace, enters TOOL_PREAMBLE)
+        return self.bare_start_text(s, "{", lambda: self.m.apply(_OPEN, ""))
 
     def _between_text(self, s: str) -> int:
         m = self.m

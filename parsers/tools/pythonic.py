@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from ..profiles.base import BAD_CALL, CONTENT, TOOL_BETWEEN, TOOL_PREAMBLE, Rule
 from ..profiles.pythonic import P_AFTER, P_ARGS, P_HEAD
 from ..python_literals import PythonArgs
-from .base import MAX_NAME, Handler, ToolSyntax
+from .base import MAX_NAME, WHITESPACE, Handler, ToolSyntax
 
-_WS = " \t\r\n"
+_WS = WHITESPACE
 _NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.")
 _OPEN = Rule("tool_open")
 
@@ -26,7 +26,6 @@ class PythonicSyntax(ToolSyntax):
 
     def __init__(self, machine, tools: Sequence[dict] | None) -> None:
         super().__init__(machine, tools)
-        self._at_start = True         # only whitespace so far: a `[` may open a bare list
         self._bare = False            # the list opened without `<|python_start|>` (a broken head is content)
         self._first = True            # the head still expects the list's `[`
         self._head = ""               # raw head text withheld
@@ -55,19 +54,7 @@ class PythonicSyntax(ToolSyntax):
 
     # ------------------------------------------------------------------------------------------- text handlers
     def _content_text(self, s: str) -> int:
-        m = self.m
-        if not self._at_start:
-            return m.content_text(s)
-        j = len(s) - len(s.lstrip(_WS))
-        if j == len(s):
-            return m.content_text(s)          # held: may precede a bare list
-        self._at_start = False
-        if s[j] != "[" or not m.parse_tools:
-            return m.content_text(s)
-        if j:
-            m.content_text(s[:j])
-        self._new_head(bare=True)
-        return j
+        return self.bare_start_text(s, "[", lambda: self._new_head(bare=True))
 
     def _preamble_text(self, s: str) -> int:
         m = self.m
@@ -75,7 +62,7 @@ class PythonicSyntax(ToolSyntax):
         m.drop(s[:i], "template whitespace")
         if i == len(s):
             return i
-        self._at_start = False
+        self.at_reply_start = False
         if s[i] == "[":
             self._new_head(bare=False)
             return i
@@ -88,7 +75,6 @@ class PythonicSyntax(ToolSyntax):
         self.m.state = P_HEAD
 
     def _head_text(self, s: str) -> int:
-        m = self.m
         i, n = 0, len(s)
         while i < n:
             c = s[i]
