@@ -173,7 +173,9 @@ class ModelRunner:
             return (f"the attention backend {getattr(self.backend, 'name', self.backend)!r} synchronises with the "
                     "host (only the Triton kernels are graph-safe)")
         for m in self.model.modules():
-            if isinstance(m, SparseMoeBlock) and (type(m) is not SparseMoeBlock or not use_triton_moe(self.device)):
+            # Every MoE block (Qwen3-MoE, gpt-oss, DeepSeek-V3) routes with static-shape torch ops and, on the Triton
+            # path, aligns and dispatches tokens without reading the device (`kernels.moe.moe_align_block_size`).
+            if isinstance(m, SparseMoeBlock) and not use_triton_moe(self.device):
                 return "MoE layers on the torch reference path (torch.unique/nonzero) synchronise with the host"
             tp = getattr(m, "tp", None)
             if tp is not None and tp.enabled:

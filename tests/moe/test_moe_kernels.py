@@ -226,3 +226,27 @@ def test_fused_moe_host_side_has_no_sync_and_static_launches(monkeypatch):
         grids.append([(grid, [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args])
                       for _, _, args, _, grid in launches[-2:]])
     assert len(launches) == 4 and grids[0] == grids[1]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss_mxfp4", "deepseek_v3"])
+def test_gpt_oss_and_deepseek_moe_paths_read_nothing_from_the_device(family):
+    """gpt-oss (softmax over the top-k logits, biased MXFP4 experts, clamped GLU) and DeepSeek-V3 (grouped sigmoid
+    routing with its correction bias) route and dispatch without a host read, like Qwen3-MoE: their MoE layers may be
+    captured in CUDA graphs on the Triton path (`ModelRunner.graph_blocker`)."""
+    from ember.kernels import mxfp4
+    from tests.kernels.host_sync import count_host_syncs
+
+    x, w13, w2, _, _ = make_case(8, 2, 5, 64, 32, seed=3)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 8, generator=g)
+    with count_host_syncs() as calls:
+        if family == "gpt_oss_mxfp4":
+            q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+            b13, b2 = torch.randn(8, 64, generator=g) * 0.1, torch.randn(8, 64, generator=g) * 0.1
+            tw, ti = ref.topk_softmax_routing(logits, 2)
+            out = moe.fused_moe(x.float(), q13, q2, tw, ti, config=CFG, b13=b13, b2=b2, swiglu=(7.0, 1.702))
+        else:
+            tw, ti = ref.grouped_topk_routing(logits, torch.randn(8, generator=g), 2, 4, 2, True, 2.5)
+            out = moe.fused_moe(x, w13.half(), w2.half(), tw, ti, config=CFG)
+    assert calls == []
+    assert torch.isfinite(out).all()
