@@ -213,16 +213,24 @@ async def _steps(st: ServerState, req: GenRequest, run: _Run, single_call: bool 
 
 
 async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run,
-                    single_call: bool = False) -> AsyncIterator[str]:
-    """The chat stream's SSE text up to its tail: the role chunks, then one item per step (all of its chunks)."""
+                    single_call: bool) -> AsyncIterator[str]:
+    """The chat stream's SSE text: the role chunks, one item per step (all of its chunks), then the tail (errors,
+    usage, ``[DONE]``). What `_steps` does is inlined: this runs once per streamed step of every stream."""
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
-    yield "".join(_sse(e.start(req.choices[0].prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
-    async with aclosing(_steps(st, req, run, single_call)) as steps:
+    prompt_ids = req.choices[0].prompt_ids
+    yield "".join(_sse(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
+    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
-            text = encs[step.index].step_sse(step)
+            run.note(step)
+            text = encs[step.index].step_sse(first_call_only(step) if single_call else step)
             if text:
                 yield text
+    tail = [_stream_error(err) for err in run.errors]
+    if meta.include_usage:
+        tail.append(_sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0)))))
+    tail.append("data: [DONE]\n\n")
+    yield "".join(tail)
 
 
 async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
@@ -311,17 +319,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                      include_usage=include_usage)
     run = _Run()
     if body.stream:
-        async def stream() -> AsyncIterator[str]:
-            async with aclosing(_chat_sse(st, req, meta, run, not body.parallel_tool_calls)) as texts:
-                async for text in texts:
-                    yield text
-            tail = [_stream_error(err) for err in run.errors]
-            if include_usage:
-                tail.append(_sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens,
-                                                         run.cached.get(0, 0)))))
-            tail.append("data: [DONE]\n\n")
-            yield "".join(tail)
-        return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
+        return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
+                                   st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await _collect(request, _steps(st, req, run, not body.parallel_tool_calls))
     run.raise_for_errors()
     return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),

@@ -227,14 +227,15 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 metrics.e2e.observe(last_t - req.arrival)
 
 
-async def run_choices(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None = None
-                      ) -> AsyncIterator[ChoiceStep]:
-    """All choices' steps, interleaved as they are produced; each choice ends with a step carrying `end`."""
+def run_choices(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None = None) -> AsyncIterator[ChoiceStep]:
+    """All choices' steps, interleaved as they are produced; each choice ends with a step carrying `end`. One choice
+    is its own generator (no re-yielding layer on every step); close the iterator to abort them."""
     if len(req.choices) == 1:
-        async with aclosing(run_choice(rt, req, 0, metrics)) as it:
-            async for step in it:
-                yield step
-        return
+        return run_choice(rt, req, 0, metrics)
+    return _run_many(rt, req, metrics)
+
+
+async def _run_many(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None) -> AsyncIterator[ChoiceStep]:
     queue: asyncio.Queue[ChoiceStep] = asyncio.Queue()
 
     async def pump(i: int) -> None:
