@@ -112,7 +112,7 @@ class ModelRuntime:
         setup = ParserSetup.from_tokenizer(tok, profile, drop_ids=drop, tb=tb)
         plain = ParserSetup.from_tokenizer(tok, "none", drop_ids=drop, tb=tb)
         name = config.served_model_name or model_dir.name
-        log.info("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
+        log.debug("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    chat_template=template, parser=setup, parser_plain=plain,
