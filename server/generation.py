@@ -177,8 +177,10 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     if metrics is not None:
                         if last_t is None:
                             metrics.ttft.observe(now - req.arrival)
-                        else:
-                            metrics.itl.observe(now - last_t)
+                        else:  # one gap per token: an output merged from several steps spreads its interval
+                            gap = (now - last_t) / len(new_ids)
+                            for _ in new_ids:
+                                metrics.itl.observe(gap)
                     last_t = now
                 lps = out.logprobs
                 step = ChoiceStep(index)
