@@ -175,12 +175,16 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 if new_ids:
                     now = time.monotonic()
                     if metrics is not None:
+                        # One gap per token after the first: an output merged from several steps (its client
+                        # lagged) spreads the time since the previous output over its tokens; tokens that came
+                        # with the first one arrived with it.
                         if last_t is None:
                             metrics.ttft.observe(now - req.arrival)
-                        else:  # one gap per token: an output merged from several steps spreads its interval
-                            gap = (now - last_t) / len(new_ids)
-                            for _ in new_ids:
-                                metrics.itl.observe(gap)
+                            gaps, gap = len(new_ids) - 1, 0.0
+                        else:
+                            gaps, gap = len(new_ids), (now - last_t) / len(new_ids)
+                        for _ in range(gaps):
+                            metrics.itl.observe(gap)
                     last_t = now
                 lps = out.logprobs
                 step = ChoiceStep(index)
