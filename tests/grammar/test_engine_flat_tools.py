@@ -8,32 +8,16 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
-
 from ember.grammar import GrammarBackend, compile_request
 from ember.parsers.pipeline import ParserSetup, parse_all
-from tests.grammar.test_engine import SCHEMAS, TOOLS
-from tests.grammar.test_engine_section_tools import _engine, _forced, _tokenizer
+from tests.grammar.test_engine import TOOLS
+from tests.grammar.test_engine_section_tools import _check, _engine, _forced, _tokenizer
 
 LLAMA = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
          "<|python_tag|>", "<|python_start|>", "<|python_end|>")
 MISTRAL = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "</s>")
 LLAMA_PROMPT = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nSet an alarm or check the weather."
                 "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
-
-
-def _check(tok, results, marker: str):
-    for setup, initial, choice, ids, reason, error in results:
-        text = tok.decode(ids, skip_special_tokens=False)
-        assert reason == "stop" and error is None, (error, text)
-        assert marker in text, text
-        parsed = parse_all(setup.pipeline(initial=initial, tools=TOOLS), ids)
-        assert len(parsed.tool_calls) == 1 and not parsed.malformed, text
-        assert parsed.content.strip() == "" and parsed.reasoning == ""
-        call = parsed.tool_calls[0]
-        if isinstance(choice, dict):
-            assert call.name == choice["function"]["name"]
-        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
 
 
 def test_llama3_json_mistral_and_pythonic_forced_calls_parse_back(tmp_path):
