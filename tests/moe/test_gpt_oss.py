@@ -66,6 +66,27 @@ def _run(engine: Engine, ps: list[list[int]], new_tokens: int) -> list[list[int]
     return [got[r] for r in ids]
 
 
+def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None) -> None:
+    """Greedy tokens over 2 CPU ranks (gloo) equal 1 process's; ``check(engine)`` inspects the split model first;
+    every worker exits cleanly (the suite runs torch on one thread, so each rank gets one)."""
+    import multiprocessing as mp
+
+    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
+    expected = _run(Engine.from_pretrained(model_dir, **opts), ps, new_tokens)
+    engine = Engine.from_pretrained(model_dir, tensor_parallel_size=2, **opts)
+    workers = list(engine.runner.workers)
+    try:
+        if check is not None:
+            check(engine)
+        assert _run(engine, ps, new_tokens) == expected
+    finally:
+        engine.shutdown()
+    for p in workers:
+        p.join(timeout=10)
+        assert p.exitcode == 0
+    assert not mp.active_children()
+
+
 def test_layers_follow_layer_types_with_sinks_and_biases(tiny_gpt_oss_dir):
     cfg = loader.load_model_config(tiny_gpt_oss_dir)
     model = get_model_class(cfg.architecture)(cfg, 64)
@@ -126,22 +147,8 @@ def test_triton_attention_in_the_model_matches_the_torch_path(tiny_gpt_oss_dir):
 
 def test_two_tensor_parallel_ranks_generate_the_same_greedy_tokens(tiny_gpt_oss_dir):
     """Heads, sinks and the interleaved expert stacks split over 2 CPU ranks (gloo); down_proj_bias added once."""
-    import multiprocessing as mp
 
-    ps = prompts(4, seed=3, min_len=6, max_len=30)
-    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
-    expected = _run(Engine.from_pretrained(tiny_gpt_oss_dir, **opts), ps, 6)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine.from_pretrained(tiny_gpt_oss_dir, tensor_parallel_size=2, **opts)
-    workers = list(engine.runner.workers)
-    try:
+    def check(engine):
         assert engine.runner.model.model.layers[0].self_attn.sinks.shape == (2,)
-        assert _run(engine, ps, 6) == expected
-    finally:
-        engine.shutdown()
-        torch.set_num_threads(saved)
-    for p in workers:
-        p.join(timeout=10)
-        assert p.exitcode == 0
-    assert not mp.active_children()
+
+    assert_two_ranks_match_one(tiny_gpt_oss_dir, prompts(4, seed=3, min_len=6, max_len=30), 6, check)

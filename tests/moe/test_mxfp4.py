@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from ember.kernels import mxfp4
 from ember.kernels.mxfp4 import MXFP4Tensor
 from tests.moe.conftest import clear_margin, ember_model, hf_greedy, prompts
-from tests.moe.test_gpt_oss import _run, save_tiny_gpt_oss
+from tests.moe.test_gpt_oss import _run, assert_two_ranks_match_one, save_tiny_gpt_oss
 
 
 def _random_packed(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,30 +189,14 @@ def test_triton_fused_moe_in_the_model_matches_the_torch_path(mxfp4_dirs, which,
 
 def test_two_tensor_parallel_ranks_split_mxfp4_experts_by_scale_blocks(tmp_path_factory, demo_model_dir):
     """intermediate_size 64 = two 32-blocks: each of 2 ranks reads one block of down_proj_blocks / _scales."""
-    import multiprocessing as mp
-
-    from ember.engine.engine import Engine
-
     src = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss-i64"), demo_model_dir, seed=5, intermediate_size=64)
     qdir = write_mxfp4_checkpoint(src, tmp_path_factory.mktemp("gpt-oss-i64-mxfp4"))
-    ps = prompts(3, seed=6, min_len=5, max_len=20)
-    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
-    expected = _run(Engine.from_pretrained(qdir, **opts), ps, 5)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine.from_pretrained(qdir, tensor_parallel_size=2, **opts)
-    workers = list(engine.runner.workers)
-    try:
+
+    def check(engine):
         w13, w2 = engine.runner.model.model.layers[0].mlp.experts.stacks()
         assert isinstance(w2, MXFP4Tensor) and w2.scale.shape == (8, 64, 1) and w13.shape == (8, 64, 64)
-        assert _run(engine, ps, 5) == expected
-    finally:
-        engine.shutdown()
-        torch.set_num_threads(saved)
-    for p in workers:
-        p.join(timeout=10)
-        assert p.exitcode == 0
-    assert not mp.active_children()
+
+    assert_two_ranks_match_one(qdir, prompts(3, seed=6, min_len=5, max_len=20), 5, check)
 
 
 def test_loader_names_missing_and_mismatched_expert_tensors(mxfp4_dirs):
