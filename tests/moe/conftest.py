@@ -78,20 +78,54 @@ def clear_margin(ps: list[list[int]], hf: list[tuple[list[int], float]], need: i
     return [p for p, _ in keep], [t for _, t in keep]
 
 
-def ember_greedy(path: Path, ps: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """Ember's greedy tokens, all prompts in flight together (fp32, CPU)."""
-    from ember.engine.engine import Engine
+def run_greedy(engine, ps: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``engine``'s greedy tokens for ``ps``, all prompts added at once (EOS ignored)."""
     from ember.engine.params import SamplingParams
 
-    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=16)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in ps]
     got: dict[str, list[int]] = {r: [] for r in ids}
     while engine.has_unfinished():
         for o in engine.step():
             got[o.request_id].extend(o.new_token_ids)
-    assert engine.last_batch_size >= 1
     return [got[r] for r in ids]
+
+
+def ember_greedy(path: Path, ps: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Ember's greedy tokens, all prompts in flight together (fp32, CPU)."""
+    from ember.engine.engine import Engine
+
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=16)
+    out = run_greedy(engine, ps, new_tokens)
+    assert engine.last_batch_size >= 1
+    return out
+
+
+def assert_prefill_logits_match_transformers(path: Path) -> None:
+    """One 30-token prefill's logits within 1e-5 (relative) of transformers'."""
+    prompt = prompts(1, seed=5, min_len=30, max_len=30)[0]
+    want = hf_logits(path, prompt)
+    got = ember_logits(ember_model(path), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def assert_greedy_matches_transformers_chunked_and_cached(path: Path) -> None:
+    """Greedy tokens equal transformers' (prompts with a clear top-2 margin) with prompts chunked to a 16-token step
+    budget, then for a new prompt whose first 24 tokens (six 4-token blocks) come from the prefix cache."""
+    from ember.engine.engine import Engine
+
+    ps = prompts(8, seed=1, min_len=10, max_len=40)
+    ps, expected = clear_margin(ps, hf_greedy(path, ps), need=6)
+    engine = Engine.from_pretrained(path, dtype=torch.float32, device="cpu", block_size=4, num_kv_blocks=128,
+                                    max_num_seqs=16, max_num_batched_tokens=16)
+    assert run_greedy(engine, ps, 8) == expected
+    assert engine.runner.last_num_tokens <= 16 < max(len(p) for p in ps)
+    longest = max(ps, key=len)
+    shared = longest[:24] + prompts(1, seed=2, min_len=7, max_len=7)[0]
+    hits = engine.kv.prefix_hits
+    got = run_greedy(engine, [shared], 8)
+    assert engine.kv.prefix_hits - hits == 24
+    assert got == [hf_greedy(path, [shared])[0][0]]
 
 
 def ember_model(path: Path):

@@ -11,8 +11,8 @@ import torch
 from ember.engine import loader
 from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
-from tests.moe.conftest import clear_margin, ember_logits, ember_model, hf_greedy, hf_logits, prompts
-from tests.moe.test_gpt_oss import _run
+from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
+                                assert_prefill_logits_match_transformers, ember_model, prompts)
 
 LORA, ROPE = 32, 8
 
@@ -55,24 +55,11 @@ def test_the_kv_cache_holds_one_latent_head(tiny_dsv3_dir):
 
 
 def test_prefill_logits_match_transformers(tiny_dsv3_dir):
-    prompt = prompts(1, seed=5, min_len=30, max_len=30)[0]
-    want = hf_logits(tiny_dsv3_dir, prompt)
-    got = ember_logits(ember_model(tiny_dsv3_dir), prompt)
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert_prefill_logits_match_transformers(tiny_dsv3_dir)
 
 
 def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_dsv3_dir):
-    ps = prompts(8, seed=1, min_len=10, max_len=40)
-    ps, expected = clear_margin(ps, hf_greedy(tiny_dsv3_dir, ps), need=6)
-    engine = Engine.from_pretrained(tiny_dsv3_dir, dtype=torch.float32, device="cpu", block_size=4,
-                                    num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=16)
-    assert _run(engine, ps, 8) == expected
-    longest = max(ps, key=len)
-    shared = longest[:24] + prompts(1, seed=2, min_len=7, max_len=7)[0]
-    hits = engine.kv.prefix_hits
-    got = _run(engine, [shared], 8)
-    assert engine.kv.prefix_hits - hits == 24
-    assert got == [hf_greedy(tiny_dsv3_dir, [shared])[0][0]]
+    assert_greedy_matches_transformers_chunked_and_cached(tiny_dsv3_dir)
 
 
 def test_triton_attention_and_moe_in_the_model_match_the_torch_path(tiny_dsv3_dir, monkeypatch):

@@ -10,8 +10,8 @@ import torch
 from ember.engine import loader
 from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
-from ember.engine.params import SamplingParams
-from tests.moe.conftest import clear_margin, ember_logits, ember_model, hf_greedy, prompts
+from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
+                                assert_prefill_logits_match_transformers, ember_model, prompts, run_greedy)
 
 WINDOW = 8
 
@@ -56,29 +56,19 @@ def tiny_gpt_oss_dir(tmp_path_factory, demo_model_dir):
     return save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), demo_model_dir)
 
 
-def _run(engine: Engine, ps: list[list[int]], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in ps]
-    got: dict[str, list[int]] = {r: [] for r in ids}
-    while engine.has_unfinished():
-        for o in engine.step():
-            got[o.request_id].extend(o.new_token_ids)
-    return [got[r] for r in ids]
-
-
 def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None) -> None:
     """Greedy tokens over 2 CPU ranks (gloo) equal 1 process's; ``check(engine)`` inspects the split model first;
     every worker exits cleanly (the suite runs torch on one thread, so each rank gets one)."""
     import multiprocessing as mp
 
     opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
-    expected = _run(Engine.from_pretrained(model_dir, **opts), ps, new_tokens)
+    expected = run_greedy(Engine.from_pretrained(model_dir, **opts), ps, new_tokens)
     engine = Engine.from_pretrained(model_dir, tensor_parallel_size=2, **opts)
     workers = list(engine.runner.workers)
     try:
         if check is not None:
             check(engine)
-        assert _run(engine, ps, new_tokens) == expected
+        assert run_greedy(engine, ps, new_tokens) == expected
     finally:
         engine.shutdown()
     for p in workers:
@@ -97,28 +87,11 @@ def test_layers_follow_layer_types_with_sinks_and_biases(tiny_gpt_oss_dir):
 
 
 def test_prefill_logits_match_transformers(tiny_gpt_oss_dir):
-    from tests.moe.conftest import hf_logits
-
-    prompt = prompts(1, seed=5, min_len=30, max_len=30)[0]
-    want = hf_logits(tiny_gpt_oss_dir, prompt)
-    got = ember_logits(ember_model(tiny_gpt_oss_dir), prompt)
-    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    assert_prefill_logits_match_transformers(tiny_gpt_oss_dir)
 
 
 def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_gpt_oss_dir):
-    ps = prompts(8, seed=1, min_len=10, max_len=40)
-    ps, expected = clear_margin(ps, hf_greedy(tiny_gpt_oss_dir, ps), need=6)
-    engine = Engine.from_pretrained(tiny_gpt_oss_dir, dtype=torch.float32, device="cpu", block_size=4,
-                                    num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=16)
-    assert _run(engine, ps, 8) == expected
-    assert engine.runner.last_num_tokens <= 16 < max(len(p) for p in ps)
-    # the longest prompt's first 24 tokens (six blocks) come from the prefix cache for a new prompt
-    longest = max(ps, key=len)
-    shared = longest[:24] + prompts(1, seed=2, min_len=7, max_len=7)[0]
-    hits = engine.kv.prefix_hits
-    got = _run(engine, [shared], 8)
-    assert engine.kv.prefix_hits - hits == 24
-    assert got == [hf_greedy(tiny_gpt_oss_dir, [shared])[0][0]]
+    assert_greedy_matches_transformers_chunked_and_cached(tiny_gpt_oss_dir)
 
 
 def test_triton_attention_in_the_model_matches_the_torch_path(tiny_gpt_oss_dir):

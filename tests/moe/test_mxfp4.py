@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from ember.kernels import mxfp4
 from ember.kernels.mxfp4 import MXFP4Tensor
-from tests.moe.conftest import clear_margin, ember_model, hf_greedy, prompts
-from tests.moe.test_gpt_oss import _run, assert_two_ranks_match_one, save_tiny_gpt_oss
+from tests.moe.conftest import clear_margin, ember_model, hf_greedy, prompts, run_greedy
+from tests.moe.test_gpt_oss import assert_two_ranks_match_one, save_tiny_gpt_oss
 
 
 def _random_packed(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +124,7 @@ def test_mxfp4_greedy_equals_transformers_on_the_dequantized_checkpoint(mxfp4_di
     ps = prompts(6, seed=4, min_len=10, max_len=30)
     ps, expected = clear_margin(ps, hf_greedy(ref, ps), need=4)
     engine = Engine.from_pretrained(qdir, dtype=torch.float32, device="cpu", num_kv_blocks=64, max_num_seqs=8)
-    assert _run(engine, ps, 8) == expected
+    assert run_greedy(engine, ps, 8) == expected
 
 
 # ---- the fused-MoE kernel (W4A16 family) with MXFP4 stacks, biases and the clamped GLU, under the interpreter ----
