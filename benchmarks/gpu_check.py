@@ -25,13 +25,16 @@ import time
 
 _T0 = time.monotonic()  # the budget counts from process start when run as a script (imports take seconds)
 
+import sys
+
+_MODULES_AT_START = set(sys.modules)  # run as a script: the check's whole import closure is what comes after
+
 import argparse
 import contextlib
 import json
 import os
 import platform
 import signal
-import sys
 import tempfile
 import threading
 import traceback
@@ -67,6 +70,10 @@ import triton  # noqa: E402
 from gpu_sections import attention_timing, correctness, graphs, moe_timing, parity, scale  # noqa: E402
 from gpu_sections.common import (Ctx, Deadline, OutOfTime, Report, bench_ms, free_cuda,  # noqa: E402,F401
                                  paged_batch, rel_err)
+
+NOT_ON_GPU_IMAGE = frozenset({"llguidance", "fastapi", "uvicorn", "pydantic", "zmq", "httptools", "openai", "anthropic"})
+"""Ember's dependencies (import names) missing from the GPU image's package list (KINDS.md, 2026-11-17): the check
+must not import them."""
 
 GRACE_S = 15.0
 """How long past ``--budget-s`` a section stuck in one long call may run before the alarm interrupts it."""
@@ -193,7 +200,6 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         ap.error(f"unknown sections {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
-    imported_before = set(sys.modules)
     if args.from_section == 1:
         (args.out / "gpu_check.log").write_text("")
     log_file = open(args.out / "gpu_check.log", "a")  # appending: a resumed run writes to the same log
@@ -238,16 +244,18 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
                 summary["sections"].append(_section_summary(rep.data))
                 if i < len(SECTIONS) and context_broken():
                     rep.log(f"== the CUDA context is broken after {sec.name}: sections {i + 1}.. go on in a fresh process")
-                    summary["sections"] += resume(args, i + 1, deadline)
+                    resumed, summary["_resumed_forbidden"] = resume(args, i + 1, deadline)
+                    summary["sections"] += resumed
                     break
         finally:
             alarm.cancel()
     summary["elapsed_s"] = round(time.monotonic() - start, 1)
     summary["targets"] = [t for s in summary["sections"] for t in s.pop("_targets")]
-    forbidden = sorted({m.split(".")[0] for m in set(sys.modules) - imported_before}
-                       & {"llguidance", "fastapi", "uvicorn"})
+    forbidden = sorted({m.split(".")[0] for m in set(sys.modules) - _MODULES_AT_START} & NOT_ON_GPU_IMAGE)
+    forbidden = sorted(set(forbidden) | set(summary.pop("_resumed_forbidden", [])))
     if forbidden:  # the GPU image lacks them: an import here breaks the check there
         summary["import_error"] = f"imported {forbidden}, which the GPU image does not have"
+        summary["forbidden_imports"] = forbidden
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     for line in summary_table(summary):
         print(line, flush=True)
@@ -268,14 +276,16 @@ def context_broken() -> bool:
         return True
 
 
-def resume(args: argparse.Namespace, first: int, deadline: Deadline) -> list[dict[str, Any]]:
-    """Run sections ``first..`` in a fresh process (same options, the time left) and return their summaries."""
+def resume(args: argparse.Namespace, first: int, deadline: Deadline) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run sections ``first..`` in a fresh process (same options, the time left); return their summaries and the
+    modules it imported that the GPU image lacks."""
     import subprocess
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--budget-s",
            f"{max(deadline.left(), 1.0):.1f}", "--from-section", str(first)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--sections", args.sections] if args.sections else []
+    (args.out / "summary.json").unlink(missing_ok=True)  # the child writes its own
     try:
         subprocess.run(cmd, timeout=max(deadline.left(), 1.0) + GRACE_S + 30.0)
     except subprocess.TimeoutExpired:
@@ -288,7 +298,9 @@ def resume(args: argparse.Namespace, first: int, deadline: Deadline) -> list[dic
         if data.get("status") == "running":
             data.update(status="error", errors=data.get("errors", []) + ["the resumed run died in this section"])
         out.append(_section_summary(data))
-    return out
+    child = args.out / "summary.json"
+    forbidden = json.loads(child.read_text()).get("forbidden_imports", []) if child.exists() else []
+    return out, forbidden
 
 
 def _section_summary(data: dict[str, Any]) -> dict[str, Any]:

@@ -65,6 +65,8 @@ def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_pat
         assert got[name]["status"] == "ok", (name, got[name].get("errors"), got[name].get("timeout"))
         assert all(c["ok"] for c in got[name]["checks"]), name
     summary = json.loads((tmp_path / "summary.json").read_text())
+    # the fresh process imported the engine, the loader and transformers itself: nothing the GPU image lacks
+    assert "import_error" not in summary, summary["import_error"]
     assert [s["status"] for s in summary["sections"]] == ["fail", "error", "ok", "ok", "ok", "ok"]
     targets = {t["name"].split(" ")[0] for t in summary["targets"]}
     assert targets == {"decode", "NVFP4", "graph", "e2e"}  # every target's code path ran (values mean nothing here)
