@@ -4,6 +4,7 @@
     python benchmarks/serve.py --in-process                     # the same with the engine loop in-process
     python benchmarks/serve.py --model-dir DIR --concurrency 1,64,256 --requests 256 --max-tokens 64
     python benchmarks/serve.py --url http://host:8000 --model NAME   # an already running `ember serve`
+    python benchmarks/serve.py --endpoint completions           # or messages (Anthropic); default chat
 
 Per concurrency level: TTFT p50/p99 (request sent -> first generated token's chunk), inter-token latency p50/p99
 (gap between consecutive token-carrying chunks of one stream), output tokens/s (all generated tokens / wall time),
@@ -35,19 +36,46 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-async def _one(client, url: str, model: str, prompt: str, max_tokens: int, seed: int) -> tuple[float, list[float], int]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "seed": seed, "return_token_ids": True}
+ENDPOINTS = ("chat", "completions", "messages")
+
+
+def _request(endpoint: str, model: str, prompt: str, max_tokens: int, seed: int) -> tuple[str, dict]:
+    """The path and streaming body of one request to ``endpoint`` (lengths fixed by ``ignore_eos`` where the API
+    has it; Anthropic's has not)."""
+    if endpoint == "messages":
+        return "/v1/messages", {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                "max_tokens": max_tokens, "stream": True}
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "seed": seed,
+            "return_token_ids": True}
+    if endpoint == "completions":
+        return "/v1/completions", {**body, "prompt": prompt}
+    return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": prompt}]}
+
+
+def _tokens_in(endpoint: str, event: dict) -> tuple[bool, int]:
+    """Whether an SSE event carries generated output, and how many tokens it counts (Anthropic's events carry no
+    token IDs: its deltas count 0 and the closing ``message_delta`` carries the total)."""
+    if endpoint == "messages":
+        if event.get("type") == "message_delta":
+            return False, int(event.get("usage", {}).get("output_tokens", 0))
+        return event.get("type") == "content_block_delta", 0
+    n = sum(len(c.get("token_ids") or ()) for c in event.get("choices", ()))
+    return n > 0, n
+
+
+async def _one(client, url: str, endpoint: str, model: str, prompt: str, max_tokens: int,
+               seed: int) -> tuple[float, list[float], int]:
+    path, body = _request(endpoint, model, prompt, max_tokens, seed)
     t0 = time.perf_counter()
     ttft, last, gaps, ntok = None, None, [], 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", url + path, json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            n = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
-            if not n:
+            carries, n = _tokens_in(endpoint, json.loads(line[6:]))
+            ntok += n
+            if not carries:
                 continue
             now = time.perf_counter()
             if ttft is None:
@@ -55,11 +83,10 @@ async def _one(client, url: str, model: str, prompt: str, max_tokens: int, seed:
             else:
                 gaps.append(now - last)
             last = now
-            ntok += n
     return (ttft if ttft is not None else float("nan")), gaps, ntok
 
 
-async def _level(url: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
+async def _level(url: str, endpoint: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -70,7 +97,7 @@ async def _level(url: str, model: str, concurrency: int, requests: int, prompt: 
         async def worker():
             while queue:
                 i = queue.pop()
-                results.append(await _one(client, url, model, prompt, max_tokens, i))
+                results.append(await _one(client, url, endpoint, model, prompt, max_tokens, i))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -91,15 +118,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _client(url: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int, out) -> None:
-    out.put(asyncio.run(_level(url, model, concurrency, requests, prompt, max_tokens)))
+def _client(url: str, endpoint: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int, out) -> None:
+    out.put(asyncio.run(_level(url, endpoint, model, concurrency, requests, prompt, max_tokens)))
 
 
-def _run_level(url: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
+def _run_level(url: str, endpoint: str, model: str, concurrency: int, requests: int, prompt: str, max_tokens: int) -> dict:
     """One level, its load generated by a separate client process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_client, args=(url, model, concurrency, requests, prompt, max_tokens, q))
+    p = ctx.Process(target=_client, args=(url, endpoint, model, concurrency, requests, prompt, max_tokens, q))
     p.start()
     row = q.get()
     p.join()
@@ -148,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
     ap.add_argument("--in-process", action="store_true", help="serve with the engine loop in the server process")
     ap.add_argument("--serve-args", default="", help="more `ember serve` flags, e.g. '--sse-keepalive-seconds 0'")
+    ap.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
+                    help="the streaming API to load (messages: lengths not fixed, tokens from usage)")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 2 x concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -164,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         prompt = " ".join(["the weather in paris is mild today and"] * max(1, args.prompt_words // 8))
-        _run_level(url, model, 1, 2, prompt, 4)  # warm-up
+        _run_level(url, args.endpoint, model, 1, 2, prompt, 4)  # warm-up
         rows = []
         for c in (int(x) for x in args.concurrency.split(",")):
             h0 = httpx.get(url + "/health", timeout=10).json()
             cpu0 = _cpu_seconds(proc.pid) if proc is not None else None
-            row = _run_level(url, model, c, args.requests or 2 * c, prompt, args.max_tokens)
+            row = _run_level(url, args.endpoint, model, c, args.requests or 2 * c, prompt, args.max_tokens)
             if cpu0 is not None:
                 row["cpu_us_per_token"] = 1e6 * (_cpu_seconds(proc.pid) - cpu0) / max(1, row["tokens"])
             h1 = httpx.get(url + "/health", timeout=10).json()
@@ -184,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     mode = "in-process engine" if args.in_process else "engine process"
-    print(f"model {model}  {mode}  max_tokens {args.max_tokens}")
+    print(f"model {model}  {mode}  endpoint {args.endpoint}  max_tokens {args.max_tokens}")
     head = ("clients", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "step ms", "out tok/s", "req/s",
             "front-end CPU us/token")
     print("| " + " | ".join(head) + " |")
