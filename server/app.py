@@ -379,30 +379,29 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         cached = sum(run.cached.get(i, 0) for i in range(0, len(choices), body.n))  # each prompt's first choice
         return usage(prompt_total, run.completion_tokens, cached)
 
-    async def chunks() -> AsyncIterator[dict]:
+    async def groups() -> AsyncIterator[list[dict]]:
+        """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = rt.token_bytes.token_bytes
         encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
-        for i, e in enumerate(encs):
-            for ch in e.start(choices[i].prompt_ids):
-                yield ch
+        yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:
                 run.note(step)
-                for ch in encs[step.index].step(step):
-                    yield ch
+                yield encs[step.index].step(step)
 
     if body.stream:
         async def stream() -> AsyncIterator[str]:
-            async with aclosing(chunks()) as it:
-                async for ch in it:
-                    yield _sse(ch)
-            for err in run.errors:
-                yield _stream_error(err)
+            async with aclosing(groups()) as it:
+                async for group in it:
+                    if group:
+                        yield "".join(_sse(ch) for ch in group)
+            tail = [_stream_error(err) for err in run.errors]
             if include_usage:
-                yield _sse(usage_chunk(meta, completion_usage(), "text_completion"))
-            yield "data: [DONE]\n\n"
+                tail.append(_sse(usage_chunk(meta, completion_usage(), "text_completion")))
+            tail.append("data: [DONE]\n\n")
+            yield "".join(tail)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
-    collected = await _collect(request, chunks())
+    collected = [ch for group in await _collect(request, groups()) for ch in group]
     run.raise_for_errors()
     return JSONResponse(fold_completion(collected, usage_body=completion_usage()))
 
@@ -458,21 +457,17 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     enc = MessageEncoder(req.request_id.replace("-", "_"), rt.model_name, len(prompt_ids))
     run = _Run()
 
-    async def events() -> AsyncIterator[dict]:
-        for ev in enc.start():
-            yield ev
-        async with aclosing(run_choices(rt, req, st.metrics)) as steps:
-            async for step in steps:
-                for ev in _message_step(enc, step if parallel else first_call_only(step), run):
-                    yield ev
-
     if body.stream:
         async def stream() -> AsyncIterator[str]:
-            async with aclosing(events()) as it:
-                async for ev in it:
-                    yield anthropic_sse(ev)
-            for err in run.errors:
-                yield anthropic_sse(anthropic_error_body(ApiError(500, err)))
+            """The start events, then each engine step's events as one body message, then any errors."""
+            yield "".join(anthropic_sse(ev) for ev in enc.start())
+            async with aclosing(run_choices(rt, req, st.metrics)) as steps:
+                async for step in steps:
+                    evs = _message_step(enc, step if parallel else first_call_only(step), run)
+                    if evs:
+                        yield "".join(anthropic_sse(ev) for ev in evs)
+            if run.errors:
+                yield "".join(anthropic_sse(anthropic_error_body(ApiError(500, err))) for err in run.errors)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await _collect(request, _steps(st, req, run, not parallel))
     run.raise_for_errors()
