@@ -1,24 +1,19 @@
-"""DeepSeek-R1 (and its Distill models, V3.1 in thinking mode): the template opens the thought, `</think>` ends it.
+"""DeepSeek-R1 (R1-0528 and the Distill models; V3.1 in thinking mode): the reply starts inside the thought (the
+template opens it, or the model writes `<think>` first), `</think>` ends it; tool calls in DeepSeek's own syntax.
 
-In the DeepSeek-V3 vocabulary `<think>`/`</think>` are not single tokens, so they are matched as text there. Tool
-calls in DeepSeek's own `<｜tool▁calls▁begin｜>` syntax are not parsed (content)."""
+Every R1 template in use renders earlier calls as `<｜tool▁calls▁begin｜>...` (the R1-0528 ones also list the tools),
+so R1 replies are parsed with DeepSeek-V3's tool syntax (`deepseek_v3`), the same as vLLM's R1-0528 command line
+(`--reasoning-parser deepseek_r1 --tool-call-parser deepseek_v3`). In the DeepSeek-V3 vocabulary `<think>` /
+`</think>` are not single tokens, so they are matched as text there; the tool markers are single tokens there."""
 from __future__ import annotations
 
-from .base import Profile, ReasoningSpec, end_of_turn_rules, reasoning_rules
+import dataclasses
 
-TERMINALS = {
-    "think_open": "<think>",
-    "think_close": "</think>",
-    "eot_eos": "<｜end▁of▁sentence｜>",
-}
+from . import deepseek_v3
+from .base import ReasoningSpec
 
-PROFILE = Profile(
+PROFILE = dataclasses.replace(
+    deepseek_v3.PROFILE,
     name="deepseek_r1",
     reasoning=ReasoningSpec(open="<think>", close="</think>", start_mode="always"),
-    tool_format=None,
-    terminals=TERMINALS,
-    token_id_terminals=frozenset(TERMINALS),
-    generation_headers=("<｜Assistant｜>",),
-    end_of_turn=("<｜end▁of▁sentence｜>",),
-    transitions={**reasoning_rules(tool_open_ends_reasoning=False), **end_of_turn_rules(("eot_eos",))},
 )

@@ -92,8 +92,10 @@ def _check(tok, results, marker: str):
 def test_deepseek_forced_calls_parse_back(tmp_path, deepseek):
     tok, eos, backend = deepseek
     backend, engine = _engine(tmp_path, tok, eos, backend)
-    results = _forced(tok, backend, engine, eos, [("deepseek_v3", "<｜User｜>Set an alarm or check the weather."
-                                                             "<｜Assistant｜></think>")])
+    ask = "<｜User｜>Set an alarm or check the weather.<｜Assistant｜>"
+    results = _forced(tok, backend, engine, eos, [("deepseek_v3", ask + "</think>"),
+                                                  ("deepseek_r1", ask + "<think>\n\n</think>\n\n")])  # R1: same calls
+    assert {r[0].profile.name for r in results} == {"deepseek_v3", "deepseek_r1"}
     _check(tok, results, "<｜tool▁sep｜>")
 
 

@@ -245,7 +245,9 @@ def test_profile_delimiter_ids_keep_only_single_tokens():
         "<think>": 151667, "</think>": 151668, "<tool_call>": 151657, "</tool_call>": 151658,
         "<|im_end|>": 151645, "<|endoftext|>": 151643}
     ds = profile_delimiter_ids(load_tokenizer("deepseek-v3"), get_profile("deepseek_r1"))
-    assert ds == {"<｜end▁of▁sentence｜>": 1}
+    assert "<think>" not in ds and "</think>" not in ds  # several tokens there: matched as text
+    assert ds == {"<｜end▁of▁sentence｜>": 1, "<｜tool▁calls▁begin｜>": 128806, "<｜tool▁calls▁end｜>": 128807,
+                  "<｜tool▁call▁begin｜>": 128808, "<｜tool▁call▁end｜>": 128809, "<｜tool▁sep｜>": 128814}
 
 
 def test_a_tokenizer_without_a_tokenizers_backend_is_a_clear_error():

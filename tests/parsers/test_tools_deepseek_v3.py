@@ -172,6 +172,31 @@ def test_vllm_names_and_r1_templates_keep_their_profile():
         assert detect_profile(shared_path(path).read_text()) == "deepseek_r1"
 
 
+R1_TEMPLATES = ["llama.cpp/llama-cpp-deepseek-r1.jinja", "vllm/tool_chat_template_deepseekr1.jinja",
+                "hf/DeepSeek-R1-Distill-Qwen-14B.jinja", "llama.cpp/deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja",
+                "llama.cpp/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"]
+
+
+@pytest.mark.parametrize("path", R1_TEMPLATES)
+def test_r1_templates_write_deepseek_calls_and_r1_replies_parse_them(tok, path):
+    template = shared_path("templates", *path.split("/")).read_text()
+    assert BEGIN in template and CALL in template  # the syntax the template teaches for calls
+    assert detect_profile(template) == "deepseek_r1"
+    r1 = ParserSetup.from_tokenizer(tok, "deepseek_r1")
+    assert r1.profile.tool_format == "deepseek_v3"
+    prompt = ids_of(tok, "<｜User｜>weather?<｜Assistant｜>")       # R1-0528 writes its own `<think>`
+    initial = r1.initial_state(prompt)
+    assert initial is InitialState.REASONING
+    out = parse_all(r1.pipeline(initial=initial, tools=[{}]),
+                    ids_of(tok, "<think>\nNeed the tool.\n</think>\n\n", BEGIN, *v3_call("get_weather", ARGS),
+                           CLOSE, EOS))
+    assert (out.reasoning.strip(), out.content, out.malformed) == ("Need the tool.", "", [])
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", ARGS)]
+    # without tools in the request the markup stays the answer's text, as for V3
+    out = parse_all(r1.pipeline(initial=initial), ids_of(tok, "ok</think>", BEGIN, *v3_call("f", {}), CLOSE))
+    assert out.tool_calls == [] and out.content.startswith(BEGIN)
+
+
 def test_r1_0528_command_line_combines_r1_thoughts_with_deepseek_calls():
     from ember.server.generation import choose_profile
 
