@@ -78,24 +78,30 @@ def _engine_pid(server_pid: int, timeout: float = 30) -> int:
     raise AssertionError("no engine process found")
 
 
-def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_model_dir):
+def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_model_dir, tmp_path):
     port = free_port()
+    log_path = tmp_path / "serve.log"  # a file, not a pipe nobody drains: a full pipe would block the server
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:]
+
     exe = shutil.which("ember", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
+    log_file = open(log_path, "wb")
     proc = subprocess.Popen([*cmd, "serve", str(demo_model_dir), "--port", str(port), "--max-num-seqs", "4",
                              "--kv-cache-blocks", "256", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log_file)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert proc.poll() is None, log_tail()
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "ember serve did not come up"
+            assert time.monotonic() < deadline, "ember serve did not come up\n" + log_tail()
             time.sleep(0.2)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True}
         results: dict[str, object] = {}
@@ -109,13 +115,18 @@ def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_mod
             lines = r.iter_lines()
             first = next(x for x in lines if x.startswith("data: "))
             assert "chat.completion.chunk" in first
+            both = time.monotonic() + 60  # the other request is generating too before the kill (a slow thread)
+            while httpx.get(url + "/health", timeout=5).json()["num_running"] < 2:
+                assert time.monotonic() < both, "the non-streaming request never started\n" + log_tail()
+                time.sleep(0.05)
             os.kill(_engine_pid(proc.pid), signal.SIGKILL)
             killed = time.monotonic()
             rest = [x for x in lines if x.startswith("data: ")]
-        assert time.monotonic() - killed < 10
+        assert time.monotonic() - killed < 10, log_tail()
         errors = [json.loads(x[6:]) for x in rest if x != "data: [DONE]" and "error" in json.loads(x[6:])]
-        assert errors and "engine process died" in errors[0]["error"]["message"]
+        assert errors and "engine process died" in errors[0]["error"]["message"], log_tail()
         t.join(30)
+        assert "plain" in results, "the non-streaming request got no response\n" + log_tail()
         plain = results["plain"]
         assert plain.status_code == 500 and "engine process died" in plain.json()["error"]["message"]
         try:
@@ -123,8 +134,9 @@ def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_mod
             assert health.status_code == 503
         except httpx.TransportError:
             pass  # already gone
-        assert proc.wait(timeout=30) != 0
+        assert proc.wait(timeout=30) != 0, log_tail()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+        log_file.close()
