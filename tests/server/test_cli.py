@@ -1,18 +1,12 @@
 """The `ember` console script: option parsing, the demo-model default, and a real `ember serve` process."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 
-from ember.server.app import free_port
 from ember.server.cli import main, serve_config
 from tests.conftest import shared_path
+from tests.server.processes import serving
 
 
 def test_serve_options_map_to_the_config(capsys):
@@ -77,32 +71,13 @@ def test_ember_serve_a_converted_llama2c_model(tmp_path):
     expected = (src / "expected_greedy_t0.txt").read_text(encoding="utf-8").removesuffix("\n")
     out = tmp_path / "stories"
     assert main(["convert-llama2c", str(src / "stories260K.bin"), str(src / "tok512.bin"), str(out)]) == 0
-    port = free_port()
-    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
-    proc = subprocess.Popen([*cmd, "serve", str(out), "--port", str(port), "--served-model-name", "stories",
-                             "--max-num-seqs", "2", "--kv-cache-blocks", "64", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "ember serve did not come up"
-            time.sleep(0.2)
-        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "stories"
-        r = httpx.post(url + "/v1/completions", timeout=120, json={
+    with serving([str(out), "--served-model-name", "stories", "--max-num-seqs", "2", "--kv-cache-blocks", "64",
+                  "--log-level", "warning"], tmp_path / "serve.log") as served:
+        assert httpx.get(served.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "stories"
+        r = httpx.post(served.url + "/v1/completions", timeout=120, json={
             "model": "stories", "prompt": [1], "max_tokens": 256, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].removeprefix(" ") == expected
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_parser_flags_pick_the_profile(demo_model_dir):

@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +14,7 @@ import httpx
 
 from ember.engine.core_client import ProcessEngineClient
 from ember.engine.params import SamplingParams
-from ember.server.app import free_port
+from tests.server.processes import serving
 
 
 def test_the_served_engine_runs_in_its_own_process(demo_server):
@@ -79,30 +76,9 @@ def _engine_pid(server_pid: int, timeout: float = 30) -> int:
 
 
 def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_model_dir, tmp_path):
-    port = free_port()
-    log_path = tmp_path / "serve.log"  # a file, not a pipe nobody drains: a full pipe would block the server
-
-    def log_tail() -> str:
-        return log_path.read_text(errors="replace")[-3000:]
-
-    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
-    cmd = [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
-    log_file = open(log_path, "wb")
-    proc = subprocess.Popen([*cmd, "serve", str(demo_model_dir), "--port", str(port), "--max-num-seqs", "4",
-                             "--kv-cache-blocks", "256", "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=log_file)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_tail()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "ember serve did not come up\n" + log_tail()
-            time.sleep(0.2)
+    args = [str(demo_model_dir), "--max-num-seqs", "4", "--kv-cache-blocks", "256", "--log-level", "warning"]
+    with serving(args, tmp_path / "serve.log") as served:
+        url, proc, log_tail = served.url, served.proc, served.log_tail
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True}
         results: dict[str, object] = {}
 
@@ -135,8 +111,3 @@ def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_mod
         except httpx.TransportError:
             pass  # already gone
         assert proc.wait(timeout=30) != 0, log_tail()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        log_file.close()

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import socket
 import subprocess
-import sys
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 
 from ember.server.app import free_port
+from tests.server.processes import ember_cmd, serving
 from tests.server.test_model_source import COMMIT, REPO_ID, hub_cache
-
-def ember_cmd() -> list[str]:
-    exe = shutil.which("ember", path=os.path.dirname(sys.executable))
-    return [exe] if exe else [sys.executable, "-m", "ember.server.cli"]
 
 
 def run_ember(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -37,31 +30,6 @@ def error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@contextmanager
-def serving(args: list[str], env: dict, log: Path):
-    """`ember serve ARGS` until the block ends; yields its base URL once /health answers."""
-    port = free_port()
-    with open(log, "w") as err:
-        proc = subprocess.Popen([*ember_cmd(), "serve", *args, "--port", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=err, env={**os.environ, **env})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "ember serve did not come up:\n" + log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def hub_server(demo_model_dir, tmp_path_factory):
     """`ember serve tiny-org/tiny-demo` with HF_HUB_OFFLINE=1 and HF_HOME on a hand-built hub cache."""
@@ -71,8 +39,8 @@ def hub_server(demo_model_dir, tmp_path_factory):
     env = {"HF_HOME": str(root), "HF_HUB_CACHE": str(root / "hub"), "HF_HUB_OFFLINE": "1"}
     args = [REPO_ID, "--max-num-seqs", "4", "--kv-cache-blocks", "64", "--api-key", "first-key", "--api-key",
             "second-key"]
-    with serving(args, env, log) as url:
-        yield url, log
+    with serving(args, log, env) as served:
+        yield served.url, log
 
 
 def test_a_hub_id_is_served_from_the_hub_cache_offline(hub_server):
