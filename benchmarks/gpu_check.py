@@ -71,7 +71,8 @@ from gpu_sections import attention_timing, correctness, graphs, moe_timing, pari
 from gpu_sections.common import (Ctx, Deadline, OutOfTime, Report, bench_ms, free_cuda,  # noqa: E402,F401
                                  paged_batch, rel_err)
 
-NOT_ON_GPU_IMAGE = frozenset({"llguidance", "fastapi", "uvicorn", "pydantic", "zmq", "httptools", "openai", "anthropic"})
+NOT_ON_GPU_IMAGE = frozenset({"llguidance", "fastapi", "uvicorn", "pydantic", "zmq", "httptools", "openai",
+                              "anthropic"})
 """Ember's dependencies (import names) missing from the GPU image's package list (KINDS.md, 2026-11-17): the check
 must not import them."""
 
@@ -251,8 +252,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             alarm.cancel()
     summary["elapsed_s"] = round(time.monotonic() - start, 1)
     summary["targets"] = [t for s in summary["sections"] for t in s.pop("_targets")]
-    forbidden = sorted({m.split(".")[0] for m in set(sys.modules) - _MODULES_AT_START} & NOT_ON_GPU_IMAGE)
-    forbidden = sorted(set(forbidden) | set(summary.pop("_resumed_forbidden", [])))
+    imported = {m.split(".")[0] for m in set(sys.modules) - _MODULES_AT_START}
+    forbidden = sorted(imported & NOT_ON_GPU_IMAGE | set(summary.pop("_resumed_forbidden", [])))
     if forbidden:  # the GPU image lacks them: an import here breaks the check there
         summary["import_error"] = f"imported {forbidden}, which the GPU image does not have"
         summary["forbidden_imports"] = forbidden

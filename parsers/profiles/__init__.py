@@ -2,9 +2,10 @@
 tool syntax (`parsers.tools`) that its ``tool_format`` names.
 
 Families: ``qwen3`` (think + Hermes JSON tool calls), ``qwen3_coder`` (think + XML tool calls typed by JSON schema),
-``deepseek_r1`` (the reply starts in the thought; DeepSeek's tool calls), ``deepseek_v3`` (DeepSeek's tool-call section, V3 and V3.1
-spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`` (think + Kimi's tool-call section),
-``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
+``deepseek_r1`` (the reply starts in the thought; DeepSeek's tool calls), ``deepseek_v3`` (DeepSeek's tool-call
+section, V3 and V3.1 spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`` (think +
+Kimi's tool-call section), ``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony channels), ``none``
+(all content).
 """
 from __future__ import annotations
 
