@@ -552,14 +552,18 @@ def mxfp4_dot_scaled_available(device: torch.device) -> bool:
     return dot_scaled_mxfp4_works(str(device))
 
 
+def _fp4_dot_possible(dev: torch.device) -> bool:
+    """Whether an FP4 ``tl.dot_scaled`` is worth probing: this Triton has it and, on CUDA, the device has FP4 MMA
+    (capability >= 10.0; sm_90 has none, and Triton 3.6 fails to compile it there)."""
+    return hasattr(tl, "dot_scaled") and not (dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (10, 0))
+
+
 @functools.lru_cache(maxsize=None)
 def dot_scaled_mxfp4_works(device_str: str = "cpu") -> bool:
     """Known-answer probe: does this Triton compute the MXFP4 fused MoE with ``tl.dot_scaled`` (bf16 x e2m1, E8M0
     scales) as the dequantizing W4A16 kernel does? On CUDA only devices of capability >= 10.0 are probed."""
-    if not hasattr(tl, "dot_scaled"):
-        return False
     dev = torch.device(device_str)
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (10, 0):
+    if not _fp4_dot_possible(dev):
         return False
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16  # the interpreter's bf16 dot is unusable
@@ -585,10 +589,8 @@ def dot_scaled_nvfp4_works(device_str: str = "cpu") -> bool:
     E4M3 block-16 scales correctly? (Triton 3.9's interpreter reads the scales as E8M0.) On CUDA only devices of
     capability >= 10.0 are probed (sm_90 has no FP4 MMA; Triton 3.6 fails to compile it there); the probe's compile
     diagnostics are kept out of the log."""
-    if not hasattr(tl, "dot_scaled"):
-        return False
     dev = torch.device(device_str)
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) < (10, 0):
+    if not _fp4_dot_possible(dev):
         return False
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=g).to(dev)
