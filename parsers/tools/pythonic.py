@@ -40,13 +40,7 @@ class PythonicSyntax(ToolSyntax):
     def close(self, state: str, at_finish: bool) -> None:
         m = self.m
         if state == P_HEAD:
-            head, self._head = self._head, ""
-            if self._bare and m.n_calls == 0:
-                m.state = CONTENT
-                if head:
-                    m.content_text(head)
-            else:
-                m.malformed(head, "tool call cut short")
+            self._release_head("tool call cut short")
         elif state == P_ARGS:
             if not at_finish:
                 m.args(self._args.closers())
@@ -98,16 +92,22 @@ class PythonicSyntax(ToolSyntax):
         return n
 
     def _broken_head(self, i: int) -> int:
+        if not self._release_head("malformed tool call"):
+            self.m.state = BAD_CALL
+        return i
+
+    def _release_head(self, reason: str) -> bool:
+        """The withheld call head, when it cannot become a call: the reply's content where a bare call never
+        started (True), else Malformed for ``reason``."""
         m = self.m
         head, self._head = self._head, ""
         if self._bare and m.n_calls == 0:
             m.state = CONTENT
             if head:
                 m.content_text(head)
-        else:
-            m.malformed(head, "malformed tool call")
-            m.state = BAD_CALL
-        return i
+            return True
+        m.malformed(head, reason)
+        return False
 
     def _start(self, raw: str) -> None:
         m = self.m
