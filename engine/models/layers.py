@@ -119,7 +119,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate_half) RoPE with a cos/sin cache indexed by position."""
+    """Neox-style (rotate_half) RoPE with a cos/sin cache indexed by position. Heads wider than ``head_dim`` turn
+    their first ``head_dim`` channels only (partial rotary, e.g. Qwen3-Next's ``partial_rotary_factor``)."""
 
     triton = False
 
@@ -151,6 +152,11 @@ class RotaryEmbedding(nn.Module):
             return rotary.rotary_neox(positions, q, k, self.cos_sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        rot = self.head_dim
+        if q.shape[-1] > rot:  # partial rotary: the first head_dim channels turn, the rest pass through
+            q1, k1 = q[..., :rot], k[..., :rot]
+            return (torch.cat((q1 * cos + self._rotate_half(q1) * sin, q[..., rot:]), dim=-1),
+                    torch.cat((k1 * cos + self._rotate_half(k1) * sin, k[..., rot:]), dim=-1))
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
@@ -196,6 +202,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(meta.positions, q, k)
+        out = self.attend(q, k, v, meta, kv, backend)
+        out = self.o_proj(out.reshape(t, self.hq * self.d))
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
+        """Write this step's ``k``/``v`` into the paged cache and attend: ``[T, hq, d]`` from rotated ``q``/``k``."""
         k_cache, v_cache = kv
         scales = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
         backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, *scales)
@@ -208,8 +221,7 @@ class Attention(nn.Module):
         backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                 meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale, *scales,
                                 **extra)
-        out = self.o_proj(out.reshape(t, self.hq * self.d))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return out
 
 
 class GatedMLP(nn.Module):
