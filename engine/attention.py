@@ -20,6 +20,21 @@ from ember.kernels import reference
 
 
 @dataclass
+class RecurrentMetadata:
+    """Where each chunk's recurrent state lives, for layers that carry one per sequence (Qwen3-Next's linear
+    attention). One-token chunks are batched; longer chunks (prefill) are listed for the host to walk.
+
+    ``decode_tokens`` / ``decode_slots`` int64 [D]: the flat token index and state slot of each one-token chunk;
+    ``decode_keep`` float32 [D]: 0 where that token starts its sequence (the state starts from zeros), else 1;
+    ``prefills``: ``(slot, first token, end token, starts the sequence)`` per longer chunk."""
+
+    decode_tokens: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_keep: torch.Tensor
+    prefills: list[tuple[int, int, int, bool]]
+
+
+@dataclass
 class AttentionMetadata:
     """Everything one forward over a flattened batch of ``T`` tokens from ``B`` sequences needs.
 
@@ -36,6 +51,8 @@ class AttentionMetadata:
     logits_indices: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    recurrent: RecurrentMetadata | None = None
+    """Set for models with recurrent-state layers (`RecurrentMetadata`)."""
 
     @property
     def num_seqs(self) -> int:

@@ -70,6 +70,21 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        """Layers that keep a per-sequence recurrent state instead of KV (Qwen3-Next's ``linear_attention``), read
+        as transformers does: ``layer_types`` where given, else all but every ``full_attention_interval``-th layer."""
+        types = self.raw.get("layer_types")
+        if types:
+            return [i for i, t in enumerate(types) if t == "linear_attention"]
+        interval = self.raw.get("full_attention_interval") if self.model_type == "qwen3_next" else None
+        return [i for i in range(self.num_hidden_layers) if (i + 1) % int(interval)] if interval else []
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a paged KV cache."""
+        return self.num_hidden_layers - len(self.linear_attention_layers)
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = cfg.get("architectures") or []

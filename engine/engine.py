@@ -111,6 +111,9 @@ class Engine:
                 raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
             if self.kv_cache_dtype != self.dtype:
                 raise ConfigError("kv_cache_dtype='fp8' is not supported with tensor_parallel_size > 1 yet")
+            if mc.linear_attention_layers:
+                raise ConfigError(f"{mc.architecture}: tensor_parallel_size > 1 is not supported for models with "
+                                  "linear-attention layers yet")
             self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
                                                    self.dtype)
         else:
@@ -119,6 +122,7 @@ class Engine:
                                       kv_cache_dtype=self.kv_cache_dtype)
         try:
             self.cuda_graphs = self._use_cuda_graphs()
+            self.runner.allocate_recurrent_state(config.max_num_seqs)
             num_blocks = self._num_kv_blocks()
             self.runner.allocate_kv_cache(num_blocks)
             if self.cuda_graphs:
@@ -126,7 +130,11 @@ class Engine:
         except BaseException:
             self.runner.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        prefix_caching = config.enable_prefix_caching and not mc.linear_attention_layers
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching off: %s keeps recurrent state that cached KV blocks cannot restore",
+                     mc.architecture)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)

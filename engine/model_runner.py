@@ -21,7 +21,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from ember.engine.attention import AttentionMetadata, get_backend
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across all KV layers, K and V."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return 2 * cfg.num_kv_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -63,13 +63,21 @@ class ModelRunner:
         self.graph_pool_bytes = 0  # CUDA memory the captured graphs hold (measured at capture)
         self.num_graph_steps = 0  # forwards routed through `graphs`
         self.num_eager_steps = 0
+        self.recurrent = hasattr(model, "allocate_recurrent_state")
+        """The model has layers with a per-sequence recurrent state (kept in ``Sequence.state_slot``)."""
+
+    def allocate_recurrent_state(self, num_slots: int) -> None:
+        """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one); nothing for models
+        without recurrent layers. On CUDA, call before sizing the KV cache from free memory."""
+        if self.recurrent:
+            self.model.allocate_recurrent_state(num_slots, self.device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(self.cfg.num_hidden_layers)
+            for _ in range(self.cfg.num_kv_layers)
         ]
         self.num_blocks = num_blocks
 
@@ -126,8 +134,31 @@ class ModelRunner:
             logits_indices=d64[3 * t:],
             max_seqlen_q=max_q,
             max_seqlen_k=max_k,
+            recurrent=self._recurrent_metadata(chunks) if self.recurrent else None,
         )
         return d64[:t], meta
+
+    def _recurrent_metadata(self, chunks: list) -> RecurrentMetadata:
+        tokens: list[int] = []
+        slots: list[int] = []
+        keep: list[float] = []
+        prefills: list[tuple[int, int, int, bool]] = []
+        row = 0
+        for c in chunks:
+            slot = c.seq.state_slot
+            if slot < 0:
+                raise RuntimeError(f"request {c.seq.request_id!r} is scheduled without a state slot")
+            if c.num_tokens == 1:
+                tokens.append(row)
+                slots.append(slot)
+                keep.append(float(c.start > 0))
+            else:
+                prefills.append((slot, row, row + c.num_tokens, c.start == 0))
+            row += c.num_tokens
+        dev = self.device
+        return RecurrentMetadata(torch.tensor(tokens, dtype=torch.int64, device=dev),
+                                 torch.tensor(slots, dtype=torch.int64, device=dev),
+                                 torch.tensor(keep, dtype=torch.float32, device=dev), prefills)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -166,6 +197,8 @@ class ModelRunner:
         """Why this runner cannot capture CUDA graphs (None: it can)."""
         if self.device.type != "cuda":
             return "no CUDA device"
+        if self.recurrent:
+            return "the linear-attention layers run the torch gated delta rule, which walks prefill chunks on the host"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 
@@ -215,7 +248,7 @@ class ModelRunner:
         shape = (nblocks, bs, self.cfg.num_key_value_heads, self.cfg.head_dim)
         kvd = self.kv_cache_dtype
         caches = [(torch.zeros(shape, dtype=kvd, device=self.device),
-                   torch.zeros(shape, dtype=kvd, device=self.device)) for _ in range(self.cfg.num_hidden_layers)]
+                   torch.zeros(shape, dtype=kvd, device=self.device)) for _ in range(self.cfg.num_kv_layers)]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
@@ -226,6 +259,9 @@ class ModelRunner:
             logits_indices=torch.arange(num_tokens - min(num_seqs, num_tokens), num_tokens, device=dev),
             max_seqlen_q=num_tokens,
             max_seqlen_k=num_tokens,
+            recurrent=RecurrentMetadata(*(torch.zeros(0, dtype=d, device=dev) for d in (torch.int64, torch.int64,
+                                                                                       torch.float32)),
+                                        [(0, 0, num_tokens, True)]) if self.recurrent else None,
         )
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

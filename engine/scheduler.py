@@ -7,6 +7,9 @@ for all of its remaining tokens are free (plus a small watermark next to running
 preempted halfway. When a running sequence needs a block and none is free, the newest running sequence is preempted
 by recompute (blocks freed, back to the front of the queue, outputs kept). The oldest request is never preempted for
 a newer one, so every request that fits the cache completes.
+
+Each running sequence also holds one of ``max_num_seqs`` state slots (``Sequence.state_slot``), where models with
+recurrent layers keep its state; it is taken at admission and given back on finish or preemption.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # sorted by arrival: preempted ones return to the front
         self.running: list[Sequence] = []  # sorted by arrival
         self._by_id: dict[str, Sequence] = {}
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        """State slots (``Sequence.state_slot``) not held by a running sequence; one per possible running one."""
         self._next_arrival = 0
         self.num_preemptions = 0
 
@@ -125,6 +130,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_slot(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.free(seq)
@@ -187,6 +193,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
+            seq.state_slot = self._free_slots.pop()
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
@@ -218,8 +225,11 @@ class Scheduler:
         """The KV invariants, with every block held by exactly the running sequences' block tables."""
         self.kv.check_integrity(self.running)
         for seq in self.waiting:
-            if seq.block_ids or seq.num_computed_tokens:
-                raise AssertionError(f"waiting request {seq.request_id!r} holds blocks or computed tokens")
+            if seq.block_ids or seq.num_computed_tokens or seq.state_slot != -1:
+                raise AssertionError(f"waiting request {seq.request_id!r} holds blocks, computed tokens or a slot")
+        held = sorted(s.state_slot for s in self.running)
+        if sorted(held + self._free_slots) != list(range(self.max_num_seqs)):
+            raise AssertionError(f"state slots: running hold {held}, free {sorted(self._free_slots)}")
 
     # ---- internals ---------------------------------------------------------------------------------------------
 
@@ -227,8 +237,13 @@ class Scheduler:
         start = seq.num_computed_tokens
         return ScheduledChunk(seq=seq, start=start, num_tokens=n, samples=start + n == seq.num_tokens)
 
+    def _release_slot(self, seq: Sequence) -> None:
+        self._free_slots.append(seq.state_slot)
+        seq.state_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_slot(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -47,6 +47,8 @@ class Sequence:
     """Content hashes of this sequence's full blocks (a prefix of them, extended lazily by the KV cache manager)."""
     num_registered_blocks: int = 0
     """Leading entries of ``block_ids`` that are in the prefix cache (hit at admission or registered since)."""
+    state_slot: int = -1
+    """The slot of the per-sequence recurrent state (hybrid models) while running; -1 otherwise."""
     queued_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""
