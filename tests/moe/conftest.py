@@ -138,18 +138,24 @@ def ember_model(path: Path):
 
 def ember_logits(model, prompt: list[int]) -> torch.Tensor:
     """Logits at every position of one prefill of ``prompt`` through Ember's model (fresh paged cache)."""
-    from ember.engine.attention import AttentionMetadata
+    from ember.engine.attention import AttentionMetadata, RecurrentMetadata
     from ember.kernels import reference
 
     cfg = model.config
     t, bs = len(prompt), 16
     nb = (t + bs - 1) // bs
     shape = (nb, bs, cfg.num_key_value_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_kv_layers)]
+    recurrent = None
+    if hasattr(model, "allocate_recurrent_state"):  # one fresh sequence in state slot 0
+        model.allocate_recurrent_state(1, torch.device("cpu"))
+        none = torch.zeros(0, dtype=torch.int64)
+        recurrent = RecurrentMetadata(none, none, torch.zeros(0), [(0, 0, t, True)])
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, t], dtype=torch.int32), seq_lens=torch.tensor([t], dtype=torch.int32),
         block_table=torch.arange(nb, dtype=torch.int32).unsqueeze(0), slot_mapping=torch.arange(t),
-        positions=torch.arange(t), logits_indices=torch.arange(t), max_seqlen_q=t, max_seqlen_k=t)
+        positions=torch.arange(t), logits_indices=torch.arange(t), max_seqlen_q=t, max_seqlen_k=t,
+        recurrent=recurrent)
     with torch.inference_mode():
         hidden = model(torch.tensor(prompt), meta, caches, reference)
         return model.compute_logits(hidden).float()

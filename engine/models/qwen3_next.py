@@ -1,0 +1,284 @@
+"""Qwen3-Next: a hybrid of Gated DeltaNet linear attention and gated full attention, over Qwen3-MoE experts with a
+gated shared expert.
+
+- **Layers**: ``linear_attention`` ones (``layer_types``, or all but every ``full_attention_interval``-th) keep a
+  per-sequence recurrent state instead of KV: a depthwise causal conv window (``linear_conv_kernel_dim - 1`` inputs)
+  and the delta-rule state ``[hv, dk, dv]`` (fp32), in the slot the scheduler gave the sequence
+  (``Sequence.state_slot``). Only the full-attention layers have paged KV, so prefix caching is off for this model.
+- **Linear attention**: ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (q, k, then the group's v and z;
+  b then a); q/k/v go through the conv and SiLU; ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
+  the gated delta rule (`ember.kernels.gated_delta_rule`) runs one-token chunks batched and longer chunks in blocks;
+  its output is RMS-normed per value head, gated by ``silu(z)``, and projected by ``out_proj``.
+- **Full attention**: ``q_proj`` gives each head's query and an output gate (``o * sigmoid(gate)`` before
+  ``o_proj``); q/k norms; rotary on the first ``partial_rotary_factor`` of each head.
+- **Norms** other than the gated one are zero-centred: ``x_normed * (1 + w)`` in fp32 (weights stored as offsets).
+- **MoE**: Qwen3-MoE's experts and router plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
+Multi-token-prediction weights (``mtp.*``) are not used and are skipped on load.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata
+from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding
+from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, moe_settings
+from ember.kernels import gated_delta_rule
+
+_CHUNK = 64
+
+
+def _raw_int(cfg: ModelConfig, key: str) -> int:
+    value = cfg.raw.get(key)
+    if value is None or int(value) < 1:
+        raise ConfigError(f"config.json: {cfg.architecture} needs a positive {key!r}")
+    return int(value)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then cast; with a ``residual``,
+    ``(norm(x + residual), x + residual)`` like `ember.engine.models.layers.RMSNorm`."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * rmsnorm(x) * silu(gate)`` over the last dimension (the norm in fp32, cast back before the weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedAttention(Attention):
+    """Full attention whose ``q_proj`` also yields a per-channel output gate (fused as ``qkv_proj``: each head's
+    query and gate, then k, then v)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, qk_norm=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (2 * self.hq + 2 * self.hkv) * self.d, bias=cfg.attention_bias)
+        self.q_norm = OffsetRMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split([2 * self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, gate = qg.reshape(t, self.hq, 2 * self.d).split(self.d, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.reshape(t, self.hkv, self.d))
+        q, k = rope(meta.positions, q.contiguous(), k.contiguous())
+        out = self.attend(q, k, v.reshape(t, self.hkv, self.d), meta, kv, backend)
+        return self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear attention over per-sequence states (``conv_state [slots, C, K-1]`` in the model dtype,
+    ``ssm_state [slots, hv, dk, dv]`` fp32), allocated by `Qwen3NextForCausalLM.allocate_recurrent_state`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.hk, self.hv = _raw_int(cfg, "linear_num_key_heads"), _raw_int(cfg, "linear_num_value_heads")
+        self.dk, self.dv = _raw_int(cfg, "linear_key_head_dim"), _raw_int(cfg, "linear_value_head_dim")
+        if self.hv % self.hk:
+            raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        self.kernel = _raw_int(cfg, "linear_conv_kernel_dim")
+        self.channels = 2 * self.hk * self.dk + self.hv * self.dv
+        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.hv, bias=False)
+        self.conv1d = nn.Conv1d(self.channels, self.channels, self.kernel, groups=self.channels, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
+        self.conv_state = torch.empty(0)
+        self.ssm_state = torch.empty(0)
+
+    def allocate_state(self, num_slots: int, device: torch.device) -> None:
+        dtype = self.out_proj.weight.dtype
+        self.conv_state = torch.zeros(num_slots, self.channels, self.kernel - 1, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(num_slots, self.hv, self.dk, self.dv, dtype=torch.float32, device=device)
+
+    def state_bytes(self, num_slots: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_slots * (self.channels * (self.kernel - 1) * elem + self.hv * self.dk * self.dv * 4)
+
+    def forward(self, x: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        r = hv // hk
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        q, k, v = self._conv(mixed, rec).split([hk * dk, hk * dk, hv * dv], dim=-1)
+        beta = b.reshape(t, hv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())
+        core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec)
+        out = self.norm(core.to(x.dtype), z.reshape(t, hv, dv))
+        return self.out_proj(out.reshape(t, hv * dv))
+
+    def _conv(self, mixed: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
+        """The depthwise causal conv (+ SiLU) of every token, continuing each sequence's window."""
+        w = self.conv1d.weight[:, 0, :].float()  # [C, K]
+        out = torch.empty_like(mixed)
+        if rec.decode_tokens.numel():
+            idx, slots = rec.decode_tokens, rec.decode_slots
+            prev = self.conv_state[slots] * rec.decode_keep[:, None, None].to(mixed.dtype)
+            window = torch.cat((prev, mixed[idx].unsqueeze(-1)), dim=-1)  # [D, C, K]
+            self.conv_state[slots] = window[:, :, 1:]
+            out[idx] = F.silu((window.float() * w).sum(-1)).to(mixed.dtype)
+        for slot, s, e, fresh in rec.prefills:
+            prev = self.conv_state.new_zeros(self.channels, self.kernel - 1) if fresh else self.conv_state[slot]
+            window = torch.cat((prev, mixed[s:e].t()), dim=-1)  # [C, K-1+n]
+            self.conv_state[slot] = window[:, window.shape[1] - (self.kernel - 1):]
+            y = F.conv1d(window.float().unsqueeze(0), w.unsqueeze(1), groups=self.channels)[0]
+            out[s:e] = F.silu(y).t().to(mixed.dtype)
+        return out
+
+    def _delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               rec: RecurrentMetadata) -> torch.Tensor:
+        """The gated delta rule over each sequence's state: fp32 ``[T, hv, dv]``."""
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if rec.decode_tokens.numel():
+            idx, slots = rec.decode_tokens, rec.decode_slots
+            state = self.ssm_state[slots] * rec.decode_keep[:, None, None, None]
+            o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx], beta[idx], state)
+            out[idx] = o
+        for slot, s, e, fresh in rec.prefills:
+            state = self.ssm_state.new_zeros(self.ssm_state.shape[1:]) if fresh else self.ssm_state[slot]
+            chunk = min(_CHUNK, 1 << (e - s - 1).bit_length())
+            out[s:e], self.ssm_state[slot] = gated_delta_rule.chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                                                     state, chunk)
+        return out
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, cfg: ModelConfig, moe: dict, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(cfg, moe, device, dtype)
+        width = int(cfg.raw.get("shared_expert_intermediate_size") or 0)
+        self.shared_expert = GatedMLP(dataclasses.replace(cfg, intermediate_size=width)) if width else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if width else None
+
+    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
+        out = super()._experts_out(x)
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextDecoderLayer(DecoderLayer):
+    """Zero-centred pre-norms around either mixer (``linear_attn`` or ``self_attn``) and the MLP."""
+
+    def __init__(self, cfg: ModelConfig, linear: bool, moe: dict | None, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(cfg) if linear else None
+        self.self_attn = None if linear else GatedAttention(cfg)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SharedExpertMoeBlock(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor] | None,
+                backend: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
+        if self.linear_attn is not None:
+            h = self.linear_attn(x, meta.recurrent)
+        else:
+            h = self.self_attn(x, meta, rope, kv, backend)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        linear = set(cfg.linear_attention_layers)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(cfg, i in linear, moe if sparse[i] else None, device, dtype)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen3-Next over the paged KV cache (full-attention layers) and per-sequence recurrent state (the rest)."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.moe, self.sparse = moe_settings(cfg)
+        probe = torch.empty(0)
+        self.model = _Body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        raw = cfg.raw
+        factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+        rotary = int(cfg.head_dim * float(factor or 1.0))
+        self.rope = RotaryEmbedding(rotary, max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    def _linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    def allocate_recurrent_state(self, num_slots: int, device: torch.device) -> None:
+        for layer in self._linear_layers():
+            layer.allocate_state(num_slots, device)
+
+    def recurrent_state_bytes(self, num_slots: int) -> int:
+        """Bytes `allocate_recurrent_state` takes for ``num_slots`` sequences."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return sum(layer.state_bytes(num_slots, dtype) for layer in self._linear_layers())
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
+        """Hidden states ``[T, H]`` after the final norm; ``kv_caches`` holds the full-attention layers' caches in
+        layer order, and the linear layers update the states of ``meta.recurrent``'s slots."""
+        if meta.recurrent is None:
+            raise ValueError("Qwen3-Next needs meta.recurrent (the chunks' state slots)")
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        caches = iter(kv_caches)
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, meta, self.rope, None if layer.self_attn is None else next(caches),
+                                backend)
+        return self.model.norm(h, residual)[0]
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            d = cfg.head_dim
+            return [2 * cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+        return super()._shard_sizes(fused)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Qwen3-MoE's loader (experts in either key form, shared expert's gate/up fused) without the
+        multi-token-prediction head."""
+        super().load_weights(((n, t) for n, t in weights if not n.startswith("mtp.")), source)

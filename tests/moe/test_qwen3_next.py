@@ -1,0 +1,134 @@
+"""A tiny random Qwen3-Next (linear + gated attention, MoE with a shared expert): Ember's logits and greedy tokens
+equal transformers', through batched decode, chunked prefill, preemption and state-slot reuse."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tests.moe.conftest import VOCAB, clear_margin, ember_logits, ember_model, hf_greedy, hf_logits, prompts, \
+    run_greedy
+
+
+def tiny_next_config(**over):
+    from transformers import Qwen3NextConfig
+
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=[2], linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+               partial_rotary_factor=0.5, max_position_embeddings=256, initializer_range=0.1,
+               tie_word_embeddings=False)
+    cfg.update(over)
+    return Qwen3NextConfig(**cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_next_dir(tmp_path_factory, demo_model_dir) -> Path:
+    """Saved by ``save_pretrained``; norm offsets, decays and routers drawn away from their initial values, so the
+    ``1 + w`` norms, ``A_log``/``dt_bias`` and top-k are all exercised."""
+    from transformers import Qwen3NextForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen3-next")
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(tiny_next_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, path / name)
+    return path
+
+
+def _engine(path: Path, **kw):
+    from ember.engine.engine import Engine
+
+    return Engine.from_pretrained(path, dtype=torch.float32, device="cpu", **kw)
+
+
+def test_layers_follow_the_config(tiny_next_dir):
+    from ember.engine import loader
+    from ember.engine.model_runner import kv_bytes_per_block
+
+    cfg = loader.load_model_config(tiny_next_dir)
+    assert cfg.linear_attention_layers == [0, 2] and cfg.num_kv_layers == 2
+    model = ember_model(tiny_next_dir)
+    assert [layer.linear_attn is not None for layer in model.model.layers] == [True, False, True, False]
+    assert [layer.mlp.__class__.__name__ for layer in model.model.layers] == [
+        "SharedExpertMoeBlock", "SharedExpertMoeBlock", "GatedMLP", "SharedExpertMoeBlock"]
+    # only the two full-attention layers hold KV: 2 layers x K,V x 16 positions x 2 heads x 16 dims x 4 bytes
+    assert kv_bytes_per_block(cfg, 16, torch.float32) == 2 * 2 * 16 * 2 * 16 * 4
+    # the real checkpoints' config.json has full_attention_interval but no layer_types
+    raw = json.loads((tiny_next_dir / "config.json").read_text())
+    raw.pop("layer_types")
+    raw["full_attention_interval"] = 2
+    from ember.engine.config import ModelConfig
+
+    assert ModelConfig.from_dict(raw).linear_attention_layers == [0, 2]
+
+
+def test_prefill_logits_match_transformers(tiny_next_dir):
+    prompt = prompts(1, seed=5, min_len=70, max_len=70)[0]  # more than one 64-token block of the chunked rule
+    want = hf_logits(tiny_next_dir, prompt)
+    got = ember_logits(ember_model(tiny_next_dir), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_greedy_equals_transformers_batched(tiny_next_dir):
+    ps = prompts(8, seed=1, min_len=1, max_len=30)  # includes a one-token prompt: a fresh state on the decode path
+    ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps), need=6)
+    engine = _engine(tiny_next_dir, num_kv_blocks=64, max_num_seqs=16)
+    assert run_greedy(engine, ps, 8) == expected
+    assert not engine.kv.enable_prefix_caching  # recurrent state cannot be restored from cached blocks
+    assert engine.runner.graph_blocker() is not None
+
+
+def test_greedy_equals_transformers_chunked_preempted_and_slots_reused(tiny_next_dir):
+    """16-token steps chunk the prompts (the state carries across chunks); 14 four-token blocks force preemption
+    (the state restarts with the recompute); two slots serve ten requests, the last ones one-token prompts whose
+    first step decodes from a slot another request left state in."""
+    from ember.engine.params import SamplingParams
+
+    ps = prompts(7, seed=3, min_len=10, max_len=40) + [[5], [77], [901]]
+    ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps), need=7)
+    assert len(ps[-1]) == 1
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=14, max_num_seqs=2, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ps]
+    got: dict[str, list[int]] = {r: [] for r in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+        engine.scheduler.check_integrity()
+    assert [got[r] for r in ids] == expected
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.runner.last_num_tokens <= 16 < max(len(p) for p in ps)
+
+
+def test_multi_token_prediction_weights_are_skipped(tiny_next_dir, tmp_path):
+    with safe_open(str(tiny_next_dir / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    t["mtp.fc.weight"] = torch.randn(64, 128)
+    t["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_next_dir / name, tmp_path / name)
+    prompt = prompts(1, seed=7, min_len=12, max_len=12)[0]
+    assert torch.equal(ember_logits(ember_model(tmp_path), prompt), ember_logits(ember_model(tiny_next_dir), prompt))
+
+
+def test_tensor_parallel_is_refused_with_a_clear_error(tiny_next_dir):
+    from ember.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="linear-attention"):
+        _engine(tiny_next_dir, num_kv_blocks=8, tensor_parallel_size=2)
