@@ -47,12 +47,20 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of ``B`` sequences: ``q, k [B, hk, dk]``, ``v [B, hv, dv]``, ``g, beta [B, hv]``,
-    ``state [B, hv, dk, dv]``. Returns ``(o [B, hv, dv], new states)``."""
+    ``state [B, hv, dk, dv]`` (finite). Returns ``(o [B, hv, dv], new states)``; ``g = -inf`` makes a row start
+    from a zero state, whatever ``state`` holds for it.
+
+    The old state is read once (q and k against it in one matmul) and the new one written once:
+    ``o = e^g qS + (q.k) u`` with ``u = beta (v - e^g kS)``, ``S' = e^g S + k uᵀ``."""
     q, k = _prepare(q, k, v.shape[-2])
-    s = state.float() * g.float().exp()[..., None, None]
-    u = beta.float()[..., None] * (v.float() - torch.einsum("bhkv,bhk->bhv", s, k))
-    s = s + k[..., :, None] * u[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", s, q), s
+    b, hv, dk, dv = state.shape
+    decay = g.float().exp()[..., None]  # [B, hv, 1]
+    read = decay[..., None] * (torch.stack((q, k), dim=-2) @ state.float())  # [B, hv, 2, dv]
+    u = beta.float()[..., None] * (v.float() - read[..., 1, :])
+    o = read[..., 0, :] + (q * k).sum(-1, keepdim=True) * u
+    s = state.float() * decay[..., None]
+    s.view(b * hv, dk, dv).baddbmm_(k.reshape(b * hv, dk, 1), u.reshape(b * hv, 1, dv))
+    return o, s
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

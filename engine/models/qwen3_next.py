@@ -165,8 +165,9 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         if rec.decode_tokens.numel():
             idx, slots = rec.decode_tokens, rec.decode_slots
-            state = self.ssm_state[slots] * rec.decode_keep[:, None, None, None]
-            o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx], beta[idx], state)
+            fresh_to_zero = rec.decode_keep.log()[:, None]  # -inf where the token starts its sequence: full decay
+            o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx] + fresh_to_zero,
+                                                                    beta[idx], self.ssm_state[slots])
             out[idx] = o
         for slot, s, e, fresh in rec.prefills:
             state = self.ssm_state.new_zeros(self.ssm_state.shape[1:]) if fresh else self.ssm_state[slot]

@@ -57,3 +57,13 @@ def test_decode_step_equals_the_reference_per_sequence():
     for i, r in enumerate(rows):
         want_o, want_s = gdr.recurrent(*r)
         assert _rel(got_o[i], want_o[0]) < 1e-6 and _rel(got_s[i], want_s) < 1e-6
+
+
+def test_decode_step_with_full_decay_starts_from_zero():
+    """``g = -inf`` (how the model starts a one-token prompt in a reused slot) ignores what the slot held."""
+    q, k, v, g, beta, stale = _inputs(1, seed=7)
+    g = torch.full_like(g, float("-inf"))
+    got_o, got_s = gdr.decode_step(q, k, v, g, beta, stale.unsqueeze(0) * 100)
+    want_o, want_s = gdr.recurrent(q, k, v, torch.zeros_like(g), beta, torch.zeros_like(stale))
+    assert torch.isfinite(got_o).all()
+    assert _rel(got_o[0], want_o[0]) < 1e-6 and _rel(got_s[0], want_s) < 1e-6
