@@ -57,6 +57,34 @@ def tiny_qwen3_moe(ctx: Ctx) -> Path:
     return ctx.cached("tiny_qwen3_moe", build)
 
 
+def tiny_qwen3_next(ctx: Ctx) -> Path:
+    """A random Qwen3-Next (4 layers: linear, full, linear, full; 8 experts, top-2, a shared expert) saved by
+    transformers; norm offsets, decays and routers moved off their initial values."""
+    def build() -> Path:
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(vocab_size=1280, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True, linear_num_key_heads=2, linear_num_value_heads=4,
+                              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                              full_attention_interval=2, partial_rotary_factor=0.5, max_position_embeddings=1024,
+                              initializer_range=0.1, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = Qwen3NextForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "A_log", "dt_bias")):
+                    p.add_(torch.randn_like(p) * 0.2)
+                elif name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
+        path = ctx.tmp / "qwen3-next-tiny"
+        model.save_pretrained(path)
+        return _with_tokenizer(path, ctx)
+
+    return ctx.cached("tiny_qwen3_next", build)
+
+
 def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:
     """Qwen3-8B's shapes (toy shapes on a CPU run) with ``layers`` decoder layers."""
     return dict(QWEN3_TOY if ctx.tiny else QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=40960,

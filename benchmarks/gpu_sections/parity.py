@@ -1,6 +1,6 @@
 """Section 2: the engine end to end on the device against the engine on the CPU, greedy, on tiny models.
 
-For the demo Qwen3 and a tiny Qwen3-MoE: the same prompts (shared prefixes for prefix-cache hits, a small token
+For the demo Qwen3, a tiny Qwen3-MoE and a tiny Qwen3-Next (its linear attention on the torch path): the same prompts (shared prefixes for prefix-cache hits, a small token
 budget for chunked prefill and mixed prefill + decode steps) through ``Engine`` on the CPU (torch path, fp32) and on
 the device (fp32, eager): the greedy tokens must be equal, or first differ only where the reference's top-2 logprobs
 are a near-tie (fp32 matmuls round differently on another device; the fused MoE's ``tl.dot`` uses TF32). The engine
@@ -181,3 +181,6 @@ def run(ctx: Ctx) -> None:
     ctx.deadline.check("tiny qwen3-moe")
     with ctx.case("build tiny qwen3-moe"):
         _model(ctx, "qwen3-moe", models.tiny_qwen3_moe(ctx))
+    ctx.deadline.check("tiny qwen3-next")
+    with ctx.case("build tiny qwen3-next"):
+        _model(ctx, "qwen3-next", models.tiny_qwen3_next(ctx))
