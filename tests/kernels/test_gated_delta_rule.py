@@ -67,3 +67,26 @@ def test_decode_step_with_full_decay_starts_from_zero():
     want_o, want_s = gdr.recurrent(q, k, v, torch.zeros_like(g), beta, torch.zeros_like(stale))
     assert torch.isfinite(got_o).all()
     assert _rel(got_o[0], want_o[0]) < 1e-6 and _rel(got_s[0], want_s) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dk,dv,block_v", [(16, 8, 32), (24, 40, 16)])
+def test_triton_decode_updates_the_slots_like_the_reference(dtype, dk, dv, block_v):
+    """The Triton decode kernel (interpreter on CPU): outputs and the four slots it owns equal the torch step; a
+    ``keep`` of 0 ignores the stale state in its slot; the slots no row names are untouched."""
+    from ember.kernels.gated_delta_decode import gated_delta_decode
+
+    g = torch.Generator().manual_seed(dk + dv)
+    d, hk, hv = 4, 2, 4
+    q, k = torch.randn(d, hk, dk, generator=g).to(dtype), torch.randn(d, hk, dk, generator=g).to(dtype)
+    v = torch.randn(d, hv, dv, generator=g).to(dtype)
+    decay, beta = -torch.rand(d, hv, generator=g), torch.rand(d, hv, generator=g)
+    state = torch.randn(6, hv, dk, dv, generator=g)
+    slots = torch.tensor([4, 1, 5, 0])
+    keep = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    want_o, want_s = gdr.decode_step(q, k, v, decay + keep.log()[:, None], beta, state[slots])
+    before = state.clone()
+    got_o = gated_delta_decode(q, k, v, decay, beta, keep, state, slots, block_v=block_v)
+    assert _rel(got_o, want_o) < 1e-5
+    assert _rel(state[slots], want_s) < 1e-5
+    assert torch.equal(state[2:4], before[2:4])
