@@ -156,6 +156,12 @@ def backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def is_triton_backend(backend: ModuleType | type) -> bool:
+    """The Triton kernels (`ember.kernels.attention`): graph-safe, and what selects the other Triton paths of the
+    attention-like layers (Qwen3-Next's linear-attention decode)."""
+    return getattr(backend, "__name__", "") == "ember.kernels.attention"
+
+
 def get_backend(device: torch.device) -> ModuleType | type:
     """The backend whose ``reshape_and_cache`` / ``paged_attention`` the model calls."""
     name = backend_name(device)

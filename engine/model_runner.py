@@ -21,7 +21,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend, is_triton_backend
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
@@ -202,7 +202,7 @@ class ModelRunner:
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 
-        if getattr(self.backend, "__name__", "") != "ember.kernels.attention":
+        if not is_triton_backend(self.backend):
             return (f"the attention backend {getattr(self.backend, 'name', self.backend)!r} synchronises with the "
                     "host (only the Triton kernels are graph-safe)")
         for m in self.model.modules():

@@ -7,7 +7,8 @@ gated shared expert.
   (``Sequence.state_slot``). Only the full-attention layers have paged KV, so prefix caching is off for this model.
 - **Linear attention**: ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (q, k, then the group's v and z;
   b then a); q/k/v go through the conv and SiLU; ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
-  the gated delta rule (`ember.kernels.gated_delta_rule`) runs one-token chunks batched and longer chunks in blocks;
+  the gated delta rule runs one-token chunks batched (with the Triton attention backend, in place in their slots by
+  `ember.kernels.gated_delta_decode`; else `ember.kernels.gated_delta_rule`) and longer chunks in blocks;
   its output is RMS-normed per value head, gated by ``silu(z)``, and projected by ``out_proj``.
 - **Full attention**: ``q_proj`` gives each head's query and an output gate (``o * sigmoid(gate)`` before
   ``o_proj``); q/k norms; rotary on the first ``partial_rotary_factor`` of each head.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.engine.attention import AttentionMetadata, RecurrentMetadata
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding
 from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, moe_settings
@@ -127,7 +128,9 @@ class GatedDeltaNet(nn.Module):
         elem = torch.empty((), dtype=dtype).element_size()
         return num_slots * (self.channels * (self.kernel - 1) * elem + self.hv * self.dk * self.dv * 4)
 
-    def forward(self, x: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rec: RecurrentMetadata, backend: ModuleType) -> torch.Tensor:
+        """With the Triton attention backend, one-token chunks update their states in place through
+        `ember.kernels.gated_delta_decode`; otherwise through the torch step."""
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         r = hv // hk
@@ -137,7 +140,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._conv(mixed, rec).split([hk * dk, hk * dk, hv * dv], dim=-1)
         beta = b.reshape(t, hv).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())
-        core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec)
+        core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
+                           is_triton_backend(backend))
         out = self.norm(core.to(x.dtype), z.reshape(t, hv, dv))
         return self.out_proj(out.reshape(t, hv * dv))
 
@@ -160,10 +164,16 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               rec: RecurrentMetadata) -> torch.Tensor:
+               rec: RecurrentMetadata, triton: bool) -> torch.Tensor:
         """The gated delta rule over each sequence's state: fp32 ``[T, hv, dv]``."""
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if rec.decode_tokens.numel():
+        if rec.decode_tokens.numel() and triton:
+            from ember.kernels.gated_delta_decode import gated_delta_decode
+
+            idx = rec.decode_tokens
+            out[idx] = gated_delta_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], rec.decode_keep,
+                                          self.ssm_state, rec.decode_slots)
+        elif rec.decode_tokens.numel():
             idx, slots = rec.decode_tokens, rec.decode_slots
             fresh_to_zero = rec.decode_keep.log()[:, None]  # -inf where the token starts its sequence: full decay
             o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx] + fresh_to_zero,
@@ -210,7 +220,7 @@ class Qwen3NextDecoderLayer(DecoderLayer):
                 backend: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = (self.input_layernorm(h), h) if residual is None else self.input_layernorm(h, residual)
         if self.linear_attn is not None:
-            h = self.linear_attn(x, meta.recurrent)
+            h = self.linear_attn(x, meta.recurrent, backend)
         else:
             h = self.self_attn(x, meta, rope, kv, backend)
         x, residual = self.post_attention_layernorm(h, residual)

@@ -153,3 +153,16 @@ def test_served_completion_equals_transformers_streamed_or_not(tiny_next_dir, tm
             text = client.completions.create(**kw).choices[0].text
             streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
             assert text == streamed == tok.decode(want), srv.log_tail()
+
+
+def test_triton_backend_decodes_the_same_tokens(tiny_next_dir, monkeypatch):
+    """With the Triton attention backend (interpreter on CPU) the linear layers decode through the in-place Triton
+    kernel and the full-attention layers through the Triton paged attention: transformers' greedy tokens still."""
+    ps = prompts(6, seed=6, min_len=1, max_len=20)
+    ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps, new_tokens=5), need=4)
+    monkeypatch.setenv("EMBER_ATTENTION", "triton")
+    engine = _engine(tiny_next_dir, num_kv_blocks=32, max_num_seqs=8)
+    from ember.engine.attention import is_triton_backend
+
+    assert is_triton_backend(engine.runner.backend)
+    assert run_greedy(engine, ps, 5) == expected
