@@ -6,7 +6,9 @@ static input buffers every captured graph reads (sized for the largest batch):
 
 - ``input_ids`` int64 ``[N]``, ``positions`` int64 ``[N]``, ``slot_mapping`` int64 ``[N]``;
 - ``query_start_loc`` int32 ``[N+1]`` (fixed ``0..N``: one token per sequence), ``seq_lens`` int32 ``[N]``;
-- ``block_table`` int32 ``[N, max_blocks_per_seq]``; ``logits_indices`` int64 ``[N]`` (fixed ``0..N-1``).
+- ``block_table`` int32 ``[N, max_blocks_per_seq]``; ``logits_indices`` int64 ``[N]`` (fixed ``0..N-1``);
+- for models with recurrent state (``state_pad_slot`` given): ``state_slots`` int64 ``[N]`` and ``state_keep``
+  float32 ``[N]``, the token indices fixed ``0..N-1``; padding rows use the scratch slot ``state_pad_slot``.
 
 A batch of ``n`` sequences is copied into the first ``n`` rows (the buffers are never rebound: the graphs hold their
 addresses) and replayed with the graph of the smallest captured size ``>= n``; rows ``n..size-1`` are padding: slot ``-1`` (the KV write skips them), ``seq_len 0`` (attention reads
@@ -32,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ember.engine.attention import AttentionMetadata
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata
 
 DecodeForward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
 """``forward(input_ids [n], meta) -> [n, ...]``: e.g. a model's hidden states or logits for a decode batch."""
@@ -63,6 +65,7 @@ class DecodeGraphRunner:
         max_seqlen_k: int,
         device: torch.device | str,
         sizes: list[int] | None = None,
+        state_pad_slot: int | None = None,
     ) -> None:
         self.forward = forward
         self.device = torch.device(device)
@@ -77,6 +80,10 @@ class DecodeGraphRunner:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.state_pad_slot = state_pad_slot
+        if state_pad_slot is not None:
+            self.state_slots = torch.full((n,), state_pad_slot, dtype=torch.int64, device=dev)
+            self.state_keep = torch.zeros(n, dtype=torch.float32, device=dev)
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -107,6 +114,8 @@ class DecodeGraphRunner:
             logits_indices=self.logits_indices[:size],
             max_seqlen_q=1,
             max_seqlen_k=self.max_seqlen_k,
+            recurrent=None if self.state_pad_slot is None else RecurrentMetadata(
+                self.logits_indices[:size], self.state_slots[:size], self.state_keep[:size], []),
         )
 
     def capture(self, warmup: int = 2) -> None:
@@ -137,6 +146,9 @@ class DecodeGraphRunner:
         self.positions[start:] = 0
         self.slot_mapping[start:] = -1
         self.seq_lens[start:] = 0
+        if self.state_pad_slot is not None:
+            self.state_slots[start:] = self.state_pad_slot
+            self.state_keep[start:] = 0.0
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward's output for a decode batch (``max_seqlen_q == 1``, one token per sequence), rows ``[:n]``."""
@@ -152,6 +164,12 @@ class DecodeGraphRunner:
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.block_table[:n, :width].copy_(meta.block_table, non_blocking=True)
+        if self.state_pad_slot is not None:
+            rec = meta.recurrent
+            if rec is None or rec.prefills or rec.decode_slots.shape[0] != n:
+                raise ValueError("a decode batch of a recurrent model needs one state slot per sequence")
+            self.state_slots[:n].copy_(rec.decode_slots, non_blocking=True)
+            self.state_keep[:n].copy_(rec.decode_keep, non_blocking=True)
         self._reset_padding(n)
         if self.use_graphs and size in self._graphs:
             self._graphs[size].replay()

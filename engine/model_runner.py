@@ -65,12 +65,16 @@ class ModelRunner:
         self.num_eager_steps = 0
         self.recurrent = hasattr(model, "allocate_recurrent_state")
         """The model has layers with a per-sequence recurrent state (kept in ``Sequence.state_slot``)."""
+        self.state_pad_slot: int | None = None
+        """The extra state slot padding rows of a decode graph write to (recurrent models)."""
 
     def allocate_recurrent_state(self, num_slots: int) -> None:
-        """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one); nothing for models
-        without recurrent layers. On CUDA, call before sizing the KV cache from free memory."""
+        """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one) plus a scratch slot for
+        graph padding; nothing for models without recurrent layers. On CUDA, call before sizing the KV cache from
+        free memory."""
         if self.recurrent:
-            self.model.allocate_recurrent_state(num_slots, self.device)
+            self.model.allocate_recurrent_state(num_slots + 1, self.device)
+            self.state_pad_slot = num_slots
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
@@ -92,9 +96,12 @@ class ModelRunner:
         tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
         width = max(len(tb) for tb in tables)
         s = sum(1 for c in chunks if c.samples)
-        # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s]
-        h64 = self._staged64.host(3 * t + s)
-        ids, pos, slots, li = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:]
+        r = sum(1 for c in chunks if c.num_tokens == 1) if self.recurrent else 0
+        # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s] | recurrent decode rows [3r]
+        n64 = 3 * t + s + 3 * r
+        h64 = self._staged64.host(n64)
+        ids, pos, slots, li = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:3 * t + s]
+        prefills = self._fill_recurrent(chunks, h64[3 * t + s:]) if self.recurrent else []
         # int32 buffer: query starts [b+1] | seq lens [b] | block table [b, width]
         h32 = self._staged32.host(2 * b + 1 + b * width)
         cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
@@ -123,7 +130,7 @@ class ModelRunner:
                 li[j] = row - 1
                 j += 1
             max_q, max_k = max(max_q, n), max(max_k, end)
-        d64 = self._staged64.upload(3 * t + s)
+        d64 = self._staged64.upload(n64)
         d32 = self._staged32.upload(2 * b + 1 + b * width)
         meta = AttentionMetadata(
             query_start_loc=d32[:b + 1],
@@ -131,34 +138,34 @@ class ModelRunner:
             block_table=d32[2 * b + 1:].view(b, width),
             slot_mapping=d64[2 * t:3 * t],
             positions=d64[t:2 * t],
-            logits_indices=d64[3 * t:],
+            logits_indices=d64[3 * t:3 * t + s],
             max_seqlen_q=max_q,
             max_seqlen_k=max_k,
-            recurrent=self._recurrent_metadata(chunks) if self.recurrent else None,
         )
+        if self.recurrent:
+            rec = d64[3 * t + s:].view(3, r)
+            meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills)
         return d64[:t], meta
 
-    def _recurrent_metadata(self, chunks: list) -> RecurrentMetadata:
-        tokens: list[int] = []
-        slots: list[int] = []
-        keep: list[float] = []
+    @staticmethod
+    def _fill_recurrent(chunks: list, rows: np.ndarray) -> list[tuple[int, int, int, bool]]:
+        """Write the one-token chunks' token index, state slot and keep flag (0: the token starts its sequence)
+        into ``rows`` ``[3 * r]``; return the longer chunks as ``(slot, first token, end token, starts it)``."""
+        r = rows.shape[0] // 3
+        tokens, slots, keep = rows[:r], rows[r:2 * r], rows[2 * r:]
         prefills: list[tuple[int, int, int, bool]] = []
-        row = 0
+        row = j = 0
         for c in chunks:
             slot = c.seq.state_slot
             if slot < 0:
                 raise RuntimeError(f"request {c.seq.request_id!r} is scheduled without a state slot")
             if c.num_tokens == 1:
-                tokens.append(row)
-                slots.append(slot)
-                keep.append(float(c.start > 0))
+                tokens[j], slots[j], keep[j] = row, slot, int(c.start > 0)
+                j += 1
             else:
                 prefills.append((slot, row, row + c.num_tokens, c.start == 0))
             row += c.num_tokens
-        dev = self.device
-        return RecurrentMetadata(torch.tensor(tokens, dtype=torch.int64, device=dev),
-                                 torch.tensor(slots, dtype=torch.int64, device=dev),
-                                 torch.tensor(keep, dtype=torch.float32, device=dev), prefills)
+        return prefills
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -197,8 +204,6 @@ class ModelRunner:
         """Why this runner cannot capture CUDA graphs (None: it can)."""
         if self.device.type != "cuda":
             return "no CUDA device"
-        if self.recurrent:
-            return "the linear-attention layers run the torch gated delta rule, which walks prefill chunks on the host"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 
@@ -225,7 +230,8 @@ class ModelRunner:
             raise RuntimeError("capture_decode_graphs needs the KV cache: call allocate_kv_cache first")
         runner = DecodeGraphRunner(self._decode_logits, max_num_seqs=max_num_seqs,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                   max_seqlen_k=max_model_len, device=self.device)
+                                   max_seqlen_k=max_model_len, device=self.device,
+                                   state_pad_slot=self.state_pad_slot)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]

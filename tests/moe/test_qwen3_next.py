@@ -166,3 +166,41 @@ def test_triton_backend_decodes_the_same_tokens(tiny_next_dir, monkeypatch):
 
     assert is_triton_backend(engine.runner.backend)
     assert run_greedy(engine, ps, 5) == expected
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_graph_path_equals_transformers(tiny_next_dir, monkeypatch, backend):
+    """Decode steps through the graph runner's padded static buffers (eager on a CPU: the routing and padding a
+    captured graph replays): padding rows write only the scratch state slot, so the tokens stay transformers'."""
+    ps = prompts(5, seed=8, min_len=1, max_len=20)
+    ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps, new_tokens=6), need=3)
+    monkeypatch.setenv("EMBER_ATTENTION", backend)
+    engine = _engine(tiny_next_dir, num_kv_blocks=32, max_num_seqs=8)
+    runner = engine.runner
+    runner.capture_decode_graphs(8, engine.max_model_len)  # sizes 1, 2, 4, 8: 3 or 5 sequences pad
+    layer = next(m.linear_attn for m in runner.model.model.layers if m.linear_attn is not None)
+    assert runner.state_pad_slot == 8 and layer.ssm_state.shape[0] == 9
+    assert run_greedy(engine, ps, 6) == expected
+    assert runner.num_graph_steps >= 4
+    assert layer.ssm_state[8].abs().sum() > 0  # the padding rows did write somewhere: the scratch slot
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_decode_step_reads_the_device_once(tiny_next_dir, monkeypatch, backend):
+    """The recurrent metadata rides in the staged upload and the linear layers index their slots on the device:
+    a decode step's only host read is the sampled IDs (MoE on its graph-safe Triton path)."""
+    from ember.engine.params import SamplingParams
+    from tests.engine.test_host_syncs import SyncCounter
+
+    monkeypatch.setenv("EMBER_ATTENTION", backend)
+    monkeypatch.setenv("EMBER_MOE", "triton")
+    engine = _engine(tiny_next_dir, num_kv_blocks=32, max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for p in ([7], [10, 11, 12], [20, 21, 22, 23, 24]):
+        engine.add_request(p, params)
+    counter = SyncCounter(monkeypatch)
+    engine.step()  # the prefill (the one-token prompt already decodes from a fresh state)
+    for _ in range(3):
+        outs, calls = counter.step(engine)
+        assert sum(len(o.new_token_ids) for o in outs) == 3
+        assert calls == {"tolist": 1}, calls
