@@ -1,7 +1,7 @@
 """Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16
 under the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and
 split-KV incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks), ``reshape_and_cache`` (bf16, FP8; padding slots untouched),
-RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it,
+RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in place), the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it,
 MXFP4 with biases and gpt-oss's clamped GLU) and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
 raises is recorded with its traceback and the next one runs."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from ember.kernels import activation, attention, norm, reference, reference_ops, rotary
 
 from gpu_sections import moe_timing
-from gpu_sections.common import Ctx, paged_batch
+from gpu_sections.common import Ctx, bench_ms, paged_batch
 
 
 def _tol(ctx: Ctx) -> float:
@@ -131,8 +131,41 @@ def row_kernel_checks(ctx: Ctx) -> None:
         ctx.report.check("silu_and_mul", activation.silu_and_mul(xx), reference_ops.silu_and_mul(xx), tol)
 
 
+def gated_delta_checks(ctx: Ctx) -> None:
+    """Qwen3-Next's in-place decode kernel against the torch step, on its real per-layer shapes (tiny on a CPU):
+    outputs and the updated slots; with a GPU, both timed (the torch path gathers and scatters the slots)."""
+    from ember.kernels import gated_delta_rule
+    from ember.kernels.gated_delta_decode import gated_delta_decode
+
+    b, hk, hv, dk, dv = ctx.pick((4, 2, 4, 32, 16), (64, 16, 32, 128, 128), (64, 16, 32, 128, 128))
+    g = torch.Generator(device=ctx.device).manual_seed(9)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=ctx.device)
+
+    with ctx.case("gated_delta_decode"):
+        q, k, v = rnd(b, hk, dk).to(ctx.dtype), rnd(b, hk, dk).to(ctx.dtype), rnd(b, hv, dv).to(ctx.dtype)
+        decay, beta = -rnd(b, hv).abs(), torch.sigmoid(rnd(b, hv))
+        state = rnd(b + 8, hv, dk, dv)
+        slots = torch.randperm(b + 8, generator=g, device=ctx.device)[:b]
+        keep = (torch.arange(b, device=ctx.device) % 5 != 0).float()  # every fifth row starts a sequence
+        ref_o, ref_s = gated_delta_rule.decode_step(q, k, v, decay + keep.log()[:, None], beta, state[slots])
+        work = state.clone()
+        out = gated_delta_decode(q, k, v, decay, beta, keep, work, slots)
+        extra = {}
+        if ctx.cuda:
+            def torch_path():
+                o, work[slots] = gated_delta_rule.decode_step(q, k, v, decay, beta, work[slots])
+
+            extra = dict(kernel_ms=bench_ms(lambda: gated_delta_decode(q, k, v, decay, beta, keep, work, slots)),
+                         torch_ms=bench_ms(torch_path), state_mb=b * hv * dk * dv * 4 / 2**20)
+        ctx.report.check("gated_delta_decode out", out, ref_o, 2e-3, **extra)
+        ctx.report.check("gated_delta_decode state", work[slots], ref_s, 2e-3)
+
+
 def run(ctx: Ctx) -> None:
     attention_checks(ctx)
     kv_write_checks(ctx)
     row_kernel_checks(ctx)
+    gated_delta_checks(ctx)
     moe_timing.correctness_checks(ctx)
