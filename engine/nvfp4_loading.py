@@ -277,7 +277,10 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
             raise QuantizationError(f"{spec.file}: tensor {spec.name}.weight is NVFP4 but {target!r} is not a "
                                     f"linear layer of {type(model).__name__}")
         leaf = target.rsplit(".", 1)[-1]
-        sizes = model._shard_sizes(leaf) if leaf in ("qkv_proj", "gate_up_proj") else [old.out_features]
+        if leaf == "gate_up_proj":  # halves of the module itself: shared experts have their own width
+            sizes = [old.out_features // 2] * 2
+        else:
+            sizes = model._shard_sizes(leaf) if leaf == "qkv_proj" else [old.out_features]
         if len(parts) != len(sizes):
             spec = next(iter(parts.values()))
             raise QuantizationError(f"{spec.file}: {target} fuses {len(sizes)} projections but only "
