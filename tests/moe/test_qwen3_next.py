@@ -204,3 +204,23 @@ def test_a_decode_step_reads_the_device_once(tiny_next_dir, monkeypatch, backend
         outs, calls = counter.step(engine)
         assert sum(len(o.new_token_ids) for o in outs) == 3
         assert calls == {"tolist": 1}, calls
+
+
+def test_nvfp4_checkpoint_equals_its_dequantized_reference(tiny_next_dir, tmp_path):
+    """`ember quantize-nvfp4` of the tiny Qwen3-Next: attention and MLP projections (the shared expert's gate/up
+    fused at its own width) and the experts stay packed; greedy tokens equal transformers on the dequantized
+    weights."""
+    from ember.engine import quantize
+    from ember.engine.nvfp4_loading import NVFP4Linear
+    from tests.moe.conftest import ember_greedy, write_dequantized
+
+    qdir = tmp_path / "nvfp4"
+    assert quantize.main([str(tiny_next_dir), str(qdir)]) == 0
+    model = ember_model(qdir)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, NVFP4Linear)
+    assert isinstance(model.model.layers[0].mlp.shared_expert.gate_up_proj, NVFP4Linear)
+    assert model.model.layers[0].mlp.experts.quant13 is not None
+    ref = write_dequantized(qdir, tmp_path / "dequantized")
+    ps = prompts(6, seed=9, min_len=3, max_len=20)
+    ps, expected = clear_margin(ps, hf_greedy(ref, ps), need=4)
+    assert ember_greedy(qdir, ps) == expected
