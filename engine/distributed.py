@@ -28,7 +28,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ember.engine import loader
-from ember.engine.attention import AttentionMetadata
+from ember.engine.attention import AttentionMetadata, RecurrentMetadata
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig
 from ember.engine.model_runner import ModelRunner
 
@@ -39,6 +39,8 @@ _IDLE_TIMEOUT = timedelta(days=3650)  # workers wait this long for the driver's 
 _COLUMN = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
 _ROW = frozenset({"o_proj", "down_proj"})
 _JOINED = "ember/tp/joined"
+_LINEAR_ATTENTION_SPLIT = ("linear_num_key_heads", "linear_num_value_heads")
+"""Qwen3-Next's linear-attention heads: each rank keeps a contiguous share of the key heads and their value heads."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
         fields.append(("intermediate_size", cfg.intermediate_size))
     if any(sparse):
         fields.append(("moe_intermediate_size", int(cfg.raw.get("moe_intermediate_size") or 0)))
+    for key in _LINEAR_ATTENTION_SPLIT if cfg.linear_attention_layers else ():
+        fields.append((key, int(cfg.raw.get(key) or 0)))
+    if any(sparse) and cfg.raw.get("shared_expert_intermediate_size"):
+        fields.append(("shared_expert_intermediate_size", int(cfg.raw["shared_expert_intermediate_size"])))
     for name, n in fields:
         if n % world_size:
             raise ConfigError(f"{source}: tensor_parallel_size {world_size} does not divide {name} ({n}); "
@@ -134,7 +140,8 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     n = tp.world_size
     check_split(cfg, n)
     raw = dict(cfg.raw)
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size", *_LINEAR_ATTENTION_SPLIT):
         if isinstance(raw.get(key), int):
             raw[key] = raw[key] // n
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
@@ -144,7 +151,9 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
 
 def _split_rule(name: str) -> tuple[str, int]:
     """How tensor ``name`` is split: ("replicate", -1), ("shard", dim), ("rank0", -1) for a row-parallel bias, or
-    ("gate_up", 1) for transformers 5's fused expert stack ``[E, 2I, H]`` (gate and up halves split apart)."""
+    ("gate_up", 1) for transformers 5's fused expert stack ``[E, 2I, H]`` (gate and up halves split apart).
+    A model's own rule may also return ("segments", dim, sizes): ``dim`` concatenates parts of those sizes, each
+    split evenly (the rank's slices of every part, concatenated)."""
     parts = name.split(".")
     if len(parts) < 2:
         return "replicate", -1
@@ -162,8 +171,8 @@ def _split_rule(name: str) -> tuple[str, int]:
     return "replicate", -1
 
 
-def _read_shard(sl: Any, name: str, rule: tuple[str, int], tp: TensorParallel, source: Path) -> torch.Tensor:
-    kind, dim = rule
+def _read_shard(sl: Any, name: str, rule: tuple, tp: TensorParallel, source: Path) -> torch.Tensor:
+    kind, dim, *parts = rule
     shape = list(sl.get_shape())
     if kind == "replicate":
         return sl[:]
@@ -184,14 +193,21 @@ def _read_shard(sl: Any, name: str, rule: tuple[str, int], tp: TensorParallel, s
 
     if kind == "gate_up":
         return torch.cat([take(tp.rank * size), take(full + tp.rank * size)], dim=dim)
+    if kind == "segments":
+        sizes = parts[0]
+        if sum(sizes) != shape[dim] or any(n % tp.world_size for n in sizes):
+            raise ConfigError(f"{source}: tensor {name!r} dimension {dim} ({shape[dim]}) is not parts {sizes} "
+                              f"that tensor_parallel_size {tp.world_size} divides")
+        starts = [sum(sizes[:i]) + n // tp.world_size * tp.rank for i, n in enumerate(sizes)]
+        return torch.cat([sl[lead + (slice(a, a + n // tp.world_size),)] for a, n in zip(starts, sizes)], dim=dim)
     return take(tp.rank * size)
 
 
 def iter_shard_weights(model_dir: str | Path, tp: TensorParallel, split_rule: Callable[[str], tuple[str, int]]
                        | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk.
-    ``split_rule`` (a model class's ``tp_split_rule``, where its tensors differ from the rules here) overrides
-    :func:`_split_rule`."""
+    ``split_rule`` (a model class's ``tp_split_rule`` bound to the checkpoint's config, where its tensors differ from
+    the rules here) overrides :func:`_split_rule`."""
     rule = split_rule or _split_rule
     for f in loader.weight_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -229,17 +245,19 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     """This rank's model (its slices only, wired to reduce over ``tp``) and its per-rank config."""
     from ember.engine.engine import load_model
 
-    cfg = shard_config(loader.load_model_config(model_dir), tp)
+    full = loader.load_model_config(model_dir)
+    cfg = shard_config(full, tp)
+    own = getattr(spec.model_class, "tp_split_rule", None)
+    rule = None if own is None else (lambda name: own(name, full))
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
-                       weights=iter_shard_weights(model_dir, tp, getattr(spec.model_class, "tp_split_rule", None)),
-                       model_class=spec.model_class)
+                       weights=iter_shard_weights(model_dir, tp, rule), model_class=spec.model_class)
     return attach(model, tp), cfg
 
 
 def _host(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.cpu()
-    if isinstance(x, AttentionMetadata):
+    if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
         return dataclasses.replace(x, **{f.name: _host(getattr(x, f.name)) for f in dataclasses.fields(x)})
     return x
 
@@ -247,7 +265,7 @@ def _host(x: Any) -> Any:
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
-    if isinstance(x, AttentionMetadata):
+    if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
         return dataclasses.replace(x, **{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x)})
     return x
 
@@ -292,6 +310,11 @@ class DriverRunner(ModelRunner):
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._send("allocate_kv_cache", num_blocks)
         super().allocate_kv_cache(num_blocks)
+
+    def allocate_recurrent_state(self, num_slots: int) -> None:
+        if self.recurrent:
+            self._send("allocate_recurrent_state", num_slots)
+        super().allocate_recurrent_state(num_slots)
 
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
         self._send("profile_activation_bytes", num_tokens, num_seqs)

@@ -111,9 +111,6 @@ class Engine:
                 raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
             if self.kv_cache_dtype != self.dtype:
                 raise ConfigError("kv_cache_dtype='fp8' is not supported with tensor_parallel_size > 1 yet")
-            if mc.linear_attention_layers:
-                raise ConfigError(f"{mc.architecture}: tensor_parallel_size > 1 is not supported for models with "
-                                  "linear-attention layers yet")
             self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
                                                    self.dtype)
         else:

@@ -140,7 +140,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
         self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 
     @staticmethod
-    def tp_split_rule(name: str) -> tuple[str, int]:
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
         """Tensor-parallel split of a checkpoint tensor (see `ember.engine.distributed`): the expert stacks split
         their intermediate dimension contiguously (gate/up stay interleaved pairs: ``gate_up_proj [E, H, 2I]`` dim
         2, ``down_proj [E, I, H]`` dim 1), ``down_proj_bias`` goes to rank 0 only, ``sinks`` follow the heads."""

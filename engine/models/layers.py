@@ -238,6 +238,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.local(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (the whole output without tensor parallelism), before any reduction."""
         gate_up = self.gate_up_proj(x)
         if self.triton:
             from ember.kernels import activation
@@ -246,8 +251,7 @@ class GatedMLP(nn.Module):
         else:
             gate, up = gate_up.split(self.inter, dim=-1)
             act = F.silu(gate) * up
-        out = self.down_proj(act)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -94,12 +94,18 @@ class GatedAttention(Attention):
         k = self.k_norm(k.reshape(t, self.hkv, self.d))
         q, k = rope(meta.positions, q.contiguous(), k.contiguous())
         out = self.attend(q, k, v.reshape(t, self.hkv, self.d), meta, kv, backend)
-        return self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
+        out = self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next's linear attention over per-sequence states (``conv_state [slots, C, K-1]`` in the model dtype,
-    ``ssm_state [slots, hv, dk, dv]`` fp32), allocated by `Qwen3NextForCausalLM.allocate_recurrent_state`."""
+    ``ssm_state [slots, hv, dk, dv]`` fp32), allocated by `Qwen3NextForCausalLM.allocate_recurrent_state`.
+
+    Under tensor parallelism (``tp`` set) it holds this rank's key heads with their value heads (and their states)
+    and sums the partial ``out_proj`` outputs over the ranks."""
+
+    tp = None
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -143,7 +149,8 @@ class GatedDeltaNet(nn.Module):
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
                            is_triton_backend(backend))
         out = self.norm(core.to(x.dtype), z.reshape(t, hv, dv))
-        return self.out_proj(out.reshape(t, hv * dv))
+        out = self.out_proj(out.reshape(t, hv * dv))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _conv(self, mixed: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
         """The depthwise causal conv (+ SiLU) of every token, continuing each sequence's window."""
@@ -200,7 +207,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         out = super()._experts_out(x)
         if self.shared_expert is None:
             return out
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.local(x)  # reduced with out
 
 
 class Qwen3NextDecoderLayer(DecoderLayer):
@@ -287,6 +294,27 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             d = cfg.head_dim
             return [2 * cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
         return super()._shard_sizes(fused)
+
+    @staticmethod
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple:
+        """Tensor-parallel split (see `ember.engine.distributed`): the linear-attention projections are grouped per
+        key head (``in_proj_qkvz``, ``in_proj_ba``: rows), ``A_log``/``dt_bias`` follow the value heads,
+        ``out_proj`` is row-parallel, and the conv's channels are three parts (q, k, v) split alike; the rest as
+        for Qwen3-MoE (``q_proj``'s rows are each head's query then gate, so heads split by rows)."""
+        from ember.engine import distributed
+
+        parent, _, leaf = name.rpartition(".")
+        if ".linear_attn" not in name:
+            return distributed._split_rule(name)
+        if parent.endswith(("in_proj_qkvz", "in_proj_ba")) or leaf in ("A_log", "dt_bias"):
+            return "shard", 0
+        if parent.endswith("out_proj"):
+            return "shard", 1
+        if parent.endswith("conv1d"):
+            keys = int(cfg.raw["linear_num_key_heads"]) * int(cfg.raw["linear_key_head_dim"])
+            values = int(cfg.raw["linear_num_value_heads"]) * int(cfg.raw["linear_value_head_dim"])
+            return "segments", 0, (keys, keys, values)
+        return "replicate", -1
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

@@ -127,11 +127,24 @@ def test_multi_token_prediction_weights_are_skipped(tiny_next_dir, tmp_path):
     assert torch.equal(ember_logits(ember_model(tmp_path), prompt), ember_logits(ember_model(tiny_next_dir), prompt))
 
 
-def test_tensor_parallel_is_refused_with_a_clear_error(tiny_next_dir):
-    from ember.engine.config import ConfigError
+def test_two_ranks_generate_transformers_tokens(tiny_next_dir):
+    """Tensor parallelism 2 (gloo on CPU): each rank holds one of the two key heads (with its value heads, states and
+    conv channels) and half of every attention, MLP, expert and shared-expert projection."""
+    from tests.engine.test_tensor_parallel import _assert_workers_exited
 
-    with pytest.raises(ConfigError, match="linear-attention"):
-        _engine(tiny_next_dir, num_kv_blocks=8, tensor_parallel_size=2)
+    ps = prompts(6, seed=10, min_len=1, max_len=24)
+    ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps, new_tokens=6), need=4)
+    engine = _engine(tiny_next_dir, num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=16,
+                     tensor_parallel_size=2)
+    workers = list(engine.runner.workers)
+    try:
+        layer = engine.runner.model.model.layers[0].linear_attn
+        assert (layer.hk, layer.hv, layer.ssm_state.shape[1]) == (1, 2, 2)
+        assert layer.conv_state.shape[1] == 16 + 16 + 16  # this rank's q, k and v channels
+        assert run_greedy(engine, ps, 6) == expected
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)
 
 
 def test_served_completion_equals_transformers_streamed_or_not(tiny_next_dir, tmp_path):
