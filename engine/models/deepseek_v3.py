@@ -168,25 +168,27 @@ class _Body(nn.Module):
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     """DeepSeek-V3 over the latent paged KV cache; experts load as Qwen3-MoE's do (per-expert or fused keys)."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
+    body = _Body
+
+    @staticmethod
+    def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
+        """Routed experts from layer ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
         raw = cfg.raw
         num_experts = int(raw.get("n_routed_experts") or 0)
         first_dense = int(raw.get("first_k_dense_replace") or 0)
         step = int(raw.get("moe_layer_freq") or 1)
-        self.sparse = [num_experts > 0 and i >= first_dense and i % step == 0 for i in range(cfg.num_hidden_layers)]
-        self.moe = {"num_experts": num_experts, "top_k": int(raw.get("num_experts_per_tok") or 0),
-                    "inter": int(raw.get("moe_intermediate_size") or 0),
-                    "norm_topk_prob": bool(raw.get("norm_topk_prob", True))}
-        if any(self.sparse) and not (1 <= self.moe["top_k"] <= num_experts and self.moe["inter"] > 0):
+        sparse = [num_experts > 0 and i >= first_dense and i % step == 0 for i in range(cfg.num_hidden_layers)]
+        moe = {"num_experts": num_experts, "top_k": int(raw.get("num_experts_per_tok") or 0),
+               "inter": int(raw.get("moe_intermediate_size") or 0),
+               "norm_topk_prob": bool(raw.get("norm_topk_prob", True))}
+        if any(sparse) and not (1 <= moe["top_k"] <= num_experts and moe["inter"] > 0):
             raise ConfigError("config.json: DeepSeek-V3 needs 1 <= num_experts_per_tok <= n_routed_experts and "
                               "moe_intermediate_size > 0")
-        probe = torch.empty(0)
-        self.model = _Body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(_raw_int(cfg, "qk_rope_head_dim"), max_position, cfg.rope_theta,
-                                    cfg.rope_scaling)
+        return moe, sparse
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        return _raw_int(cfg, "qk_rope_head_dim")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

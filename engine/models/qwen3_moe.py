@@ -140,15 +140,27 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     """Qwen3-MoE over the paged KV cache (forward and logits are the shared decoder's)."""
 
     qk_norm = True
+    body: type[nn.Module] = _Body
+    """The decoder stack: ``body(cfg, moe, sparse, device, dtype)``; subclasses bring their own layers."""
 
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         nn.Module.__init__(self)
         self.config = cfg
-        self.moe, self.sparse = moe_settings(cfg)
+        self.moe, self.sparse = self.moe_settings(cfg)
         probe = torch.empty(0)
-        self.model = _Body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
+        self.model = self.body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(self.rotary_dim(cfg), max_position, cfg.rope_theta, cfg.rope_scaling)
+
+    @staticmethod
+    def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
+        """The experts' settings and which layers are sparse (`moe_settings`)."""
+        return moe_settings(cfg)
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        """Channels of each head that RoPE turns."""
+        return cfg.head_dim
 
     def _experts(self, layer: int) -> MoEExperts:
         mlp = self.model.layers[layer].mlp

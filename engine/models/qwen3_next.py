@@ -29,7 +29,7 @@ from torch import nn
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding
-from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, moe_settings
+from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from ember.kernels import gated_delta_rule
 
 _CHUNK = 64
@@ -250,17 +250,15 @@ class _Body(nn.Module):
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     """Qwen3-Next over the paged KV cache (full-attention layers) and per-sequence recurrent state (the rest)."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.moe, self.sparse = moe_settings(cfg)
-        probe = torch.empty(0)
-        self.model = _Body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    body = _Body
+
+    @staticmethod
+    def rotary_dim(cfg: ModelConfig) -> int:
+        """``partial_rotary_factor`` of each head (top level in older config.json, in ``rope_parameters`` in
+        transformers 5's)."""
         raw = cfg.raw
         factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
-        rotary = int(cfg.head_dim * float(factor or 1.0))
-        self.rope = RotaryEmbedding(rotary, max_position, cfg.rope_theta, cfg.rope_scaling)
+        return int(cfg.head_dim * float(factor or 1.0))
 
     def _linear_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
