@@ -7,7 +7,8 @@ captured batch) replays the CUDA graph of the next captured size, padding the ba
 larger decode batches, stay eager. Without CUDA the same runner runs eagerly over its padded buffers (what the CPU
 tests use to check the routing and the padding). `graph_blocker` says why a runner must not capture.
 
-Host syncs: `prepare` fills two persistent host buffers (int64: token IDs, positions, slots, logits indices; int32:
+Host syncs: `prepare` fills two persistent host buffers (int64: token IDs, positions, slots, logits indices and, for
+recurrent models, the one-token chunks' token indices, state slots and keep flags; int32:
 query starts, sequence lengths, block table) and uploads each with one non-blocking copy from pinned memory
 (`ember.engine.staging`); nothing in `prepare` or the forward reads a device value back, so a decode step's only
 device -> host read is the sampler's.
@@ -73,8 +74,9 @@ class ModelRunner:
         graph padding; nothing for models without recurrent layers. On CUDA, call before sizing the KV cache from
         free memory."""
         if self.recurrent:
-            self.model.allocate_recurrent_state(num_slots + 1, self.device)
+            size = self.model.allocate_recurrent_state(num_slots + 1, self.device)
             self.state_pad_slot = num_slots
+            log.info("recurrent state: %d slots (one for graph padding), %.1f MiB", num_slots + 1, size / 2**20)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)

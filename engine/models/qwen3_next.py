@@ -92,7 +92,7 @@ class GatedAttention(Attention):
         q, gate = qg.reshape(t, self.hq, 2 * self.d).split(self.d, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(t, self.hkv, self.d))
-        q, k = rope(meta.positions, q.contiguous(), k.contiguous())
+        q, k = rope(meta.positions, q, k)
         out = self.attend(q, k, v.reshape(t, self.hkv, self.d), meta, kv, backend)
         out = self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -125,14 +125,12 @@ class GatedDeltaNet(nn.Module):
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
 
-    def allocate_state(self, num_slots: int, device: torch.device) -> None:
+    def allocate_state(self, num_slots: int, device: torch.device) -> int:
+        """Zeroed states for ``num_slots`` sequences; returns their bytes."""
         dtype = self.out_proj.weight.dtype
         self.conv_state = torch.zeros(num_slots, self.channels, self.kernel - 1, dtype=dtype, device=device)
         self.ssm_state = torch.zeros(num_slots, self.hv, self.dk, self.dv, dtype=torch.float32, device=device)
-
-    def state_bytes(self, num_slots: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return num_slots * (self.channels * (self.kernel - 1) * elem + self.hv * self.dk * self.dv * 4)
+        return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))
 
     def forward(self, x: torch.Tensor, rec: RecurrentMetadata, backend: ModuleType) -> torch.Tensor:
         """With the Triton attention backend, one-token chunks update their states in place through
@@ -263,14 +261,9 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def _linear_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
 
-    def allocate_recurrent_state(self, num_slots: int, device: torch.device) -> None:
-        for layer in self._linear_layers():
-            layer.allocate_state(num_slots, device)
-
-    def recurrent_state_bytes(self, num_slots: int) -> int:
-        """Bytes `allocate_recurrent_state` takes for ``num_slots`` sequences."""
-        dtype = self.model.embed_tokens.weight.dtype
-        return sum(layer.state_bytes(num_slots, dtype) for layer in self._linear_layers())
+    def allocate_recurrent_state(self, num_slots: int, device: torch.device) -> int:
+        """Every linear layer's states for ``num_slots`` sequences; returns their bytes."""
+        return sum(layer.allocate_state(num_slots, device) for layer in self._linear_layers())
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
