@@ -46,7 +46,8 @@ class ModelConfig:
 
     ``num_key_value_heads`` and ``head_dim`` are also the KV cache's geometry; for MLA models (``kv_lora_rank`` in
     config.json) that is one latent head of ``kv_lora_rank + qk_rope_head_dim`` (the model reads its real head
-    dimensions from ``raw``)."""
+    dimensions from ``raw``). A multimodal config.json's ``text_config`` is read as the model's config (over its
+    top-level fields), and ``raw`` is that merged view."""
 
     architecture: str
     model_type: str
@@ -77,7 +78,8 @@ class ModelConfig:
         types = self.raw.get("layer_types")
         if types:
             return [i for i, t in enumerate(types) if t == "linear_attention"]
-        interval = self.raw.get("full_attention_interval") if self.model_type == "qwen3_next" else None
+        hybrid = self.model_type.startswith(("qwen3_next", "qwen3_5"))
+        interval = self.raw.get("full_attention_interval") if hybrid else None
         return [i for i in range(self.num_hidden_layers) if (i + 1) % int(interval)] if interval else []
 
     @property
@@ -90,6 +92,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigError(f"{source}: no 'architectures' entry")
+        if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: Ember serves its language model
+            top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "audio_config")}
+            cfg = {**top, **cfg["text_config"], "architectures": archs}
 
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
@@ -119,7 +124,9 @@ class ModelConfig:
             model_type=cfg.get("model_type", ""),
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            # MoE-only text configs (Qwen3.5-MoE) may leave the dense width out
+            intermediate_size=int(cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+                                  or need("intermediate_size")),
             num_hidden_layers=int(need("num_hidden_layers")),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
