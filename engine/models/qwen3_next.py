@@ -42,6 +42,12 @@ def _raw_int(cfg: ModelConfig, key: str) -> int:
     return int(value)
 
 
+def qkv_channel_parts(cfg: ModelConfig) -> tuple[int, int, int]:
+    """The linear attention's q, k and v channel counts (the conv's channels, in that order)."""
+    keys = _raw_int(cfg, "linear_num_key_heads") * _raw_int(cfg, "linear_key_head_dim")
+    return keys, keys, _raw_int(cfg, "linear_num_value_heads") * _raw_int(cfg, "linear_value_head_dim")
+
+
 class OffsetRMSNorm(nn.Module):
     """Zero-centred RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then cast; with a ``residual``,
     ``(norm(x + residual), x + residual)`` like `ember.engine.models.layers.RMSNorm`."""
@@ -115,8 +121,7 @@ class GatedDeltaNet(nn.Module):
             raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
         self.kernel = _raw_int(cfg, "linear_conv_kernel_dim")
         self.channels = 2 * self.hk * self.dk + self.hv * self.dv
-        self.in_proj_qkvz = nn.Linear(cfg.hidden_size, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * self.hv, bias=False)
+        self._make_projections(cfg.hidden_size)
         self.conv1d = nn.Conv1d(self.channels, self.channels, self.kernel, groups=self.channels, bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
@@ -124,6 +129,21 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
+
+    def _make_projections(self, hidden: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.hv, bias=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q|k|v [T, C] in the conv's channel order, z [T, hv, dv], b [T, hv], a [T, hv])``: Qwen3-Next's
+        projections are grouped per key head (its q, k, then its value heads' v and z; b then a)."""
+        t = x.shape[0]
+        hk, dk, dv = self.hk, self.dk, self.dv
+        r = self.hv // hk
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return mixed, z.reshape(t, self.hv, dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def allocate_state(self, num_slots: int, device: torch.device) -> int:
         """Zeroed states for ``num_slots`` sequences; returns their bytes."""
@@ -137,16 +157,13 @@ class GatedDeltaNet(nn.Module):
         `ember.kernels.gated_delta_decode`; otherwise through the torch step."""
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
-        r = hv // hk
-        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        mixed, z, b, a = self._project(x)
         q, k, v = self._conv(mixed, rec).split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.reshape(t, hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
                            is_triton_backend(backend))
-        out = self.norm(core.to(x.dtype), z.reshape(t, hv, dv))
+        out = self.norm(core.to(x.dtype), z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -211,11 +228,11 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 class Qwen3NextDecoderLayer(DecoderLayer):
     """Zero-centred pre-norms around either mixer (``linear_attn`` or ``self_attn``) and the MLP."""
 
-    def __init__(self, cfg: ModelConfig, linear: bool, moe: dict | None, device: torch.device,
+    def __init__(self, cfg: ModelConfig, linear: type[GatedDeltaNet] | None, moe: dict | None, device: torch.device,
                  dtype: torch.dtype) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.linear_attn = GatedDeltaNet(cfg) if linear else None
+        self.linear_attn = linear(cfg) if linear is not None else None
         self.self_attn = None if linear else GatedAttention(cfg)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SharedExpertMoeBlock(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
@@ -233,13 +250,16 @@ class Qwen3NextDecoderLayer(DecoderLayer):
 
 
 class _Body(nn.Module):
+    linear_attention: type[GatedDeltaNet] = GatedDeltaNet
+
     def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
                  dtype: torch.dtype) -> None:
         super().__init__()
         linear = set(cfg.linear_attention_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(cfg, i in linear, moe if sparse[i] else None, device, dtype)
+            Qwen3NextDecoderLayer(cfg, self.linear_attention if i in linear else None, moe if sparse[i] else None,
+                                  device, dtype)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -302,9 +322,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         if parent.endswith("out_proj"):
             return "shard", 1
         if parent.endswith("conv1d"):
-            keys = int(cfg.raw["linear_num_key_heads"]) * int(cfg.raw["linear_key_head_dim"])
-            values = int(cfg.raw["linear_num_value_heads"]) * int(cfg.raw["linear_value_head_dim"])
-            return "segments", 0, (keys, keys, values)
+            return "segments", 0, qkv_channel_parts(cfg)
         return "replicate", -1
 
     @torch.no_grad()
