@@ -23,6 +23,10 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "GptOssForCausalLM": "ember.engine.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV3ForCausalLM": "ember.engine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen3NextForCausalLM": "ember.engine.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 
