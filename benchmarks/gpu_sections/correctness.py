@@ -1,9 +1,10 @@
-"""Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16
-under the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and
-split-KV incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks), ``reshape_and_cache`` (bf16, FP8; padding slots untouched),
-RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in place), the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it,
-MXFP4 with biases and gpt-oss's clamped GLU) and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
-raises is recorded with its traceback and the next one runs."""
+"""Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16 under
+the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and split-KV incl.
+empty segments, GQA 4/8, FP8 KV, sliding window + sinks), ``reshape_and_cache`` (bf16, FP8; padding slots untouched),
+RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in place), the fused MoE (bf16,
+NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and gpt-oss's clamped GLU) and the dense NVFP4 linear.
+Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that raises is recorded with its
+traceback and the next one runs."""
 from __future__ import annotations
 
 import torch

@@ -1,13 +1,13 @@
 """Section 2: the engine end to end on the device against the engine on the CPU, greedy, on tiny models.
 
-For the demo Qwen3, a tiny Qwen3-MoE and a tiny Qwen3-Next (its linear attention on the torch path): the same prompts (shared prefixes for prefix-cache hits, a small token
-budget for chunked prefill and mixed prefill + decode steps) through ``Engine`` on the CPU (torch path, fp32) and on
-the device (fp32, eager): the greedy tokens must be equal, or first differ only where the reference's top-2 logprobs
-are a near-tie (fp32 matmuls round differently on another device; the fused MoE's ``tl.dot`` uses TF32). The engine
-with decode CUDA graphs must give the eager engine's tokens (and records how many steps replayed graphs, or why
-none did); an FP8 KV cache's first tokens must be the fp32 cache's but at near-ties; a bf16 run's agreement with
-fp32 is recorded (information). On a CPU run the "device" is the CPU with ``EMBER_ATTENTION=triton`` /
-``EMBER_MOE=triton`` (the kernels under the interpreter) and there are no graphs to replay.
+For the demo Qwen3, a tiny Qwen3-MoE and a tiny Qwen3-Next (its linear attention on the torch path): the same prompts
+(shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
+through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
+first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
+the fused MoE's ``tl.dot`` uses TF32). The engine with decode CUDA graphs must give the eager engine's tokens (and
+records how many steps replayed graphs, or why none did); an FP8 KV cache's first tokens must be the fp32 cache's but at
+near-ties; a bf16 run's agreement with fp32 is recorded (information). On a CPU run the "device" is the CPU with
+``EMBER_ATTENTION=triton`` / ``EMBER_MOE=triton`` (the kernels under the interpreter) and there are no graphs to replay.
 """
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ def test_supported_architectures_are_the_registry():
     found = 0
     for name in MINE:
         for listed in re.findall(r"(?:Supported|Served) architectures[^:]*:([^.]*)\.", text(name).replace("\n", " ")):
-            names = [n for n in re.findall(r"`(\w+)`", listed) if n.endswith("ForCausalLM")]
+            names = [n for n in re.findall(r"`(\w+)`", listed)
+                     if n.endswith(("ForCausalLM", "ForConditionalGeneration"))]
             assert sorted(names) == sorted(MODEL_REGISTRY), name
             found += 1
     assert found >= 2
