@@ -50,6 +50,31 @@ def hermes_call(draw):
     return name, args, "\n" + body + "\n", name_first
 
 
+def reply_head(draw, think_close_id: int | None):
+    """The opening of a tool-call family's reply: a random initial state; in REASONING a free thought closed by
+    ``</think>`` (token ``think_close_id``, or text where it is None); free content; how many calls follow (0-3).
+    Returns ``(segments, initial, reasoning, content, n)``."""
+    free = text(exclude=("<think>", "</think>"))
+    initial = draw(st.sampled_from(["REASONING", "CONTENT"]))
+    segs, reasoning = [], ""
+    if initial == "REASONING":
+        reasoning = draw(free)
+        segs += [(None, reasoning), (think_close_id, "</think>")]
+    content = draw(free)
+    segs.append((None, content))
+    return segs, initial, reasoning, content, draw(st.integers(0, 3))
+
+
+def check_tool_reply(events, toks, reasoning: str, content: str, calls: list) -> None:
+    """The fold of a `reply_head` reply with ``calls`` ``(name, arguments)``: the thought, the content (whitespace
+    before calls is dropped), every call complete with its arguments, and every byte once."""
+    f = fold(events)
+    assert (f.reasoning, f.malformed) == (reasoning, "")
+    assert f.content == (content if not calls or content.strip() else "")
+    assert [(nm, json.loads(a), e) for nm, a, e in f.calls] == [(nm, a, True) for nm, a in calls]
+    assert raw_text(events) == "".join(t for _, t in toks)
+
+
 def tokens_of(draw, segments):
     """Delimiter segments stay single tokens; text segments are cut into random tokens."""
     toks = []

@@ -15,9 +15,9 @@ from ember.parsers.machine import ParserMachine
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import canonical_name, detect_profile, get_profile
 from tests.conftest import shared_path
-from tests.parsers.test_machine_common import fold, machine, raw_text, run
-from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, json_values, text,
-                                                   tokens_of)
+from tests.parsers.test_machine_common import fold, machine, run
+from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, check_tool_reply,
+                                                   json_values, reply_head, text, tokens_of)
 
 BEGIN, CALL, SEP, END, CLOSE = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
                                 "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
@@ -214,16 +214,8 @@ def test_r1_0528_command_line_combines_r1_thoughts_with_deepseek_calls():
 def test_chunking_properties(data, by_id):
     draw = data.draw
     ids = IDS if by_id else {}
-    free = text(exclude=("<think>", "</think>"))
-    segs, calls = [], []
-    initial = draw(st.sampled_from(["REASONING", "CONTENT"]))
-    reasoning = ""
-    if initial == "REASONING":
-        reasoning = draw(free)
-        segs += [(None, reasoning), (None, "</think>")]
-    content = draw(free)
-    segs.append((None, content))
-    n = draw(st.integers(0, 3))
+    segs, initial, reasoning, content, n = reply_head(draw, None)
+    calls = []
     if n:
         segs.append((ids.get(BEGIN), BEGIN))
     for k in range(n):
@@ -242,8 +234,4 @@ def test_chunking_properties(data, by_id):
         segs.append((ids.get(CLOSE), CLOSE))
     toks = tokens_of(draw, [s for s in segs if s[1]])
     events = check_chunking_and_truncation("deepseek_v3", ids, initial, toks, tools=[{}])
-    f = fold(events)
-    assert (f.reasoning, f.malformed) == (reasoning, "")
-    assert f.content == (content if not n or content.strip() else "")
-    assert [(nm, json.loads(a), e) for nm, a, e in f.calls] == [(nm, a, True) for nm, a in calls]
-    assert raw_text(events) == "".join(t for _, t in toks)
+    check_tool_reply(events, toks, reasoning, content, calls)

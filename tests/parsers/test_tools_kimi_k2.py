@@ -15,9 +15,9 @@ from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import detect_profile, get_profile
 from tests.conftest import shared_path
-from tests.parsers.test_machine_common import fold, merged, raw_text
-from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, json_values, text,
-                                                   tokens_of)
+from tests.parsers.test_machine_common import merged
+from tests.parsers.test_machine_properties import (NAMES, SETTINGS, check_chunking_and_truncation, check_tool_reply,
+                                                   json_values, reply_head, text, tokens_of)
 
 SECTION, CALL, ARG, END, CLOSE = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>",
                                   "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>")
@@ -141,16 +141,8 @@ def test_detected_from_exactly_the_real_kimi_templates():
 def test_chunking_properties(data, by_id):
     draw = data.draw
     ids = IDS if by_id else {}
-    free = text(exclude=("<think>", "</think>"))
-    segs, calls = [], []
-    initial = draw(st.sampled_from(["REASONING", "CONTENT"]))
-    reasoning = ""
-    if initial == "REASONING":
-        reasoning = draw(free)
-        segs += [(None, reasoning), (ids.get("</think>"), "</think>")]
-    content = draw(free)
-    segs.append((None, content))
-    n = draw(st.integers(0, 3))
+    segs, initial, reasoning, content, n = reply_head(draw, ids.get("</think>"))
+    calls = []
     if n:
         segs.append((ids.get(SECTION), SECTION))
     for k in range(n):
@@ -166,10 +158,6 @@ def test_chunking_properties(data, by_id):
         segs.append((ids["<|im_end|>"], "<|im_end|>"))
     toks = tokens_of(draw, [s for s in segs if s[1]])
     events = check_chunking_and_truncation("kimi_k2", ids, initial, toks, tools=[{}])
-    f = fold(events)
-    assert (f.reasoning, f.malformed) == (reasoning, "")
-    assert f.content == (content if not n or content.strip() else "")
-    assert [(nm, json.loads(a), e) for nm, a, e in f.calls] == [(nm, a, True) for nm, a in calls]
+    check_tool_reply(events, toks, reasoning, content, calls)
     assert [e.id for e in merged(events) if isinstance(e, ToolCallStart)] == [f"functions.{nm}:{k}"
                                                                              for k, (nm, _) in enumerate(calls)]
-    assert raw_text(events) == "".join(t for _, t in toks)
