@@ -41,6 +41,22 @@ def save_tiny_moe(path: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Pat
     return path
 
 
+def save_hybrid(model, path: Path, tokenizer_dir: Path) -> Path:
+    """Save a random Qwen3-Next / Qwen3.5 transformers ``model`` with the tokenizer of ``tokenizer_dir``, after moving
+    its zero-centred norm offsets, ``A_log`` and ``dt_bias`` off their initial values and drawing its routers wide
+    (so the ``1 + w`` norms and the decays are exercised, and top-k has no near-ties)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "A_log", "dt_bias")) and "visual" not in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[tuple[list[int], float]]:
     """transformers' greedy tokens and the smallest top-1/top-2 logit margin on the way, per prompt (fp32,
     eager attention)."""

@@ -3,14 +3,13 @@ tower), dense and MoE: Ember serves the language model with transformers' greedy
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.moe.conftest import VOCAB, clear_margin, ember_greedy, ember_logits, ember_model, hf_greedy, hf_logits, \
-    prompts
+    prompts, save_hybrid
 
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -30,16 +29,7 @@ def _save(path: Path, tokenizer_dir: Path, moe: bool) -> Path:
                                                                     vision_config=VISION))
     else:
         model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=VISION))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")) and "visual" not in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_hybrid(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])

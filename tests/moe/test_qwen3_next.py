@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.moe.conftest import VOCAB, clear_margin, ember_logits, ember_model, hf_greedy, hf_logits, prompts, \
-    run_greedy
+    run_greedy, save_hybrid
 
 
 def tiny_next_config(**over):
@@ -31,23 +31,13 @@ def tiny_next_config(**over):
 
 @pytest.fixture(scope="module")
 def tiny_next_dir(tmp_path_factory, demo_model_dir) -> Path:
-    """Saved by ``save_pretrained``; norm offsets, decays and routers drawn away from their initial values, so the
-    ``1 + w`` norms, ``A_log``/``dt_bias`` and top-k are all exercised."""
+    """A random Qwen3-Next saved by `save_hybrid`."""
     from transformers import Qwen3NextForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-qwen3-next")
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(tiny_next_config())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+    return save_hybrid(model, path, demo_model_dir)
 
 
 def _engine(path: Path, **kw):
