@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -26,12 +26,16 @@ class RecurrentMetadata:
 
     ``decode_tokens`` / ``decode_slots`` int64 [D]: the flat token index and state slot of each one-token chunk;
     ``decode_keep`` float32 [D]: 0 where that token starts its sequence (the state starts from zeros), else 1;
-    ``prefills``: ``(slot, first token, end token, starts the sequence)`` per longer chunk."""
+    ``prefills``: ``(slot, first token, end token, starts the sequence)`` per longer chunk;
+    ``restores`` / ``saves``: ``(from slot, to slot)`` state copies before / after each layer computes (prefix
+    caching's snapshots, `ember.engine.state_snapshots`)."""
 
     decode_tokens: torch.Tensor
     decode_slots: torch.Tensor
     decode_keep: torch.Tensor
     prefills: list[tuple[int, int, int, bool]]
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

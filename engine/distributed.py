@@ -311,10 +311,10 @@ class DriverRunner(ModelRunner):
         self._send("allocate_kv_cache", num_blocks)
         super().allocate_kv_cache(num_blocks)
 
-    def allocate_recurrent_state(self, num_slots: int) -> None:
+    def allocate_recurrent_state(self, num_slots: int, num_snapshots: int = 0) -> None:
         if self.recurrent:
-            self._send("allocate_recurrent_state", num_slots)
-        super().allocate_recurrent_state(num_slots)
+            self._send("allocate_recurrent_state", num_slots, num_snapshots)
+        super().allocate_recurrent_state(num_slots, num_snapshots)
 
     def profile_activation_bytes(self, num_tokens: int, num_seqs: int) -> int:
         self._send("profile_activation_bytes", num_tokens, num_seqs)

@@ -26,6 +26,7 @@ from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,9 @@ class Engine:
                                       kv_cache_dtype=self.kv_cache_dtype)
         try:
             self.cuda_graphs = self._use_cuda_graphs()
-            self.runner.allocate_recurrent_state(config.max_num_seqs)
+            hybrid_prefix = bool(mc.linear_attention_layers) and config.enable_prefix_caching
+            snapshots = config.max_num_seqs if hybrid_prefix else 0  # as many saved states as running ones
+            self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
             num_blocks = self._num_kv_blocks()
             self.runner.allocate_kv_cache(num_blocks)
             if self.cuda_graphs:
@@ -127,13 +130,10 @@ class Engine:
         except BaseException:
             self.runner.shutdown()
             raise
-        prefix_caching = config.enable_prefix_caching and not mc.linear_attention_layers
-        if config.enable_prefix_caching and not prefix_caching:
-            log.info("prefix caching off: %s keeps recurrent state that cached KV blocks cannot restore",
-                     mc.architecture)
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   snapshots=StateSnapshots(config.max_num_seqs + 1, snapshots) if snapshots else None)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
         self._pending: list[RequestOutput] = []
         self.last_batch_size = 0

@@ -102,6 +102,10 @@ class KVCacheManager:
             hashes.append(block_hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 
+    def block_hash(self, seq: Sequence, num_blocks: int) -> bytes:
+        """The prefix-cache key of ``seq``'s first ``num_blocks`` full blocks (the hash of the last of them)."""
+        return self._hashes(seq, num_blocks)[num_blocks - 1]
+
     def lookup(self, seq: Sequence) -> list[int]:
         """Block IDs of the longest chain of cached full blocks that starts ``seq``'s tokens.
 

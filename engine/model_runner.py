@@ -69,14 +69,16 @@ class ModelRunner:
         self.state_pad_slot: int | None = None
         """The extra state slot padding rows of a decode graph write to (recurrent models)."""
 
-    def allocate_recurrent_state(self, num_slots: int) -> None:
-        """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one) plus a scratch slot for
-        graph padding; nothing for models without recurrent layers. On CUDA, call before sizing the KV cache from
-        free memory."""
+    def allocate_recurrent_state(self, num_slots: int, num_snapshots: int = 0) -> None:
+        """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one), a scratch slot for
+        graph padding (slot ``num_slots``) and ``num_snapshots`` prefix-cache snapshots after it; nothing for models
+        without recurrent layers. On CUDA, call before sizing the KV cache from free memory."""
         if self.recurrent:
-            size = self.model.allocate_recurrent_state(num_slots + 1, self.device)
+            total = num_slots + 1 + num_snapshots
+            size = self.model.allocate_recurrent_state(total, self.device)
             self.state_pad_slot = num_slots
-            log.info("recurrent state: %d slots (one for graph padding), %.1f MiB", num_slots + 1, size / 2**20)
+            log.info("recurrent state: %d slots (%d running, 1 graph padding, %d prefix snapshots), %.1f MiB",
+                     total, num_slots, num_snapshots, size / 2**20)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
@@ -146,7 +148,8 @@ class ModelRunner:
         )
         if self.recurrent:
             rec = d64[3 * t + s:].view(3, r)
-            meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills)
+            meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
+                                               out.state_saves)
         return d64[:t], meta
 
     @staticmethod
@@ -193,10 +196,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
 
     def _graph_step(self, meta: AttentionMetadata) -> bool:
-        """Decode-only (one token per sequence, each sampling) and no larger than the largest captured batch."""
+        """Decode-only (one token per sequence, each sampling), no larger than the largest captured batch, and no
+        recurrent-state copies (prefix-cache restores happen eagerly)."""
         n = meta.num_seqs
+        rec = meta.recurrent
         return (meta.max_seqlen_q == 1 and meta.num_tokens == n and meta.logits_indices.shape[0] == n
-                and n <= self.graphs.max_batch_size)
+                and n <= self.graphs.max_batch_size and (rec is None or not (rec.restores or rec.saves)))
 
     def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The graphed forward: fp32 logits of every row of a decode batch."""

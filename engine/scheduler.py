@@ -9,7 +9,9 @@ by recompute (blocks freed, back to the front of the queue, outputs kept). The o
 a newer one, so every request that fits the cache completes.
 
 Each running sequence also holds one of ``max_num_seqs`` state slots (``Sequence.state_slot``), where models with
-recurrent layers keep its state; it is taken at admission and given back on finish or preemption.
+recurrent layers keep its state; it is taken at admission and given back on finish or preemption. With prefix caching
+such models also keep `StateSnapshots`: a prefix hit counts only as far as a saved state reaches (restored into the
+slot), and a prompt's prefill chunk ends at its last full-block boundary, where its state is saved.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.params import FinishReason
 from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.state_snapshots import StateSnapshots
 
 
 @dataclass
@@ -39,6 +42,10 @@ class SchedulerOutput:
     """Running sequences oldest first, then newly admitted ones in FIFO order. Only the last chunk can be a
     partial prefill (``samples`` False), so decodes always come before prefill work."""
     preempted: list[Sequence] = field(default_factory=list)
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    """``(snapshot slot, sequence slot)``: recurrent states to restore before this step computes (prefix hits)."""
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    """``(sequence slot, snapshot slot)``: recurrent states to save after this step computes (prompt boundaries)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,7 +60,8 @@ class Scheduler:
     """Decides, step by step, which token positions of which sequences the model computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True, watermark: float = 0.01) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, watermark: float = 0.01,
+                 snapshots: StateSnapshots | None = None) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if value < 1:
@@ -68,6 +76,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # sorted by arrival: preempted ones return to the front
         self.running: list[Sequence] = []  # sorted by arrival
         self._by_id: dict[str, Sequence] = {}
+        self.snapshots = snapshots
+        """For models with recurrent state and prefix caching: the saved states a prefix hit needs too."""
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         """State slots (``Sequence.state_slot``) not held by a running sequence; one per possible running one."""
         self._next_arrival = 0
@@ -154,7 +164,7 @@ class Scheduler:
             if seq.status is not running:  # preempted earlier in this loop
                 continue
             start, num_tokens = seq.num_computed_tokens, seq.num_tokens
-            n = min(num_tokens if num_tokens < max_len else max_len, start + budget) - start
+            n = self._cap(seq, start, min(num_tokens if num_tokens < max_len else max_len, start + budget) - start)
             if n <= 0:  # waiting for the engine to append its sampled token, or at max_model_len
                 continue
             while not allocate(seq, n):
@@ -166,6 +176,8 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(seq, start, n, start + n == num_tokens))
                 budget -= n
+                if self._save_at_boundary(seq, start, n, out):
+                    budget = 0  # (see _cap): the chunk stopped short, so nothing newer runs this step
 
         if out.preempted:
             return out  # admitting now would only thrash
@@ -173,6 +185,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.lookup(seq)
+            restore = None
+            if self.snapshots is not None and hits:  # the KV hit counts only as far as a saved state reaches
+                k, restore = self.snapshots.longest(seq.block_hashes[:len(hits)])
+                hits = hits[:k]
             num_computed = len(hits) * self.kv.block_size
             n = seq.num_tokens - num_computed
             if n > budget:
@@ -182,6 +198,7 @@ class Scheduler:
                     n = budget  # a preempted sequence longer than any step: its recompute must be chunked
                 else:
                     break
+            n = self._cap(seq, num_computed, n)
             reserve = self.watermark_blocks if self.running else 0
             # Admit only when all of its remaining tokens fit, not just this chunk: a prefill that runs out of
             # blocks halfway preempts itself and its work is lost.
@@ -194,9 +211,14 @@ class Scheduler:
                 seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             seq.state_slot = self._free_slots.pop()
+            if restore is not None:
+                out.state_restores.append((restore, seq.state_slot))
+                self.snapshots.num_restores += 1
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
+            if self._save_at_boundary(seq, num_computed, n, out):
+                break
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -220,6 +242,8 @@ class Scheduler:
                     raise KeyError(f"request {seq.request_id!r} sampled this step but no token was given") from None
             if seq.num_computed_tokens // kv.block_size > seq.num_registered_blocks:
                 kv.cache_full_blocks(seq)
+        if self.snapshots is not None:
+            self.snapshots.commit()
 
     def check_integrity(self) -> None:
         """The KV invariants, with every block held by exactly the running sequences' block tables."""
@@ -232,6 +256,30 @@ class Scheduler:
             raise AssertionError(f"state slots: running hold {held}, free {sorted(self._free_slots)}")
 
     # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _snapshot_boundary(self, seq: Sequence) -> int:
+        """Where a snapshot of ``seq``'s state is worth taking: its prompt's last full-block boundary before the
+        prompt's last token (0: none)."""
+        bs = self.kv.block_size
+        return (seq.num_prompt_tokens - 1) // bs * bs
+
+    def _cap(self, seq: Sequence, start: int, n: int) -> int:
+        """``n`` new positions from ``start``, cut to end at the snapshot boundary when they would cross it. The cut
+        chunk ends this step's scheduling, so at most the newest scheduled chunk is a partial prefill."""
+        if self.snapshots is None:
+            return n
+        boundary = self._snapshot_boundary(seq)
+        return boundary - start if start < boundary < start + n else n
+
+    def _save_at_boundary(self, seq: Sequence, start: int, n: int, out: SchedulerOutput) -> bool:
+        """Ask for a snapshot when this chunk ends at ``seq``'s boundary; True when it does (whether or not a new
+        snapshot was needed)."""
+        if self.snapshots is None or start + n != self._snapshot_boundary(seq) or start + n == 0:
+            return False
+        slot = self.snapshots.reserve(self.kv.block_hash(seq, (start + n) // self.kv.block_size))
+        if slot is not None:
+            out.state_saves.append((seq.state_slot, slot))
+        return True
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens

@@ -157,15 +157,23 @@ class GatedDeltaNet(nn.Module):
         `ember.kernels.gated_delta_decode`; otherwise through the torch step."""
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        self._copy_states(rec.restores)
         mixed, z, b, a = self._project(x)
         q, k, v = self._conv(mixed, rec).split([hk * dk, hk * dk, hv * dv], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
                            is_triton_backend(backend))
+        self._copy_states(rec.saves)
         out = self.norm(core.to(x.dtype), z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole states between slots (prefix-cache restores and saves): ``(from, to)`` pairs."""
+        for src, dst in copies:
+            self.conv_state[dst] = self.conv_state[src]
+            self.ssm_state[dst] = self.ssm_state[src]
 
     def _conv(self, mixed: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
         """The depthwise causal conv (+ SiLU) of every token, continuing each sequence's window."""

@@ -79,7 +79,6 @@ def test_greedy_equals_transformers_batched(tiny_next_dir):
     ps, expected = clear_margin(ps, hf_greedy(tiny_next_dir, ps), need=6)
     engine = _engine(tiny_next_dir, num_kv_blocks=64, max_num_seqs=16)
     assert run_greedy(engine, ps, 8) == expected
-    assert not engine.kv.enable_prefix_caching  # recurrent state cannot be restored from cached blocks
     assert engine.runner.graph_blocker() is not None
 
 
@@ -182,7 +181,7 @@ def test_decode_graph_path_equals_transformers(tiny_next_dir, monkeypatch, backe
     runner = engine.runner
     runner.capture_decode_graphs(8, engine.max_model_len)  # sizes 1, 2, 4, 8: 3 or 5 sequences pad
     layer = next(m.linear_attn for m in runner.model.model.layers if m.linear_attn is not None)
-    assert runner.state_pad_slot == 8 and layer.ssm_state.shape[0] == 9
+    assert runner.state_pad_slot == 8 and layer.ssm_state.shape[0] == 8 + 1 + 8  # running, padding, snapshots
     assert run_greedy(engine, ps, 6) == expected
     assert runner.num_graph_steps >= 4
     assert layer.ssm_state[8].abs().sum() > 0  # the padding rows did write somewhere: the scratch slot
@@ -227,3 +226,51 @@ def test_nvfp4_checkpoint_equals_its_dequantized_reference(tiny_next_dir, tmp_pa
     ps = prompts(6, seed=9, min_len=3, max_len=20)
     ps, expected = clear_margin(ps, hf_greedy(ref, ps), need=4)
     assert ember_greedy(qdir, ps) == expected
+
+
+def test_prefix_hits_restore_the_saved_state(tiny_next_dir):
+    """Prefix caching: a prompt's state is saved at its last full-block boundary; later prompts sharing that prefix
+    (the same prompt again, a longer one, a multi-turn follow-up) skip it, restoring the state, and still decode
+    transformers' tokens. A prefix hit past the saved boundary counts only up to it."""
+    base = prompts(1, seed=11, min_len=38, max_len=38)[0]
+    follow = [base, base[:36] + [5, 6, 7, 8, 9, 10], base + [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    expected = [toks for toks, _ in hf_greedy(tiny_next_dir, [base] + follow, new_tokens=6)]
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    assert engine.scheduler.snapshots is not None and engine.kv.enable_prefix_caching
+    assert run_greedy(engine, [base], 6) == expected[:1]
+    assert len(engine.scheduler.snapshots) == 1  # at token 36, the last block boundary before the prompt's end
+    for prompt, want in zip(follow, expected[1:]):
+        hits = engine.kv.prefix_hits
+        assert run_greedy(engine, [prompt], 6) == [want]
+        assert engine.kv.prefix_hits - hits == 36
+    assert engine.scheduler.snapshots.num_restores == 3
+    engine.scheduler.check_integrity()
+
+
+def test_prefix_sharing_under_snapshot_eviction_and_preemption(tiny_next_dir):
+    """Three conversations' prompts in a mixed order through 2 slots, 2 snapshots and a cache small enough to
+    preempt: some hits restore a saved state, some find theirs replaced (the hit shrinks), identical prompts run in
+    the same step (a pending save is not yet a hit). Every reply is still transformers'."""
+    from ember.engine.params import SamplingParams
+
+    bases = prompts(3, seed=12, min_len=18, max_len=26)
+    ps = [bases[i % 3] + [100 + j] * (j % 4) for j, i in enumerate([0, 1, 0, 2, 1, 1, 2, 0, 0, 2])]
+    expected = [toks for toks, _ in hf_greedy(tiny_next_dir, ps, new_tokens=5)]
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=12, max_num_seqs=2, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    ids = []
+    pending = list(ps)
+    while pending or engine.has_unfinished():
+        if pending:  # two new requests per step
+            for p in pending[:2]:
+                ids.append(engine.add_request(p, params))
+                got[ids[-1]] = []
+            pending = pending[2:]
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+        engine.scheduler.check_integrity()
+    snaps = engine.scheduler.snapshots
+    assert snaps.num_restores > 0 and snaps.num_saves > snaps.count  # saved states were replaced
+    assert engine.scheduler.num_preemptions > 0
+    assert [got[r] for r in ids] == expected
