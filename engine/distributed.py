@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from ember.engine import loader
+from ember.engine import fp8_loading, loader
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig
 from ember.engine.model_runner import ModelRunner
@@ -349,6 +349,9 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     source = str(Path(model_dir) / "config.json")
     model_class = get_model_class(mc.architecture, source=source)
     check_split(mc, n, source)
+    if fp8_loading.block_size(mc.raw, source) is not None:
+        raise ConfigError(f"{source}: block-quantized FP8 checkpoints cannot be used with tensor_parallel_size > 1 "
+                          "yet (a rank's slice would cut the scale blocks)")
     mxfp4 = (mc.raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"  # gpt-oss: splits like bf16
     if not mxfp4 and nvfp4_loading.plan(model_dir, mc.raw) is not None:
         raise ConfigError(f"{model_dir}: tensor_parallel_size > 1 is not supported for NVFP4 checkpoints yet")

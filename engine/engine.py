@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ember.engine import loader
+from ember.engine import fp8_loading, loader
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
@@ -80,7 +80,11 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     with torch.device(device), _skip_init(dtype):
         model = cls(cfg, max_position)
     model = model.to(dtype)
-    model.load_weights(loader.iter_weights(model_dir) if weights is None else weights, source=str(model_dir))
+    weights = loader.iter_weights(model_dir) if weights is None else weights
+    block = fp8_loading.block_size(cfg.raw, str(loader.checkpoint_dir(model_dir) / "config.json"))
+    if block is not None:
+        weights = fp8_loading.dequantized(weights, block, str(model_dir))
+    model.load_weights(weights, source=str(model_dir))
     model.rope.build_cache(device, dtype)
     return model.eval()
 

@@ -74,6 +74,11 @@ def _parse_quant_dict(q: dict[str, Any], source: str) -> QuantConfig:
     return QuantConfig(algo, BLOCK, list(exclude), source)
 
 
+def _is_block_fp8(raw_config: dict[str, Any]) -> bool:
+    qc = raw_config.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
+
+
 def read_quant_config(model_dir: str | os.PathLike | None, raw_config: dict[str, Any]) -> QuantConfig | None:
     """The quantization declared by ``hf_quant_config.json`` (legacy) and/or ``config.json:quantization_config``;
     both must agree where both exist. None when the checkpoint declares none."""
@@ -86,7 +91,7 @@ def read_quant_config(model_dir: str | os.PathLike | None, raw_config: dict[str,
                 raise QuantizationError(f"{legacy}: no 'quantization' object")
             found.append(_parse_quant_dict(data["quantization"], str(legacy)))
     qc = raw_config.get("quantization_config")
-    if isinstance(qc, dict):
+    if isinstance(qc, dict) and not _is_block_fp8(raw_config):
         src = str(Path(model_dir) / "config.json") if model_dir is not None else "config.json"
         found.append(_parse_quant_dict(qc, src + ":quantization_config"))
     if not found:
@@ -132,8 +137,11 @@ def _headers(model_dir: Path) -> dict[str, tuple[str, list[int], str]]:
 def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any]) -> NVFP4Plan | None:
     """Decide NVFP4 per module from the safetensors headers and cross-check with the config.
 
-    Returns None for a checkpoint with neither NVFP4 tensors nor a quantization config.
+    Returns None for a checkpoint with neither NVFP4 tensors nor a quantization config, and for a block-FP8 one
+    (`ember.engine.fp8_loading` dequantizes it as it loads).
     """
+    if _is_block_fp8(raw_config):
+        return None
     root = Path(model_dir)
     heads = _headers(root)
     qcfg = read_quant_config(root, raw_config)

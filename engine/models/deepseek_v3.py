@@ -202,8 +202,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                 if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
                     continue
                 if name.endswith(".weight_scale_inv"):
-                    raise ConfigError(f"{source}: tensor {name!r} is FP8 block-quantized; Ember loads DeepSeek-V3 "
-                                      "in bf16/fp16/fp32 only")
+                    raise ConfigError(f"{source}: tensor {name!r} is FP8 block-quantized but config.json has no "
+                                      "quantization_config (quant_method fp8, weight_block_size) to read it by")
                 yield name.replace(".self_attn.q_proj.", ".self_attn.q_proj_mla."), tensor
 
         super().load_weights(renamed(), source)

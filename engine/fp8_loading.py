@@ -1,0 +1,75 @@
+"""Block-quantized FP8 checkpoints (config.json ``quantization_config``: ``quant_method: "fp8"`` with
+``weight_block_size [bn, bk]``, as DeepSeek-V3 and Qwen's ``-FP8`` releases ship them).
+
+Each quantized projection stores ``{m}.weight`` as e4m3 ``[N, K]`` and ``{m}.weight_scale_inv`` fp32
+``[ceil(N/bn), ceil(K/bk)]``, one scale per block (the last row and column of blocks may be partial). Ember
+dequantizes them as they load (``weight * scale`` per block) and runs the model in its dtype: the checkpoint's
+memory saving is not kept, its weights are. Activation scales (``input_scale``) are dropped: activations stay in the
+model dtype. Not with tensor parallelism (a rank's slice would cut scale blocks).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from ember.engine.nvfp4_loading import QuantizationError
+
+_SCALE = ".weight_scale_inv"
+_ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+
+
+def block_size(raw_config: dict[str, Any], source: str = "config.json") -> tuple[int, int] | None:
+    """``(bn, bk)`` for a block-FP8 checkpoint, None for any other; QuantizationError for FP8 without blocks."""
+    q = raw_config.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size")
+    if not isinstance(block, (list, tuple)) or len(block) != 2 or min(int(b) for b in block) < 1:
+        raise QuantizationError(f"{source}: quantization_config fp8 without weight_block_size [n, k]; Ember reads "
+                                "block-quantized FP8 only (per-tensor FP8 is not supported)")
+    return int(block[0]), int(block[1])
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], module: str = "",
+               source: str = "checkpoint") -> torch.Tensor:
+    """fp32 ``weight * scale`` with each ``block`` of ``weight`` scaled by its entry of ``scale_inv`` (``module``
+    names the pair in errors)."""
+    n, k = weight.shape
+    bn, bk = block
+    want = (-(-n // bn), -(-k // bk))
+    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise QuantizationError(f"{source}: tensor {module}{_SCALE} has shape "
+                                f"{tuple(scale_inv.shape)}, expected {want} (one per {bn}x{bk} block of [{n}, {k}])")
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * scale
+
+
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
+                source: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with every e4m3 weight dequantized by its block scales (each pair is yielded once
+    both halves have been read, in either order); activation scales are left out."""
+    weights_waiting: dict[str, torch.Tensor] = {}
+    scales_waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(_SCALE):
+            module = name[: -len(_SCALE)]
+            w = weights_waiting.pop(module, None)
+            if w is None:
+                scales_waiting[module] = tensor
+            else:
+                yield module + ".weight", dequantize(w, tensor, block, module, source)
+        elif name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
+            module = name[: -len(".weight")]
+            s = scales_waiting.pop(module, None)
+            if s is None:
+                weights_waiting[module] = tensor
+            else:
+                yield name, dequantize(tensor, s, block, module, source)
+        elif not name.endswith(_ACTIVATION_SCALES):
+            yield name, tensor
+    if weights_waiting:
+        raise QuantizationError(f"{source}: tensor {next(iter(weights_waiting))}.weight is FP8 but the checkpoint "
+                                f"has no {next(iter(weights_waiting))}{_SCALE}")
+    if scales_waiting:
+        raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{_SCALE} has no FP8 weight beside it")
