@@ -134,7 +134,8 @@ def row_kernel_checks(ctx: Ctx) -> None:
 
 def gated_delta_checks(ctx: Ctx) -> None:
     """Qwen3-Next's in-place decode kernel against the torch step, on its real per-layer shapes (tiny on a CPU):
-    outputs and the updated slots; with a GPU, both timed (the torch path gathers and scatters the slots)."""
+    outputs and the updated slots; with a GPU, both timed (the torch path gathers and scatters the slots), and the
+    chunked torch prefill's cost per token."""
     from ember.kernels import gated_delta_rule
     from ember.kernels.gated_delta_decode import gated_delta_decode
 
@@ -153,15 +154,25 @@ def gated_delta_checks(ctx: Ctx) -> None:
         ref_o, ref_s = gated_delta_rule.decode_step(q, k, v, decay + keep.log()[:, None], beta, state[slots])
         work = state.clone()
         out = gated_delta_decode(q, k, v, decay, beta, keep, work, slots)
-        extra = {}
-        if ctx.cuda:
-            def torch_path():
-                o, work[slots] = gated_delta_rule.decode_step(q, k, v, decay, beta, work[slots])
-
-            extra = dict(kernel_ms=bench_ms(lambda: gated_delta_decode(q, k, v, decay, beta, keep, work, slots)),
-                         torch_ms=bench_ms(torch_path), state_mb=b * hv * dk * dv * 4 / 2**20)
-        ctx.report.check("gated_delta_decode out", out, ref_o, 2e-3, **extra)
+        ctx.report.check("gated_delta_decode out", out, ref_o, 2e-3)
         ctx.report.check("gated_delta_decode state", work[slots], ref_s, 2e-3)
+    if not ctx.cuda:
+        return
+    with ctx.case("gated_delta timings"):
+        def torch_path():
+            o, work[slots] = gated_delta_rule.decode_step(q, k, v, decay, beta, work[slots])
+
+        t = 4096  # one prefill through the chunked torch form, for its cost per token
+        pq, pk, pv = rnd(t, hk, dk).to(ctx.dtype), rnd(t, hk, dk).to(ctx.dtype), rnd(t, hv, dv).to(ctx.dtype)
+        pg, pb = -rnd(t, hv).abs(), torch.sigmoid(rnd(t, hv))
+        prefill_ms = bench_ms(lambda: gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[0]), rep=20, warmup=3)
+        row = ctx.report.row(what="gated_delta", batch=b, state_mb=b * hv * dk * dv * 4 / 2**20,
+                             decode_kernel_ms=bench_ms(lambda: gated_delta_decode(q, k, v, decay, beta, keep, work,
+                                                                                  slots)),
+                             decode_torch_ms=bench_ms(torch_path), prefill_4k_us_per_token=prefill_ms * 1e3 / t)
+        ctx.report.log(f"  gated delta B={b}: decode kernel {row['decode_kernel_ms']:.3f} ms, torch step "
+                       f"{row['decode_torch_ms']:.3f} ms ({row['state_mb']:.0f} MB of state); chunked prefill "
+                       f"{row['prefill_4k_us_per_token']:.2f} us/token at 4k")
 
 
 def run(ctx: Ctx) -> None:
