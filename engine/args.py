@@ -60,6 +60,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _opt(True, "split long prompts into chunks that share steps with decodes",
                                         negatable=True)
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of a prompt prefix seen before", negatable=True)
+    state_snapshots: int | None = _opt(None, "hybrid models (Qwen3-Next, Qwen3.5): recurrent states saved at prompt "
+                                             "boundaries for prefix caching; default: max_num_seqs", metavar="N")
     kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3)",
                                choices=("auto", "fp8"))
     kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
@@ -87,7 +89,7 @@ class EngineArgs:
         return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "max_model_len": self.max_model_len, "block_size": self.block_size,
                 "num_kv_blocks": self.kv_cache_blocks, "kv_cache_memory": self.kv_cache_memory,
-                "enable_prefix_caching": self.enable_prefix_caching,
+                "enable_prefix_caching": self.enable_prefix_caching, "state_snapshots": self.state_snapshots,
                 "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": self.dtype, "device": self.device,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,

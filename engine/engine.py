@@ -124,8 +124,7 @@ class Engine:
                                       kv_cache_dtype=self.kv_cache_dtype)
         try:
             self.cuda_graphs = self._use_cuda_graphs()
-            hybrid_prefix = bool(mc.linear_attention_layers) and config.enable_prefix_caching
-            snapshots = config.max_num_seqs if hybrid_prefix else 0  # as many saved states as running ones
+            snapshots = self._num_state_snapshots()
             self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
             num_blocks = self._num_kv_blocks()
             self.runner.allocate_kv_cache(num_blocks)
@@ -134,7 +133,9 @@ class Engine:
         except BaseException:
             self.runner.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a hybrid model without saved states cannot resume from cached KV blocks
+        prefix_caching = config.enable_prefix_caching and (snapshots > 0 or not mc.linear_attention_layers)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    snapshots=StateSnapshots(config.max_num_seqs + 1, snapshots) if snapshots else None)
@@ -151,20 +152,31 @@ class Engine:
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                        kv_cache_dtype: str = "auto") -> "Engine":
+                        kv_cache_dtype: str = "auto", state_snapshots: int | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype,
+            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
         )
         return cls(model_dir, config, bitmask_filler)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for one process); the engine cannot step afterwards."""
         self.runner.shutdown()
+
+    def _num_state_snapshots(self) -> int:
+        """Saved recurrent states for prefix caching: 0 unless the model has linear-attention layers and prefix
+        caching is on (then ``state_snapshots``, default ``max_num_seqs``; 0 turns prefix caching off)."""
+        c = self.config
+        if not self.model_config.linear_attention_layers or not c.enable_prefix_caching:
+            return 0
+        n = c.max_num_seqs if c.state_snapshots is None else c.state_snapshots
+        if n < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {n}")
+        return n
 
     def _use_cuda_graphs(self) -> bool:
         """Capture decode graphs unless ``enforce_eager`` or the runner cannot (e.g. on a CPU; logged on CUDA)."""

@@ -48,7 +48,8 @@ def test_the_engine_config_defaults_are_the_engine_args_defaults():
     cfg, args = EngineConfig(), EngineArgs()
     opts = args.engine_options()
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
-                 "enable_chunked_prefill", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager"):
+                 "enable_chunked_prefill", "gpu_memory_utilization", "tensor_parallel_size", "enforce_eager",
+                 "state_snapshots"):
         assert getattr(cfg, name) == opts[name], name
     assert cfg.num_kv_blocks == opts["num_kv_blocks"] and cfg.kv_cache_memory == opts["kv_cache_memory"]
 

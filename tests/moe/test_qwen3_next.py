@@ -274,3 +274,13 @@ def test_prefix_sharing_under_snapshot_eviction_and_preemption(tiny_next_dir):
     assert snaps.num_restores > 0 and snaps.num_saves > snaps.count  # saved states were replaced
     assert engine.scheduler.num_preemptions > 0
     assert [got[r] for r in ids] == expected
+
+
+def test_state_snapshots_setting_sizes_or_turns_off_hybrid_prefix_caching(tiny_next_dir):
+    one = _engine(tiny_next_dir, num_kv_blocks=16, max_num_seqs=4, state_snapshots=1)
+    layer = one.runner.model.model.layers[0].linear_attn
+    assert one.scheduler.snapshots.count == 1 and layer.ssm_state.shape[0] == 4 + 1 + 1
+    off = _engine(tiny_next_dir, num_kv_blocks=16, max_num_seqs=4, state_snapshots=0)
+    assert off.scheduler.snapshots is None and not off.kv.enable_prefix_caching
+    with pytest.raises(ValueError, match="state_snapshots must be >= 0"):
+        _engine(tiny_next_dir, num_kv_blocks=16, state_snapshots=-1)
