@@ -18,6 +18,10 @@ from __future__ import annotations
 import torch
 
 
+_GROUP_MATRICES = 256
+"""How many (sequence, head, block) ``chunk x chunk`` systems `chunked` builds and solves together."""
+
+
 def _prepare(q: torch.Tensor, k: torch.Tensor, hv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32, L2-normalised, ``q`` scaled, heads repeated to the value heads: ``[..., hv, dk]`` each."""
     q, k = q.float(), k.float()
@@ -65,14 +69,19 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """`recurrent` for one sequence in blocks of ``chunk`` tokens: inside a block the delta-rule writes are solved
-    as one unit-lower-triangular system, so the Python loop runs ``T / chunk`` times.
+    """`recurrent` in blocks of ``chunk`` tokens: inside a block the delta-rule writes are solved as one
+    unit-lower-triangular system, so the Python loop runs ``T / chunk`` times. For one sequence (shapes as in the
+    module docstring) or a batch of them (a leading ``B`` on every input, state ``[B, hv, dk, dv]``; shorter
+    sequences padded at the end with zero ``q, k, v, g, beta``, which leaves their state as it was).
 
     Within a block starting from state ``S0``, with ``c_t`` the cumulative log decay and ``D[t, s] = exp(c_t - c_s)``
     (``s <= t``): the writes ``U`` solve ``(I + tril(beta_t D[t, s] k_t.k_s, -1)) U = beta * (V - exp(c) * K S0)``;
     then ``o_t = exp(c_t) q_t S0 + sum_{s<=t} D[t, s] (q_t.k_s) u_s`` and
     ``S = exp(c_last) S0 + sum_s exp(c_last - c_s) k_s u_sᵀ``."""
-    n = v.shape[0]
+    if v.dim() == 3:
+        out, s = chunked(*(x.unsqueeze(0) for x in (q, k, v, g, beta, state)), chunk=chunk)
+        return out[0], s[0]
+    b, n = v.shape[:2]
     q, k = _prepare(q, k, v.shape[-2])
     v, g, beta = v.float(), g.float(), beta.float()
     s = state.float()
@@ -81,26 +90,29 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     nc = (n + pad) // chunk
-    # [hv, nc, chunk, d]
-    q, k, v = (x.reshape(nc, chunk, *x.shape[1:]).permute(2, 0, 1, 3) for x in (q, k, v))
-    g, beta = (x.reshape(nc, chunk, -1).permute(2, 0, 1) for x in (g, beta))
-    c = g.cumsum(-1)
+    # [B, hv, nc, chunk, d] and [B, hv, nc, chunk]
+    q, k, v = (x.reshape(b, nc, chunk, *x.shape[2:]).permute(0, 3, 1, 2, 4) for x in (q, k, v))
+    g, beta = (x.reshape(b, nc, chunk, -1).permute(0, 3, 1, 2) for x in (g, beta))
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [hv, nc, C, C]
-    kk = (k @ k.transpose(-1, -2)) * decay
-    system = torch.eye(chunk, device=v.device) + (beta[..., :, None] * kk).tril(-1)
-    qk = (q @ k.transpose(-1, -2)) * decay
-    bv = beta[..., None] * v
-    bk = (beta * c.exp())[..., None] * k
-    # U = A^-1 (bV - bK S0): solve for both right-hand sides once, then combine per block with its S0
-    solved_v = torch.linalg.solve_triangular(system, bv, upper=False, unitriangular=True)
-    solved_k = torch.linalg.solve_triangular(system, bk, upper=False, unitriangular=True)
-    q_decayed = q * c.exp()[..., None]
-    k_to_end = k * (c[..., -1:] - c).exp()[..., None]
-    block_decay = c[..., -1].exp()[..., None, None]
+    eye = torch.eye(chunk, device=v.device)
     out = torch.empty_like(v)
-    for i in range(nc):
-        u = solved_v[:, i] - solved_k[:, i] @ s
-        out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ u
-        s = s * block_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ u
-    return out.permute(1, 2, 0, 3).reshape(nc * chunk, -1, v.shape[-1])[:n], s
+    group = max(1, _GROUP_MATRICES // (b * v.shape[1]))
+    for g0 in range(0, nc, group):  # a few blocks' intra-block terms at a time: a bounded working set
+        blocks = slice(g0, min(nc, g0 + group))
+        qb, kb, vb, bb = q[:, :, blocks], k[:, :, blocks], v[:, :, blocks], beta[:, :, blocks]
+        c = g[:, :, blocks].cumsum(-1)
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [B, hv, G, C, C]
+        system = eye + (bb[..., :, None] * (kb @ kb.transpose(-1, -2)) * decay).tril(-1)
+        qk = (qb @ kb.transpose(-1, -2)) * decay
+        # U = A^-1 (bV - bK S0): solve for both right-hand sides once, then combine per block with its S0
+        solved_v = torch.linalg.solve_triangular(system, bb[..., None] * vb, upper=False, unitriangular=True)
+        solved_k = torch.linalg.solve_triangular(system, (bb * c.exp())[..., None] * kb, upper=False,
+                                                 unitriangular=True)
+        q_decayed = qb * c.exp()[..., None]
+        k_to_end = kb * (c[..., -1:] - c).exp()[..., None]
+        block_decay = c[..., -1].exp()[..., None, None]
+        for i in range(c.shape[2]):
+            u = solved_v[:, :, i] - solved_k[:, :, i] @ s
+            out[:, :, g0 + i] = q_decayed[:, :, i] @ s + qk[:, :, i] @ u
+            s = s * block_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    return out.permute(0, 2, 3, 1, 4).reshape(b, nc * chunk, -1, v.shape[-1])[:, :n], s

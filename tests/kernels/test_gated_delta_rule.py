@@ -49,6 +49,22 @@ def test_a_sequence_split_across_calls_continues_its_state():
     assert _rel(torch.cat((o1, o2)), want_o) < 1e-5 and _rel(s2, want_s) < 1e-5
 
 
+def test_a_padded_batch_equals_each_sequence_alone():
+    """Sequences of different lengths in one call (zero-padded at the end) give each one's outputs and final state."""
+    seqs = [_inputs(n, seed=20 + n) for n in (5, 37, 64, 1)]
+    t = max(x[0].shape[0] for x in seqs)
+
+    def padded(j):
+        return torch.stack([torch.nn.functional.pad(x[j], (0, 0) * (x[j].dim() - 1) + (0, t - x[j].shape[0]))
+                            for x in seqs])
+
+    got_o, got_s = gdr.chunked(*(padded(j) for j in range(5)), torch.stack([x[5] for x in seqs]), 16)
+    for i, x in enumerate(seqs):
+        want_o, want_s = gdr.recurrent(*x)
+        n = x[0].shape[0]
+        assert _rel(got_o[i, :n], want_o) < 1e-5 and _rel(got_s[i], want_s) < 1e-5
+
+
 def test_decode_step_equals_the_reference_per_sequence():
     rows = [_inputs(1, seed=100 + i) for i in range(5)]
     batched = [torch.cat([r[j] for r in rows]) for j in range(5)]
