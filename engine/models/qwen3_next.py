@@ -209,11 +209,20 @@ class GatedDeltaNet(nn.Module):
             o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx] + fresh_to_zero,
                                                                     beta[idx], self.ssm_state[slots])
             out[idx] = o
-        for slot, s, e, fresh in rec.prefills:
-            state = self.ssm_state.new_zeros(self.ssm_state.shape[1:]) if fresh else self.ssm_state[slot]
-            chunk = min(_CHUNK, 1 << (e - s - 1).bit_length())
-            out[s:e], self.ssm_state[slot] = gated_delta_rule.chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
-                                                                     state, chunk)
+        if rec.prefills:  # every longer chunk in one batched call, zero-padded to the longest
+            spans = [(s, e) for _, s, e, _ in rec.prefills]
+            chunk = min(_CHUNK, 1 << (max(e - s for s, e in spans) - 1).bit_length())
+
+            def padded(x: torch.Tensor) -> torch.Tensor:
+                return torch.nn.utils.rnn.pad_sequence([x[s:e] for s, e in spans], batch_first=True)
+
+            zero = self.ssm_state.new_zeros(self.ssm_state.shape[1:])
+            states = torch.stack([zero if fresh else self.ssm_state[slot] for slot, _, _, fresh in rec.prefills])
+            o, states = gated_delta_rule.chunked(padded(q), padded(k), padded(v), padded(g), padded(beta), states,
+                                                 chunk)
+            for i, (slot, s, e, _) in enumerate(rec.prefills):
+                out[s:e] = o[i, :e - s]
+                self.ssm_state[slot] = states[i]
         return out
 
 
