@@ -2,11 +2,13 @@
 """Cost of Qwen3-Next's gated delta rule (`ember.kernels.gated_delta_rule`) on this machine's device.
 
     python benchmarks/gated_delta.py [--device cpu|cuda] [--lengths 64,512,4096] [--batch 1,16,64] [--repeat 3]
+                                     [--batch-prefill 256x8]
 
 Qwen3-Next-80B's per-layer shapes (16 key heads, 32 value heads, head dims 128): for each prefill length, the
 token-by-token reference against the chunked form (64-token blocks), in microseconds per token and the chunked form's
 speed-up; a flat µs/token column means linear cost. Then the batched one-token decode step at each batch size, in
-microseconds per step. Best of ``--repeat``; fp32 state, as the model runs it.
+microseconds per step. Also ``--batch-prefill`` prompts' prefills one call each against one batched call (what the
+model does for the prefill chunks of a step). Best of ``--repeat``; fp32 state, as the model runs it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lengths", default="64,512,4096")
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--batch-prefill", type=lambda t: tuple(int(x) for x in t.split("x")), default=(256, 8),
+                    metavar="TOKENSxSEQS", help="prefills timed one call each and as one batched call")
     ap.add_argument("--reference-max", type=int, default=512,
                     help="longest prefill the token-by-token reference is timed on")
     args = ap.parse_args(argv)
@@ -70,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{n:>10} | {ref:>16.1f} | {chunked:>14.1f} | {ref / chunked:>7.1f}x")
             else:
                 print(f"{n:>10} | {'-':>16} | {chunked:>14.1f} | {'-':>8}")
+        print()
+        n, b = args.batch_prefill
+        seqs = [_inputs(n, device) for _ in range(b)]
+        one_by_one = _best(lambda: [gdr.chunked(*x) for x in seqs], args.repeat, device)
+        stacked = [torch.stack([x[j] for x in seqs]) for j in range(6)]
+        batched = _best(lambda: gdr.chunked(*stacked), args.repeat, device)
+        print(f"{b} prefills of {n} tokens: one call each {one_by_one * 1e3:.1f} ms, one batched call "
+              f"{batched * 1e3:.1f} ms ({one_by_one / batched:.1f}x)")
         print()
         print(f"{'decode B':>10} | {'µs/step':>10} | {'µs/seq':>8}")
         print("-" * 34)

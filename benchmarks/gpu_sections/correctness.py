@@ -166,13 +166,19 @@ def gated_delta_checks(ctx: Ctx) -> None:
         pq, pk, pv = rnd(t, hk, dk).to(ctx.dtype), rnd(t, hk, dk).to(ctx.dtype), rnd(t, hv, dv).to(ctx.dtype)
         pg, pb = -rnd(t, hv).abs(), torch.sigmoid(rnd(t, hv))
         prefill_ms = bench_ms(lambda: gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[0]), rep=20, warmup=3)
+        parts = [(x[:512 * 8].reshape(8, 512, *x.shape[1:])) for x in (pq, pk, pv, pg, pb)]  # 8 prompts of 512
+        one_by_one_ms = bench_ms(lambda: [gated_delta_rule.chunked(*(x[i] for x in parts), state[i])
+                                          for i in range(8)], rep=20, warmup=3)
+        batched_ms = bench_ms(lambda: gated_delta_rule.chunked(*parts, state[:8]), rep=20, warmup=3)
         row = ctx.report.row(what="gated_delta", batch=b, state_mb=b * hv * dk * dv * 4 / 2**20,
                              decode_kernel_ms=bench_ms(lambda: gated_delta_decode(q, k, v, decay, beta, keep, work,
                                                                                   slots)),
-                             decode_torch_ms=bench_ms(torch_path), prefill_4k_us_per_token=prefill_ms * 1e3 / t)
+                             decode_torch_ms=bench_ms(torch_path), prefill_4k_us_per_token=prefill_ms * 1e3 / t,
+                             prefill_8x512_one_by_one_ms=one_by_one_ms, prefill_8x512_batched_ms=batched_ms)
         ctx.report.log(f"  gated delta B={b}: decode kernel {row['decode_kernel_ms']:.3f} ms, torch step "
                        f"{row['decode_torch_ms']:.3f} ms ({row['state_mb']:.0f} MB of state); chunked prefill "
-                       f"{row['prefill_4k_us_per_token']:.2f} us/token at 4k")
+                       f"{row['prefill_4k_us_per_token']:.2f} us/token at 4k; 8 prefills of 512 one by one "
+                       f"{one_by_one_ms:.2f} ms, batched {batched_ms:.2f} ms")
 
 
 def run(ctx: Ctx) -> None:
