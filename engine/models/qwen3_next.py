@@ -209,18 +209,21 @@ class GatedDeltaNet(nn.Module):
             o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx] + fresh_to_zero,
                                                                     beta[idx], self.ssm_state[slots])
             out[idx] = o
-        if rec.prefills:  # every longer chunk in one batched call, zero-padded to the longest
-            spans = [(s, e) for _, s, e, _ in rec.prefills]
+        # With the Triton backend (CUDA's) a step's longer chunks go through one batched call, zero-padded to the
+        # longest: the block loop is launch-bound on a GPU. With the torch backend (a CPU's) one call each: a
+        # batch's states no longer fit the CPU's cache (0.6x measured, docs/performance.md).
+        for group in ([rec.prefills] if rec.prefills else []) if triton else [[p] for p in rec.prefills]:
+            spans = [(s, e) for _, s, e, _ in group]
             chunk = min(_CHUNK, 1 << (max(e - s for s, e in spans) - 1).bit_length())
 
             def padded(x: torch.Tensor) -> torch.Tensor:
                 return torch.nn.utils.rnn.pad_sequence([x[s:e] for s, e in spans], batch_first=True)
 
             zero = self.ssm_state.new_zeros(self.ssm_state.shape[1:])
-            states = torch.stack([zero if fresh else self.ssm_state[slot] for slot, _, _, fresh in rec.prefills])
+            states = torch.stack([zero if fresh else self.ssm_state[slot] for slot, _, _, fresh in group])
             o, states = gated_delta_rule.chunked(padded(q), padded(k), padded(v), padded(g), padded(beta), states,
                                                  chunk)
-            for i, (slot, s, e, _) in enumerate(rec.prefills):
+            for i, (slot, s, e, _) in enumerate(group):
                 out[s:e] = o[i, :e - s]
                 self.ssm_state[slot] = states[i]
         return out
