@@ -4,11 +4,13 @@ gated shared expert.
 - **Layers**: ``linear_attention`` ones (``layer_types``, or all but every ``full_attention_interval``-th) keep a
   per-sequence recurrent state instead of KV: a depthwise causal conv window (``linear_conv_kernel_dim - 1`` inputs)
   and the delta-rule state ``[hv, dk, dv]`` (fp32), in the slot the scheduler gave the sequence
-  (``Sequence.state_slot``). Only the full-attention layers have paged KV, so prefix caching is off for this model.
+  (``Sequence.state_slot``). Only the full-attention layers have paged KV; prefix hits also restore a saved state
+  (``meta.recurrent.restores``, `ember.engine.state_snapshots`), and saves are copied out after each layer.
 - **Linear attention**: ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (q, k, then the group's v and z;
   b then a); q/k/v go through the conv and SiLU; ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
   the gated delta rule runs one-token chunks batched (with the Triton attention backend, in place in their slots by
-  `ember.kernels.gated_delta_decode`; else `ember.kernels.gated_delta_rule`) and longer chunks in blocks;
+  `ember.kernels.gated_delta_decode`; else `ember.kernels.gated_delta_rule`) and longer chunks in blocks (one
+  batched call per step with that backend);
   its output is RMS-normed per value head, gated by ``silu(z)``, and projected by ``out_proj``.
 - **Full attention**: ``q_proj`` gives each head's query and an output gate (``o * sigmoid(gate)`` before
   ``o_proj``); q/k norms; rotary on the first ``partial_rotary_factor`` of each head.
