@@ -25,11 +25,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ember.kernels import activation, attention, norm, reference_ops, rotary
+from ember.kernels import activation, attention, gated_delta_decode, norm, reference_ops, rotary
 
 HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
-       "moe._moe_gemm_w4a4_kernel")
-"""Kernels on the per-token path (decode/prefill attention, the MoE and dense NVFP4 GEMMs): any spill fails."""
+       "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel")
+"""Kernels on the per-token path (decode/prefill attention, the MoE and dense NVFP4 GEMMs, Qwen3-Next's linear
+attention decode): any spill fails."""
 
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` records instead of launching."""
@@ -45,7 +46,8 @@ class _Recorder:
 
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
-            (norm, ("_rms_norm_kernel",)), (activation, ("_silu_and_mul_kernel",)), (rotary, ("_rotary_kernel",)))
+            (norm, ("_rms_norm_kernel",)), (activation, ("_silu_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
+            (gated_delta_decode, ("_decode_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
@@ -90,6 +92,12 @@ def _drive(launches: list, quick: bool) -> None:
         cache = reference_ops.rotary_cos_sin_cache(64, 32, 1e6)
         qkv = torch.randn(4, 48, 128, generator=g).to(dt)
         rotary.rotary_neox(torch.arange(4), qkv[:, :32], qkv[:, 32:40], cache)
+        # Qwen3-Next-80B's linear attention per rank at TP 1 and 2: 16/8 key heads, 32/16 value heads, dims 128
+        for hk, hv in ((16, 32), (8, 16)):
+            q = torch.randn(3, hk, 128, generator=g).to(dt)
+            gated_delta_decode.gated_delta_decode(q, q, torch.randn(3, hv, 128).to(dt), torch.zeros(3, hv),
+                                                  torch.zeros(3, hv, dtype=dt), torch.ones(3),
+                                                  torch.zeros(5, hv, 128, 128), torch.tensor([0, 2, 4]))
 
 
 def main(arch: int, quick: bool = False) -> int:
