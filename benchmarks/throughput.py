@@ -1,11 +1,14 @@
 """Offline throughput: Ember's engine vs transformers `generate` (sequential, and one padded batch).
 
-A random-weight Qwen3 of about 40M parameters (hidden 512, 8 layers, vocab 32k, fp32); N concurrent requests of
-``--prompt`` prompt tokens and exactly ``--output`` generated tokens each (EOS ignored). Prints one table of output
-tokens/s and Ember's ratio to each baseline.
+A random-weight Qwen3 of about 40M parameters (hidden 512, 8 layers, vocab 32k, fp32), or with ``--arch qwen3-next``
+a Qwen3-Next of the same widths (6 of the 8 layers Gated DeltaNet, dense MLPs; transformers runs its torch fallback
+for the delta rule, as it does without flash-linear-attention); N concurrent requests of ``--prompt`` prompt tokens
+and exactly ``--output`` generated tokens each (EOS ignored). Prints one table of output tokens/s and Ember's ratio to
+each baseline.
 
     python benchmarks/throughput.py                 # N = 1, 8, 32; 128 + 128 tokens
     python benchmarks/throughput.py --ns 1,8 --output 32 --hf-sequential-max 2   # a short run
+    python benchmarks/throughput.py --arch qwen3-next
 
 HF sequential runs ``min(N, --hf-sequential-max)`` requests one after another and reports their rate (a request's
 rate does not depend on how many others wait behind it).
@@ -22,16 +25,21 @@ from pathlib import Path
 import torch
 
 
-def build_model(path: Path, seed: int = 0) -> int:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def build_model(path: Path, seed: int = 0, arch: str = "qwen3") -> int:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
     from ember.engine import demo
 
-    cfg = Qwen3Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
-                      tie_word_embeddings=True, rope_theta=1e6)
+    common = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+                  tie_word_embeddings=True)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg)
+    if arch == "qwen3-next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**common, num_experts=0, linear_num_key_heads=4,
+                                                     linear_num_value_heads=8, linear_key_head_dim=64,
+                                                     linear_value_head_dim=64, full_attention_interval=4))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, rope_theta=1e6))
     model.save_pretrained(path)
     tok_dir = Path(tempfile.mkdtemp(prefix="ember-bench-tok-"))
     demo.build(tok_dir)  # any tokenizer will do: the benchmark deals in token IDs
@@ -80,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--hf-sequential-max", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--arch", choices=("qwen3", "qwen3-next"), default="qwen3")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ember-bench-"))
     try:
-        nparams = build_model(work)
+        nparams = build_model(work, arch=args.arch)
         engine = Engine.from_pretrained(work, max_num_seqs=max(ns), max_num_batched_tokens=2048,
                                         max_model_len=args.prompt + args.output + 16)
         hf = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32, attn_implementation="eager").eval()
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     print()
-    print(f"model: random Qwen3, {nparams / 1e6:.1f}M params, fp32; {args.prompt} prompt + {args.output} output "
+    print(f"model: random {args.arch}, {nparams / 1e6:.1f}M params, fp32; {args.prompt} prompt + {args.output} output "
           f"tokens per request; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}")
     print("| N | Ember tok/s | HF sequential tok/s | HF padded batch tok/s | Ember / HF seq | Ember / HF batch |")
