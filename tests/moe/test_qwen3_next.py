@@ -118,7 +118,8 @@ def test_multi_token_prediction_weights_are_skipped(tiny_next_dir, tmp_path):
 
 def test_two_ranks_generate_transformers_tokens(tiny_next_dir):
     """Tensor parallelism 2 (gloo on CPU): each rank holds one of the two key heads (with its value heads, states and
-    conv channels) and half of every attention, MLP, expert and shared-expert projection."""
+    conv channels) and half of every attention, MLP, expert and shared-expert projection; a prefix hit restores
+    the saved state on every rank."""
     from tests.engine.test_tensor_parallel import _assert_workers_exited
 
     ps = prompts(6, seed=10, min_len=1, max_len=24)
@@ -131,6 +132,10 @@ def test_two_ranks_generate_transformers_tokens(tiny_next_dir):
         assert (layer.hk, layer.hv, layer.ssm_state.shape[1]) == (1, 2, 2)
         assert layer.conv_state.shape[1] == 16 + 16 + 16  # this rank's q, k and v channels
         assert run_greedy(engine, ps, 6) == expected
+        longest = max(range(len(ps)), key=lambda i: len(ps[i]))
+        restores = engine.scheduler.snapshots.num_restores
+        assert run_greedy(engine, [ps[longest]], 6) == [expected[longest]]  # again: from the saved state
+        assert engine.scheduler.snapshots.num_restores == restores + 1
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)
