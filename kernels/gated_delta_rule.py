@@ -68,19 +68,25 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+            state: torch.Tensor, chunk: int = 64, scan_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`recurrent` in blocks of ``chunk`` tokens: inside a block the delta-rule writes are solved as one
     unit-lower-triangular system, so the Python loop runs ``T / chunk`` times. For one sequence (shapes as in the
     module docstring) or a batch of them (a leading ``B`` on every input, state ``[B, hv, dk, dv]``; shorter
-    sequences padded at the end with zero ``q, k, v, g, beta``, which leaves their state as it was).
+    sequences padded at the end with zero ``q, k, v, g, beta``, which leaves their state as it was). With
+    ``scan_kernel`` the walk across blocks is one Triton launch per group of blocks (`ember.kernels.gated_delta_scan`,
+    blocks of 16 or 32 tokens, tf32 dots on a GPU) instead of a Python loop of small launches.
 
     Within a block starting from state ``S0``, with ``c_t`` the cumulative log decay and ``D[t, s] = exp(c_t - c_s)``
     (``s <= t``): the writes ``U`` solve ``(I + tril(beta_t D[t, s] k_t.k_s, -1)) U = beta * (V - exp(c) * K S0)``;
     then ``o_t = exp(c_t) q_t S0 + sum_{s<=t} D[t, s] (q_t.k_s) u_s`` and
     ``S = exp(c_last) S0 + sum_s exp(c_last - c_s) k_s u_sᵀ``."""
     if v.dim() == 3:
-        out, s = chunked(*(x.unsqueeze(0) for x in (q, k, v, g, beta, state)), chunk=chunk)
+        out, s = chunked(*(x.unsqueeze(0) for x in (q, k, v, g, beta, state)), chunk=chunk, scan_kernel=scan_kernel)
         return out[0], s[0]
+    if scan_kernel:
+        from ember.kernels.gated_delta_scan import MAX_CHUNK, scan
+
+        chunk = 16 if chunk <= 16 else MAX_CHUNK
     b, n = v.shape[:2]
     q, k = _prepare(q, k, v.shape[-2])
     v, g, beta = v.float(), g.float(), beta.float()
@@ -110,6 +116,9 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                                                  unitriangular=True)
         q_decayed = qb * c.exp()[..., None]
         k_to_end = kb * (c[..., -1:] - c).exp()[..., None]
+        if scan_kernel:
+            out[:, :, blocks], s = scan(solved_v, solved_k, q_decayed, qk, k_to_end, c[..., -1].exp(), s)
+            continue
         block_decay = c[..., -1].exp()[..., None, None]
         for i in range(c.shape[2]):
             u = solved_v[:, :, i] - solved_k[:, :, i] @ s

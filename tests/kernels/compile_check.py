@@ -25,12 +25,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ember.kernels import activation, attention, gated_delta_decode, norm, reference_ops, rotary
+from ember.kernels import activation, attention, gated_delta_decode, gated_delta_scan, norm, reference_ops, rotary
 
 HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
-       "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel")
+       "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel", "gated_delta_scan._scan_kernel")
 """Kernels on the per-token path (decode/prefill attention, the MoE and dense NVFP4 GEMMs, Qwen3-Next's linear
-attention decode): any spill fails."""
+attention decode and prefill scan): any spill fails."""
 
 class _Recorder:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **constexprs)`` records instead of launching."""
@@ -47,7 +47,7 @@ class _Recorder:
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
             (norm, ("_rms_norm_kernel",)), (activation, ("_silu_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
-            (gated_delta_decode, ("_decode_kernel",)))
+            (gated_delta_decode, ("_decode_kernel",)), (gated_delta_scan, ("_scan_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
@@ -98,6 +98,11 @@ def _drive(launches: list, quick: bool) -> None:
             gated_delta_decode.gated_delta_decode(q, q, torch.randn(3, hv, 128).to(dt), torch.zeros(3, hv),
                                                   torch.zeros(3, hv, dtype=dt), torch.ones(3),
                                                   torch.zeros(5, hv, 128, 128), torch.tensor([0, 2, 4]))
+    for c in (16, 32):  # the chunked prefill's block walk (fp32 whatever the model dtype), head dims 128
+        blocks = (2, 4, 3, c)
+        gated_delta_scan.scan(torch.zeros(*blocks, 128), torch.zeros(*blocks, 128), torch.zeros(*blocks, 128),
+                              torch.zeros(*blocks, c), torch.zeros(*blocks, 128), torch.ones(2, 4, 3),
+                              torch.zeros(2, 4, 128, 128))
 
 
 def main(arch: int, quick: bool = False) -> int:

@@ -106,3 +106,20 @@ def test_triton_decode_updates_the_slots_like_the_reference(dtype, dk, dv, block
     assert _rel(got_o, want_o) < 1e-5
     assert _rel(state[slots], want_s) < 1e-5
     assert torch.equal(state[2:4], before[2:4])
+
+
+@pytest.mark.parametrize("n,dk,dv,batch,chunk", [(37, 16, 8, 1, 16), (130, 24, 40, 3, 64), (5, 16, 16, 2, 4)])
+def test_triton_block_scan_equals_the_torch_walk(n, dk, dv, batch, chunk):
+    """The chunked rule with its block walk in the Triton scan kernel (interpreter on CPU, fp32 dots; blocks of 16 or
+    32 tokens whatever was asked), batched and with head dims that are not powers of two: the reference's outputs
+    and final states."""
+    g = torch.Generator().manual_seed(n + dk)
+    hk, hv = 2, 4
+    q, k = torch.randn(batch, n, hk, dk, generator=g), torch.randn(batch, n, hk, dk, generator=g)
+    v = torch.randn(batch, n, hv, dv, generator=g)
+    decay, beta = -torch.rand(batch, n, hv, generator=g), torch.rand(batch, n, hv, generator=g)
+    state = torch.randn(batch, hv, dk, dv, generator=g)
+    got_o, got_s = gdr.chunked(q, k, v, decay, beta, state, chunk, scan_kernel=True)
+    for i in range(batch):
+        want_o, want_s = gdr.recurrent(q[i], k[i], v[i], decay[i], beta[i], state[i])
+        assert _rel(got_o[i], want_o) < 1e-5 and _rel(got_s[i], want_s) < 1e-5
