@@ -9,8 +9,8 @@ gated shared expert.
 - **Linear attention**: ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (q, k, then the group's v and z;
   b then a); q/k/v go through the conv and SiLU; ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
   the gated delta rule runs one-token chunks batched (with the Triton attention backend, in place in their slots by
-  `ember.kernels.gated_delta_decode`; else `ember.kernels.gated_delta_rule`) and longer chunks in blocks (one
-  batched call per step with that backend);
+  `ember.kernels.gated_delta_decode`; else `ember.kernels.gated_delta_rule`) and longer chunks in blocks (with that
+  backend one batched call per step, its walk across blocks in `ember.kernels.gated_delta_scan`);
   its output is RMS-normed per value head, gated by ``silu(z)``, and projected by ``out_proj``.
 - **Full attention**: ``q_proj`` gives each head's query and an output gate (``o * sigmoid(gate)`` before
   ``o_proj``); q/k norms; rotary on the first ``partial_rotary_factor`` of each head.
@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):
             zero = self.ssm_state.new_zeros(self.ssm_state.shape[1:])
             states = torch.stack([zero if fresh else self.ssm_state[slot] for slot, _, _, fresh in group])
             o, states = gated_delta_rule.chunked(padded(q), padded(k), padded(v), padded(g), padded(beta), states,
-                                                 chunk)
+                                                 chunk, scan_kernel=triton)
             for i, (slot, s, e, _) in enumerate(group):
                 out[s:e] = o[i, :e - s]
                 self.ssm_state[slot] = states[i]
