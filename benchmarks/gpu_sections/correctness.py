@@ -135,7 +135,8 @@ def row_kernel_checks(ctx: Ctx) -> None:
 def gated_delta_checks(ctx: Ctx) -> None:
     """Qwen3-Next's in-place decode kernel against the torch step, on its real per-layer shapes (tiny on a CPU):
     outputs and the updated slots; with a GPU, both timed (the torch path gathers and scatters the slots), and the
-    chunked torch prefill's cost per token."""
+    chunked torch prefill's cost per token; the prefill's block walk in the Triton scan against the torch loop (tf32
+    dots, so a looser tolerance)."""
     from ember.kernels import gated_delta_rule
     from ember.kernels.gated_delta_decode import gated_delta_decode
 
@@ -156,6 +157,14 @@ def gated_delta_checks(ctx: Ctx) -> None:
         out = gated_delta_decode(q, k, v, decay, beta, keep, work, slots)
         ctx.report.check("gated_delta_decode out", out, ref_o, 2e-3)
         ctx.report.check("gated_delta_decode state", work[slots], ref_s, 2e-3)
+    with ctx.case("gated_delta_scan"):  # the chunked prefill's block walk in Triton (tf32 dots) vs the torch loop
+        t = ctx.pick(40, 1000, 1000)
+        pq, pk, pv = rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hv, dv).to(ctx.dtype)
+        pg, pb = -rnd(2, t, hv).abs() * 0.1, torch.sigmoid(rnd(2, t, hv))
+        ref_o, ref_s = gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[:2], 32)
+        got_o, got_s = gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[:2], 32, scan_kernel=True)
+        ctx.report.check("gated_delta_scan out", got_o, ref_o, 1e-2)
+        ctx.report.check("gated_delta_scan state", got_s, ref_s, 1e-2)
     if not ctx.cuda:
         return
     with ctx.case("gated_delta timings"):
@@ -166,6 +175,8 @@ def gated_delta_checks(ctx: Ctx) -> None:
         pq, pk, pv = rnd(t, hk, dk).to(ctx.dtype), rnd(t, hk, dk).to(ctx.dtype), rnd(t, hv, dv).to(ctx.dtype)
         pg, pb = -rnd(t, hv).abs(), torch.sigmoid(rnd(t, hv))
         prefill_ms = bench_ms(lambda: gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[0]), rep=20, warmup=3)
+        scan_ms = bench_ms(lambda: gated_delta_rule.chunked(pq, pk, pv, pg, pb, state[0], scan_kernel=True),
+                           rep=20, warmup=3)
         parts = [(x[:512 * 8].reshape(8, 512, *x.shape[1:])) for x in (pq, pk, pv, pg, pb)]  # 8 prompts of 512
         one_by_one_ms = bench_ms(lambda: [gated_delta_rule.chunked(*(x[i] for x in parts), state[i])
                                           for i in range(8)], rep=20, warmup=3)
@@ -174,10 +185,12 @@ def gated_delta_checks(ctx: Ctx) -> None:
                              decode_kernel_ms=bench_ms(lambda: gated_delta_decode(q, k, v, decay, beta, keep, work,
                                                                                   slots)),
                              decode_torch_ms=bench_ms(torch_path), prefill_4k_us_per_token=prefill_ms * 1e3 / t,
-                             prefill_8x512_one_by_one_ms=one_by_one_ms, prefill_8x512_batched_ms=batched_ms)
+                             prefill_8x512_one_by_one_ms=one_by_one_ms, prefill_8x512_batched_ms=batched_ms,
+                             prefill_4k_scan_kernel_us_per_token=scan_ms * 1e3 / t)
         ctx.report.log(f"  gated delta B={b}: decode kernel {row['decode_kernel_ms']:.3f} ms, torch step "
                        f"{row['decode_torch_ms']:.3f} ms ({row['state_mb']:.0f} MB of state); chunked prefill "
-                       f"{row['prefill_4k_us_per_token']:.2f} us/token at 4k; 8 prefills of 512 one by one "
+                       f"{row['prefill_4k_us_per_token']:.2f} us/token at 4k ({scan_ms * 1e3 / t:.2f} with the "
+                       f"Triton block scan); 8 prefills of 512 one by one "
                        f"{one_by_one_ms:.2f} ms, batched {batched_ms:.2f} ms")
 
 
