@@ -1,5 +1,6 @@
 """The gated delta rule (Gated DeltaNet, Qwen3-Next's linear attention) in torch: a per-token reference, a batched
-one-token decode step, and a chunked form for prefill. There is no Triton kernel for it yet; CUDA runs these too.
+one-token decode step, and a chunked form for prefill (whose walk across blocks can run in the Triton scan,
+`ember.kernels.gated_delta_scan`). The Triton decode kernel is `ember.kernels.gated_delta_decode`.
 
 Per value head, with state ``S [dk, dv]`` (fp32), decay ``g_t <= 0`` (log space) and write strength ``beta_t``:
 
