@@ -39,11 +39,10 @@ from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_p
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup
 
-from .generation import (ChoiceSpec, GenRequest, ModelRuntime, dumps, make_pipeline, run_choices, sampling_params,
-                         seeded)
+from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run_choices, sampling_params, seeded
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             usage, usage_chunk)
+                             sse_line, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
@@ -219,7 +218,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
     prompt_ids = req.choices[0].prompt_ids
-    yield "".join(_sse(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
+    yield "".join(sse_line(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
             run.note(step)
@@ -228,7 +227,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run
                 yield text
     tail = [_stream_error(err) for err in run.errors]
     if meta.include_usage:
-        tail.append(_sse(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0)))))
+        tail.append(sse_line(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0)))))
     tail.append("data: [DONE]\n\n")
     yield "".join(tail)
 
@@ -253,12 +252,8 @@ async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _sse(obj: Any) -> str:
-    return "data: " + dumps(obj) + "\n\n"
-
-
 def _stream_error(message: str) -> str:
-    return _sse(openai_error_body(ApiError(500, message)))
+    return sse_line(openai_error_body(ApiError(500, message)))
 
 
 def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
@@ -394,10 +389,10 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             async with aclosing(groups()) as it:
                 async for group in it:
                     if group:
-                        yield "".join(_sse(ch) for ch in group)
+                        yield "".join(sse_line(ch) for ch in group)
             tail = [_stream_error(err) for err in run.errors]
             if include_usage:
-                tail.append(_sse(usage_chunk(meta, completion_usage(), "text_completion")))
+                tail.append(sse_line(usage_chunk(meta, completion_usage(), "text_completion")))
             tail.append("data: [DONE]\n\n")
             yield "".join(tail)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 import time
@@ -282,12 +281,3 @@ def seeded(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return dataclasses.replace(params)
     return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
-def dumps(obj: Any) -> str:
-    """Compact JSON, non-ASCII kept (one shared encoder: `json.dumps` with options builds a new one per call)."""
-    return _ENCODER.encode(obj)
-
