@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ember.engine.nvfp4_loading import QuantizationError
+from ember.engine.nvfp4_loading import QuantizationError, is_fp8
 
 _SCALE = ".weight_scale_inv"
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
@@ -21,10 +21,9 @@ _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 
 def block_size(raw_config: dict[str, Any], source: str = "config.json") -> tuple[int, int] | None:
     """``(bn, bk)`` for a block-FP8 checkpoint, None for any other; QuantizationError for FP8 without blocks."""
-    q = raw_config.get("quantization_config")
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+    if not is_fp8(raw_config):
         return None
-    block = q.get("weight_block_size")
+    block = raw_config["quantization_config"].get("weight_block_size")
     if not isinstance(block, (list, tuple)) or len(block) != 2 or min(int(b) for b in block) < 1:
         raise QuantizationError(f"{source}: quantization_config fp8 without weight_block_size [n, k]; Ember reads "
                                 "block-quantized FP8 only (per-tensor FP8 is not supported)")

@@ -74,7 +74,8 @@ def _parse_quant_dict(q: dict[str, Any], source: str) -> QuantConfig:
     return QuantConfig(algo, BLOCK, list(exclude), source)
 
 
-def _is_block_fp8(raw_config: dict[str, Any]) -> bool:
+def is_fp8(raw_config: dict[str, Any]) -> bool:
+    """config.json declares FP8 (``quant_method: fp8``): not NVFP4; `ember.engine.fp8_loading` reads it."""
     qc = raw_config.get("quantization_config")
     return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
 
@@ -91,7 +92,7 @@ def read_quant_config(model_dir: str | os.PathLike | None, raw_config: dict[str,
                 raise QuantizationError(f"{legacy}: no 'quantization' object")
             found.append(_parse_quant_dict(data["quantization"], str(legacy)))
     qc = raw_config.get("quantization_config")
-    if isinstance(qc, dict) and not _is_block_fp8(raw_config):
+    if isinstance(qc, dict) and not is_fp8(raw_config):
         src = str(Path(model_dir) / "config.json") if model_dir is not None else "config.json"
         found.append(_parse_quant_dict(qc, src + ":quantization_config"))
     if not found:
@@ -140,7 +141,7 @@ def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any]) -> NVFP4Plan 
     Returns None for a checkpoint with neither NVFP4 tensors nor a quantization config, and for a block-FP8 one
     (`ember.engine.fp8_loading` dequantizes it as it loads).
     """
-    if _is_block_fp8(raw_config):
+    if is_fp8(raw_config):
         return None
     root = Path(model_dir)
     heads = _headers(root)
