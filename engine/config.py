@@ -71,6 +71,14 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def raw_int(self, key: str) -> int:
+        """config.json's positive integer ``key``, for fields this class does not normalise; ConfigError naming the
+        architecture and the field when it is missing or not positive."""
+        value = self.raw.get(key)
+        if value is None or int(value) < 1:
+            raise ConfigError(f"config.json: {self.architecture} needs a positive {key!r}")
+        return int(value)
+
     @property
     def linear_attention_layers(self) -> list[int]:
         """Layers that keep a per-sequence recurrent state instead of KV (Qwen3-Next's ``linear_attention``), read

@@ -35,13 +35,6 @@ from ember.engine.nvfp4_loading import use_triton
 from ember.kernels import moe_reference
 
 
-def _raw_int(cfg: ModelConfig, key: str) -> int:
-    value = cfg.raw.get(key)
-    if value is None:
-        raise ConfigError(f"config.json: DeepSeek-V3 needs {key!r}")
-    return int(value)
-
-
 class MLAttention(nn.Module):
     """Multi-head latent attention in absorbed form over the latent paged cache (see the module doc)."""
 
@@ -51,8 +44,8 @@ class MLAttention(nn.Module):
         super().__init__()
         raw = cfg.raw
         self.h = cfg.num_attention_heads
-        self.nope, self.rope_dim = _raw_int(cfg, "qk_nope_head_dim"), _raw_int(cfg, "qk_rope_head_dim")
-        self.v_dim, self.lora = _raw_int(cfg, "v_head_dim"), _raw_int(cfg, "kv_lora_rank")
+        self.nope, self.rope_dim = cfg.raw_int("qk_nope_head_dim"), cfg.raw_int("qk_rope_head_dim")
+        self.v_dim, self.lora = cfg.raw_int("v_head_dim"), cfg.raw_int("kv_lora_rank")
         self.q_lora = raw.get("q_lora_rank")
         bias = bool(raw.get("attention_bias", False))
         qk = self.nope + self.rope_dim
@@ -188,7 +181,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
-        return _raw_int(cfg, "qk_rope_head_dim")
+        return cfg.raw_int("qk_rope_head_dim")
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

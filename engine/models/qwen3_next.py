@@ -37,17 +37,10 @@ from ember.kernels import gated_delta_rule
 _CHUNK = 64
 
 
-def _raw_int(cfg: ModelConfig, key: str) -> int:
-    value = cfg.raw.get(key)
-    if value is None or int(value) < 1:
-        raise ConfigError(f"config.json: {cfg.architecture} needs a positive {key!r}")
-    return int(value)
-
-
 def qkv_channel_parts(cfg: ModelConfig) -> tuple[int, int, int]:
     """The linear attention's q, k and v channel counts (the conv's channels, in that order)."""
-    keys = _raw_int(cfg, "linear_num_key_heads") * _raw_int(cfg, "linear_key_head_dim")
-    return keys, keys, _raw_int(cfg, "linear_num_value_heads") * _raw_int(cfg, "linear_value_head_dim")
+    keys = cfg.raw_int("linear_num_key_heads") * cfg.raw_int("linear_key_head_dim")
+    return keys, keys, cfg.raw_int("linear_num_value_heads") * cfg.raw_int("linear_value_head_dim")
 
 
 class OffsetRMSNorm(nn.Module):
@@ -117,11 +110,11 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.hk, self.hv = _raw_int(cfg, "linear_num_key_heads"), _raw_int(cfg, "linear_num_value_heads")
-        self.dk, self.dv = _raw_int(cfg, "linear_key_head_dim"), _raw_int(cfg, "linear_value_head_dim")
+        self.hk, self.hv = cfg.raw_int("linear_num_key_heads"), cfg.raw_int("linear_num_value_heads")
+        self.dk, self.dv = cfg.raw_int("linear_key_head_dim"), cfg.raw_int("linear_value_head_dim")
         if self.hv % self.hk:
             raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
-        self.kernel = _raw_int(cfg, "linear_conv_kernel_dim")
+        self.kernel = cfg.raw_int("linear_conv_kernel_dim")
         self.channels = 2 * self.hk * self.dk + self.hv * self.dv
         self._make_projections(cfg.hidden_size)
         self.conv1d = nn.Conv1d(self.channels, self.channels, self.kernel, groups=self.channels, bias=False)
