@@ -37,6 +37,13 @@ class RecurrentMetadata:
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
 
+    @classmethod
+    def one_prefill(cls, num_tokens: int, device: torch.device, slot: int = 0) -> "RecurrentMetadata":
+        """One sequence's first ``num_tokens`` tokens, from a zero state in ``slot`` (profiling, single-prompt
+        forwards)."""
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(none, none, torch.zeros(0, device=device), [(slot, 0, num_tokens, True)])
+
 
 @dataclass
 class AttentionMetadata:

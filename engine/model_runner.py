@@ -272,9 +272,7 @@ class ModelRunner:
             logits_indices=torch.arange(num_tokens - min(num_seqs, num_tokens), num_tokens, device=dev),
             max_seqlen_q=num_tokens,
             max_seqlen_k=num_tokens,
-            recurrent=RecurrentMetadata(*(torch.zeros(0, dtype=d, device=dev) for d in (torch.int64, torch.int64,
-                                                                                       torch.float32)),
-                                        [(0, 0, num_tokens, True)]) if self.recurrent else None,
+            recurrent=RecurrentMetadata.one_prefill(num_tokens, dev) if self.recurrent else None,
         )
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

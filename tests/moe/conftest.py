@@ -165,8 +165,7 @@ def ember_logits(model, prompt: list[int]) -> torch.Tensor:
     recurrent = None
     if hasattr(model, "allocate_recurrent_state"):  # one fresh sequence in state slot 0
         model.allocate_recurrent_state(1, torch.device("cpu"))
-        none = torch.zeros(0, dtype=torch.int64)
-        recurrent = RecurrentMetadata(none, none, torch.zeros(0), [(0, 0, t, True)])
+        recurrent = RecurrentMetadata.one_prefill(t, torch.device("cpu"))
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, t], dtype=torch.int32), seq_lens=torch.tensor([t], dtype=torch.int32),
         block_table=torch.arange(nb, dtype=torch.int32).unsqueeze(0), slot_mapping=torch.arange(t),
