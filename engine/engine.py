@@ -138,7 +138,8 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
-                                   snapshots=StateSnapshots(config.max_num_seqs + 1, snapshots) if snapshots else None)
+                                   snapshots=StateSnapshots(self.runner.first_snapshot_slot, snapshots)
+                                   if snapshots else None)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
         self._pending: list[RequestOutput] = []
         self.last_batch_size = 0

@@ -68,6 +68,8 @@ class ModelRunner:
         """The model has layers with a per-sequence recurrent state (kept in ``Sequence.state_slot``)."""
         self.state_pad_slot: int | None = None
         """The extra state slot padding rows of a decode graph write to (recurrent models)."""
+        self.first_snapshot_slot: int | None = None
+        """Where the prefix-cache snapshot slots start, after the padding slot (recurrent models)."""
 
     def allocate_recurrent_state(self, num_slots: int, num_snapshots: int = 0) -> None:
         """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one), a scratch slot for
@@ -77,6 +79,7 @@ class ModelRunner:
             total = num_slots + 1 + num_snapshots
             size = self.model.allocate_recurrent_state(total, self.device)
             self.state_pad_slot = num_slots
+            self.first_snapshot_slot = num_slots + 1
             log.info("recurrent state: %d slots (%d running, 1 graph padding, %d prefix snapshots), %.1f MiB",
                      total, num_slots, num_snapshots, size / 2**20)
 
