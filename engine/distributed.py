@@ -6,7 +6,9 @@ profile, forward) is first broadcast as a `RunnerCommand`, so all ranks run the 
 all-reduces. Attention heads and MLP (and expert) intermediate channels are split evenly: column-parallel projections
 (q/k/v, gate/up) keep rows ``[rank*n/N, (rank+1)*n/N)``, row-parallel ones (o, down) keep those columns and
 all-reduce their output (their bias is loaded on rank 0 only, so it is added once); embeddings, norms, routers and
-the LM head are replicated. Each rank reads only its slice of every tensor from the safetensors files.
+the LM head are replicated. Each rank reads only its slice of every tensor from the safetensors files. Quantized
+checkpoints split alike: NVFP4 block scales with their packed weight (whole 16-input blocks), per-tensor scales
+replicated; a block-FP8 weight is dequantized by each rank for its slice, by the scale blocks that slice falls in.
 
 Backend: gloo on CPU, NCCL on CUDA (rank ``r`` on ``cuda:r``); commands always travel over a gloo group, which waits
 without a deadline while the server is idle. One tensor-parallel engine per process at a time.
@@ -103,6 +105,7 @@ class ShardSpec:
     dtype: torch.dtype
     device_type: str
     num_threads: int
+    kv_cache_dtype: torch.dtype
 
 
 # ---- how the model is split ---------------------------------------------------------------------------------------
@@ -111,10 +114,9 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
     """ConfigError naming the config.json field that ``world_size`` does not divide."""
     from ember.engine.models.qwen3_moe import moe_settings
 
-    if world_size > 1 and cfg.raw.get("kv_lora_rank"):
-        raise ConfigError(f"{source}: {cfg.architecture} (multi-head latent attention) does not support "
-                          "tensor_parallel_size > 1 yet")
-    fields = [("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads)]
+    fields = [("num_attention_heads", cfg.num_attention_heads)]
+    if not _is_mla(cfg):  # MLA's one latent KV head is replicated
+        fields.append(("num_key_value_heads", cfg.num_key_value_heads))
     # Qwen3-MoE-style experts have moe_intermediate_size; gpt-oss's experts use intermediate_size (checked as dense)
     has_moe_size = "moe_intermediate_size" in cfg.raw
     sparse = moe_settings(cfg)[1] if has_moe_size and ("num_experts" in cfg.raw or "num_local_experts" in cfg.raw) \
@@ -133,6 +135,11 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
                               f"choose a tensor_parallel_size that divides it")
 
 
+def _is_mla(cfg: ModelConfig) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3): every rank caches the whole latent and splits the heads."""
+    return bool(cfg.raw.get("kv_lora_rank"))
+
+
 def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     """The per-rank view of ``cfg``: heads, KV heads and intermediate sizes divided by N (``cfg`` itself for N=1)."""
     if not tp.enabled:
@@ -144,8 +151,8 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
                 "shared_expert_intermediate_size", *_LINEAR_ATTENTION_SPLIT):
         if isinstance(raw.get(key), int):
             raw[key] = raw[key] // n
-    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n,
-                               num_key_value_heads=cfg.num_key_value_heads // n,
+    kv_heads = cfg.num_key_value_heads if _is_mla(cfg) else cfg.num_key_value_heads // n
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // n, num_key_value_heads=kv_heads,
                                intermediate_size=cfg.intermediate_size // n, raw=raw)
 
 
@@ -162,57 +169,130 @@ def _split_rule(name: str) -> tuple[str, int]:
         return "gate_up", 1
     if module == "experts" and leaf == "down_proj":
         return "shard", 2
-    if leaf not in ("weight", "bias"):
+    if leaf not in ("weight", "bias", "weight_scale"):  # NVFP4's block scales split as their packed weight does
         return "replicate", -1
     if module in _COLUMN:
         return "shard", 0
     if module in _ROW:
-        return ("shard", 1) if leaf == "weight" else ("rank0", -1)
+        return ("rank0", -1) if leaf == "bias" else ("shard", 1)
     return "replicate", -1
 
 
-def _read_shard(sl: Any, name: str, rule: tuple, tp: TensorParallel, source: Path) -> torch.Tensor:
+def _kept_ranges(shape: list[int], name: str, rule: tuple, tp: TensorParallel,
+                 source: Path) -> tuple[int, list[tuple[int, int]]] | None:
+    """Which part of a tensor of ``shape`` this rank keeps under ``rule``: ``(dim, [(start, stop), ...])``, the
+    ranges concatenated in order along ``dim``; None when it keeps the whole tensor."""
     kind, dim, *parts = rule
-    shape = list(sl.get_shape())
-    if kind == "replicate":
-        return sl[:]
-    if kind == "rank0":
-        t = sl[:]
-        return t if tp.is_driver else torch.zeros_like(t)
+    if kind in ("replicate", "rank0"):
+        return None
     if dim >= len(shape):
         raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(shape)}; cannot split dimension {dim}")
-    full = shape[dim] // 2 if kind == "gate_up" else shape[dim]
-    if full % tp.world_size:
-        raise ConfigError(f"{source}: tensor_parallel_size {tp.world_size} does not divide dimension {dim} "
-                          f"({full}) of tensor {name!r}")
-    size = full // tp.world_size
-    lead = (slice(None),) * dim
-
-    def take(start: int) -> torch.Tensor:
-        return sl[lead + (slice(start, start + size),)]
-
-    if kind == "gate_up":
-        return torch.cat([take(tp.rank * size), take(full + tp.rank * size)], dim=dim)
+    n, r = tp.world_size, tp.rank
     if kind == "segments":
         sizes = parts[0]
-        if sum(sizes) != shape[dim] or any(n % tp.world_size for n in sizes):
+        if sum(sizes) != shape[dim] or any(size % n for size in sizes):
             raise ConfigError(f"{source}: tensor {name!r} dimension {dim} ({shape[dim]}) is not parts {sizes} "
-                              f"that tensor_parallel_size {tp.world_size} divides")
-        starts = [sum(sizes[:i]) + n // tp.world_size * tp.rank for i, n in enumerate(sizes)]
-        return torch.cat([sl[lead + (slice(a, a + n // tp.world_size),)] for a, n in zip(starts, sizes)], dim=dim)
-    return take(tp.rank * size)
+                              f"that tensor_parallel_size {n} divides")
+    else:
+        full = shape[dim] // 2 if kind == "gate_up" else shape[dim]
+        if full % n:
+            blocks = "; a rank's slice must hold whole 16-input NVFP4 scale blocks" \
+                if name.endswith(".weight_scale") else ""
+            raise ConfigError(f"{source}: tensor_parallel_size {n} does not divide dimension {dim} "
+                              f"({full}) of tensor {name!r}{blocks}")
+        sizes = [full, full] if kind == "gate_up" else [full]
+    ranges, start = [], 0
+    for size in sizes:
+        share = size // n
+        ranges.append((start + r * share, start + (r + 1) * share))
+        start += size
+    return dim, ranges
+
+
+def _kept_indices(ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
+
+
+def _read_shard(sf: Any, name: str, rule: tuple, tp: TensorParallel, source: Path) -> torch.Tensor:
+    """This rank's slice of tensor ``name`` of the open safetensors file ``sf``, reading only that slice."""
+    sl = sf.get_slice(name)
+    kept = _kept_ranges(list(sl.get_shape()), name, rule, tp, source)
+    if kept is None:
+        t = sf.get_tensor(name)
+        return t if rule[0] == "replicate" or tp.is_driver else torch.zeros_like(t)
+    dim, ranges = kept
+    lead = (slice(None),) * dim
+    pieces = [sl[lead + (slice(a, b),)] for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def shard_shape(name: str, shape: list[int], rule: tuple, tp: TensorParallel, source: Path) -> list[int]:
+    """The shape of this rank's slice of a tensor of ``shape`` (what :func:`iter_shard_weights` yields for it)."""
+    kept = _kept_ranges(shape, name, rule, tp, source)
+    if kept is None:
+        return list(shape)
+    dim, ranges = kept
+    return [sum(b - a for a, b in ranges) if d == dim else n for d, n in enumerate(shape)]
+
+
+class ShardedWeights:
+    """One rank's weight stream (see :func:`iter_shard_weights`); ``shard_shape(name, shape)`` tells a loader that
+    checks tensor shapes from the safetensors headers (NVFP4's plan) what this rank will receive."""
+
+    def __init__(self, model_dir: str | Path, tp: TensorParallel, rule: Callable[[str], tuple],
+                 fp8_block: tuple[int, int] | None) -> None:
+        self.model_dir, self.tp, self.rule, self.fp8_block = Path(model_dir), tp, rule, fp8_block
+        self._it = self._stream()
+
+    def __iter__(self) -> "ShardedWeights":
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._it)
+
+    def shard_shape(self, name: str, shape: list[int]) -> list[int]:
+        return shard_shape(name, shape, self.rule(name), self.tp, self.model_dir)
+
+    def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        files = loader.weight_files(self.model_dir)
+        block = self.fp8_block
+        paired = fp8_loading.paired_scales(files) if block is not None else {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    module = name.rsplit(".", 1)[0]
+                    if module in paired and name.endswith(fp8_loading.SCALE):
+                        continue  # read with its weight
+                    rule = self.rule(name)
+                    if module in paired and name.endswith(".weight"):
+                        yield name, self._dequantized_shard(sf, name, rule, block, paired[module], f)
+                    else:
+                        yield name, _read_shard(sf, name, rule, self.tp, f)
+
+    def _dequantized_shard(self, sf: Any, name: str, rule: tuple, block: tuple[int, int], scale_file: Path,
+                           source: Path) -> torch.Tensor:
+        """This rank's slice of a block-FP8 weight, dequantized by the scale blocks its rows and columns fall in
+        (a slice need not start or end on a block boundary)."""
+        module = name[: -len(".weight")]
+        with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
+            scale = scales.get_tensor(module + fp8_loading.SCALE)
+        shape = list(sf.get_slice(name).get_shape())
+        fp8_loading.check_scale_shape(shape, scale, block, module, str(source))
+        kept = _kept_ranges(shape, name, rule, self.tp, source)
+        index = [torch.arange(n) for n in shape]
+        if kept is not None:
+            index[kept[0]] = _kept_indices(kept[1])
+        per_element = scale.float().index_select(0, index[0] // block[0]).index_select(1, index[1] // block[1])
+        return _read_shard(sf, name, rule, self.tp, source).float() * per_element
 
 
 def iter_shard_weights(model_dir: str | Path, tp: TensorParallel, split_rule: Callable[[str], tuple[str, int]]
-                       | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk.
-    ``split_rule`` (a model class's ``tp_split_rule`` bound to the checkpoint's config, where its tensors differ from
-    the rules here) overrides :func:`_split_rule`."""
-    rule = split_rule or _split_rule
-    for f in loader.weight_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                yield name, _read_shard(sf.get_slice(name), name, rule(name), tp, f)
+                       | None = None, fp8_block: tuple[int, int] | None = None) -> ShardedWeights:
+    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk. With
+    ``fp8_block`` (a block-FP8 checkpoint's ``weight_block_size``) its e4m3 weights come dequantized and their scale
+    tensors are consumed. ``split_rule`` (a model class's ``tp_split_rule`` bound to the checkpoint's config, where
+    its tensors differ from the rules here) overrides :func:`_split_rule`."""
+    return ShardedWeights(model_dir, tp, split_rule or _split_rule, fp8_block)
 
 
 def attach(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
@@ -249,8 +329,9 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     cfg = shard_config(full, tp)
     own = getattr(spec.model_class, "tp_split_rule", None)
     rule = None if own is None else (lambda name: own(name, full))
+    block = fp8_loading.block_size(full.raw, str(Path(model_dir) / "config.json"))
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
-                       weights=iter_shard_weights(model_dir, tp, rule), model_class=spec.model_class)
+                       weights=iter_shard_weights(model_dir, tp, rule, block), model_class=spec.model_class)
     return attach(model, tp), cfg
 
 
@@ -281,7 +362,7 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
         runner, error = None, None
         try:
             model, cfg = _load_shard(model_dir, spec, tp, device)
-            runner = ModelRunner(model, cfg, spec.block_size, device, spec.dtype)
+            runner = ModelRunner(model, cfg, spec.block_size, device, spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.error("tensor-parallel rank %d failed to load:\n%s", rank, traceback.format_exc())
@@ -299,8 +380,8 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
 class DriverRunner(ModelRunner):
     """Rank 0's model runner: broadcasts each call to the workers before making it itself."""
 
-    def __init__(self, *args: Any, tp: TensorParallel, workers: list[mp.process.BaseProcess]) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, tp: TensorParallel, workers: list[mp.process.BaseProcess], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.tp = tp
         self.workers = workers
 
@@ -339,22 +420,16 @@ class DriverRunner(ModelRunner):
 
 
 def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, max_position: int,
-                 device: torch.device, dtype: torch.dtype) -> DriverRunner:
+                 device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> DriverRunner:
     """Check the split, spawn ranks 1..N-1, join the group as rank 0 and load every rank's shard; a failure on any
     rank raises here (after the workers are gone). Workers build the class this process resolves for the model."""
-    from ember.engine import nvfp4_loading
     from ember.engine.models import get_model_class
 
     n = config.tensor_parallel_size
     source = str(Path(model_dir) / "config.json")
     model_class = get_model_class(mc.architecture, source=source)
     check_split(mc, n, source)
-    if fp8_loading.block_size(mc.raw, source) is not None:
-        raise ConfigError(f"{source}: block-quantized FP8 checkpoints cannot be used with tensor_parallel_size > 1 "
-                          "yet (a rank's slice would cut the scale blocks)")
-    mxfp4 = (mc.raw.get("quantization_config") or {}).get("quant_method") == "mxfp4"  # gpt-oss: splits like bf16
-    if not mxfp4 and nvfp4_loading.plan(model_dir, mc.raw) is not None:
-        raise ConfigError(f"{model_dir}: tensor_parallel_size > 1 is not supported for NVFP4 checkpoints yet")
+    fp8_loading.block_size(mc.raw, source)  # a malformed FP8 config fails here, before any worker starts
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ConfigError(f"tensor_parallel_size {n} runs on cuda:0..cuda:{n - 1}; got device {device}")
@@ -363,7 +438,8 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")
-    spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads())
+    spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads(),
+                     kv_cache_dtype)
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=worker_main, args=(r, n, store.port, str(model_dir), spec),
@@ -379,7 +455,8 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     runner, failure = None, None
     try:
         model, cfg = _load_shard(str(model_dir), spec, tp, rank_device(device, 0))
-        runner = DriverRunner(model, cfg, spec.block_size, device, dtype, tp=tp, workers=workers)
+        runner = DriverRunner(model, cfg, spec.block_size, device, dtype, kv_cache_dtype=kv_cache_dtype, tp=tp,
+                              workers=workers)
     except Exception as e:
         failure = e
     errors = tp.gather(None if failure is None else f"{type(failure).__name__}: {failure}")

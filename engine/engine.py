@@ -81,6 +81,8 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
         model = cls(cfg, max_position)
     model = model.to(dtype)
     weights = loader.iter_weights(model_dir) if weights is None else weights
+    if hasattr(weights, "shard_shape"):  # one tensor-parallel rank's slices (`distributed.ShardedWeights`)
+        model.shard_shape = weights.shard_shape
     block = fp8_loading.block_size(cfg.raw, str(loader.checkpoint_dir(model_dir) / "config.json"))
     if block is not None:
         weights = fp8_loading.dequantized(weights, block, str(model_dir))
@@ -114,10 +116,8 @@ class Engine:
 
             if config.tensor_parallel_size < 1:
                 raise ValueError(f"tensor_parallel_size must be >= 1, got {config.tensor_parallel_size}")
-            if self.kv_cache_dtype != self.dtype:
-                raise ConfigError("kv_cache_dtype='fp8' is not supported with tensor_parallel_size > 1 yet")
             self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
-                                                   self.dtype)
+                                                   self.dtype, self.kv_cache_dtype)
         else:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,

@@ -5,18 +5,21 @@ Each quantized projection stores ``{m}.weight`` as e4m3 ``[N, K]`` and ``{m}.wei
 ``[ceil(N/bn), ceil(K/bk)]``, one scale per block (the last row and column of blocks may be partial). Ember
 dequantizes them as they load (``weight * scale`` per block) and runs the model in its dtype: the checkpoint's
 memory saving is not kept, its weights are. Activation scales (``input_scale``) are dropped: activations stay in the
-model dtype. Not with tensor parallelism (a rank's slice would cut scale blocks).
+model dtype. Under tensor parallelism each rank dequantizes only its slice, by the blocks its rows and columns fall
+in (`ember.engine.distributed`).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
+from safetensors import safe_open
 
 from ember.engine.nvfp4_loading import QuantizationError, is_fp8
 
-_SCALE = ".weight_scale_inv"
-_ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+SCALE = ".weight_scale_inv"
+_ACTIVATIONSCALES = (".input_scale", ".activation_scale")
 
 
 def block_size(raw_config: dict[str, Any], source: str = "config.json") -> tuple[int, int] | None:
@@ -30,18 +33,44 @@ def block_size(raw_config: dict[str, Any], source: str = "config.json") -> tuple
     return int(block[0]), int(block[1])
 
 
+def check_scale_shape(shape: list[int], scale_inv: torch.Tensor, block: tuple[int, int], module: str,
+                      source: str) -> None:
+    """QuantizationError unless ``scale_inv`` has one entry per ``block`` of a weight of ``shape`` ``[N, K]``."""
+    bn, bk = block
+    if len(shape) != 2:
+        raise QuantizationError(f"{source}: tensor {module}.weight is FP8 with shape {tuple(shape)}; block-FP8 "
+                                "weights are [N, K]")
+    n, k = shape
+    want = (-(-n // bn), -(-k // bk))
+    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise QuantizationError(f"{source}: tensor {module}{SCALE} has shape "
+                                f"{tuple(scale_inv.shape)}, expected {want} (one per {bn}x{bk} block of [{n}, {k}])")
+
+
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], module: str = "",
                source: str = "checkpoint") -> torch.Tensor:
     """fp32 ``weight * scale`` with each ``block`` of ``weight`` scaled by its entry of ``scale_inv`` (``module``
     names the pair in errors)."""
+    check_scale_shape(list(weight.shape), scale_inv, block, module, source)
     n, k = weight.shape
     bn, bk = block
-    want = (-(-n // bn), -(-k // bk))
-    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
-        raise QuantizationError(f"{source}: tensor {module}{_SCALE} has shape "
-                                f"{tuple(scale_inv.shape)}, expected {want} (one per {bn}x{bk} block of [{n}, {k}])")
     scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
     return weight.float() * scale
+
+
+def paired_scales(files: list[Path]) -> dict[str, Path]:
+    """Module -> the file holding its ``weight_scale_inv``, for every module with both an e4m3 ``weight`` and a
+    scale (from the safetensors headers; the pair may sit in different files)."""
+    fp8_weights: set[str] = set()
+    scales: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                if name.endswith(SCALE):
+                    scales[name[: -len(SCALE)]] = f
+                elif name.endswith(".weight") and sf.get_slice(name).get_dtype() == "F8_E4M3":
+                    fp8_weights.add(name[: -len(".weight")])
+    return {m: f for m, f in scales.items() if m in fp8_weights}
 
 
 def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
@@ -51,8 +80,8 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(_SCALE):
-            module = name[: -len(_SCALE)]
+        if name.endswith(SCALE):
+            module = name[: -len(SCALE)]
             w = weights_waiting.pop(module, None)
             if w is None:
                 scales_waiting[module] = tensor
@@ -65,10 +94,10 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, i
                 weights_waiting[module] = tensor
             else:
                 yield name, dequantize(tensor, s, block, module, source)
-        elif not name.endswith(_ACTIVATION_SCALES):
+        elif not name.endswith(_ACTIVATIONSCALES):
             yield name, tensor
     if weights_waiting:
         raise QuantizationError(f"{source}: tensor {next(iter(weights_waiting))}.weight is FP8 but the checkpoint "
-                                f"has no {next(iter(weights_waiting))}{_SCALE}")
+                                f"has no {next(iter(weights_waiting))}{SCALE}")
     if scales_waiting:
-        raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{_SCALE} has no FP8 weight beside it")
+        raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{SCALE} has no FP8 weight beside it")

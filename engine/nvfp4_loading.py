@@ -9,12 +9,13 @@ disagreement raises :class:`QuantizationError` naming the file and the tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -122,6 +123,18 @@ class NVFP4Plan:
     config: QuantConfig
     files: dict[str, str] = field(repr=False, default_factory=dict)
 
+    def renamed(self, rename: Callable[[str], str | None]) -> "NVFP4Plan":
+        """The plan under the names a model's loader gives the checkpoint's tensors (``rename(tensor name)``, None
+        for a tensor it skips, such as a multi-token-prediction layer's)."""
+        modules: dict[str, ModuleSpec] = {}
+        for m, spec in self.modules.items():
+            new = rename(m + ".weight")
+            if new is not None:
+                module = new[: -len(".weight")]
+                modules[module] = dataclasses.replace(spec, name=module)
+        files = {new: f for name, f in self.files.items() if (new := rename(name)) is not None}
+        return NVFP4Plan(modules, self.config, files)
+
 
 def _headers(model_dir: Path) -> dict[str, tuple[str, list[int], str]]:
     from ember.engine import loader
@@ -135,8 +148,14 @@ def _headers(model_dir: Path) -> dict[str, tuple[str, list[int], str]]:
     return out
 
 
-def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any]) -> NVFP4Plan | None:
-    """Decide NVFP4 per module from the safetensors headers and cross-check with the config.
+ShardShape = Callable[[str, list[int]], list[int]]
+"""(tensor name, shape in the file) -> the shape of the slice this tensor-parallel rank loads."""
+
+
+def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any], shard_shape: ShardShape | None = None
+         ) -> NVFP4Plan | None:
+    """Decide NVFP4 per module from the safetensors headers and cross-check with the config; under tensor
+    parallelism (``shard_shape``) the shapes checked and recorded are this rank's slices.
 
     Returns None for a checkpoint with neither NVFP4 tensors nor a quantization config, and for a block-FP8 one
     (`ember.engine.fp8_loading` dequantizes it as it loads).
@@ -145,6 +164,8 @@ def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any]) -> NVFP4Plan 
         return None
     root = Path(model_dir)
     heads = _headers(root)
+    if shard_shape is not None:
+        heads = {name: (dt, shard_shape(name, shape), f) for name, (dt, shape, f) in heads.items()}
     qcfg = read_quant_config(root, raw_config)
     modules: dict[str, ModuleSpec] = {}
     candidates = {n.rsplit(".", 1)[0] for n in heads if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES}
@@ -182,9 +203,10 @@ def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any]) -> NVFP4Plan 
     return NVFP4Plan(modules, qcfg, {name: h[2] for name, h in heads.items()})
 
 
-def plan_for_source(source: str, raw_config: dict[str, Any]) -> NVFP4Plan | None:
+def plan_for_source(source: str, raw_config: dict[str, Any], shard_shape: ShardShape | None = None
+                    ) -> NVFP4Plan | None:
     """:func:`plan` when ``source`` (what the engine passes to ``load_weights``) is the checkpoint directory."""
-    return plan(source, raw_config) if os.path.isdir(source) else None
+    return plan(source, raw_config, shard_shape) if os.path.isdir(source) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,11 +347,15 @@ def prepare(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], sourc
     checkpoint directory, swap the planned linear layers for :class:`NVFP4Linear` now (and set
     ``model.nvfp4_plan``), and return a stream that fills them from their quantized tensors and yields every other
     tensor (including modules whose names contain one of ``skip``, which the model places itself). An unquantized
-    checkpoint's ``weights`` come back unchanged, and so does a stream this function already returned."""
+    checkpoint's ``weights`` come back unchanged, and so does a stream this function already returned. A
+    tensor-parallel rank's model carries ``shard_shape`` (set by the engine's ``load_model``), so the plan checks
+    the slices that rank reads."""
     if isinstance(weights, PreparedWeights):
         return weights
     cfg = getattr(model, "config", None)
-    p = plan_for_source(source, getattr(cfg, "raw", {}) or {})
+    p = plan_for_source(source, getattr(cfg, "raw", {}) or {}, getattr(model, "shard_shape", None))
+    if p is not None and hasattr(model, "checkpoint_name"):
+        p = p.renamed(model.checkpoint_name)
     model.nvfp4_plan = p
     if p is None:
         return PreparedWeights(weights)

@@ -14,8 +14,12 @@ scale ``(qk_nope + qk_rope) ** -0.5``, times ``mscale(factor, mscale_all_dim) **
 Layers ``< first_k_dense_replace`` use the dense gated MLP; the others route each token to ``num_experts_per_tok``
 of ``n_routed_experts`` (:func:`ember.kernels.moe_reference.grouped_topk_routing`) and add the shared experts
 (a gated MLP of ``moe_intermediate_size * n_shared_experts``). Multi-token-prediction layers past
-``num_hidden_layers`` in a checkpoint are skipped. Tensor parallelism and FP8 block-quantized checkpoints are not
-supported.
+``num_hidden_layers`` in a checkpoint are skipped.
+
+Under tensor parallelism each rank keeps a contiguous share of the heads (``q_b_proj`` / ``q_proj`` and
+``kv_b_proj`` rows, ``o_proj`` columns) and of every expert's intermediate channels; the latent projections
+(``q_a_proj``, ``kv_a_proj_with_mqa``), their norms and the router are replicated, and so is the latent cache: each
+rank attends its heads over the whole latent, as vLLM does.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 from ember.engine.models.qwen3_moe import MoEExperts, Qwen3MoeForCausalLM, SparseMoeBlock
-from ember.engine.nvfp4_loading import use_triton
+from ember.engine.nvfp4_loading import QuantizationError, use_triton
 from ember.kernels import moe_reference
 
 
@@ -92,7 +96,8 @@ class MLAttention(nn.Module):
         backend.paged_attention(query, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                 meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale)
         o = torch.einsum("thl,hvl->thv", out[..., :self.lora], w[:, self.nope:])
-        return self.o_proj(o.reshape(t, self.h * self.v_dim))
+        out = self.o_proj(o.reshape(t, self.h * self.v_dim))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Router(nn.Module):
@@ -136,7 +141,7 @@ class DeepseekV3MoE(SparseMoeBlock):
             out = moe.fused_moe(x, w13, w2, topk_w, topk_ids)
         else:
             out = moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.shared_experts is None else out + self.shared_experts.local(x)  # reduced with `out`
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
@@ -183,20 +188,38 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     def rotary_dim(cfg: ModelConfig) -> int:
         return cfg.raw_int("qk_rope_head_dim")
 
+    @staticmethod
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
+        """MLA's per-head up-projections split their rows like q/k/v (see the module doc); the rest as usual."""
+        from ember.engine import distributed
+
+        module, _, leaf = name.rpartition(".")
+        if module.endswith((".self_attn.q_b_proj", ".self_attn.kv_b_proj")) and leaf in ("weight", "weight_scale"):
+            return "shard", 0
+        return distributed._split_rule(name)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """``self_attn.q_proj`` (no q LoRA) is ``q_proj_mla`` here (not a fused q/k/v part); multi-token-prediction
+        layers past ``num_hidden_layers`` are skipped."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() \
+                and int(parts[2]) >= self.config.num_hidden_layers:
+            return None
+        return name.replace(".self_attn.q_proj.", ".self_attn.q_proj_mla.")
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Qwen3-MoE's loader after renaming ``self_attn.q_proj`` (no q LoRA; not a fused q/k/v part) and dropping
-        multi-token-prediction layers."""
-        n = self.config.num_hidden_layers
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                parts = name.split(".")
-                if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
-                    continue
+        """Qwen3-MoE's loader over :meth:`checkpoint_name`; the latent up-projection must stay unquantized."""
+        def checked() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in self.renamed(weights):
                 if name.endswith(".weight_scale_inv"):
                     raise ConfigError(f"{source}: tensor {name!r} is FP8 block-quantized but config.json has no "
                                       "quantization_config (quant_method fp8, weight_block_size) to read it by")
-                yield name.replace(".self_attn.q_proj.", ".self_attn.q_proj_mla."), tensor
+                yield name, tensor
 
-        super().load_weights(renamed(), source)
+        super().load_weights(checked(), source)
+        for i, layer in enumerate(self.model.layers):
+            if not isinstance(layer.self_attn.kv_b_proj, nn.Linear):
+                raise QuantizationError(f"{source}: tensor model.layers.{i}.self_attn.kv_b_proj.weight is NVFP4; "
+                                        "Ember's latent attention reads that projection's weights directly, so it "
+                                        "must stay unquantized (exclude self_attn from quantization)")

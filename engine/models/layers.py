@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from types import ModuleType
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -348,6 +348,19 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name this model's loader gives checkpoint tensor ``name``, or None for a tensor it does not use (a
+        multi-token-prediction head, a vision tower). A model that renames or skips tensors overrides this and
+        applies it to its weight stream (:meth:`renamed`); the NVFP4 plan reads the checkpoint through it too."""
+        return name
+
+    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``weights`` under :meth:`checkpoint_name`, without the tensors it skips."""
+        for name, tensor in weights:
+            new = self.checkpoint_name(name)
+            if new is not None:
+                yield new, tensor
 
     def _load_kv_scale(self, attn: nn.Module | None, name: str, tensor: torch.Tensor, source: str) -> None:
         if not isinstance(attn, Attention):

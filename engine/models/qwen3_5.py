@@ -11,8 +11,6 @@ MLP.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from torch import nn
 
@@ -65,14 +63,9 @@ class Qwen3_5ForCausalLM(qwen3_next.Qwen3NextForCausalLM):
             return "shard", 0
         return qwen3_next.Qwen3NextForCausalLM.tp_split_rule(name, cfg)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    def checkpoint_name(self, name: str) -> str | None:
         """The language model's tensors under Ember's names (``model.language_model.`` -> ``model.``); the vision
         tower and the multi-token-prediction head are skipped."""
-        def language_model() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if name.startswith(_SKIPPED):
-                    continue
-                yield ("model." + name[len(_LANGUAGE_MODEL):] if name.startswith(_LANGUAGE_MODEL) else name), tensor
-
-        super().load_weights(language_model(), source)
+        if name.startswith(_SKIPPED):
+            return None
+        return "model." + name[len(_LANGUAGE_MODEL):] if name.startswith(_LANGUAGE_MODEL) else name

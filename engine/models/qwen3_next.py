@@ -340,8 +340,12 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             return "segments", 0, qkv_channel_parts(cfg)
         return "replicate", -1
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """The multi-token-prediction head (``mtp.*``) is skipped."""
+        return None if name.startswith("mtp.") else name
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Qwen3-MoE's loader (experts in either key form, shared expert's gate/up fused) without the
-        multi-token-prediction head."""
-        super().load_weights(((n, t) for n, t in weights if not n.startswith("mtp.")), source)
+        """Qwen3-MoE's loader (experts in either key form, shared expert's gate/up fused) over
+        :meth:`checkpoint_name`."""
+        super().load_weights(self.renamed(weights), source)

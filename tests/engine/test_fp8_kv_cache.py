@@ -1,7 +1,8 @@
 """FP8 (e4m3) KV cache: ``kv_cache_dtype="fp8"`` allocates an e4m3 cache that takes half the bytes, the
 checkpoint's per-layer k/v scales (ModelOpt's ``k_proj.k_scale`` / ``v_proj.v_scale`` or the older
-``self_attn.k_scale``) reach the attention backend (1.0 where absent), and greedy decoding stays within FP8 rounding
-of the full-precision cache."""
+``self_attn.k_scale``) reach the attention backend (1.0 where absent), greedy decoding stays within FP8 rounding
+of the full-precision cache, and two tensor-parallel ranks (each caching its KV heads in e4m3 under the same
+scales) decode what one process does."""
 from __future__ import annotations
 
 import pytest
@@ -93,8 +94,6 @@ def test_fp8_cache_is_half_the_bytes_and_bad_settings_are_refused(plain_dir):
     assert fp8.kv.num_blocks == 4 * full.kv.num_blocks  # fp32 model: 4 bytes per element vs 1
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         _engine(plain_dir, kv_cache_dtype="int4")
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):  # refused before any worker starts
-        _engine(plain_dir, kv_cache_dtype="fp8", tensor_parallel_size=2)
 
 
 def test_a_kv_scale_outside_attention_is_named(tmp_path, demo_model_dir):
@@ -134,3 +133,23 @@ def test_fp8_greedy_decoding_stays_close_to_the_full_precision_cache(which, plai
     assert min(agree) >= 3 and sum(agree) >= 0.75 * sum(len(y) for y in want), (got, want)
     errs = [float((a - b).norm() / b.norm()) for a, b in zip(got_logits, want_logits)][: 1 + min(agree)]
     assert 0 < max(errs) < 0.1, errs  # e4m3 keeps 3 mantissa bits: about 3.6% RMS rounding of K and V
+
+
+def test_two_ranks_with_an_fp8_cache_decode_what_one_process_does(scaled_dir, monkeypatch):
+    import multiprocessing as mp
+
+    monkeypatch.setenv("EMBER_ATTENTION", "torch")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1270, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    want, _ = _greedy(_engine(scaled_dir, kv_cache_dtype="fp8"), prompts)
+    eng = _engine(scaled_dir, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        k, v = eng.runner.kv_caches[0]
+        assert k.dtype == v.dtype == torch.float8_e4m3fn and k.shape[2] == 1  # this rank's 1 of the 2 KV heads
+        assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in eng.runner.model.model.layers] \
+            == [(0.5, 0.25), (2.0, 1.0)]
+        got, _ = _greedy(eng, prompts)
+    finally:
+        eng.shutdown()
+    assert got == want
+    assert not mp.active_children()

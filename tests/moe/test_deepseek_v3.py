@@ -1,8 +1,9 @@
 """A tiny random DeepSeek-V3 (MLA with q LoRA and interleaved RoPE, YaRN with mscale, grouped sigmoid routing with a
 correction bias, shared experts, a first dense layer): Ember's greedy output equals transformers', through chunked
-prefill, prefix-cache hits and the Triton attention."""
+prefill, prefix-cache hits and the Triton attention, and two tensor-parallel ranks decode what one process does."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -12,7 +13,8 @@ from ember.engine import loader
 from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, ember_model, prompts)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,
+                                prompts)
 
 LORA, ROPE = 32, 8
 
@@ -85,8 +87,79 @@ def test_triton_attention_and_moe_in_the_model_match_the_torch_path(tiny_dsv3_di
     assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
-def test_tensor_parallelism_is_refused_up_front(tiny_dsv3_dir):
-    from ember.engine.config import ConfigError
+def test_two_ranks_split_the_heads_over_one_replicated_latent_cache(tiny_dsv3_dir):
+    """TP=2: each rank runs 2 of the 4 heads (``q_b_proj`` / ``kv_b_proj`` rows, ``o_proj`` columns) over the whole
+    latent cache, and the shared experts' partial output is reduced once, with the routed experts'."""
+    def check(engine):
+        attn = engine.runner.model.model.layers[0].self_attn
+        assert (attn.h, attn.kv_b_proj.out_features, attn.kv_a_proj_with_mqa.out_features) == (2, 2 * 28, LORA + ROPE)
+        assert engine.runner.kv_caches[0][0].shape[2:] == (1, LORA + ROPE)
 
-    with pytest.raises(ConfigError, match="latent attention"):
-        Engine.from_pretrained(tiny_dsv3_dir, tensor_parallel_size=2, device="cpu", num_kv_blocks=16)
+    assert_two_ranks_match_one(tiny_dsv3_dir, prompts(4, seed=12, min_len=5, max_len=40), 6, check)
+
+
+@pytest.fixture(scope="module")
+def dsv3_nvfp4_dirs(tmp_path_factory, demo_model_dir):
+    """An NVFP4 tiny DeepSeek-V3 (MLA projections kept in their dtype, as ModelOpt's DeepSeek exports keep
+    ``self_attn``) whose checkpoint also holds a multi-token-prediction layer past ``num_hidden_layers``, as the real
+    ones do; and its dequantized twin without that layer, for transformers."""
+    from safetensors.torch import load_file, save_file
+
+    from ember.engine import quantize
+    from tests.moe.conftest import write_dequantized
+
+    root = tmp_path_factory.mktemp("dsv3-nvfp4")
+    src = save_tiny_deepseek_v3(root / "src", demo_model_dir, v_head_dim=16)  # o_proj: 64 inputs, 4 scale blocks
+    tensors = load_file(src / "model.safetensors")
+    mtp = {k.replace(".layers.2.", ".layers.3."): v.clone() for k, v in tensors.items() if ".layers.2." in k}
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+    save_file(tensors | mtp, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert quantize.main([str(src), str(root / "nvfp4")]) == 0
+    deq = write_dequantized(root / "nvfp4", root / "dequantized")
+    save_file({k: v for k, v in load_file(deq / "model.safetensors").items() if ".layers.3." not in k},
+              str(deq / "model.safetensors"), metadata={"format": "pt"})
+    return root / "nvfp4", deq
+
+
+def test_an_nvfp4_checkpoint_with_a_prediction_layer_matches_transformers_on_its_dequantized_weights(
+        dsv3_nvfp4_dirs):
+    from ember.engine.nvfp4_loading import NVFP4Linear
+    from tests.moe.conftest import ember_logits, hf_logits
+
+    qdir, deq = dsv3_nvfp4_dirs
+    model = ember_model(qdir)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, NVFP4Linear)  # the first, dense layer
+    assert model.model.layers[1].mlp.experts.quant13 is not None
+    assert isinstance(model.model.layers[1].mlp.shared_experts.down_proj, NVFP4Linear)
+    prompt = prompts(1, seed=13, min_len=19, max_len=19)[0]
+    want = hf_logits(deq, prompt)
+    got = ember_logits(model, prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_an_nvfp4_checkpoint_splits_over_two_ranks(dsv3_nvfp4_dirs):
+    assert_two_ranks_match_one(dsv3_nvfp4_dirs[0], prompts(4, seed=14, min_len=5, max_len=40), 6)
+
+
+def test_a_quantized_latent_up_projection_is_refused_naming_it(dsv3_nvfp4_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ember.engine.config import ConfigError
+    from ember.kernels import nvfp4
+
+    qdir = dsv3_nvfp4_dirs[0]
+    shutil.copytree(qdir, tmp_path / "bad")
+    tensors = load_file(tmp_path / "bad" / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj"
+    q = nvfp4.quantize(tensors.pop(name + ".weight").float())
+    tensors |= {name + ".weight": q.weight, name + ".weight_scale": q.weight_scale,
+                name + ".weight_scale_2": q.weight_scale_2.reshape(())}
+    save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
+    for cfg_name, key, excluded in (("hf_quant_config.json", "quantization", "exclude_modules"),
+                                    ("config.json", "quantization_config", "ignore")):  # no longer excluded
+        path = tmp_path / "bad" / cfg_name
+        cfg = json.loads(path.read_text())
+        cfg[key][excluded].remove(name)
+        path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.kv_b_proj\.weight is NVFP4; .*unquantized"):
+        ember_model(tmp_path / "bad")

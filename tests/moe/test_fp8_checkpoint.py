@@ -1,6 +1,7 @@
 """Block-quantized FP8 checkpoints (DeepSeek / Qwen ``-FP8`` layout: e4m3 weights with ``weight_scale_inv`` per
 block, ``quant_method: fp8``): Ember dequantizes on load and decodes what transformers decodes from the same
-dequantized weights; the mistakes a broken checkpoint can hold are named."""
+dequantized weights, alone or over two tensor-parallel ranks (each dequantizing its slice); the mistakes a broken
+checkpoint can hold are named."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from safetensors.torch import save_file
 
 from ember.engine import fp8_loading
 from ember.engine.nvfp4_loading import QuantizationError
-from tests.moe.conftest import clear_margin, ember_greedy, hf_greedy, prompts
+from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, hf_greedy, prompts
 
 BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks is partial
 FP8_MAX = 448.0
@@ -83,12 +84,26 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(fp8_dirs):
     assert ember_greedy(fp8_dir, ps) == expected
 
 
-def test_tensor_parallel_is_refused_naming_the_reason(fp8_dirs):
-    from ember.engine.config import ConfigError
-    from ember.engine.engine import Engine
+def test_each_rank_dequantizes_its_slice_by_the_blocks_it_cuts(fp8_dirs):
+    """TP=2 cuts 96-wide blocks (o_proj's 64 columns, 32 each) and 32-row blocks (experts' 32 rows, 16 each): every
+    tensor a rank receives is exactly its slice of what one process dequantizes, and no scale tensor is left over."""
+    from ember.engine import loader
+    from ember.engine.distributed import TensorParallel, _split_rule, iter_shard_weights
 
-    with pytest.raises(ConfigError, match="FP8.*tensor_parallel_size"):
-        Engine.from_pretrained(fp8_dirs[0], device="cpu", num_kv_blocks=8, tensor_parallel_size=2)
+    fp8_dir = fp8_dirs[0]
+    whole = dict(fp8_loading.dequantized(loader.iter_weights(fp8_dir), BLOCK))
+    for rank in range(2):
+        shard = iter_shard_weights(fp8_dir, TensorParallel(rank, 2), fp8_block=BLOCK)
+        got = dict(fp8_loading.dequantized(shard, BLOCK))  # as the engine's load_model reads a stream
+        assert got.keys() == whole.keys()
+        for name, t in got.items():
+            kind, dim = _split_rule(name)[:2]
+            want = whole[name] if kind == "replicate" else whole[name].chunk(2, dim=dim)[rank]
+            assert torch.equal(t.to(want.dtype), want), name
+
+
+def test_two_ranks_decode_what_one_process_does(fp8_dirs):
+    assert_two_ranks_match_one(fp8_dirs[0], prompts(4, seed=4, min_len=4, max_len=30), 6)
 
 
 @pytest.mark.parametrize("case", ["no scale", "scale shape", "no block size"])

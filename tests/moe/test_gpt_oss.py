@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ember.engine import loader
-from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, ember_model, prompts, run_greedy)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,
+                                prompts)
 
 WINDOW = 8
 
@@ -54,27 +54,6 @@ def save_tiny_gpt_oss(path, tokenizer_dir, seed: int = 0, **over):
 @pytest.fixture(scope="module")
 def tiny_gpt_oss_dir(tmp_path_factory, demo_model_dir):
     return save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), demo_model_dir)
-
-
-def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None) -> None:
-    """Greedy tokens over 2 CPU ranks (gloo) equal 1 process's; ``check(engine)`` inspects the split model first;
-    every worker exits cleanly (the suite runs torch on one thread, so each rank gets one)."""
-    import multiprocessing as mp
-
-    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
-    expected = run_greedy(Engine.from_pretrained(model_dir, **opts), ps, new_tokens)
-    engine = Engine.from_pretrained(model_dir, tensor_parallel_size=2, **opts)
-    workers = list(engine.runner.workers)
-    try:
-        if check is not None:
-            check(engine)
-        assert run_greedy(engine, ps, new_tokens) == expected
-    finally:
-        engine.shutdown()
-    for p in workers:
-        p.join(timeout=10)
-        assert p.exitcode == 0
-    assert not mp.active_children()
 
 
 def test_layers_follow_layer_types_with_sinks_and_biases(tiny_gpt_oss_dir):

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 
 from ember.kernels import mxfp4
 from ember.kernels.mxfp4 import MXFP4Tensor
-from tests.moe.conftest import clear_margin, ember_model, hf_greedy, prompts, run_greedy
-from tests.moe.test_gpt_oss import assert_two_ranks_match_one, save_tiny_gpt_oss
+from tests.moe.conftest import (assert_two_ranks_match_one, clear_margin, ember_model, hf_greedy, prompts,
+                                run_greedy)
+from tests.moe.test_gpt_oss import save_tiny_gpt_oss
 
 
 def _random_packed(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
 """`ember quantize-nvfp4` writes a ModelOpt-format checkpoint, and Ember's NVFP4 path runs it like a torch reference
-that dequantizes the checkpoint and runs the model in transformers."""
+that dequantizes the checkpoint and runs the model in transformers, alone or split over two tensor-parallel ranks."""
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -10,8 +12,8 @@ from safetensors import safe_open
 from ember.engine import quantize
 from ember.engine.nvfp4_loading import NVFP4Linear
 from ember.kernels import nvfp4
-from tests.moe.conftest import clear_margin, ember_greedy, ember_logits, ember_model, hf_greedy, hf_logits, \
-    prompts, write_dequantized
+from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
+    hf_greedy, hf_logits, prompts, write_dequantized
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,33 @@ def test_sharded_source_gives_the_same_tensors_in_shards(tiny_moe_dir, tiny_moe_
     assert set(got) == set(want) == set(index)
     assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
     assert isinstance(ember_model(dst).model.layers[0].self_attn.qkv_proj, NVFP4Linear)
+
+
+def test_two_ranks_keep_their_share_of_every_packed_weight_and_decode_what_one_process_does(tiny_moe_nvfp4_dir):
+    """TP=2 on an NVFP4 checkpoint: column-parallel projections keep half the rows of the packed bytes and block
+    scales, row-parallel ones half the columns (whole 16-element scale blocks); the tensor scales are shared."""
+    def check(engine):
+        layer0, layer1 = engine.runner.model.model.layers[0], engine.runner.model.model.layers[1]
+        qkv, o = layer0.self_attn.qkv_proj, layer0.self_attn.o_proj
+        assert isinstance(qkv, NVFP4Linear) and isinstance(o, NVFP4Linear)
+        assert qkv.weight.shape == (32 + 16 + 16, 32) and qkv.weight_scale.shape == (64, 4)
+        assert o.weight.shape == (64, 16) and o.weight_scale.shape == (64, 2)
+        assert layer1.mlp.down_proj.weight.shape == (64, 24)  # the dense MLP: 48 of its 96 channels
+        ex = layer0.mlp.experts
+        assert ex.quant13.weight.shape == (8, 32, 32) and ex.quant2.weight.shape == (8, 64, 8)
+
+    assert_two_ranks_match_one(tiny_moe_nvfp4_dir, prompts(4, seed=8, min_len=4, max_len=30), 6, check)
+
+
+def test_a_split_that_cuts_a_scale_block_is_refused_naming_the_tensor(tmp_path, demo_model_dir):
+    """48 expert channels are 3 scale blocks: two ranks would each need half a block."""
+    from ember.engine.config import ConfigError
+    from ember.engine.engine import Engine
+    from tests.moe.conftest import save_tiny_moe
+
+    src, dst = save_tiny_moe(tmp_path / "src", demo_model_dir, moe_intermediate_size=48), tmp_path / "nvfp4"
+    assert quantize.main([str(src), str(dst)]) == 0
+    with pytest.raises(ConfigError, match=r"does not divide dimension 1 \(3\) of tensor "
+                                          r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight_scale'"):
+        Engine.from_pretrained(dst, dtype=torch.float32, device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    assert not mp.active_children()
