@@ -1,5 +1,6 @@
 """Tiny random Qwen3.5 checkpoints as released (multimodal: ``text_config``, ``model.language_model.`` keys, a vision
-tower), dense and MoE: Ember serves the language model with transformers' greedy tokens, alone and at TP=2."""
+tower), dense and MoE: Ember serves the language model with transformers' greedy tokens, alone and at TP=2, and the
+NVFP4 MoE checkpoint as transformers runs its dequantized weights, alone and at TP=2."""
 from __future__ import annotations
 
 import json
@@ -19,13 +20,13 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, share
 VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
 
 
-def _save(path: Path, tokenizer_dir: Path, moe: bool) -> Path:
+def _save(path: Path, tokenizer_dir: Path, moe: bool, **moe_over) -> Path:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig, \
         Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(1)
     if moe:
-        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=dict(TEXT, **MOE),
+        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=dict(TEXT, **MOE | moe_over),
                                                                     vision_config=VISION))
     else:
         model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=VISION))
@@ -81,3 +82,35 @@ def test_two_ranks_generate_transformers_tokens(qwen3_5_dir):
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_nvfp4_dirs(tmp_path_factory, demo_model_dir) -> tuple[Path, Path]:
+    """The MoE checkpoint quantized by ``ember quantize-nvfp4`` (its language model's projections and experts, under
+    ``model.language_model.``), and its dequantized twin for transformers. The shared expert is 64 wide (4 scale
+    blocks) so that two ranks can split its down projection."""
+    from ember.engine import quantize
+    from tests.moe.conftest import write_dequantized
+
+    root = tmp_path_factory.mktemp("qwen3.5-nvfp4")
+    src = _save(root / "src", demo_model_dir, moe=True, shared_expert_intermediate_size=64)
+    assert quantize.main([str(src), str(root / "nvfp4")]) == 0
+    return root / "nvfp4", write_dequantized(root / "nvfp4", root / "dequantized")
+
+
+def test_an_nvfp4_multimodal_checkpoint_matches_transformers_on_its_dequantized_weights(qwen3_5_nvfp4_dirs):
+    from ember.engine.nvfp4_loading import NVFP4Linear
+
+    qdir, deq = qwen3_5_nvfp4_dirs
+    model = ember_model(qdir)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, NVFP4Linear)
+    assert model.model.layers[0].mlp.experts.quant13 is not None
+    prompt = prompts(1, seed=3, min_len=17, max_len=17)[0]
+    got, want = ember_logits(model, prompt), hf_logits(deq, prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_an_nvfp4_multimodal_checkpoint_splits_over_two_ranks(qwen3_5_nvfp4_dirs):
+    from tests.moe.conftest import assert_two_ranks_match_one
+
+    assert_two_ranks_match_one(qwen3_5_nvfp4_dirs[0], prompts(3, seed=5, min_len=4, max_len=20), 5)
