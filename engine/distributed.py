@@ -242,6 +242,9 @@ class ShardedWeights:
     def __init__(self, model_dir: str | Path, tp: TensorParallel, rule: Callable[[str], tuple],
                  fp8_block: tuple[int, int] | None) -> None:
         self.model_dir, self.tp, self.rule, self.fp8_block = Path(model_dir), tp, rule, fp8_block
+        self.keep_fp8: Callable[[str], bool] | None = None
+        """Set by the loader before the first tensor is read: FP8 modules to yield packed (weight and scale
+        slices), not dequantized."""
         self._it = self._stream()
 
     def __iter__(self) -> "ShardedWeights":
@@ -264,10 +267,34 @@ class ShardedWeights:
                     if module in paired and name.endswith(fp8_loading.SCALE):
                         continue  # read with its weight
                     rule = self.rule(name)
-                    if module in paired and name.endswith(".weight"):
+                    if module in paired and name.endswith(".weight") and self.keep_fp8 and self.keep_fp8(module):
+                        yield from self._packed_shard(sf, name, rule, block, paired[module], f)
+                    elif module in paired and name.endswith(".weight"):
                         yield name, self._dequantized_shard(sf, name, rule, block, paired[module], f)
                     else:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
+
+    def _packed_shard(self, sf: Any, name: str, rule: tuple, block: tuple[int, int], scale_file: Path,
+                      source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's slice of a block-FP8 weight as it is stored, then the slice of its scales that covers it (the
+        slice must start on a block boundary, as the model checked when it chose to keep it packed)."""
+        module = name[: -len(".weight")]
+        shape = list(sf.get_slice(name).get_shape())
+        kept = _kept_ranges(shape, name, rule, self.tp, source)
+        yield name, _read_shard(sf, name, rule, self.tp, source)
+        with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
+            scale = scales.get_slice(module + fp8_loading.SCALE)
+            if kept is None:
+                yield module + fp8_loading.SCALE, scale[:]
+                return
+            dim, ranges = kept
+            b = block[dim]
+            if any(a % b or (z % b and z != shape[dim]) for a, z in ranges):
+                raise ConfigError(f"{source}: tensor {name!r}: this rank's rows/columns {ranges} cut its {block} FP8 "
+                                  "scale blocks")
+            lead = (slice(None),) * dim
+            pieces = [scale[lead + (slice(a // b, -(-z // b)),)] for a, z in ranges]
+            yield module + fp8_loading.SCALE, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
     def _dequantized_shard(self, sf: Any, name: str, rule: tuple, block: tuple[int, int], scale_file: Path,
                            source: Path) -> torch.Tensor:

@@ -81,11 +81,13 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
         model = cls(cfg, max_position)
     model = model.to(dtype)
     weights = loader.iter_weights(model_dir) if weights is None else weights
+    keep = getattr(model, "keeps_fp8", None)  # FP8 modules the model runs packed (decided as it starts loading)
     if hasattr(weights, "shard_shape"):  # one tensor-parallel rank's slices (`distributed.ShardedWeights`)
         model.shard_shape = weights.shard_shape
+        weights.keep_fp8 = keep
     block = fp8_loading.block_size(cfg.raw, str(loader.checkpoint_dir(model_dir) / "config.json"))
     if block is not None:
-        weights = fp8_loading.dequantized(weights, block, str(model_dir))
+        weights = fp8_loading.dequantized(weights, block, str(model_dir), keep)
     model.load_weights(weights, source=str(model_dir))
     model.rope.build_cache(device, dtype)
     return model.eval()

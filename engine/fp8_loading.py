@@ -3,20 +3,23 @@
 
 Each quantized projection stores ``{m}.weight`` as e4m3 ``[N, K]`` and ``{m}.weight_scale_inv`` fp32
 ``[ceil(N/bn), ceil(K/bk)]``, one scale per block (the last row and column of blocks may be partial). Ember
-dequantizes them as they load (``weight * scale`` per block) and runs the model in its dtype: the checkpoint's
-memory saving is not kept, its weights are. Activation scales (``input_scale``) are dropped: activations stay in the
-model dtype. Under tensor parallelism each rank dequantizes only its slice, by the blocks its rows and columns fall
-in (`ember.engine.distributed`).
+dequantizes them as they load (``weight * scale`` per block) and runs the model in its dtype, except where a
+model keeps them packed: MoE experts stay e4m3 with their block scales and run W8A16 in the fused-MoE kernel
+(``Qwen3MoeForCausalLM.keeps_fp8``), which holds most of a large MoE's weights at FP8's memory. Activation scales
+(``input_scale``) are dropped: activations stay in the model dtype. Under tensor parallelism each rank dequantizes
+only its slice, by the blocks its rows and columns fall in, or keeps it packed with the scale blocks covering it
+(`ember.engine.distributed`).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from ember.engine.nvfp4_loading import QuantizationError, is_fp8
+from ember.kernels import fp8_block
 
 SCALE = ".weight_scale_inv"
 _ACTIVATIONSCALES = (".input_scale", ".activation_scale")
@@ -52,10 +55,7 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     """fp32 ``weight * scale`` with each ``block`` of ``weight`` scaled by its entry of ``scale_inv`` (``module``
     names the pair in errors)."""
     check_scale_shape(list(weight.shape), scale_inv, block, module, source)
-    n, k = weight.shape
-    bn, bk = block
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * scale
+    return fp8_block.dequantize(weight, scale_inv, block)
 
 
 def paired_scales(files: list[Path]) -> dict[str, Path]:
@@ -74,13 +74,17 @@ def paired_scales(files: list[Path]) -> dict[str, Path]:
 
 
 def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
-                source: str = "checkpoint") -> Iterator[tuple[str, torch.Tensor]]:
+                source: str = "checkpoint", keep: Callable[[str], bool] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every e4m3 weight dequantized by its block scales (each pair is yielded once
-    both halves have been read, in either order); activation scales are left out."""
+    both halves have been read, in either order); activation scales are left out. Modules for which ``keep(module)``
+    holds (a model running them in FP8) pass through as they are, weight and scale."""
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
-        if name.endswith(SCALE):
+        if keep is not None and name.endswith((SCALE, ".weight")) and keep(name.rsplit(".", 1)[0]):
+            yield name, tensor
+        elif name.endswith(SCALE):
             module = name[: -len(SCALE)]
             w = weights_waiting.pop(module, None)
             if w is None:

@@ -9,7 +9,9 @@ Design (vLLM's ``fused_moe_kernel``, reimplemented):
 4. GEMM 2 (``w2``): rows are the pairs themselves, scaled by their routing weight in the epilogue, written
    ``[M*k, H]`` (fp32) and summed over ``k`` (the weighted combine).
 
-Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``) or NVFP4 stacks
+Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), block-scaled FP8 stacks
+(:class:`ember.kernels.fp8_block.FP8BlockTensor`: e4m3 bytes decoded with integer ops and scaled per block inside
+the kernel, W8A16) or NVFP4 stacks
 (:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed
 ``[BLOCK_N, BLOCK_K/2]`` bytes and ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the nibbles decoded
 and scaled (integer ops, so no FP8 hardware support is needed), interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and
@@ -41,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels import mxfp4, nvfp4
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.moe_reference import silu_and_mul
 from ember.kernels.moe_reference import topk_routing as fused_topk  # noqa: F401 (routing is torch on every device)
 from ember.kernels.mxfp4 import MXFP4Tensor
@@ -85,6 +88,13 @@ def default_config(
     if cfg.block_m == 64:
         return replace(cfg, num_warps=8, num_stages=2)
     return replace(cfg, num_stages=min(cfg.num_stages, 2))
+
+
+def block_fp8_config(cfg: GemmConfig) -> GemmConfig:
+    """Block-FP8 weights: ``cfg`` (from :func:`default_config` with ``nvfp4=True``, the in-kernel-decode limits) with
+    K steps of at most 64, which keep the fused gate/up GEMM free of spills for sm_100 with Triton 3.6 at 128-wide
+    N tiles (``tests/moe/compile_check_moe.py``); 64 still divides the releases' 128-wide scale blocks."""
+    return replace(cfg, block_k=min(cfg.block_k, 64))
 
 
 def _table_config(m: int, device: torch.device) -> GemmConfig:
@@ -186,12 +196,14 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  stride_bn, stride_bk, stride_sn, stride_sk,
                  NVFP4: tl.constexpr, DTYPE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr):
+                 SCALE_E8M0: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr):
     """K step ``k0`` of one expert as the ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], k]``, in DTYPE.
 
     NVFP4: the packed ``[BLOCK_N, BLOCK_K/2]`` bytes and the ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each
     loaded once (coalesced along K); low and high nibbles are decoded and scaled separately, then interleaved
     (``tl.join`` + ``tl.reshape``: element ``2i`` is the low nibble) and transposed for ``tl.dot``.
+    Block FP8 (``FP8_BN > 0``): the e4m3 bytes are decoded with integer ops and multiplied by the float32 scale of
+    the ``FP8_BN x FP8_BK`` block each element falls in (one scale per row when the tile lies in one K block).
     """
     if NVFP4:
         kp = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -206,6 +218,19 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
         lo = (_e2m1_to_f32(packed & 15) * scale).to(DTYPE)
         hi = (_e2m1_to_f32(packed >> 4) * scale).to(DTYPE)
         return tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)))
+    elif FP8_BN > 0:
+        kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (kk < K)[:, None] & row_mask[None, :]
+        u = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk, mask=mask, other=0).to(tl.int32)
+        if FP8_BK % BLOCK_K == 0:  # the tile lies in one K block: one scale per row (a [BLOCK_K, BLOCK_N] gather of
+            # float32 scales spills at BLOCK_M=32 on sm_90)
+            scale = tl.load(bs_ptr + (rows // FP8_BN) * stride_sn + (k0 * BLOCK_K // FP8_BK) * stride_sk,
+                            mask=row_mask, other=0.0)
+            return (_e4m3_to_f32(u) * scale[None, :]).to(DTYPE)
+        else:
+            scale = tl.load(bs_ptr + (rows // FP8_BN)[None, :] * stride_sn + (kk // FP8_BK)[:, None] * stride_sk,
+                            mask=mask, other=0.0)
+            return (_e4m3_to_f32(u) * scale).to(DTYPE)
     else:
         kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk,
@@ -245,13 +270,14 @@ def _moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
-    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr,
+    DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
     (MXFP4) E8M0 scales per 32 and none; MXFP4 with ``DOT_SCALED`` (Blackwell) feeds the packed bytes and scales to
-    ``tl.dot_scaled`` against the ``A_FORMAT`` (bf16/fp16) activations instead of dequantizing them. ``CLAMPED_SWIGLU``
-    is gpt-oss's GLU instead of SiLU-and-mul."""
+    ``tl.dot_scaled`` against the ``A_FORMAT`` (bf16/fp16) activations instead of dequantizing them. ``FP8_BN > 0``:
+    e4m3 weights with a float32 scale per ``FP8_BN x FP8_BK`` block (W8A16). ``CLAMPED_SWIGLU`` is gpt-oss's GLU
+    instead of SiLU-and-mul."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -284,12 +310,12 @@ def _moe_gemm_kernel(
         else:
             b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
-                             SCALE_E8M0)
+                             SCALE_E8M0, FP8_BN, FP8_BK)
             acc = tl.dot(a, b, acc)
             if FUSE_SILU:
                 b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
                                     stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
-                                    SCALE_GROUP, SCALE_E8M0)
+                                    SCALE_GROUP, SCALE_E8M0, FP8_BN, FP8_BK)
                 acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
 
@@ -395,10 +421,19 @@ def _invoke(
     swiglu: tuple[float, float] | None = None,
     dot_scaled: bool = False,
 ) -> None:
-    """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4 or MXFP4 weight stack; optional per-expert
-    ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of SiLU."""
+    """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
+    per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
+    SiLU."""
     mx = isinstance(w, MXFP4Tensor)
-    if mx:
+    fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
+    if isinstance(w, FP8BlockTensor):
+        b = w.weight.view(torch.uint8)
+        scale = w.scale.float()
+        s2 = b  # unused: the block scales are the whole scale
+        k = b.shape[-1]
+        s_strides = scale.stride()
+        s2_strides = (0, 0)
+    elif mx:
         b = w.weight
         scale = w.scale
         s2 = b  # unused: MXFP4 has no tensor scale
@@ -437,6 +472,7 @@ def _invoke(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
+        FP8_BN=fp8[0], FP8_BK=fp8[1],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -457,19 +493,24 @@ def fused_moe(
     """``[M, H]`` = sum over each token's ``k`` experts of ``w * down(silu(gate(x)) * up(x))``.
 
     ``w13``/``w2`` are dense stacks ``[E, 2I, H]`` / ``[E, H, I]`` or NVFP4 stacks of the same logical shapes
-    (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``) or MXFP4 stacks. ``x`` is fp16/bf16/fp32; the
-    output has its dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``. gpt-oss: per-expert biases
-    ``b13 [E, 2I]`` / ``b2 [E, H]`` and ``swiglu = (limit, alpha)`` for its clamped GLU
+    (``w13.weight_scale_2`` ``[E, 2]``, ``w2.weight_scale_2`` ``[E]``) or MXFP4 or block-FP8 stacks (for FP8,
+    ``w13``'s up half must start on a scale-block row: ``I`` a multiple of the block's rows). ``x`` is
+    fp16/bf16/fp32; the output has its dtype. ``topk_ids`` int ``[M, k]``, ``topk_weights`` ``[M, k]``. gpt-oss:
+    per-expert biases ``b13 [E, 2I]`` / ``b2 [E, H]`` and ``swiglu = (limit, alpha)`` for its clamped GLU
     (:func:`ember.kernels.moe_reference.clamped_swiglu`). MXFP4 stacks with bf16/fp16 activations use
     ``tl.dot_scaled`` where :func:`mxfp4_dot_scaled_available` says so (``dot_scaled`` forces it on or off).
     """
     m, h = x.shape
     top_k = topk_ids.shape[1]
-    packed = isinstance(w13, (NVFP4Tensor, MXFP4Tensor))
-    shape13 = w13.shape if packed else tuple(w13.shape)
+    packed = isinstance(w13, (NVFP4Tensor, MXFP4Tensor, FP8BlockTensor))
+    shape13 = tuple(w13.shape)
     e, n2 = shape13[0], shape13[1]
     inter_size = n2 // 2
+    if isinstance(w13, FP8BlockTensor) and inter_size % w13.block[0]:
+        raise ValueError(f"block-FP8 w13: the up half (row {inter_size}) must start a {w13.block[0]}-row scale block")
     cfg = config or default_config(m, e, top_k, x.device, nvfp4=packed)
+    if config is None and isinstance(w13, FP8BlockTensor):
+        cfg = block_fp8_config(cfg)
     if not isinstance(w13, MXFP4Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
         dot_scaled = False
     elif dot_scaled is None:
@@ -492,17 +533,29 @@ def nvfp4_linear(
     x: torch.Tensor, w: NVFP4Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
     """``x @ dequant(w).T (+ bias)`` through the grouped GEMM with one expert and no gather (W4A16)."""
+    stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
+    return _one_expert_linear(x, stack, w.weight.shape[0], bias, config)
+
+
+def block_fp8_linear(
+    x: torch.Tensor, w: FP8BlockTensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """``x @ dequant(w).T (+ bias)`` for a 2-D block-FP8 weight, through the grouped GEMM with one expert (W8A16)."""
+    stack = FP8BlockTensor(w.weight.unsqueeze(0), w.scale.unsqueeze(0), w.block)
+    return _one_expert_linear(x, stack, w.weight.shape[0], bias, config)
+
+
+def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None,
+                       config: GemmConfig | None) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
-    n = w.weight.shape[0]
     cfg = config or linear_config(m, x.device)
     cap = triton.cdiv(max(m, 1), cfg.block_m) * cfg.block_m
     sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
     sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
     expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
     num_post = torch.full((1,), cap, dtype=torch.int32, device=x.device)
-    stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _invoke(x2, stack, out, None, sorted_ids, expert_ids, num_post, n, 1, False, m, cfg)

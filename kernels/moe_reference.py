@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ember.kernels import mxfp4, nvfp4
+from ember.kernels import fp8_block, mxfp4, nvfp4
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.mxfp4 import MXFP4Tensor
 from ember.kernels.nvfp4 import NVFP4Tensor
 
@@ -76,12 +77,15 @@ def clamped_swiglu(x: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) ->
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def expert_weight(w: torch.Tensor | NVFP4Tensor | MXFP4Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+def expert_weight(w: torch.Tensor | NVFP4Tensor | MXFP4Tensor | FP8BlockTensor, e: int,
+                  dtype: torch.dtype) -> torch.Tensor:
     """Expert ``e``'s ``[N, K]`` weight in ``dtype``; an NVFP4 stack is dequantized, each of its equal row
     partitions (``weight_scale_2[e]`` of shape ``[P]``) with its own tensor scale; an MXFP4 stack likewise (E8M0
-    scales per 32, no tensor scale)."""
+    scales per 32, no tensor scale), and a block-FP8 stack by its block scales."""
     if isinstance(w, MXFP4Tensor):
         return mxfp4.dequantize(w.weight[e], w.scale[e], dtype)
+    if isinstance(w, FP8BlockTensor):
+        return fp8_block.dequantize(w.weight[e], w.scale[e], w.block, dtype)
     if not isinstance(w, NVFP4Tensor):
         return w[e].to(dtype)
     s2 = w.weight_scale_2.float()[e].reshape(-1)

@@ -1,6 +1,7 @@
-"""The fused-MoE and NVFP4 kernels at the Qwen3-30B-A3B layer shape (E=128, H=2048, I=768, top-8).
+"""The fused-MoE, NVFP4 and block-FP8 kernels at the Qwen3-30B-A3B layer shape (E=128, H=2048, I=768, top-8).
 
-`correctness_checks` (part of section 1): the bf16 Triton fused MoE, NVFP4 W4A16 (and W4A4 where
+`correctness_checks` (part of section 1): the bf16 Triton fused MoE, block-FP8 W8A16 (128x128 blocks, as the
+``-FP8`` releases), NVFP4 W4A16 (and W4A4 where
 `kernels.moe.w4a4_available`) and the dense NVFP4 linear against the torch references, by relative error, at each
 token count M the timings use (each M has its own tile config). `run` (section 4): median time of each against the
 bf16 torch reference loop and against its **bytes floor**: distinct experts touched x bytes per expert plus the
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.kernels import moe, nvfp4
+from ember.kernels import fp8_block, moe, nvfp4
 from ember.kernels import moe_reference as ref
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.nvfp4 import NVFP4Tensor
 
 from gpu_sections.common import Ctx, bench_ms
@@ -33,6 +35,8 @@ class MoeWeights:
     w2: torch.Tensor  # [E, H, I]
     q13: NVFP4Tensor
     q2: NVFP4Tensor
+    f13: FP8BlockTensor
+    f2: FP8BlockTensor
 
 
 def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
@@ -44,14 +48,15 @@ def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
 
 
 def weights(ctx: Ctx) -> MoeWeights:
-    """The layer's random weights and their NVFP4 quantization, built once per run."""
+    """The layer's random weights and their NVFP4 and block-FP8 quantizations, built once per run."""
     def build() -> MoeWeights:
         e, h, i, k = ctx.pick((8, 64, 32, 2), (128, 2048, 768, 8), (128, 2048, 768, 8))
+        block = ctx.pick((16, 16), (128, 128), (128, 128))
         g = torch.Generator(device=ctx.device).manual_seed(0)
         w13 = torch.randn(e, 2 * i, h, generator=g, device=ctx.device) / h ** 0.5
         w2 = torch.randn(e, h, i, generator=g, device=ctx.device) / i ** 0.5
         return MoeWeights(e, h, i, k, w13.to(ctx.dtype), w2.to(ctx.dtype), quantize_stack(w13, 2),
-                          quantize_stack(w2, 1))
+                          quantize_stack(w2, 1), fp8_block.quantize(w13, block), fp8_block.quantize(w2, block))
 
     return ctx.cached("moe_weights", build)
 
@@ -77,6 +82,9 @@ def correctness_checks(ctx: Ctx) -> None:
         with ctx.case(f"moe bf16 M={m}"):
             want = ref.fused_moe(x.float(), w.w13.float(), w.w2.float(), tw, ti)
             ctx.report.check(f"moe bf16 M={m}", moe.fused_moe(x, w.w13, w.w2, tw, ti), want, tol)
+        with ctx.case(f"moe fp8 w8a16 M={m}"):
+            want = ref.fused_moe(x.float(), w.f13, w.f2, tw, ti)
+            ctx.report.check(f"moe fp8 w8a16 M={m}", moe.fused_moe(x, w.f13, w.f2, tw, ti), want, tol)
         with ctx.case(f"moe nvfp4 w4a16 M={m}"):
             want = ref.fused_moe_nvfp4(x.float(), w.q13, w.q2, tw, ti)
             got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False)
@@ -121,6 +129,7 @@ def run(ctx: Ctx) -> None:
     w = weights(ctx)
     bytes_bf16 = 3 * w.i * w.h * torch.finfo(ctx.dtype).bits // 8
     bytes_fp4 = 3 * w.i * w.h * (0.5 + 1 / 16)
+    bytes_fp8 = 3 * w.i * w.h * (1 + 4 / (w.f13.block[0] * w.f13.block[1]))
     w4a4 = moe.w4a4_available(ctx.device)
     rep.data.update(shape=dict(E=w.e, H=w.h, I=w.i, top_k=w.k), w4a4=w4a4)
     try:
@@ -134,9 +143,11 @@ def run(ctx: Ctx) -> None:
         touched = int(torch.unique(ti).numel())
         act = m * w.h * 2 * 2 + m * w.k * w.h * 4  # x in, output, the fp32 per-pair partials
         row = rep.row(kind="moe", M=m, experts_touched=touched, floor_bf16_ms=(touched * bytes_bf16 + act) / copy / 1e6,
-                      floor_nvfp4_ms=(touched * bytes_fp4 + act) / copy / 1e6)
+                      floor_nvfp4_ms=(touched * bytes_fp4 + act) / copy / 1e6,
+                      floor_fp8_ms=(touched * bytes_fp8 + act) / copy / 1e6)
         row["torch_ms"] = bench_ms(lambda: ref.fused_moe(x, w.w13, w.w2, tw, ti), rep=20, warmup=3)
         row["bf16_ms"] = bench_ms(lambda: moe.fused_moe(x, w.w13, w.w2, tw, ti), rep=50, warmup=10)
+        row["fp8_ms"] = bench_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti), rep=50, warmup=10)
         row["nvfp4_ms"] = bench_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False), rep=50,
                                    warmup=10)
         if w4a4:
@@ -144,10 +155,12 @@ def run(ctx: Ctx) -> None:
                                       warmup=10)
         row["bf16_over_floor"] = row["bf16_ms"] / row["floor_bf16_ms"]
         row["nvfp4_over_floor"] = row["nvfp4_ms"] / row["floor_nvfp4_ms"]
+        row["fp8_over_floor"] = row["fp8_ms"] / row["floor_fp8_ms"]
         if m <= 64:
             worst = max(worst or 0.0, row["nvfp4_over_floor"])
         rep.log(f"  moe M={m:<5} experts {touched:>3}  torch {row['torch_ms']:8.3f} ms  bf16 {row['bf16_ms']:7.3f} ms "
-                f"({row['bf16_over_floor']:.1f}x floor)  nvfp4 {row['nvfp4_ms']:7.3f} ms "
+                f"({row['bf16_over_floor']:.1f}x floor)  fp8 {row['fp8_ms']:7.3f} ms "
+                f"({row['fp8_over_floor']:.1f}x floor)  nvfp4 {row['nvfp4_ms']:7.3f} ms "
                 f"({row['nvfp4_over_floor']:.1f}x floor {row['floor_nvfp4_ms']:.3f} ms)")
         rep.save()
     if worst is not None:

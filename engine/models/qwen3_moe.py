@@ -10,12 +10,14 @@ NVFP4 experts (ModelOpt per-expert tensors) stay packed and run through the fuse
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from ember.engine import nvfp4_loading
+from ember.engine import fp8_loading, loader, nvfp4_loading
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import (
     Attention,
@@ -27,27 +29,56 @@ from ember.engine.models.layers import (
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.nvfp4 import BLOCK, NVFP4Tensor
 
 _PROJ = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
+log = logging.getLogger(__name__)
 
 
 class MoEExperts(nn.Module):
-    """All experts of one layer as two stacks (buffers, so the dense loader's parameter checks skip them)."""
+    """All experts of one layer as two stacks (buffers, so the dense loader's parameter checks skip them).
+
+    The dense stacks are placeholders (on the meta device) until the loader has chosen the checkpoint's format:
+    :meth:`materialize` allocates the ones that stay dense, so a quantized checkpoint never holds its experts in
+    the model dtype, not even while loading."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device=device))
-        self.register_buffer("w2", torch.empty(num_experts, hidden, inter, dtype=dtype, device=device))
-        self.quant13: NVFP4Tensor | None = None
-        self.quant2: NVFP4Tensor | None = None
+        self.device = device
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden, dtype=dtype, device="meta"))
+        self.register_buffer("w2", torch.empty(num_experts, hidden, inter, dtype=dtype, device="meta"))
+        self.quant13: NVFP4Tensor | FP8BlockTensor | None = None
+        self.quant2: NVFP4Tensor | FP8BlockTensor | None = None
         self.a13_scale: torch.Tensor | None = None
         self.a2_scale: torch.Tensor | None = None
 
-    def make_nvfp4(self, which: str, device: torch.device) -> None:
+    def materialize(self) -> None:
+        """Allocate the dense stacks that no quantized stack replaced."""
+        for which in ("w13", "w2"):
+            t = getattr(self, which)
+            if t is not None and t.is_meta:
+                self.register_buffer(which, torch.empty(t.shape, dtype=t.dtype, device=self.device))
+
+    def make_fp8(self, block: tuple[int, int]) -> None:
+        """Replace both stacks by empty block-FP8 stacks (e4m3 weights, a float32 scale per ``block``) for the loader
+        to fill; gate and up rows keep their own scale blocks, so ``inter`` must be a multiple of the block's rows."""
+        bn, bk = block
+        e, h, i = self.num_experts, self.hidden, self.inter
+
+        def stack(n: int, k: int) -> FP8BlockTensor:
+            return FP8BlockTensor(torch.zeros(e, n, k, dtype=torch.uint8, device=self.device).view(torch.float8_e4m3fn),
+                                  torch.zeros(e, -(-n // bn), -(-k // bk), dtype=torch.float32, device=self.device),
+                                  (bn, bk))
+
+        self.quant13, self.quant2 = stack(2 * i, h), stack(h, i)
+        self.register_buffer("w13", None)
+        self.register_buffer("w2", None)
+
+    def make_nvfp4(self, which: str) -> None:
         """Replace one stack (``"w13"`` or ``"w2"``) by an empty NVFP4 stack to be filled by the loader."""
-        e = self.num_experts
+        e, device = self.num_experts, self.device
         n, k, parts = (2 * self.inter, self.hidden, 2) if which == "w13" else (self.hidden, self.inter, 1)
         q = NVFP4Tensor(
             torch.zeros(e, n, k // 2, dtype=torch.uint8, device=device),
@@ -191,15 +222,54 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                     if (spec.out_features, spec.in_features) != want:
                         raise QuantizationError(f"{spec.file}: tensor {n}.weight is [{spec.out_features}, "
                                                 f"{spec.in_features}] (unpacked), expected {list(want)}")
-                ex.make_nvfp4(which, self.model.embed_tokens.weight.device)
+                ex.make_nvfp4(which)
+
+    def _install_fp8_experts(self, source: str) -> None:
+        """In a block-FP8 checkpoint, keep a layer's experts in FP8 (W8A16 in the fused MoE) when every expert
+        projection of the layer is e4m3 with its scales and this rank's share of ``moe_intermediate_size`` starts
+        gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise."""
+        block = fp8_loading.block_size(self.config.raw, source)
+        if block is None or not os.path.isdir(source):
+            return
+        paired = fp8_loading.paired_scales(loader.weight_files(source))
+        split = getattr(self, "shard_shape", None) is not None  # one tensor-parallel rank's slices
+        for i, sparse in enumerate(self.sparse):
+            if not sparse:
+                continue
+            ex = self._experts(i)
+            names = [self.checkpoint_name(f"model.layers.{i}.mlp.experts.{e}.{p}.weight")
+                     for e in range(ex.num_experts) for p in _PROJ]
+            if not all(n is not None and n[: -len(".weight")] in paired for n in names):
+                continue
+            if ex.inter % block[0] or (split and ex.inter % block[1]):
+                log.warning("%s: layer %d's FP8 experts are dequantized to %s: %d intermediate channels per rank are "
+                            "not whole %s scale blocks", source, i, self.model.embed_tokens.weight.dtype, ex.inter,
+                            block)
+                continue
+            ex.make_fp8(block)
+            self._fp8_expert_layers.add(i)
+
+    def keeps_fp8(self, module: str) -> bool:
+        """Whether checkpoint module ``module``'s e4m3 weight and scales reach :meth:`load_weights` as they are (an
+        expert of a layer :meth:`_install_fp8_experts` kept in FP8) instead of dequantized."""
+        name = self.checkpoint_name(module + ".weight")
+        parts = [] if name is None else name.split(".")[:-1]
+        return (len(parts) == 7 and parts[3:5] == ["mlp", "experts"] and parts[2].isdigit()
+                and int(parts[2]) in self._fp8_expert_layers)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Experts (either key form, bf16 or NVFP4) are placed here; everything else goes through the shared
-        loader, with NVFP4 attention / dense MLP layers swapped in by :func:`nvfp4_loading.prepare`."""
+        """Experts (either key form; bf16, NVFP4 or block FP8) are placed here; everything else goes through the
+        shared loader, with NVFP4 attention / dense MLP layers swapped in by :func:`nvfp4_loading.prepare`."""
+        self._fp8_expert_layers: set[int] = set()
         stream = nvfp4_loading.prepare(self, weights, source)
         if self.nvfp4_plan is not None:
             self._install_nvfp4_experts(self.nvfp4_plan)
+        else:
+            self._install_fp8_experts(source)
+        for i, sparse in enumerate(self.sparse):
+            if sparse:
+                self._experts(i).materialize()
         filled: dict[tuple[int, str], int] = {}
         expected: dict[tuple[int, str], int] = {}
 
@@ -217,7 +287,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             ex = self._experts(i)
             for which in ("w13", "w2"):
                 q = ex.quant13 if which == "w13" else ex.quant2
-                per_expert = (2 if which == "w13" else 1) * (3 if q is not None else 1)
+                tensors = 1 if q is None else 2 if isinstance(q, FP8BlockTensor) else 3
+                per_expert = (2 if which == "w13" else 1) * tensors
                 expected[(i, which)] = ex.num_experts * per_expert
                 if filled.get((i, which), 0) not in (expected[(i, which)], -1):
                     raise ConfigError(f"{source}: layer {i} experts' {which} is incomplete "
@@ -261,6 +332,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
             dest.copy_(tensor.to(dest.dtype))
+        elif isinstance(q, FP8BlockTensor):
+            self._place_fp8(q, e, part if which == "w13" else None, ex.inter, name, suffix, tensor, source)
         elif suffix == "weight":
             q.weight[e, rows].copy_(tensor)
         elif suffix == "weight_scale":
@@ -277,6 +350,21 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
         if filled.get((layer, which), 0) >= 0:
             filled[(layer, which)] = filled.get((layer, which), 0) + 1
+
+    @staticmethod
+    def _place_fp8(q: FP8BlockTensor, e: int, part: int | None, inter: int, name: str, suffix: str,
+                   tensor: torch.Tensor, source: str) -> None:
+        """Expert ``e``'s e4m3 weight or scale blocks into a block-FP8 stack (``part``: 0 gate, 1 up of ``w13``)."""
+        bn = q.block[0]
+        rows = slice(None) if part is None else slice(part * inter, (part + 1) * inter)
+        scale_rows = slice(None) if part is None else slice(part * inter // bn, (part + 1) * inter // bn)
+        dest = {"weight": q.weight[e, rows], "weight_scale_inv": q.scale[e, scale_rows]}.get(suffix)
+        if dest is None:
+            raise ConfigError(f"{source}: unexpected tensor {name!r} beside block-FP8 experts")
+        if tensor.dtype != dest.dtype or tuple(tensor.shape) != tuple(dest.shape):
+            raise QuantizationError(f"{source}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                                    f"{dest.dtype} {tuple(dest.shape)} (block-FP8 experts)")
+        dest.copy_(tensor)
 
     @staticmethod
     def _merge_input_scale(ex: MoEExperts, which: str, tensor: torch.Tensor) -> None:

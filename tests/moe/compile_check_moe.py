@@ -1,6 +1,7 @@
 """Compile the fused-MoE / NVFP4 kernels for a CUDA target with the real Triton compiler, no GPU needed.
 
-``python tests/moe/compile_check_moe.py 90 [--quick]`` (Hopper: the W4A16 and dense grouped GEMMs in bf16/fp16) or
+``python tests/moe/compile_check_moe.py 90 [--quick]`` (Hopper: the W4A16, block-FP8 W8A16 and dense grouped GEMMs
+in bf16/fp16) or
 ``100`` (Blackwell: also the W4A4 ``dot_scaled`` kernel). Drives the public wrappers with CPU tensors, records each
 launch (the recorder of ``tests/kernels/compile_check.py``) and compiles it to a cubin specialized as the JIT would.
 Prints ``OK``/``FAIL``/``SPILL`` per launch with registers and stack bytes, then a table, and exits non-zero on any
@@ -13,7 +14,7 @@ import sys
 
 import torch
 
-from ember.kernels import moe, nvfp4
+from ember.kernels import fp8_block, moe, nvfp4
 from ember.kernels import moe_reference as ref
 from ember.kernels.nvfp4 import NVFP4Tensor
 from tests.kernels.compile_check import _Recorder, compile_launches
@@ -33,6 +34,7 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
                                                       for q in map(nvfp4.quantize, w13)])))
     q2 = NVFP4Tensor(*(torch.stack(t) for t in zip(*[(q.weight, q.weight_scale, q.weight_scale_2)
                                                      for q in map(nvfp4.quantize, w2)])))
+    f13, f2 = fp8_block.quantize(w13, (128, 128)), fp8_block.quantize(w2, (128, 128))  # the -FP8 releases' block
     for dt in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16):
         for m in (64,) if quick else (1, 16, 64, 256, 512, 4096):
             x = torch.randn(m, h, generator=g).to(dt)
@@ -41,6 +43,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             if not quick:
                 moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
             moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True))
+            fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
+            moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
             moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, cuda))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))

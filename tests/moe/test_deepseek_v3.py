@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ember.engine import loader
-from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
                                 assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,

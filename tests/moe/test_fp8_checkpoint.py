@@ -1,7 +1,8 @@
 """Block-quantized FP8 checkpoints (DeepSeek / Qwen ``-FP8`` layout: e4m3 weights with ``weight_scale_inv`` per
-block, ``quant_method: fp8``): Ember dequantizes on load and decodes what transformers decodes from the same
-dequantized weights, alone or over two tensor-parallel ranks (each dequantizing its slice); the mistakes a broken
-checkpoint can hold are named."""
+block, ``quant_method: fp8``): the experts stay e4m3 (W8A16 in the fused MoE), the rest is dequantized on load, and
+Ember decodes what transformers decodes from the same dequantized weights, alone or over two tensor-parallel ranks
+(each keeping whole scale blocks of its experts, or dequantizing its slice); a broken checkpoint's mistakes are
+named."""
 from __future__ import annotations
 
 import json
@@ -14,36 +15,27 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ember.engine import fp8_loading
+from ember.kernels import fp8_block
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.engine.nvfp4_loading import QuantizationError
-from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, hf_greedy, prompts
+from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
+    hf_greedy, prompts
 
 BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks is partial
-FP8_MAX = 448.0
+SMALL_BLOCK = (16, 16)  # two ranks' 16 expert channels each are whole blocks: experts stay FP8 under TP=2
 
 
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and fp32 ``weight_scale_inv`` (block amax / 448), as the FP8 releases store them."""
-    n, k = w.shape
-    bn, bk = BLOCK
-    scale = torch.zeros(-(-n // bn), -(-k // bk))
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            scale[i, j] = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().max().clamp(min=1e-12) / FP8_MAX
-    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def _write(src: Path, fp8_dir: Path, ref_dir: Path) -> None:
+def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLOCK) -> None:
     """The FP8 checkpoint of ``src`` (every decoder projection, experts included) and its dequantized twin."""
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     fp8, ref = {}, {}
     for name, t in tensors.items():
         if ".layers." in name and name.endswith("proj.weight") and t.dim() == 2:
-            q, s = _quantize(t.float())
-            fp8[name], fp8[name + "_scale_inv"] = q, s
+            q = fp8_block.quantize(t, block)
+            fp8[name], fp8[name + "_scale_inv"] = q.weight, q.scale
             fp8[name[: -len(".weight")] + ".input_scale"] = torch.ones(())  # static activation scale: dropped
-            ref[name] = fp8_loading.dequantize(q, s, BLOCK)
+            ref[name] = q.dequantize()
         else:
             fp8[name] = ref[name] = t
     for out, data in ((fp8_dir, fp8), (ref_dir, ref)):
@@ -54,7 +46,7 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
     (ref_dir / "config.json").write_text(json.dumps(cfg))
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
+                                  "weight_block_size": list(block)}
     (fp8_dir / "config.json").write_text(json.dumps(cfg))
 
 
@@ -68,13 +60,45 @@ def fp8_dirs(tiny_moe_dir, tmp_path_factory) -> tuple[Path, Path]:
 def test_dequantize_scales_each_block_including_partial_ones():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(70, 100, generator=g)
-    q, s = _quantize(w)
-    got = fp8_loading.dequantize(q, s, BLOCK)
+    q = fp8_block.quantize(w, BLOCK)
+    got = fp8_loading.dequantize(q.weight, q.scale, BLOCK)
     assert got[64:, 96:].abs().max() > 0  # the partial corner block is scaled, not dropped
     for i, j in ((0, 0), (2, 2), (1, 0)):
         rows, cols = slice(i * 32, (i + 1) * 32), slice(j * 48, (j + 1) * 48)
-        assert torch.equal(got[rows, cols], q[rows, cols].float() * s[i, j])
+        assert torch.equal(got[rows, cols], q.weight[rows, cols].float() * q.scale[i, j])
     assert ((got - w).norm() / w.norm()).item() < 0.05  # e4m3's rounding, no more
+
+
+def test_experts_stay_fp8_and_the_rest_is_dequantized(fp8_dirs):
+    """The experts, most of a MoE's weights, keep one byte per weight with their block scales; attention and the
+    dense MLP run dequantized in the model dtype."""
+    from ember.engine import loader
+    from ember.engine.models import get_model_class
+
+    cfg = loader.load_model_config(fp8_dirs[0])
+    assert get_model_class(cfg.architecture)(cfg, 64).model.layers[0].mlp.experts.w13.is_meta  # not allocated yet
+    model = ember_model(fp8_dirs[0])
+    ex = model.model.layers[0].mlp.experts
+    assert isinstance(ex.quant13, FP8BlockTensor) and ex.w13 is None and ex.w2 is None
+    assert ex.quant13.weight.dtype == torch.float8_e4m3fn and ex.quant13.weight.shape == (8, 64, 64)
+    assert ex.quant13.scale.shape == (8, 2, 2) and ex.quant2.scale.shape == (8, 2, 1)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+
+
+def test_triton_fp8_experts_in_the_model_match_the_torch_path(fp8_dirs, monkeypatch):
+    """The fused-MoE kernel (interpreter on CPU) decodes the e4m3 experts by their block scales."""
+    from ember.kernels import moe
+
+    prompt = prompts(1, seed=9, min_len=20, max_len=20)[0]
+    want = ember_logits(ember_model(fp8_dirs[0]), prompt)
+    monkeypatch.setenv("EMBER_MOE", "triton")
+    calls = []
+    real = moe.fused_moe
+    monkeypatch.setattr(moe, "fused_moe", lambda *a, **k: calls.append(type(a[1])) or real(*a, **k))
+    got = ember_logits(ember_model(fp8_dirs[0]), prompt)
+    assert calls == [FP8BlockTensor, FP8BlockTensor]  # the two MoE layers
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
 def test_greedy_equals_transformers_on_the_dequantized_weights(fp8_dirs):
@@ -102,8 +126,26 @@ def test_each_rank_dequantizes_its_slice_by_the_blocks_it_cuts(fp8_dirs):
             assert torch.equal(t.to(want.dtype), want), name
 
 
-def test_two_ranks_decode_what_one_process_does(fp8_dirs):
-    assert_two_ranks_match_one(fp8_dirs[0], prompts(4, seed=4, min_len=4, max_len=30), 6)
+def test_two_ranks_dequantize_experts_whose_share_cuts_a_block(fp8_dirs):
+    """16 expert channels per rank are half a 32-row block: the experts are dequantized (logged), and decode is
+    unchanged."""
+    def check(engine):
+        assert engine.runner.model.model.layers[0].mlp.experts.quant13 is None
+
+    assert_two_ranks_match_one(fp8_dirs[0], prompts(4, seed=4, min_len=4, max_len=30), 6, check)
+
+
+def test_two_ranks_keep_whole_blocks_of_fp8_experts(tiny_moe_dir, tmp_path):
+    """With 16x16 blocks each rank's 16 channels are whole blocks: its experts stay e4m3 with the scales that cover
+    its slice (gate, up and down), and two ranks decode what one process does."""
+    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", SMALL_BLOCK)
+
+    def check(engine):
+        ex = engine.runner.model.model.layers[0].mlp.experts
+        assert isinstance(ex.quant13, FP8BlockTensor) and ex.quant13.weight.shape == (8, 32, 64)
+        assert ex.quant13.scale.shape == (8, 2, 4) and ex.quant2.scale.shape == (8, 4, 1)
+
+    assert_two_ranks_match_one(tmp_path / "fp8", prompts(4, seed=4, min_len=4, max_len=30), 6, check)
 
 
 @pytest.mark.parametrize("case", ["no scale", "scale shape", "no block size"])

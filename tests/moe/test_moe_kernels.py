@@ -1,8 +1,10 @@
-"""Triton fused MoE and NVFP4 GEMM (interpreter on CPU, fp16 activations) against the torch references."""
+"""Triton fused MoE, NVFP4 and block-FP8 GEMMs (interpreter on CPU, fp16 activations) against the torch
+references."""
 import pytest
 import torch
 
-from ember.kernels import moe, nvfp4
+from ember.kernels import fp8_block, moe, nvfp4
+from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels import moe_reference as ref
 from ember.kernels.nvfp4 import NVFP4Tensor
 
@@ -250,3 +252,43 @@ def test_gpt_oss_and_deepseek_moe_paths_read_nothing_from_the_device(family):
             out = moe.fused_moe(x, w13.half(), w2.half(), tw, ti, config=CFG)
     assert calls == []
     assert torch.isfinite(out).all()
+
+
+def quantize_fp8_stack(w: torch.Tensor, block: tuple[int, int]) -> FP8BlockTensor:
+    """Per-expert block FP8 of ``[E, N, K]``; gate and up rows of ``w13`` are separate blocks when ``I % bn == 0``."""
+    return fp8_block.quantize(w, block)
+
+
+@pytest.mark.parametrize("e,k,m,h,i,block", [
+    (8, 2, 137, 80, 48, (16, 32)),   # H=80: a partial K block in w13; I=48 of 32-wide K blocks: partial in w2
+    (64, 8, 9, 112, 32, (32, 48)),   # blocks wider than the 64-wide tiles' remainders
+    (8, 2, 20, 48, 128, (128, 128)),  # DeepSeek's block, larger than the interpreter's tiles
+])
+def test_fused_moe_block_fp8_w8a16_matches_dequantized_reference(e, k, m, h, i, block):
+    x, w13, w2, tw, ti = make_case(e, k, m, h, i, seed=5 * e + k + m)
+    q13, q2 = quantize_fp8_stack(w13, block), quantize_fp8_stack(w2, block)
+    assert q13.weight.dtype == torch.float8_e4m3fn
+    got = moe.fused_moe(x, q13, q2, tw, ti, config=CFG)
+    want = ref.fused_moe(x.float(), q13, q2, tw, ti)
+    assert got.dtype == torch.float16 and rel_err(got, want) < 2e-3
+    assert rel_err(got, ref.fused_moe(x.float(), w13, w2, tw, ti)) < 0.05  # e4m3 rounding, no more
+
+
+@pytest.mark.parametrize("block", [(16, 24), (32, 128)], ids=["per-element-scales", "one-k-block-per-tile"])
+def test_block_fp8_tile_decode_is_exact_for_every_byte_and_block(block):
+    """x = I in fp32: the kernel's output is the dequantized weight, bit for bit: every finite e4m3 byte (subnormals
+    and -0 included), each element scaled by its own block's scale, ragged N and K against the tiles."""
+    g = torch.Generator().manual_seed(4)
+    n, k = 72, 100
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, finite.numel(), (n, k), generator=g)]
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 4 + 0.01
+    w = FP8BlockTensor(codes.view(torch.float8_e4m3fn), scale, block)
+    got = moe.block_fp8_linear(torch.eye(k), w, config=CFG)
+    assert torch.equal(got, w.dequantize().T)
+
+
+def test_block_fp8_w13_must_split_gate_and_up_on_a_block_row():
+    x, w13, w2, tw, ti = make_case(4, 2, 5, 48, 24, seed=1)
+    with pytest.raises(ValueError, match="up half"):
+        moe.fused_moe(x, quantize_fp8_stack(w13, (16, 16)), quantize_fp8_stack(w2, (16, 16)), tw, ti, config=CFG)
