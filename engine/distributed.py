@@ -268,9 +268,9 @@ class ShardedWeights:
                         continue  # read with its weight
                     rule = self.rule(name)
                     if module in paired and name.endswith(".weight") and self.keep_fp8 and self.keep_fp8(module):
-                        yield from self._packed_shard(sf, name, rule, block, paired[module], f)
+                        yield from self._packed_shard(sf, name, rule, block, paired[module][0], f)
                     elif module in paired and name.endswith(".weight"):
-                        yield name, self._dequantized_shard(sf, name, rule, block, paired[module], f)
+                        yield name, self._dequantized_shard(sf, name, rule, block, paired[module][0], f)
                     else:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
 

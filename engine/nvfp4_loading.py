@@ -277,7 +277,8 @@ _FUSED = {
 }
 
 
-def _target(hf_module: str) -> tuple[str, int]:
+def fused_target(hf_module: str) -> tuple[str, int]:
+    """The Ember module a checkpoint projection lands in, and its partition: ``q_proj`` -> (``qkv_proj``, 0)..."""
     parent, _, leaf = hf_module.rpartition(".")
     if parent and leaf in _FUSED:
         fused, idx = _FUSED[leaf]
@@ -293,7 +294,7 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
     for name, spec in p.modules.items():
         if any(s in name for s in skip):
             continue
-        target, idx = _target(name)
+        target, idx = fused_target(name)
         groups.setdefault(target, {})[idx] = spec
     placed: dict[str, tuple[NVFP4Linear, int, int]] = {}
     named = dict(model.named_modules())

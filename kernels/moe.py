@@ -542,7 +542,8 @@ def block_fp8_linear(
 ) -> torch.Tensor:
     """``x @ dequant(w).T (+ bias)`` for a 2-D block-FP8 weight, through the grouped GEMM with one expert (W8A16)."""
     stack = FP8BlockTensor(w.weight.unsqueeze(0), w.scale.unsqueeze(0), w.block)
-    return _one_expert_linear(x, stack, w.weight.shape[0], bias, config)
+    m = x.numel() // x.shape[-1]
+    return _one_expert_linear(x, stack, w.weight.shape[0], bias, config or block_fp8_config(linear_config(m, x.device)))
 
 
 def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None,

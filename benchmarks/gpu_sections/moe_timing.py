@@ -97,11 +97,14 @@ def correctness_checks(ctx: Ctx) -> None:
     mxfp4_checks(ctx, w, tol)
     n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
     g = torch.Generator().manual_seed(1)
-    qw = nvfp4.quantize((torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device))
+    wd = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device)
+    qw, fw = nvfp4.quantize(wd), fp8_block.quantize(wd, w.f13.block)
     for m in token_counts(ctx):
         with ctx.case(f"nvfp4 linear M={m}"):
             x = torch.randn(m, k_in, generator=g).to(ctx.device, ctx.dtype)
             ctx.report.check(f"nvfp4 linear M={m}", moe.nvfp4_linear(x, qw), ref.nvfp4_linear(x.float(), qw), tol)
+        with ctx.case(f"fp8 linear M={m}"):
+            ctx.report.check(f"fp8 linear M={m}", moe.block_fp8_linear(x, fw), x.float() @ fw.dequantize().T, tol)
 
 
 def mxfp4_checks(ctx: Ctx, w: MoeWeights, tol: float) -> None:
@@ -169,14 +172,15 @@ def run(ctx: Ctx) -> None:
     n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
     g = torch.Generator().manual_seed(1)
     wd = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device)
-    qw, wb = nvfp4.quantize(wd), wd.to(ctx.dtype)
+    qw, fw, wb = nvfp4.quantize(wd), fp8_block.quantize(wd, w.f13.block), wd.to(ctx.dtype)
     for m in token_counts(ctx):
         ctx.deadline.check(f"nvfp4 linear timing M={m}", 1.0)
         x = torch.randn(m, k_in, generator=g).to(ctx.device, ctx.dtype)
         floor = (n_out * k_in * (0.5 + 1 / 16) + m * (k_in + n_out) * 2) / copy / 1e6
         r = rep.row(kind="nvfp4_linear", M=m, N=n_out, K=k_in, floor_ms=floor,
                     nvfp4_ms=bench_ms(lambda: moe.nvfp4_linear(x, qw), rep=50, warmup=10),
+                    fp8_ms=bench_ms(lambda: moe.block_fp8_linear(x, fw), rep=50, warmup=10),
                     bf16_ms=bench_ms(lambda: F.linear(x, wb), rep=50, warmup=10))
-        rep.log(f"  nvfp4 linear {n_out}x{k_in} M={m:<5} {r['nvfp4_ms']:.4f} ms (F.linear {r['bf16_ms']:.4f} ms, "
-                f"floor {floor:.4f} ms)")
+        rep.log(f"  nvfp4 linear {n_out}x{k_in} M={m:<5} {r['nvfp4_ms']:.4f} ms (fp8 {r['fp8_ms']:.4f} ms, "
+                f"F.linear {r['bf16_ms']:.4f} ms, floor {floor:.4f} ms)")
     rep.save()

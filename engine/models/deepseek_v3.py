@@ -31,6 +31,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ember.engine import fp8_loading
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
@@ -167,6 +168,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     """DeepSeek-V3 over the latent paged KV cache; experts load as Qwen3-MoE's do (per-expert or fused keys)."""
 
     body = _Body
+    fp8_dense_only = (".kv_b_proj",)
+    """Projections the absorbed MLA reads as weights: a block-FP8 one is dequantized on load."""
 
     @staticmethod
     def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
@@ -210,9 +213,11 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Qwen3-MoE's loader over :meth:`checkpoint_name`; the latent up-projection must stay unquantized."""
+        fp8 = fp8_loading.block_size(self.config.raw, source) is not None
+
         def checked() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in self.renamed(weights):
-                if name.endswith(".weight_scale_inv"):
+                if name.endswith(".weight_scale_inv") and not fp8:
                     raise ConfigError(f"{source}: tensor {name!r} is FP8 block-quantized but config.json has no "
                                       "quantization_config (quant_method fp8, weight_block_size) to read it by")
                 yield name, tensor

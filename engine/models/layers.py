@@ -355,6 +355,12 @@ class DecoderForCausalLM(nn.Module):
         applies it to its weight stream (:meth:`renamed`); the NVFP4 plan reads the checkpoint through it too."""
         return name
 
+    def keeps_fp8(self, module: str) -> bool:
+        """Whether checkpoint module ``module``'s block-FP8 weight and scales reach :meth:`load_weights` packed (an
+        :class:`~ember.engine.fp8_loading.FP8Linear` or FP8 experts) rather than dequantized (decided as loading
+        starts)."""
+        return module in getattr(self, "fp8_packed", ())
+
     def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``weights`` under :meth:`checkpoint_name`, without the tensors it skips."""
         for name, tensor in weights:
@@ -381,9 +387,13 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be covered once."""
-        from ember.engine import nvfp4_loading  # NVFP4 linears are swapped in (and filled) before params are read
+        from ember.engine import fp8_loading, nvfp4_loading  # quantized linears are swapped in before params are read
 
         weights = nvfp4_loading.prepare(self, weights, source)
+        block = fp8_loading.block_size(self.config.raw, source)
+        if block is not None and self.nvfp4_plan is None and os.path.isdir(source):
+            self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, block)
+            weights = fp8_loading.fill_linears(self, weights, source)
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         filled: dict[str, int] = {}

@@ -227,19 +227,23 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def _install_fp8_experts(self, source: str) -> None:
         """In a block-FP8 checkpoint, keep a layer's experts in FP8 (W8A16 in the fused MoE) when every expert
         projection of the layer is e4m3 with its scales and this rank's share of ``moe_intermediate_size`` starts
-        gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise."""
+        gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise. The kept
+        modules' checkpoint names join ``fp8_packed`` (:meth:`keeps_fp8`)."""
         block = fp8_loading.block_size(self.config.raw, source)
         if block is None or not os.path.isdir(source):
             return
-        paired = fp8_loading.paired_scales(loader.weight_files(source))
+        fp8_modules = {}  # the model's module name -> the checkpoint's
+        for hf in fp8_loading.paired_scales(loader.weight_files(source)):
+            name = self.checkpoint_name(hf + ".weight")
+            if name is not None:
+                fp8_modules[name[: -len(".weight")]] = hf
         split = getattr(self, "shard_shape", None) is not None  # one tensor-parallel rank's slices
         for i, sparse in enumerate(self.sparse):
             if not sparse:
                 continue
             ex = self._experts(i)
-            names = [self.checkpoint_name(f"model.layers.{i}.mlp.experts.{e}.{p}.weight")
-                     for e in range(ex.num_experts) for p in _PROJ]
-            if not all(n is not None and n[: -len(".weight")] in paired for n in names):
+            names = [f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(ex.num_experts) for p in _PROJ]
+            if not all(n in fp8_modules for n in names):
                 continue
             if ex.inter % block[0] or (split and ex.inter % block[1]):
                 log.warning("%s: layer %d's FP8 experts are dequantized to %s: %d intermediate channels per rank are "
@@ -247,21 +251,13 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                             block)
                 continue
             ex.make_fp8(block)
-            self._fp8_expert_layers.add(i)
-
-    def keeps_fp8(self, module: str) -> bool:
-        """Whether checkpoint module ``module``'s e4m3 weight and scales reach :meth:`load_weights` as they are (an
-        expert of a layer :meth:`_install_fp8_experts` kept in FP8) instead of dequantized."""
-        name = self.checkpoint_name(module + ".weight")
-        parts = [] if name is None else name.split(".")[:-1]
-        return (len(parts) == 7 and parts[3:5] == ["mlp", "experts"] and parts[2].isdigit()
-                and int(parts[2]) in self._fp8_expert_layers)
+            self.fp8_packed |= {fp8_modules[n] for n in names}
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Experts (either key form; bf16, NVFP4 or block FP8) are placed here; everything else goes through the
         shared loader, with NVFP4 attention / dense MLP layers swapped in by :func:`nvfp4_loading.prepare`."""
-        self._fp8_expert_layers: set[int] = set()
+        self.fp8_packed: set[str] = set()
         stream = nvfp4_loading.prepare(self, weights, source)
         if self.nvfp4_plan is not None:
             self._install_nvfp4_experts(self.nvfp4_plan)
@@ -361,9 +357,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         dest = {"weight": q.weight[e, rows], "weight_scale_inv": q.scale[e, scale_rows]}.get(suffix)
         if dest is None:
             raise ConfigError(f"{source}: unexpected tensor {name!r} beside block-FP8 experts")
-        if tensor.dtype != dest.dtype or tuple(tensor.shape) != tuple(dest.shape):
-            raise QuantizationError(f"{source}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, expected "
-                                    f"{dest.dtype} {tuple(dest.shape)} (block-FP8 experts)")
+        fp8_loading.check_packed(name, tensor, dest, source)
         dest.copy_(tensor)
 
     @staticmethod

@@ -46,6 +46,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
             moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
             moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, cuda))
+            moe.block_fp8_linear(x, fp8_block.quantize(w2[0], (128, 128)),
+                                 config=moe.block_fp8_config(moe.linear_config(m, cuda)))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
 

@@ -162,3 +162,21 @@ def test_a_quantized_latent_up_projection_is_refused_naming_it(dsv3_nvfp4_dirs, 
         path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=r"model\.layers\.1\.self_attn\.kv_b_proj\.weight is NVFP4; .*unquantized"):
         ember_model(tmp_path / "bad")
+
+
+def test_a_block_fp8_checkpoint_keeps_its_projections_packed_but_the_latent_up_projection(tiny_dsv3_dir,
+                                                                                          tmp_path):
+    """DeepSeek's FP8 release layout: the projections MLA calls and the experts stay e4m3; ``kv_b_proj``, whose
+    weights the absorbed attention reads, is dequantized. Greedy tokens equal transformers' on the dequantized
+    weights."""
+    from ember.engine.fp8_loading import FP8Linear
+    from tests.moe.conftest import clear_margin, ember_greedy, hf_greedy
+    from tests.moe.test_fp8_checkpoint import _write
+
+    _write(tiny_dsv3_dir, tmp_path / "fp8", tmp_path / "ref", (16, 16))
+    attn = ember_model(tmp_path / "fp8").model.layers[1].self_attn
+    assert all(isinstance(m, FP8Linear) for m in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj))
+    assert type(attn.kv_b_proj) is torch.nn.Linear and attn.kv_b_proj.weight.dtype == torch.float32
+    ps = prompts(6, seed=15, min_len=3, max_len=30)
+    ps, expected = clear_margin(ps, hf_greedy(tmp_path / "ref", ps), need=4)
+    assert ember_greedy(tmp_path / "fp8", ps) == expected

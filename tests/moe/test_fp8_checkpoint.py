@@ -1,8 +1,7 @@
 """Block-quantized FP8 checkpoints (DeepSeek / Qwen ``-FP8`` layout: e4m3 weights with ``weight_scale_inv`` per
-block, ``quant_method: fp8``): the experts stay e4m3 (W8A16 in the fused MoE), the rest is dequantized on load, and
-Ember decodes what transformers decodes from the same dequantized weights, alone or over two tensor-parallel ranks
-(each keeping whole scale blocks of its experts, or dequantizing its slice); a broken checkpoint's mistakes are
-named."""
+block, ``quant_method: fp8``): experts and decoder projections stay e4m3 (W8A16 in the grouped GEMM), and Ember
+decodes what transformers decodes from the same dequantized weights, alone or over two tensor-parallel ranks (each
+keeping whole scale blocks, or dequantizing a slice that cuts them); a broken checkpoint's mistakes are named."""
 from __future__ import annotations
 
 import json
@@ -31,7 +30,7 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLO
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     fp8, ref = {}, {}
     for name, t in tensors.items():
-        if ".layers." in name and name.endswith("proj.weight") and t.dim() == 2:
+        if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")) and t.dim() == 2:
             q = fp8_block.quantize(t, block)
             fp8[name], fp8[name + "_scale_inv"] = q.weight, q.scale
             fp8[name[: -len(".weight")] + ".input_scale"] = torch.ones(())  # static activation scale: dropped
@@ -69,10 +68,11 @@ def test_dequantize_scales_each_block_including_partial_ones():
     assert ((got - w).norm() / w.norm()).item() < 0.05  # e4m3's rounding, no more
 
 
-def test_experts_stay_fp8_and_the_rest_is_dequantized(fp8_dirs):
-    """The experts, most of a MoE's weights, keep one byte per weight with their block scales; attention and the
-    dense MLP run dequantized in the model dtype."""
+def test_experts_and_projections_stay_fp8(fp8_dirs):
+    """The experts and every decoder projection keep one byte per weight with their block scales (fused q/k/v and
+    gate/up partitions each start on a scale-block row); embeddings, norms, routers and the LM head do not."""
     from ember.engine import loader
+    from ember.engine.fp8_loading import FP8Linear
     from ember.engine.models import get_model_class
 
     cfg = loader.load_model_config(fp8_dirs[0])
@@ -82,22 +82,26 @@ def test_experts_stay_fp8_and_the_rest_is_dequantized(fp8_dirs):
     assert isinstance(ex.quant13, FP8BlockTensor) and ex.w13 is None and ex.w2 is None
     assert ex.quant13.weight.dtype == torch.float8_e4m3fn and ex.quant13.weight.shape == (8, 64, 64)
     assert ex.quant13.scale.shape == (8, 2, 2) and ex.quant2.scale.shape == (8, 2, 1)
-    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, FP8Linear) and qkv.weight.shape == (64 + 32 + 32, 64) and qkv.scale.shape == (4, 2)
+    dense = model.model.layers[1].mlp
+    assert isinstance(dense.gate_up_proj, FP8Linear) and isinstance(dense.down_proj, FP8Linear)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.layers[0].mlp.gate.weight.dtype == torch.float32
 
 
-def test_triton_fp8_experts_in_the_model_match_the_torch_path(fp8_dirs, monkeypatch):
-    """The fused-MoE kernel (interpreter on CPU) decodes the e4m3 experts by their block scales."""
+def test_triton_fp8_path_in_the_model_matches_the_torch_path(fp8_dirs, monkeypatch):
+    """The grouped GEMM (interpreter on CPU) decodes the e4m3 experts and projections by their block scales."""
     from ember.kernels import moe
 
     prompt = prompts(1, seed=9, min_len=20, max_len=20)[0]
     want = ember_logits(ember_model(fp8_dirs[0]), prompt)
     monkeypatch.setenv("EMBER_MOE", "triton")
     calls = []
-    real = moe.fused_moe
-    monkeypatch.setattr(moe, "fused_moe", lambda *a, **k: calls.append(type(a[1])) or real(*a, **k))
+    for fn in ("fused_moe", "block_fp8_linear"):
+        real = getattr(moe, fn)
+        monkeypatch.setattr(moe, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
     got = ember_logits(ember_model(fp8_dirs[0]), prompt)
-    assert calls == [FP8BlockTensor, FP8BlockTensor]  # the two MoE layers
+    assert calls.count("fused_moe") == 2 and calls.count("block_fp8_linear") == 3 * 2 + 2
     assert ((got - want).norm() / want.norm()).item() < 1e-4
 
 
@@ -126,29 +130,43 @@ def test_each_rank_dequantizes_its_slice_by_the_blocks_it_cuts(fp8_dirs):
             assert torch.equal(t.to(want.dtype), want), name
 
 
-def test_two_ranks_dequantize_experts_whose_share_cuts_a_block(fp8_dirs):
-    """16 expert channels per rank are half a 32-row block: the experts are dequantized (logged), and decode is
-    unchanged."""
+def test_two_ranks_dequantize_what_their_share_cuts_and_keep_the_rest(fp8_dirs):
+    """With 32x48 blocks, a rank's 16 expert channels, 16 rows of k and v, 32 columns of o_proj and 48 rows of
+    gate/up each cut a block: those are dequantized (the experts with a log line); the dense down projection's 48
+    columns per rank are whole blocks and stay FP8. Decode is unchanged."""
+    from ember.engine.fp8_loading import FP8Linear
+
     def check(engine):
-        assert engine.runner.model.model.layers[0].mlp.experts.quant13 is None
+        layers = engine.runner.model.model.layers
+        assert layers[0].mlp.experts.quant13 is None and layers[0].mlp.experts.w13.dtype == torch.float32
+        assert not isinstance(layers[0].self_attn.qkv_proj, FP8Linear)
+        assert not isinstance(layers[0].self_attn.o_proj, FP8Linear)
+        assert not isinstance(layers[1].mlp.gate_up_proj, FP8Linear)
+        assert isinstance(layers[1].mlp.down_proj, FP8Linear) and layers[1].mlp.down_proj.weight.shape == (64, 48)
 
     assert_two_ranks_match_one(fp8_dirs[0], prompts(4, seed=4, min_len=4, max_len=30), 6, check)
 
 
-def test_two_ranks_keep_whole_blocks_of_fp8_experts(tiny_moe_dir, tmp_path):
-    """With 16x16 blocks each rank's 16 channels are whole blocks: its experts stay e4m3 with the scales that cover
-    its slice (gate, up and down), and two ranks decode what one process does."""
+def test_two_ranks_keep_whole_blocks_in_fp8(tiny_moe_dir, tmp_path):
+    """With 16x16 blocks every rank's share is whole blocks: its experts and projections stay e4m3 with the scales
+    that cover its slice, and two ranks decode what one process does."""
     _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", SMALL_BLOCK)
 
+    from ember.engine.fp8_loading import FP8Linear
+
     def check(engine):
-        ex = engine.runner.model.model.layers[0].mlp.experts
+        layer = engine.runner.model.model.layers[0]
+        ex = layer.mlp.experts
         assert isinstance(ex.quant13, FP8BlockTensor) and ex.quant13.weight.shape == (8, 32, 64)
         assert ex.quant13.scale.shape == (8, 2, 4) and ex.quant2.scale.shape == (8, 4, 1)
+        qkv = layer.self_attn.qkv_proj
+        assert isinstance(qkv, FP8Linear) and qkv.weight.shape == (32 + 16 + 16, 64) and qkv.scale.shape == (4, 4)
+        assert isinstance(layer.self_attn.o_proj, FP8Linear) and layer.self_attn.o_proj.scale.shape == (4, 2)
 
     assert_two_ranks_match_one(tmp_path / "fp8", prompts(4, seed=4, min_len=4, max_len=30), 6, check)
 
 
-@pytest.mark.parametrize("case", ["no scale", "scale shape", "no block size"])
+@pytest.mark.parametrize("case", ["no scale", "scale shape", "expert scale shape", "no block size"])
 def test_a_broken_checkpoint_names_the_tensor(fp8_dirs, tmp_path, case):
     from ember.engine.engine import Engine
 
@@ -165,6 +183,10 @@ def test_a_broken_checkpoint_names_the_tensor(fp8_dirs, tmp_path, case):
     elif case == "scale shape":
         tensors[bad] = tensors[bad][:1]
         match = r"o_proj.weight_scale_inv has shape \(1, 2\), expected \(2, 2\)"
+    elif case == "expert scale shape":
+        bad = "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"
+        tensors[bad] = tensors[bad][:, :1]
+        match = r"experts.3.up_proj.weight_scale_inv has shape \(1, 1\), expected \(1, 2\)"
     else:
         del cfg["quantization_config"]["weight_block_size"]
         match = "without weight_block_size"
