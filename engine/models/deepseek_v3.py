@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (``DeepseekV3ForCausalLM``, bf16/fp16/fp32 checkpoints): multi-head latent attention (MLA) over the
-paged KV cache, and a MoE with sigmoid group-limited routing and shared experts.
+"""DeepSeek-V3 (``DeepseekV3ForCausalLM``; bf16/fp16/fp32, NVFP4 or block-FP8 checkpoints): multi-head latent
+attention (MLA) over the paged KV cache, and a MoE with sigmoid group-limited routing and shared experts.
 
 MLA runs in its absorbed form, so the cache holds the compressed latent, one "KV head" of ``kv_lora_rank +
 qk_rope_head_dim`` per token (`ember.engine.config.ModelConfig` gives the runner that geometry): per head,

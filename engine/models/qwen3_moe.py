@@ -6,7 +6,9 @@ other layers use the dense gated MLP of ``intermediate_size``. The router is ``s
 Experts are stacked per layer (``w13 [E, 2I, H]`` gate rows first, ``w2 [E, H, I]``), loaded from either key form:
 per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what ``save_pretrained`` writes) or fused
 (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, transformers 5's in-memory form).
-NVFP4 experts (ModelOpt per-expert tensors) stay packed and run through the fused-MoE kernels.
+NVFP4 experts (ModelOpt per-expert tensors) and block-FP8 experts (the ``-FP8`` releases, where each rank's share of
+the channels is whole scale blocks) stay packed and run through the fused-MoE kernels; the dense stacks are
+allocated only for a checkpoint whose experts are not packed.
 """
 from __future__ import annotations
 
