@@ -27,8 +27,8 @@ class RecurrentMetadata:
     ``decode_tokens`` / ``decode_slots`` int64 [D]: the flat token index and state slot of each one-token chunk;
     ``decode_keep`` float32 [D]: 0 where that token starts its sequence (the state starts from zeros), else 1;
     ``prefills``: ``(slot, first token, end token, starts the sequence)`` per longer chunk;
-    ``restores`` / ``saves``: ``(from slot, to slot)`` state copies before / after each layer computes (prefix
-    caching's snapshots, `ember.engine.state_snapshots`)."""
+    ``restores`` / ``saves``: ``(from slot, to slot)`` state copies before each layer computes / after the step's
+    forward, by the runner (prefix caching's snapshots, `ember.engine.state_snapshots`)."""
 
     decode_tokens: torch.Tensor
     decode_slots: torch.Tensor

@@ -189,22 +189,28 @@ class ModelRunner:
         step."""
         self.last_batch_size = meta.num_seqs
         self.last_num_tokens = meta.num_tokens
+        saves = meta.recurrent.saves if meta.recurrent is not None else None
         if self.graphs is not None and self._graph_step(meta):
             self.num_graph_steps += 1
-            return self.graphs.run(input_ids, meta)
-        self.num_eager_steps += 1
-        hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
-        if meta.logits_indices.numel() == 0:
-            return torch.empty(0, self.cfg.vocab_size, device=self.device)
-        return self.model.compute_logits(hidden[meta.logits_indices]).float()
+            logits = self.graphs.run(input_ids, meta)
+        else:
+            self.num_eager_steps += 1
+            hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
+            if meta.logits_indices.numel() == 0:
+                logits = torch.empty(0, self.cfg.vocab_size, device=self.device)
+            else:
+                logits = self.model.compute_logits(hidden[meta.logits_indices]).float()
+        if saves:  # prefix-cache snapshots of the states this step left (outside any graph)
+            self.model.save_states(saves)
+        return logits
 
     def _graph_step(self, meta: AttentionMetadata) -> bool:
         """Decode-only (one token per sequence, each sampling), no larger than the largest captured batch, and no
-        recurrent-state copies (prefix-cache restores happen eagerly)."""
+        prefix-cache restore (restores happen eagerly, before the layers compute; saves come after any step)."""
         n = meta.num_seqs
         rec = meta.recurrent
         return (meta.max_seqlen_q == 1 and meta.num_tokens == n and meta.logits_indices.shape[0] == n
-                and n <= self.graphs.max_batch_size and (rec is None or not (rec.restores or rec.saves)))
+                and n <= self.graphs.max_batch_size and (rec is None or not rec.restores))
 
     def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The graphed forward: fp32 logits of every row of a decode batch."""

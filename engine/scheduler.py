@@ -45,7 +45,8 @@ class SchedulerOutput:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     """``(snapshot slot, sequence slot)``: recurrent states to restore before this step computes (prefix hits)."""
     state_saves: list[tuple[int, int]] = field(default_factory=list)
-    """``(sequence slot, snapshot slot)``: recurrent states to save after this step computes (prompt boundaries)."""
+    """``(sequence slot, snapshot slot)``: recurrent states to save after this step computes (prompt boundaries,
+    output snapshots)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -178,6 +179,8 @@ class Scheduler:
                 budget -= n
                 if self._save_at_boundary(seq, start, n, out):
                     budget = 0  # (see _cap): the chunk stopped short, so nothing newer runs this step
+                else:
+                    self._save_output_block(seq, start + n, out)
 
         if out.preempted:
             return out  # admitting now would only thrash
@@ -280,6 +283,17 @@ class Scheduler:
         if slot is not None:
             out.state_saves.append((seq.state_slot, slot))
         return True
+
+    def _save_output_block(self, seq: Sequence, end: int, out: SchedulerOutput) -> None:
+        """Roll ``seq``'s output snapshot forward when this step's chunk ends on a block boundary past its prompt
+        snapshot (`StateSnapshots`)."""
+        if self.snapshots is None or end % self.kv.block_size or end <= self._snapshot_boundary(seq):
+            return
+        key = self.kv.block_hash(seq, end // self.kv.block_size)
+        slot = self.snapshots.reserve(key, output=True, replaces=seq.output_snapshot)
+        if slot is not None:
+            out.state_saves.append((seq.state_slot, slot))
+            seq.output_snapshot = key
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens

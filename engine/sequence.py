@@ -49,6 +49,9 @@ class Sequence:
     """Leading entries of ``block_ids`` that are in the prefix cache (hit at admission or registered since)."""
     state_slot: int = -1
     """The slot of the per-sequence recurrent state (hybrid models) while running; -1 otherwise."""
+    output_snapshot: bytes | None = None
+    """The key of the latest state snapshot taken inside this sequence's output (recurrent models), replaced as the
+    output grows."""
     queued_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""

@@ -5,7 +5,8 @@ gated shared expert.
   per-sequence recurrent state instead of KV: a depthwise causal conv window (``linear_conv_kernel_dim - 1`` inputs)
   and the delta-rule state ``[hv, dk, dv]`` (fp32), in the slot the scheduler gave the sequence
   (``Sequence.state_slot``). Only the full-attention layers have paged KV; prefix hits also restore a saved state
-  (``meta.recurrent.restores``, `ember.engine.state_snapshots`), and saves are copied out after each layer.
+  (``meta.recurrent.restores``, `ember.engine.state_snapshots`) before each layer computes, and the runner copies
+  saves out after the step's forward (:meth:`Qwen3NextForCausalLM.save_states`, also after a graph replay).
 - **Linear attention**: ``in_proj_qkvz`` / ``in_proj_ba`` are grouped per key head (q, k, then the group's v and z;
   b then a); q/k/v go through the conv and SiLU; ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)``;
   the gated delta rule runs one-token chunks batched (with the Triton attention backend, in place in their slots by
@@ -159,7 +160,6 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
                            is_triton_backend(backend))
-        self._copy_states(rec.saves)
         out = self.norm(core.to(x.dtype), z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -299,6 +299,12 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def allocate_recurrent_state(self, num_slots: int, device: torch.device) -> int:
         """Every linear layer's states for ``num_slots`` sequences; returns their bytes."""
         return sum(layer.allocate_state(num_slots, device) for layer in self._linear_layers())
+
+    def save_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each ``(sequence slot, snapshot slot)`` pair's state in every linear layer: prefix-cache saves,
+        taken after a step's forward (the states then hold that step's tokens)."""
+        for layer in self._linear_layers():
+            layer._copy_states(copies)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The registry of saved recurrent states for prefix caching: a save is a hit only after its step ran, the longest
-saved prefix wins, and full slots give up the least recently used snapshot."""
+saved prefix wins, full slots give up the least recently used snapshot, and a sequence's rolling output snapshot
+reuses its own slot and never displaces a prompt's."""
 from __future__ import annotations
 
 from ember.engine.state_snapshots import StateSnapshots
@@ -42,3 +43,18 @@ def test_no_slot_when_every_one_is_pending():
     assert s.reserve(b"b") is None  # the only slot is being filled this step
     s.commit()
     assert s.reserve(b"b") == 0 and s.num_saves == 2
+
+
+def test_an_output_snapshot_rolls_in_its_own_slot_and_never_displaces_a_prompt_snapshot():
+    s = StateSnapshots(first_slot=0, count=2)
+    p = s.reserve(b"prompt")
+    o1 = s.reserve(b"out-1", output=True)
+    s.commit()
+    assert s.reserve(b"out-2", output=True, replaces=b"out-1") == o1  # rolled forward in place
+    s.commit()
+    assert s.longest([b"out-1"]) == (0, None) and s.longest([b"x", b"out-2"]) == (2, o1)
+    assert s.reserve(b"other-out", output=True) == o1  # full: it takes the oldest output snapshot's slot
+    assert s.reserve(b"third-out", output=True) is None  # the rest is a prompt snapshot (or pending)
+    s.commit()
+    assert s.longest([b"prompt"]) == (1, p)  # now the most recently used
+    assert s.reserve(b"prompt-2") == o1  # a prompt snapshot replaces the least recently used of any kind

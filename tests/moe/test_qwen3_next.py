@@ -243,12 +243,36 @@ def test_prefix_hits_restore_the_saved_state(tiny_next_dir):
     engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
     assert engine.scheduler.snapshots is not None and engine.kv.enable_prefix_caching
     assert run_greedy(engine, [base], 6) == expected[:1]
-    assert len(engine.scheduler.snapshots) == 1  # at token 36, the last block boundary before the prompt's end
+    assert len(engine.scheduler.snapshots) == 2  # at 36, the prompt's last block boundary, and at 40 in the reply
     for prompt, want in zip(follow, expected[1:]):
         hits = engine.kv.prefix_hits
         assert run_greedy(engine, [prompt], 6) == [want]
         assert engine.kv.prefix_hits - hits == 36
     assert engine.scheduler.snapshots.num_restores == 3
+    engine.scheduler.check_integrity()
+
+
+def test_a_follow_up_turn_resumes_from_the_end_of_the_previous_reply(tiny_next_dir):
+    """The state is also saved, rolling, at block boundaries inside a reply: a next turn that repeats prompt and
+    reply skips up to the reply's last block boundary, not just the first prompt. Decode steps that save still
+    replay the decode graph (the copy runs after it), and the tokens stay transformers'."""
+    base = prompts(1, seed=16, min_len=30, max_len=30)[0]
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    runner = engine.runner
+    runner.capture_decode_graphs(2, engine.max_model_len)
+    events = []
+    graph_step, save = runner._graph_step, runner.model.save_states
+    runner._graph_step = lambda meta: events.append("graph" if graph_step(meta) else "eager") or events[-1] == "graph"
+    runner.model.save_states = lambda copies: events.append("save") or save(copies)
+    reply = run_greedy(engine, [base], 11)[0]
+    assert reply == hf_greedy(tiny_next_dir, [base], new_tokens=11)[0][0]
+    assert ("graph", "save") in set(zip(events, events[1:]))  # a replayed decode step saved its state
+    snaps = engine.scheduler.snapshots
+    assert len(snaps) == 2  # the prompt's (at 28) and the reply's latest (at 40: 30 + 10 computed tokens)
+    follow = base + reply + [5, 6, 7, 8, 9]
+    hits, restores = engine.kv.prefix_hits, snaps.num_restores
+    assert run_greedy(engine, [follow], 6) == [hf_greedy(tiny_next_dir, [follow], new_tokens=6)[0][0]]
+    assert engine.kv.prefix_hits - hits == 40 and snaps.num_restores == restores + 1
     engine.scheduler.check_integrity()
 
 
