@@ -240,8 +240,8 @@ class ShardedWeights:
     checks tensor shapes from the safetensors headers (NVFP4's plan) what this rank will receive."""
 
     def __init__(self, model_dir: str | Path, tp: TensorParallel, rule: Callable[[str], tuple],
-                 fp8_block: tuple[int, int] | None) -> None:
-        self.model_dir, self.tp, self.rule, self.fp8_block = Path(model_dir), tp, rule, fp8_block
+                 fp8: fp8_loading.FP8Format | None) -> None:
+        self.model_dir, self.tp, self.rule, self.fp8 = Path(model_dir), tp, rule, fp8
         self.keep_fp8: Callable[[str], bool] | None = None
         """Set by the loader before the first tensor is read: FP8 modules to yield packed (weight and scale
         slices), not dequantized."""
@@ -258,68 +258,73 @@ class ShardedWeights:
 
     def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         files = loader.weight_files(self.model_dir)
-        block = self.fp8_block
-        paired = fp8_loading.paired_scales(files) if block is not None else {}
+        fmt = self.fp8
+        paired = fp8_loading.paired_scales(files, fmt.scale_suffix) if fmt is not None else {}
+        suffix = fmt.scale_suffix if fmt is not None else None
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     module = name.rsplit(".", 1)[0]
-                    if module in paired and name.endswith(fp8_loading.SCALE):
+                    if module in paired and name.endswith(suffix):
                         continue  # read with its weight
                     rule = self.rule(name)
                     if module in paired and name.endswith(".weight") and self.keep_fp8 and self.keep_fp8(module):
-                        yield from self._packed_shard(sf, name, rule, block, paired[module][0], f)
+                        yield from self._packed_shard(sf, name, rule, fmt, paired[module][0], f)
                     elif module in paired and name.endswith(".weight"):
-                        yield name, self._dequantized_shard(sf, name, rule, block, paired[module][0], f)
+                        yield name, self._dequantized_shard(sf, name, rule, fmt, paired[module][0], f)
                     else:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
 
-    def _packed_shard(self, sf: Any, name: str, rule: tuple, block: tuple[int, int], scale_file: Path,
+    def _packed_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format, scale_file: Path,
                       source: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's slice of a block-FP8 weight as it is stored, then the slice of its scales that covers it (the
-        slice must start on a block boundary, as the model checked when it chose to keep it packed)."""
+        """This rank's slice of an FP8 weight as it is stored, then the part of its scale tensor (as stored: block
+        grid, per-channel column or per-tensor scalar) that covers it; the slice must start on a block boundary, as
+        the model checked when it chose to keep it packed."""
         module = name[: -len(".weight")]
         shape = list(sf.get_slice(name).get_shape())
         kept = _kept_ranges(shape, name, rule, self.tp, source)
         yield name, _read_shard(sf, name, rule, self.tp, source)
+        scale_name = module + fmt.scale_suffix
         with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
-            scale = scales.get_slice(module + fp8_loading.SCALE)
-            if kept is None:
-                yield module + fp8_loading.SCALE, scale[:]
-                return
-            dim, ranges = kept
-            b = block[dim]
-            if any(a % b or (z % b and z != shape[dim]) for a, z in ranges):
-                raise ConfigError(f"{source}: tensor {name!r}: this rank's rows/columns {ranges} cut its {block} FP8 "
-                                  "scale blocks")
-            lead = (slice(None),) * dim
-            pieces = [scale[lead + (slice(a // b, -(-z // b)),)] for a, z in ranges]
-            yield module + fp8_loading.SCALE, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+            scale = scales.get_tensor(scale_name)
+        if kept is None or fmt.granularity == "tensor" or (fmt.granularity == "channel" and kept[0] == 1):
+            yield scale_name, scale  # the whole of it covers any slice
+            return
+        dim, ranges = kept
+        b = fmt.block[dim]
+        if any(a % b or (z % b and z != shape[dim]) for a, z in ranges):
+            raise ConfigError(f"{source}: tensor {name!r}: this rank's rows/columns {ranges} cut its {fmt.block} FP8 "
+                              "scale blocks")
+        grid = scale.reshape(-1, 1) if fmt.granularity == "channel" else scale
+        lead = (slice(None),) * dim
+        pieces = [grid[lead + (slice(a // b, -(-z // b)),)] for a, z in ranges]
+        yield scale_name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
-    def _dequantized_shard(self, sf: Any, name: str, rule: tuple, block: tuple[int, int], scale_file: Path,
+    def _dequantized_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format, scale_file: Path,
                            source: Path) -> torch.Tensor:
-        """This rank's slice of a block-FP8 weight, dequantized by the scale blocks its rows and columns fall in
-        (a slice need not start or end on a block boundary)."""
+        """This rank's slice of an FP8 weight, dequantized by the scale blocks its rows and columns fall in (a slice
+        need not start or end on a block boundary)."""
         module = name[: -len(".weight")]
         with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
-            scale = scales.get_tensor(module + fp8_loading.SCALE)
+            scale = scales.get_tensor(module + fmt.scale_suffix)
         shape = list(sf.get_slice(name).get_shape())
-        fp8_loading.check_scale_shape(shape, scale, block, module, str(source))
+        grid = fp8_loading.scale_grid(scale, shape, fmt, module, str(source))
         kept = _kept_ranges(shape, name, rule, self.tp, source)
         index = [torch.arange(n) for n in shape]
         if kept is not None:
             index[kept[0]] = _kept_indices(kept[1])
-        per_element = scale.float().index_select(0, index[0] // block[0]).index_select(1, index[1] // block[1])
+        bn, bk = fmt.block
+        per_element = grid.index_select(0, index[0] // bn).index_select(1, index[1] // bk)
         return _read_shard(sf, name, rule, self.tp, source).float() * per_element
 
 
 def iter_shard_weights(model_dir: str | Path, tp: TensorParallel, split_rule: Callable[[str], tuple[str, int]]
-                       | None = None, fp8_block: tuple[int, int] | None = None) -> ShardedWeights:
-    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk. With
-    ``fp8_block`` (a block-FP8 checkpoint's ``weight_block_size``) its e4m3 weights come dequantized and their scale
-    tensors are consumed. ``split_rule`` (a model class's ``tp_split_rule`` bound to the checkpoint's config, where
-    its tensors differ from the rules here) overrides :func:`_split_rule`."""
-    return ShardedWeights(model_dir, tp, split_rule or _split_rule, fp8_block)
+                       | None = None, fp8: fp8_loading.FP8Format | None = None) -> ShardedWeights:
+    """(name, this rank's slice) for every tensor of the checkpoint, reading only that slice from disk. With ``fp8``
+    (an FP8 checkpoint's format) its e4m3 weights come dequantized and their scale tensors are consumed, except
+    those the loader keeps packed (``keep_fp8``). ``split_rule`` (a model class's ``tp_split_rule`` bound to the
+    checkpoint's config, where its tensors differ from the rules here) overrides :func:`_split_rule`."""
+    return ShardedWeights(model_dir, tp, split_rule or _split_rule, fp8)
 
 
 def attach(model: torch.nn.Module, tp: TensorParallel) -> torch.nn.Module:
@@ -356,9 +361,9 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     cfg = shard_config(full, tp)
     own = getattr(spec.model_class, "tp_split_rule", None)
     rule = None if own is None else (lambda name: own(name, full))
-    block = fp8_loading.block_size(full.raw, str(Path(model_dir) / "config.json"))
+    fmt = fp8_loading.fp8_format(full.raw, model_dir)
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
-                       weights=iter_shard_weights(model_dir, tp, rule, block), model_class=spec.model_class)
+                       weights=iter_shard_weights(model_dir, tp, rule, fmt), model_class=spec.model_class)
     return attach(model, tp), cfg
 
 
@@ -456,7 +461,7 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     source = str(Path(model_dir) / "config.json")
     model_class = get_model_class(mc.architecture, source=source)
     check_split(mc, n, source)
-    fp8_loading.block_size(mc.raw, source)  # a malformed FP8 config fails here, before any worker starts
+    fp8_loading.fp8_format(mc.raw, model_dir)  # a malformed FP8 config fails here, before any worker starts
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ConfigError(f"tensor_parallel_size {n} runs on cuda:0..cuda:{n - 1}; got device {device}")

@@ -85,9 +85,9 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     if hasattr(weights, "shard_shape"):  # one tensor-parallel rank's slices (`distributed.ShardedWeights`)
         model.shard_shape = weights.shard_shape
         weights.keep_fp8 = keep
-    block = fp8_loading.block_size(cfg.raw, str(loader.checkpoint_dir(model_dir) / "config.json"))
-    if block is not None:
-        weights = fp8_loading.dequantized(weights, block, str(model_dir), keep)
+    fmt = fp8_loading.fp8_format(cfg.raw, loader.checkpoint_dir(model_dir))
+    if fmt is not None:
+        weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
     model.load_weights(weights, source=str(model_dir))
     model.rope.build_cache(device, dtype)
     return model.eval()

@@ -1,18 +1,25 @@
-"""Block-quantized FP8 checkpoints (config.json ``quantization_config``: ``quant_method: "fp8"`` with
-``weight_block_size [bn, bk]``, as DeepSeek-V3 and Qwen's ``-FP8`` releases ship them).
+"""FP8 checkpoints: e4m3 weights with block, per-channel or per-tensor scales (`fp8_format` reads which).
 
-Each quantized projection stores ``{m}.weight`` as e4m3 ``[N, K]`` and ``{m}.weight_scale_inv`` fp32
-``[ceil(N/bn), ceil(K/bk)]``, one scale per block (the last row and column of blocks may be partial). Ember
-keeps them packed where the model can run them so (``keeps_fp8``): MoE experts stay e4m3 stacks with their block
-scales (W8A16 in the fused-MoE kernel) and decoder projections become :class:`FP8Linear` (the same GEMM with one
-expert), each where its fused parts and tensor-parallel slices start on block boundaries. Everything else is
-dequantized as it loads (``weight * scale`` per block) to the model dtype. Activation scales (``input_scale``) are
-dropped: activations stay in the model dtype. Under tensor parallelism each rank dequantizes
-only its slice, by the blocks its rows and columns fall in, or keeps it packed with the scale blocks covering it
-(`ember.engine.distributed`).
+- Block: ``config.json`` ``quantization_config`` ``quant_method: "fp8"`` with ``weight_block_size [bn, bk]`` (DeepSeek-V3
+  and Qwen's ``-FP8`` releases: ``{m}.weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``) or compressed-tensors'
+  ``block`` strategy (``{m}.weight_scale``); the last row and column of blocks may be partial.
+- Per channel: compressed-tensors' ``channel`` strategy (``{m}.weight_scale [N, 1]``).
+- Per tensor: ModelOpt ``quant_algo: FP8`` (``hf_quant_config.json`` or ``config.json``), compressed-tensors'
+  ``tensor`` strategy, or ``quant_method: "fp8"`` without a block size (AutoFP8): a scalar ``{m}.weight_scale``.
+
+Every scale becomes a grid of `FP8Format.block` (per channel and per tensor: ``(1, CHANNEL)``, one scale per output
+row). Ember keeps weights packed where the model can run them so (``keeps_fp8``): MoE experts stay e4m3 stacks with
+their scales (W8A16 in the fused-MoE kernel) and decoder projections become :class:`FP8Linear` (the same GEMM with
+one expert), each where its fused parts and tensor-parallel slices start on block boundaries. Everything else is
+dequantized as it loads to the model dtype. Activation scales (``input_scale``) are dropped: activations stay in the
+model dtype. Under tensor parallelism each rank dequantizes only its slice, by the blocks its rows and columns fall
+in, or keeps it packed with the part of its scales that covers it (`ember.engine.distributed`).
 """
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -21,36 +28,108 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from ember.engine.nvfp4_loading import QuantizationError, is_fp8, use_triton
+from ember.engine.nvfp4_loading import QuantizationError, use_triton
 from ember.kernels import fp8_block
 
 SCALE = ".weight_scale_inv"
-_ACTIVATIONSCALES = (".input_scale", ".activation_scale")
+"""The scales' suffix in DeepSeek's and Qwen's block releases, and the name of every scale grid the loaders pass on."""
+_ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 
 
-def block_size(raw_config: dict[str, Any], source: str = "config.json") -> tuple[int, int] | None:
-    """``(bn, bk)`` for a block-FP8 checkpoint, None for any other; QuantizationError for FP8 without blocks."""
-    if not is_fp8(raw_config):
+@dataclass(frozen=True)
+class FP8Format:
+    """How a checkpoint scales its e4m3 weights. ``granularity`` is ``"block"`` (a scale per ``block``), ``"channel"``
+    (per output row) or ``"tensor"`` (one per tensor); Ember keeps all three as a block grid, the latter two as
+    ``(1, CHANNEL)`` (a tensor's scale repeated per row). ``scale_suffix`` names the scale tensors in the files."""
+
+    granularity: str
+    block: tuple[int, int]
+    scale_suffix: str
+    source: str
+
+
+def _block(value: Any, source: str) -> tuple[int, int]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or min(int(b) for b in value) < 1:
+        raise QuantizationError(f"{source}: FP8 block size {value!r} is not [n, k]")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Format | None:
+    """compressed-tensors' FP8 (``float-quantized``: every config group's weights ``type: float, num_bits: 8``), or
+    None for its other schemes."""
+    specs = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    if not specs or not all(w.get("type") == "float" and int(w.get("num_bits") or 0) == 8 for w in specs):
         return None
-    block = raw_config["quantization_config"].get("weight_block_size")
-    if not isinstance(block, (list, tuple)) or len(block) != 2 or min(int(b) for b in block) < 1:
-        raise QuantizationError(f"{source}: quantization_config fp8 without weight_block_size [n, k]; Ember reads "
-                                "block-quantized FP8 only (per-tensor FP8 is not supported)")
-    return int(block[0]), int(block[1])
+    strategies = {w.get("strategy") for w in specs}
+    if len(strategies) != 1:
+        raise QuantizationError(f"{source}: FP8 config groups mix weight strategies {sorted(map(str, strategies))}")
+    strategy = strategies.pop()
+    if strategy == "block":
+        return FP8Format("block", _block(specs[0].get("block_structure"), source), ".weight_scale", source)
+    if strategy in ("channel", "tensor"):
+        return FP8Format(strategy, (1, fp8_block.CHANNEL), ".weight_scale", source)
+    raise QuantizationError(f"{source}: compressed-tensors FP8 weight strategy {strategy!r} is not supported "
+                            "(tensor, channel or block)")
 
 
-def check_scale_shape(shape: list[int], scale_inv: torch.Tensor, block: tuple[int, int], module: str,
-                      source: str) -> None:
-    """QuantizationError unless ``scale_inv`` has one entry per ``block`` of a weight of ``shape`` ``[N, K]``."""
+def fp8_format(raw_config: dict[str, Any], model_dir: str | os.PathLike | None = None) -> FP8Format | None:
+    """The checkpoint's FP8 weight format, or None when its weights are not FP8. Read from ``config.json``'s
+    ``quantization_config`` (``quant_method: fp8`` with ``weight_block_size`` as DeepSeek's and Qwen's releases, or
+    without it per tensor as AutoFP8 writes; ``compressed-tensors`` FP8 per tensor, channel or block; ModelOpt's
+    ``quant_algo: FP8``) or ModelOpt's ``hf_quant_config.json``."""
+    root = Path(model_dir) if model_dir is not None else None
+    source = str(root / "config.json") if root is not None else "config.json"
+    qc = raw_config.get("quantization_config")
+    if isinstance(qc, dict):
+        method = qc.get("quant_method")
+        src = source + ":quantization_config"
+        if method == "fp8":
+            if qc.get("weight_block_size") is None:
+                return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", src)
+            return FP8Format("block", _block(qc["weight_block_size"], src), SCALE, src)
+        if method == "compressed-tensors":
+            return _compressed_tensors(qc, src)
+        if method in (None, "modelopt") and qc.get("quant_algo") == "FP8":
+            return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", src)
+    legacy = root / "hf_quant_config.json" if root is not None else None
+    if legacy is not None and legacy.exists():
+        try:
+            algo = (json.loads(legacy.read_text(encoding="utf-8")).get("quantization") or {}).get("quant_algo")
+        except (json.JSONDecodeError, AttributeError):
+            return None  # the NVFP4 reader names the malformed file
+        if algo == "FP8":
+            return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", str(legacy))
+    return None
+
+
+def check_scale_shape(shape: list[int], scale: torch.Tensor, block: tuple[int, int], module: str,
+                      source: str, suffix: str = SCALE) -> None:
+    """QuantizationError unless ``scale`` has one entry per ``block`` of a weight of ``shape`` ``[N, K]``."""
     bn, bk = block
     if len(shape) != 2:
-        raise QuantizationError(f"{source}: tensor {module}.weight is FP8 with shape {tuple(shape)}; block-FP8 "
-                                "weights are [N, K]")
+        raise QuantizationError(f"{source}: tensor {module}.weight is FP8 with shape {tuple(shape)}; FP8 weights "
+                                "are [N, K]")
     n, k = shape
     want = (-(-n // bn), -(-k // bk))
-    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
-        raise QuantizationError(f"{source}: tensor {module}{SCALE} has shape "
-                                f"{tuple(scale_inv.shape)}, expected {want} (one per {bn}x{bk} block of [{n}, {k}])")
+    if scale.dim() != 2 or tuple(scale.shape) != want:
+        raise QuantizationError(f"{source}: tensor {module}{suffix} has shape "
+                                f"{tuple(scale.shape)}, expected {want} (one per {bn}x{bk} block of [{n}, {k}])")
+
+
+def scale_grid(scale: torch.Tensor, shape: list[int], fmt: FP8Format, module: str, source: str) -> torch.Tensor:
+    """A checkpoint's scale tensor for a weight of ``shape`` as the float32 grid of ``fmt.block`` (per-channel
+    ``[N]``/``[N, 1]`` and per-tensor scalars become ``[N, 1]``); QuantizationError naming the tensor otherwise."""
+    n = shape[0] if shape else 0
+    if fmt.granularity == "channel" and scale.numel() == n and scale.dim() <= 2:
+        return scale.float().reshape(n, 1)
+    if fmt.granularity == "tensor" and scale.numel() == 1:
+        return scale.float().reshape(1, 1).expand(n, 1).contiguous()
+    if fmt.granularity == "block":
+        check_scale_shape(shape, scale, fmt.block, module, source, fmt.scale_suffix)
+        return scale.float()
+    want = f"({n}, 1), one per output channel" if fmt.granularity == "channel" else "one scalar"
+    raise QuantizationError(f"{source}: tensor {module}{fmt.scale_suffix} has shape {tuple(scale.shape)}, expected "
+                            f"{want} ({fmt.granularity} FP8 of a [{', '.join(map(str, shape))}] weight)")
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], module: str = "",
@@ -61,16 +140,16 @@ def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, 
     return fp8_block.dequantize(weight, scale_inv, block)
 
 
-def paired_scales(files: list[Path]) -> dict[str, tuple[Path, list[int]]]:
-    """Module -> (the file holding its ``weight_scale_inv``, its weight's shape), for every module with both an e4m3
-    ``weight`` and a scale (from the safetensors headers; the pair may sit in different files)."""
+def paired_scales(files: list[Path], suffix: str = SCALE) -> dict[str, tuple[Path, list[int]]]:
+    """Module -> (the file holding its scale ``{module}{suffix}``, its weight's shape), for every module with both
+    an e4m3 ``weight`` and a scale (from the safetensors headers; the pair may sit in different files)."""
     fp8_weights: dict[str, list[int]] = {}
     scales: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                if name.endswith(SCALE):
-                    scales[name[: -len(SCALE)]] = f
+                if name.endswith(suffix):
+                    scales[name[: -len(suffix)]] = f
                 elif name.endswith(".weight") and sf.get_slice(name).get_dtype() == "F8_E4M3":
                     fp8_weights[name[: -len(".weight")]] = list(sf.get_slice(name).get_shape())
     return {m: (f, fp8_weights[m]) for m, f in scales.items() if m in fp8_weights}
@@ -103,12 +182,17 @@ class FP8Linear(nn.Module):
         return F.linear(x, w.dequantize(x.dtype), bias)
 
 
+def whole_blocks(local: int, full: int, block: int) -> bool:
+    """Equal tensor-parallel shares of ``local`` out of ``full`` along a dimension start on ``block`` boundaries (or
+    one block spans the whole dimension, as a per-channel scale does along K)."""
+    return local == full or block >= full or local % block == 0
+
+
 def _aligned(full: list[int], local: list[int], block: tuple[int, int]) -> bool:
-    """A tensor-parallel slice of ``local`` out of ``full`` starts every rank on a block boundary."""
-    return all(n == f or n % b == 0 for f, n, b in zip(full, local, block))
+    return all(whole_blocks(n, f, b) for f, n, b in zip(full, local, block))
 
 
-def install_linears(model: nn.Module, source: str, block: tuple[int, int]) -> set[str]:
+def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
     """Swap each decoder-layer linear whose checkpoint weights are all block-FP8 for an :class:`FP8Linear` (noted
     in ``model.fp8_linears``, by the names the model's loader reads) and return the checkpoint's module names now
     read packed. A fused layer needs every partition in FP8 and each
@@ -123,7 +207,8 @@ def install_linears(model: nn.Module, source: str, block: tuple[int, int]) -> se
     shard_shape = getattr(model, "shard_shape", None)
     dense_only = tuple(getattr(model, "fp8_dense_only", ()))
     groups: dict[str, dict[int, tuple[str, str, list[int]]]] = {}
-    for hf_module, (_, shape) in paired_scales(loader.weight_files(source)).items():
+    block = fmt.block
+    for hf_module, (_, shape) in paired_scales(loader.weight_files(source), fmt.scale_suffix).items():
         name = rename(hf_module + ".weight")
         if name is None or ".layers." not in name or ".mlp.experts." in name or len(shape) != 2:
             continue
@@ -194,35 +279,45 @@ def fill_linears(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 raise QuantizationError(f"{source}: tensor {module}.{leaf} was never read")
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int],
-                source: str = "checkpoint", keep: Callable[[str], bool] | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every e4m3 weight dequantized by its block scales (each pair is yielded once
-    both halves have been read, in either order); activation scales are left out. Modules for which ``keep(module)``
-    holds (a model running them in FP8) pass through as they are, weight and scale."""
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, source: str = "checkpoint",
+                keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with every e4m3 weight paired with its scale (in either order) and dequantized;
+    activation scales are left out. A module for which ``keep(module)`` holds (a model running it in FP8) comes as
+    its e4m3 weight followed by ``{module}.weight_scale_inv``, the scale as a grid of ``fmt.block``."""
+    suffix = fmt.scale_suffix
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
+
+    def pair(module: str, weight: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        grid = scale_grid(scale, list(weight.shape), fmt, module, source)
+        if keep is not None and keep(module):
+            yield module + ".weight", weight
+            yield module + SCALE, grid
+        else:
+            yield module + ".weight", fp8_block.dequantize(weight, grid, fmt.block)
+
     for name, tensor in weights:
-        if keep is not None and name.endswith((SCALE, ".weight")) and keep(name.rsplit(".", 1)[0]):
-            yield name, tensor
-        elif name.endswith(SCALE):
-            module = name[: -len(SCALE)]
+        if suffix != SCALE and name.endswith(SCALE):
+            raise QuantizationError(f"{source}: tensor {name} is a block scale, but {fmt.source} declares FP8 "
+                                    "without weight_block_size [n, k]")
+        if name.endswith(suffix):
+            module = name[: -len(suffix)]
             w = weights_waiting.pop(module, None)
             if w is None:
                 scales_waiting[module] = tensor
             else:
-                yield module + ".weight", dequantize(w, tensor, block, module, source)
+                yield from pair(module, w, tensor)
         elif name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
             module = name[: -len(".weight")]
             s = scales_waiting.pop(module, None)
             if s is None:
                 weights_waiting[module] = tensor
             else:
-                yield name, dequantize(tensor, s, block, module, source)
-        elif not name.endswith(_ACTIVATIONSCALES):
+                yield from pair(module, tensor, s)
+        elif not name.endswith(_ACTIVATION_SCALES):
             yield name, tensor
     if weights_waiting:
         raise QuantizationError(f"{source}: tensor {next(iter(weights_waiting))}.weight is FP8 but the checkpoint "
-                                f"has no {next(iter(weights_waiting))}{SCALE}")
+                                f"has no {next(iter(weights_waiting))}{suffix}")
     if scales_waiting:
-        raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{SCALE} has no FP8 weight beside it")
+        raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{suffix} has no FP8 weight beside it")

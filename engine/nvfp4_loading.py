@@ -62,7 +62,7 @@ def _parse_quant_dict(q: dict[str, Any], source: str) -> QuantConfig:
     algo = q.get("quant_algo")
     if algo is None and q.get("quant_method") not in (None, "modelopt"):
         raise QuantizationError(f"{source}: quant_method {q.get('quant_method')!r} is not supported "
-                                "(Ember reads ModelOpt NVFP4 checkpoints)")
+                                "(Ember reads ModelOpt NVFP4 and FP8 checkpoints: block, per-channel or per-tensor)")
     group = q.get("group_size")
     if group is None:
         for grp in (q.get("config_groups") or {}).values():
@@ -75,10 +75,11 @@ def _parse_quant_dict(q: dict[str, Any], source: str) -> QuantConfig:
     return QuantConfig(algo, BLOCK, list(exclude), source)
 
 
-def is_fp8(raw_config: dict[str, Any]) -> bool:
-    """config.json declares FP8 (``quant_method: fp8``): not NVFP4; `ember.engine.fp8_loading` reads it."""
-    qc = raw_config.get("quantization_config")
-    return isinstance(qc, dict) and qc.get("quant_method") == "fp8"
+def is_fp8(raw_config: dict[str, Any], model_dir: str | os.PathLike | None = None) -> bool:
+    """The checkpoint's weights are FP8 (`ember.engine.fp8_loading.fp8_format`), not NVFP4."""
+    from ember.engine import fp8_loading
+
+    return fp8_loading.fp8_format(raw_config, model_dir) is not None
 
 
 def read_quant_config(model_dir: str | os.PathLike | None, raw_config: dict[str, Any]) -> QuantConfig | None:
@@ -160,7 +161,7 @@ def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any], shard_shape: 
     Returns None for a checkpoint with neither NVFP4 tensors nor a quantization config, and for a block-FP8 one
     (`ember.engine.fp8_loading` dequantizes it as it loads).
     """
-    if is_fp8(raw_config):
+    if is_fp8(raw_config, model_dir):
         return None
     root = Path(model_dir)
     heads = _headers(root)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from types import ModuleType
 from typing import Iterable
 
@@ -213,7 +214,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Qwen3-MoE's loader over :meth:`checkpoint_name`; the latent up-projection must stay unquantized."""
-        fp8 = fp8_loading.block_size(self.config.raw, source) is not None
+        fp8 = os.path.isdir(source) and fp8_loading.fp8_format(self.config.raw, source) is not None
 
         def checked() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in self.renamed(weights):

@@ -390,9 +390,9 @@ class DecoderForCausalLM(nn.Module):
         from ember.engine import fp8_loading, nvfp4_loading  # quantized linears are swapped in before params are read
 
         weights = nvfp4_loading.prepare(self, weights, source)
-        block = fp8_loading.block_size(self.config.raw, source)
-        if block is not None and self.nvfp4_plan is None and os.path.isdir(source):
-            self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, block)
+        fmt = fp8_loading.fp8_format(self.config.raw, source) if os.path.isdir(source) else None
+        if fmt is not None and self.nvfp4_plan is None:
+            self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, fmt)
             weights = fp8_loading.fill_linears(self, weights, source)
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())

@@ -31,7 +31,7 @@ from ember.engine.models.layers import (
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
-from ember.kernels.fp8_block import FP8BlockTensor
+from ember.kernels.fp8_block import CHANNEL, FP8BlockTensor
 from ember.kernels.nvfp4 import BLOCK, NVFP4Tensor
 
 _PROJ = {"gate_proj": 0, "up_proj": 1, "down_proj": 2}
@@ -231,11 +231,12 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         projection of the layer is e4m3 with its scales and this rank's share of ``moe_intermediate_size`` starts
         gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise. The kept
         modules' checkpoint names join ``fp8_packed`` (:meth:`keeps_fp8`)."""
-        block = fp8_loading.block_size(self.config.raw, source)
-        if block is None or not os.path.isdir(source):
+        fmt = fp8_loading.fp8_format(self.config.raw, source) if os.path.isdir(source) else None
+        if fmt is None:
             return
+        block = fmt.block
         fp8_modules = {}  # the model's module name -> the checkpoint's
-        for hf in fp8_loading.paired_scales(loader.weight_files(source)):
+        for hf in fp8_loading.paired_scales(loader.weight_files(source), fmt.scale_suffix):
             name = self.checkpoint_name(hf + ".weight")
             if name is not None:
                 fp8_modules[name[: -len(".weight")]] = hf
@@ -247,7 +248,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             names = [f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(ex.num_experts) for p in _PROJ]
             if not all(n in fp8_modules for n in names):
                 continue
-            if ex.inter % block[0] or (split and ex.inter % block[1]):
+            # down's K is split too; a per-channel scale spans any K
+            if ex.inter % block[0] or (split and block[1] < CHANNEL and ex.inter % block[1]):
                 log.warning("%s: layer %d's FP8 experts are dequantized to %s: %d intermediate channels per rank are "
                             "not whole %s scale blocks", source, i, self.model.embed_tokens.weight.dtype, ex.inter,
                             block)

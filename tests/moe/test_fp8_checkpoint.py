@@ -24,15 +24,30 @@ BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks 
 SMALL_BLOCK = (16, 16)  # two ranks' 16 expert channels each are whole blocks: experts stay FP8 under TP=2
 
 
-def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLOCK) -> None:
-    """The FP8 checkpoint of ``src`` (every decoder projection, experts included) and its dequantized twin."""
+COMPRESSED_TENSORS_CHANNEL = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+}
+
+
+def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLOCK, layout: str = "block") -> None:
+    """The FP8 checkpoint of ``src`` (every decoder projection, experts included) and its dequantized twin.
+    ``layout``: ``block`` (DeepSeek/Qwen releases: ``weight_scale_inv`` per ``block``), ``channel``
+    (compressed-tensors: ``weight_scale [N, 1]``) or ``tensor`` (ModelOpt: a scalar ``weight_scale``, declared in
+    ``hf_quant_config.json``)."""
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    grid = {"block": block, "channel": (1, fp8_block.CHANNEL), "tensor": (fp8_block.CHANNEL, fp8_block.CHANNEL)}
     fp8, ref = {}, {}
     for name, t in tensors.items():
         if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")) and t.dim() == 2:
-            q = fp8_block.quantize(t, block)
-            fp8[name], fp8[name + "_scale_inv"] = q.weight, q.scale
+            q = fp8_block.quantize(t, grid[layout])
+            scale_name = name + "_scale_inv" if layout == "block" else name[: -len(".weight")] + ".weight_scale"
+            fp8[name], fp8[scale_name] = q.weight, q.scale.reshape(()) if layout == "tensor" else q.scale
             fp8[name[: -len(".weight")] + ".input_scale"] = torch.ones(())  # static activation scale: dropped
             ref[name] = q.dequantize()
         else:
@@ -44,8 +59,14 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLO
             shutil.copy(src / name, out / name)
     cfg = json.loads((src / "config.json").read_text())
     (ref_dir / "config.json").write_text(json.dumps(cfg))
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block)}
+    if layout == "block":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": list(block)}
+    elif layout == "channel":
+        cfg["quantization_config"] = COMPRESSED_TENSORS_CHANNEL
+    else:
+        (fp8_dir / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
     (fp8_dir / "config.json").write_text(json.dumps(cfg))
 
 
@@ -119,10 +140,11 @@ def test_each_rank_dequantizes_its_slice_by_the_blocks_it_cuts(fp8_dirs):
     from ember.engine.distributed import TensorParallel, _split_rule, iter_shard_weights
 
     fp8_dir = fp8_dirs[0]
-    whole = dict(fp8_loading.dequantized(loader.iter_weights(fp8_dir), BLOCK))
+    fmt = fp8_loading.fp8_format(loader.load_model_config(fp8_dir).raw, fp8_dir)
+    whole = dict(fp8_loading.dequantized(loader.iter_weights(fp8_dir), fmt))
     for rank in range(2):
-        shard = iter_shard_weights(fp8_dir, TensorParallel(rank, 2), fp8_block=BLOCK)
-        got = dict(fp8_loading.dequantized(shard, BLOCK))  # as the engine's load_model reads a stream
+        shard = iter_shard_weights(fp8_dir, TensorParallel(rank, 2), fp8=fmt)
+        got = dict(fp8_loading.dequantized(shard, fmt))  # as the engine's load_model reads a stream
         assert got.keys() == whole.keys()
         for name, t in got.items():
             kind, dim = _split_rule(name)[:2]
@@ -194,3 +216,59 @@ def test_a_broken_checkpoint_names_the_tensor(fp8_dirs, tmp_path, case):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QuantizationError, match=match):
         Engine.from_pretrained(tmp_path, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("layout", ["channel", "tensor"])
+def test_per_channel_and_per_tensor_checkpoints_stay_fp8(tiny_moe_dir, tmp_path, layout):
+    """compressed-tensors' per-channel FP8 and ModelOpt's per-tensor FP8 keep one byte per weight, with a scale per
+    output row (a fused q/k/v carries each part's tensor scale on its rows); greedy tokens equal transformers' on
+    the dequantized weights."""
+    from ember.engine.fp8_loading import FP8Linear
+
+    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", layout=layout)
+    model = ember_model(tmp_path / "fp8")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, FP8Linear) and qkv.block == (1, fp8_block.CHANNEL) and qkv.scale.shape == (128, 1)
+    if layout == "tensor":
+        assert qkv.scale[:64].unique().numel() == 1 and qkv.scale[64].item() != qkv.scale[0].item()
+    assert isinstance(model.model.layers[0].mlp.experts.quant13, FP8BlockTensor)
+    ps = prompts(6, seed=5, min_len=3, max_len=30)
+    ps, expected = clear_margin(ps, hf_greedy(tmp_path / "ref", ps), need=4)
+    assert ember_greedy(tmp_path / "fp8", ps) == expected
+
+
+def test_two_ranks_keep_per_channel_fp8_whole(tiny_moe_dir, tmp_path):
+    """A per-channel scale spans any K: every rank's slice of every projection and expert stays FP8."""
+    from ember.engine.fp8_loading import FP8Linear
+
+    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", layout="channel")
+
+    def check(engine):
+        layer = engine.runner.model.model.layers[0]
+        assert isinstance(layer.self_attn.o_proj, FP8Linear) and layer.self_attn.o_proj.weight.shape == (64, 32)
+        down = layer.mlp.experts.quant2
+        assert isinstance(down, FP8BlockTensor) and down.scale.shape == (8, 64, 1)
+
+    assert_two_ranks_match_one(tmp_path / "fp8", prompts(4, seed=6, min_len=4, max_len=30), 6, check)
+
+
+def test_the_fp8_formats_are_read_from_their_configs(tmp_path):
+    from ember.engine.fp8_loading import fp8_format
+
+    assert fp8_format({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}).block \
+        == (128, 128)
+    auto = fp8_format({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
+    assert (auto.granularity, auto.scale_suffix) == ("tensor", ".weight_scale")
+    assert fp8_format({"quantization_config": COMPRESSED_TENSORS_CHANNEL}).granularity == "channel"
+    blocked = json.loads(json.dumps(COMPRESSED_TENSORS_CHANNEL))
+    blocked["config_groups"]["group_0"]["weights"] |= {"strategy": "block", "block_structure": [128, 64]}
+    assert fp8_format({"quantization_config": blocked}).block == (128, 64)
+    int4 = json.loads(json.dumps(COMPRESSED_TENSORS_CHANNEL))
+    int4["config_groups"]["group_0"]["weights"] |= {"type": "int", "num_bits": 4}
+    assert fp8_format({"quantization_config": int4}) is None  # not FP8: refused elsewhere, naming the method
+    grouped = json.loads(json.dumps(COMPRESSED_TENSORS_CHANNEL))
+    grouped["config_groups"]["group_0"]["weights"]["strategy"] = "group"
+    with pytest.raises(QuantizationError, match="strategy 'group' is not supported"):
+        fp8_format({"quantization_config": grouped})
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    assert fp8_format({}, tmp_path).granularity == "tensor" and fp8_format({}) is None

@@ -103,9 +103,9 @@ def test_nvfp4_tensors_without_any_quant_config(tmp_path):
 
 
 def test_config_declares_another_algorithm_or_group(tmp_path):
-    fp8 = json.loads(json.dumps(LEGACY))
-    fp8["quantization"]["quant_algo"] = "FP8"
-    _fails(tmp_path / "a", _good(), r"hf_quant_config\.json: quant_algo 'FP8' is not supported", legacy=fp8)
+    awq = json.loads(json.dumps(LEGACY))
+    awq["quantization"]["quant_algo"] = "W4A8_AWQ"  # (FP8 is read by fp8_loading)
+    _fails(tmp_path / "a", _good(), r"hf_quant_config\.json: quant_algo 'W4A8_AWQ' is not supported", legacy=awq)
     g32 = json.loads(json.dumps(LEGACY))
     g32["quantization"]["group_size"] = 32
     _fails(tmp_path / "b", _good(), r"group_size must be 16, got 32", legacy=g32)
