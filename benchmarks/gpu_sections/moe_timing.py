@@ -1,7 +1,7 @@
 """The fused-MoE, NVFP4 and block-FP8 kernels at the Qwen3-30B-A3B layer shape (E=128, H=2048, I=768, top-8).
 
 `correctness_checks` (part of section 1): the bf16 Triton fused MoE, block-FP8 W8A16 (128x128 blocks, as the
-``-FP8`` releases), NVFP4 W4A16 (and W4A4 where
+``-FP8`` releases, and per-channel scales), NVFP4 W4A16 (and W4A4 where
 `kernels.moe.w4a4_available`) and the dense NVFP4 linear against the torch references, by relative error, at each
 token count M the timings use (each M has its own tile config). `run` (section 4): median time of each against the
 bf16 torch reference loop and against its **bytes floor**: distinct experts touched x bytes per expert plus the
@@ -37,6 +37,8 @@ class MoeWeights:
     q2: NVFP4Tensor
     f13: FP8BlockTensor
     f2: FP8BlockTensor
+    c13: FP8BlockTensor  # per-channel scales (compressed-tensors' -FP8-dynamic releases; per-tensor runs the same)
+    c2: FP8BlockTensor
 
 
 def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
@@ -56,7 +58,8 @@ def weights(ctx: Ctx) -> MoeWeights:
         w13 = torch.randn(e, 2 * i, h, generator=g, device=ctx.device) / h ** 0.5
         w2 = torch.randn(e, h, i, generator=g, device=ctx.device) / i ** 0.5
         return MoeWeights(e, h, i, k, w13.to(ctx.dtype), w2.to(ctx.dtype), quantize_stack(w13, 2),
-                          quantize_stack(w2, 1), fp8_block.quantize(w13, block), fp8_block.quantize(w2, block))
+                          quantize_stack(w2, 1), fp8_block.quantize(w13, block), fp8_block.quantize(w2, block),
+                          *(fp8_block.quantize(w, (1, fp8_block.CHANNEL)) for w in (w13, w2)))
 
     return ctx.cached("moe_weights", build)
 
@@ -85,6 +88,9 @@ def correctness_checks(ctx: Ctx) -> None:
         with ctx.case(f"moe fp8 w8a16 M={m}"):
             want = ref.fused_moe(x.float(), w.f13, w.f2, tw, ti)
             ctx.report.check(f"moe fp8 w8a16 M={m}", moe.fused_moe(x, w.f13, w.f2, tw, ti), want, tol)
+        with ctx.case(f"moe fp8 per-channel M={m}"):
+            want = ref.fused_moe(x.float(), w.c13, w.c2, tw, ti)
+            ctx.report.check(f"moe fp8 per-channel M={m}", moe.fused_moe(x, w.c13, w.c2, tw, ti), want, tol)
         with ctx.case(f"moe nvfp4 w4a16 M={m}"):
             want = ref.fused_moe_nvfp4(x.float(), w.q13, w.q2, tw, ti)
             got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False)

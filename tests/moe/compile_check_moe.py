@@ -35,6 +35,7 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
     q2 = NVFP4Tensor(*(torch.stack(t) for t in zip(*[(q.weight, q.weight_scale, q.weight_scale_2)
                                                      for q in map(nvfp4.quantize, w2)])))
     f13, f2 = fp8_block.quantize(w13, (128, 128)), fp8_block.quantize(w2, (128, 128))  # the -FP8 releases' block
+    c13, c2 = (fp8_block.quantize(w, (1, fp8_block.CHANNEL)) for w in (w13, w2))  # per-channel (and per-tensor)
     for dt in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16):
         for m in (64,) if quick else (1, 16, 64, 256, 512, 4096):
             x = torch.randn(m, h, generator=g).to(dt)
@@ -45,9 +46,11 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True))
             fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
             moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
+            moe.fused_moe(x, c13, c2, tw, ti, config=fp8_cfg)
             moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, cuda))
-            moe.block_fp8_linear(x, fp8_block.quantize(w2[0], (128, 128)),
-                                 config=moe.block_fp8_config(moe.linear_config(m, cuda)))
+            for block in ((128, 128), (1, fp8_block.CHANNEL)):
+                moe.block_fp8_linear(x, fp8_block.quantize(w2[0], block),
+                                     config=moe.block_fp8_config(moe.linear_config(m, cuda)))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
 
