@@ -77,9 +77,10 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     safetensors files (or ``weights``, e.g. one tensor-parallel rank's slices)."""
     cls = model_class or get_model_class(cfg.architecture,
                                          source=str(loader.checkpoint_dir(model_dir) / "config.json"))
-    with torch.device(device), _skip_init(dtype):
+    with torch.device("meta"), _skip_init(dtype):  # allocated on `device` once the loader knows what is packed
         model = cls(cfg, max_position)
     model = model.to(dtype)
+    model.load_device = device
     weights = loader.iter_weights(model_dir) if weights is None else weights
     keep = getattr(model, "keeps_fp8", None)  # FP8 modules the model runs packed (decided as it starts loading)
     if hasattr(weights, "shard_shape"):  # one tensor-parallel rank's slices (`distributed.ShardedWeights`)

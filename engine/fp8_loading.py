@@ -1,8 +1,8 @@
 """FP8 checkpoints: e4m3 weights with block, per-channel or per-tensor scales (`fp8_format` reads which).
 
-- Block: ``config.json`` ``quantization_config`` ``quant_method: "fp8"`` with ``weight_block_size [bn, bk]`` (DeepSeek-V3
-  and Qwen's ``-FP8`` releases: ``{m}.weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``) or compressed-tensors'
-  ``block`` strategy (``{m}.weight_scale``); the last row and column of blocks may be partial.
+- Block: ``config.json`` ``quantization_config`` ``quant_method: "fp8"`` with ``weight_block_size [bn, bk]``
+  (DeepSeek-V3 and Qwen's ``-FP8`` releases: ``{m}.weight_scale_inv`` fp32 ``[ceil(N/bn), ceil(K/bk)]``) or
+  compressed-tensors' ``block`` strategy (``{m}.weight_scale``); the last row and column of blocks may be partial.
 - Per channel: compressed-tensors' ``channel`` strategy (``{m}.weight_scale [N, 1]``).
 - Per tensor: ModelOpt ``quant_algo: FP8`` (``hf_quant_config.json`` or ``config.json``), compressed-tensors'
   ``tensor`` strategy, or ``quant_method: "fp8"`` without a block size (AutoFP8): a scalar ``{m}.weight_scale``.

@@ -8,10 +8,11 @@ the Triton interpreter on a CPU) and `use_triton_row_ops` switches a built model
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from types import ModuleType
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +315,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _KV_SCALES = ("k_scale", "v_scale")
 
 
+def materialized(packed: Any, device: torch.device) -> Any:
+    """A packed weight dataclass (`NVFP4Tensor`, `FP8BlockTensor`, `MXFP4Tensor`) with its meta tensors allocated
+    (zeroed) on ``device``; itself when none is on the meta device."""
+    fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
+    meta = {k: torch.zeros_like(v, device=device) for k, v in fields.items()
+            if isinstance(v, torch.Tensor) and v.is_meta}
+    return dataclasses.replace(packed, **meta) if meta else packed
+
+
 def _kv_scale_module(parts: list[str]) -> str | None:
     """The attention module an FP8 KV scale belongs to: ModelOpt's ``self_attn.k_proj.k_scale`` /
     ``self_attn.v_proj.v_scale`` or the older ``self_attn.k_scale`` / ``self_attn.v_scale``; None for other names."""
@@ -355,6 +365,20 @@ class DecoderForCausalLM(nn.Module):
         applies it to its weight stream (:meth:`renamed`); the NVFP4 plan reads the checkpoint through it too."""
         return name
 
+    def materialize(self) -> None:
+        """Allocate on ``load_device`` whatever is still on the meta device: `ember.engine.engine.load_model` builds
+        the model there, and :meth:`load_weights` calls this once the quantized (packed) layers are in place, so a
+        quantized checkpoint never holds those layers in the model dtype, not even while loading. Modules with
+        tensors outside their parameters and buffers (packed expert stacks) allocate them in their own
+        ``materialize_packed(device)``. A no-op for a model built on a real device."""
+        device = getattr(self, "load_device", None)
+        if device is None:
+            return
+        self._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+        for m in self.modules():
+            if hasattr(m, "materialize_packed"):
+                m.materialize_packed(device)
+
     def keeps_fp8(self, module: str) -> bool:
         """Whether checkpoint module ``module``'s block-FP8 weight and scales reach :meth:`load_weights` packed (an
         :class:`~ember.engine.fp8_loading.FP8Linear` or FP8 experts) rather than dequantized (decided as loading
@@ -394,6 +418,7 @@ class DecoderForCausalLM(nn.Module):
         if fmt is not None and self.nvfp4_plan is None:
             self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, fmt)
             weights = fp8_loading.fill_linears(self, weights, source)
+        self.materialize()
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         filled: dict[str, int] = {}

@@ -28,6 +28,7 @@ from ember.engine.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    materialized,
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
@@ -41,9 +42,9 @@ log = logging.getLogger(__name__)
 class MoEExperts(nn.Module):
     """All experts of one layer as two stacks (buffers, so the dense loader's parameter checks skip them).
 
-    The dense stacks are placeholders (on the meta device) until the loader has chosen the checkpoint's format:
-    :meth:`materialize` allocates the ones that stay dense, so a quantized checkpoint never holds its experts in
-    the model dtype, not even while loading."""
+    The dense stacks are placeholders (on the meta device) until the loader has chosen the checkpoint's format; the
+    model allocates the ones that stay dense (`DecoderForCausalLM.materialize`), so a quantized checkpoint never
+    holds its experts in the model dtype, not even while loading."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -56,12 +57,12 @@ class MoEExperts(nn.Module):
         self.a13_scale: torch.Tensor | None = None
         self.a2_scale: torch.Tensor | None = None
 
-    def materialize(self) -> None:
-        """Allocate the dense stacks that no quantized stack replaced."""
-        for which in ("w13", "w2"):
-            t = getattr(self, which)
-            if t is not None and t.is_meta:
-                self.register_buffer(which, torch.empty(t.shape, dtype=t.dtype, device=self.device))
+    def materialize_packed(self, device: torch.device) -> None:
+        """Allocate packed stacks built on the meta device (the dense ones are buffers, which the model allocates)."""
+        self.device = device
+        for attr in ("quant13", "quant2"):
+            if getattr(self, attr) is not None:
+                setattr(self, attr, materialized(getattr(self, attr), device))
 
     def make_fp8(self, block: tuple[int, int]) -> None:
         """Replace both stacks by empty block-FP8 stacks (e4m3 weights, a float32 scale per ``block``) for the loader
@@ -267,9 +268,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             self._install_nvfp4_experts(self.nvfp4_plan)
         else:
             self._install_fp8_experts(source)
-        for i, sparse in enumerate(self.sparse):
-            if sparse:
-                self._experts(i).materialize()
         filled: dict[tuple[int, str], int] = {}
         expected: dict[tuple[int, str], int] = {}
 

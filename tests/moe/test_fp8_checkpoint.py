@@ -272,3 +272,63 @@ def test_the_fp8_formats_are_read_from_their_configs(tmp_path):
         fp8_format({"quantization_config": grouped})
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
     assert fp8_format({}, tmp_path).granularity == "tensor" and fp8_format({}) is None
+
+
+class _CountAllocations:
+    """Bytes of every tensor the aten factory ops create while active (a torch dispatch mode)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.zeros,
+                                           torch.ops.aten.empty_like, torch.ops.aten.zeros_like) \
+                        and isinstance(out, torch.Tensor) and out.device.type != "meta":
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        self.bytes, self._mode = 0, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def test_loading_never_allocates_fp8_layers_in_the_model_dtype(tmp_path):
+    """The model is built on the meta device and allocated once its FP8 layers are in place, so loading a dense
+    model stored per-channel FP8 never allocates its projections in fp32 (which alone is 4x the FP8 bytes)."""
+    from ember.engine import loader
+    from ember.engine.engine import load_model
+
+    h, inter, layers = 256, 1024, 2
+    cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=1280, hidden_size=h,
+               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+               quantization_config=COMPRESSED_TENSORS_CHANNEL)
+    shapes = {"self_attn.q_proj": (256, h), "self_attn.k_proj": (128, h), "self_attn.v_proj": (128, h),
+              "self_attn.o_proj": (h, 256), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+              "mlp.down_proj": (h, inter)}
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(1280, h, generator=g), "model.norm.weight": torch.ones(h)}
+    fp8_bytes = 0
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h),
+                    p + "self_attn.q_norm.weight": torch.ones(64), p + "self_attn.k_norm.weight": torch.ones(64)}
+        for name, (n, k) in shapes.items():
+            tensors[p + name + ".weight"] = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+            tensors[p + name + ".weight_scale"] = torch.full((n, 1), 0.01)
+            fp8_bytes += n * k
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    mc = loader.load_model_config(tmp_path)
+    with _CountAllocations() as allocated:
+        model = load_model(tmp_path, mc, 64, torch.device("cpu"), torch.float32)
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    embeddings = 1280 * h * 4
+    assert allocated.bytes - embeddings < 2 * fp8_bytes, (allocated.bytes, fp8_bytes)
