@@ -143,7 +143,7 @@ class GatedDeltaNet(nn.Module):
 
     def allocate_state(self, num_slots: int, device: torch.device) -> int:
         """Zeroed states for ``num_slots`` sequences; returns their bytes."""
-        dtype = self.out_proj.weight.dtype
+        dtype = self.conv1d.weight.dtype  # the model dtype (out_proj may be a packed NVFP4 / FP8 layer)
         self.conv_state = torch.zeros(num_slots, self.channels, self.kernel - 1, dtype=dtype, device=device)
         self.ssm_state = torch.zeros(num_slots, self.hv, self.dk, self.dv, dtype=torch.float32, device=device)
         return sum(t.numel() * t.element_size() for t in (self.conv_state, self.ssm_state))

@@ -233,6 +233,22 @@ def test_nvfp4_checkpoint_equals_its_dequantized_reference(tiny_next_dir, tmp_pa
     assert ember_greedy(qdir, ps) == expected
 
 
+def test_fp8_checkpoint_keeps_the_linear_attention_output_packed(tiny_next_dir, tmp_path):
+    """An FP8 Qwen3-Next (the released layout: every projection e4m3): ``out_proj`` of the linear attention becomes
+    an FP8 linear, and the recurrent state keeps the model dtype (it was allocated in out_proj's weight dtype, e4m3,
+    which broke the first step). Greedy tokens equal transformers' on the dequantized weights."""
+    from ember.engine.fp8_loading import FP8Linear
+    from tests.moe.conftest import ember_greedy
+    from tests.moe.test_fp8_checkpoint import _write
+
+    _write(tiny_next_dir, tmp_path / "fp8", tmp_path / "ref", (16, 16))
+    model = ember_model(tmp_path / "fp8")
+    assert isinstance(model.model.layers[0].linear_attn.out_proj, FP8Linear)
+    ps = prompts(6, seed=9, min_len=3, max_len=20)
+    ps, expected = clear_margin(ps, hf_greedy(tmp_path / "ref", ps), need=4)
+    assert ember_greedy(tmp_path / "fp8", ps) == expected
+
+
 def test_prefix_hits_restore_the_saved_state(tiny_next_dir):
     """Prefix caching: a prompt's state is saved at its last full-block boundary; later prompts sharing that prefix
     (the same prompt again, a longer one, a multi-turn follow-up) skip it, restoring the state, and still decode
