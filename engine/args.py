@@ -61,9 +61,13 @@ class EngineArgs:
                                         negatable=True)
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of a prompt prefix seen before", negatable=True)
     state_snapshots: int | None = _opt(None, "hybrid models (Qwen3-Next, Qwen3.5): recurrent states saved at prompt "
-                                             "boundaries for prefix caching; default: max_num_seqs", metavar="N")
+                                             "boundaries and inside replies for prefix caching; default: "
+                                             "max_num_seqs", metavar="N")
     kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3)",
                                choices=("auto", "fp8"))
+    quantization: str | None = _opt(None, "quantize an unquantized checkpoint as it loads: 'fp8' keeps every "
+                                          "decoder projection and expert in e4m3 with a scale per output channel "
+                                          "(W8A16)", choices=("fp8",))
     kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
                                        group="kv-cache-size")
     kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
@@ -93,7 +97,7 @@ class EngineArgs:
                 "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": self.dtype, "device": self.device,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
-                "kv_cache_dtype": self.kv_cache_dtype}
+                "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

@@ -33,6 +33,7 @@ from ember.engine import fp8_loading, loader
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig
 from ember.engine.model_runner import ModelRunner
+from ember.kernels import fp8_block
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class ShardSpec:
     device_type: str
     num_threads: int
     kv_cache_dtype: torch.dtype
+    quantization: str | None
 
 
 # ---- how the model is split ---------------------------------------------------------------------------------------
@@ -259,7 +261,8 @@ class ShardedWeights:
     def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         files = loader.weight_files(self.model_dir)
         fmt = self.fp8
-        paired = fp8_loading.paired_scales(files, fmt.scale_suffix) if fmt is not None else {}
+        # quantizing on load, the loader's stream quantizes this rank's (floating-point) slices
+        paired = fp8_loading.paired_scales(files, fmt.scale_suffix) if fmt is not None and not fmt.on_load else {}
         suffix = fmt.scale_suffix if fmt is not None else None
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -268,12 +271,31 @@ class ShardedWeights:
                     if module in paired and name.endswith(suffix):
                         continue  # read with its weight
                     rule = self.rule(name)
-                    if module in paired and name.endswith(".weight") and self.keep_fp8 and self.keep_fp8(module):
+                    kept_fp8 = name.endswith(".weight") and self.keep_fp8 is not None and self.keep_fp8(module)
+                    if kept_fp8 and fmt.on_load:
+                        yield from self._quantized_shard(sf, name, rule, fmt, f)
+                    elif module in paired and kept_fp8:
                         yield from self._packed_shard(sf, name, rule, fmt, paired[module][0], f)
                     elif module in paired and name.endswith(".weight"):
                         yield name, self._dequantized_shard(sf, name, rule, fmt, paired[module][0], f)
                     else:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
+
+    def _quantized_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format,
+                         source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """``--quantization fp8``: the whole weight quantized per output channel, then this rank's slice of it and
+        of its scales, so every rank holds exactly its share of what one process would (a row-parallel slice's
+        scales come from whole rows)."""
+        q = fp8_block.quantize(sf.get_tensor(name), fmt.block)
+        kept = _kept_ranges(list(q.weight.shape), name, rule, self.tp, source)
+        if kept is None:
+            yield name, q.weight
+            yield name[: -len(".weight")] + fp8_loading.SCALE, q.scale
+            return
+        dim, ranges = kept
+        yield name, torch.cat([q.weight.narrow(dim, a, z - a) for a, z in ranges], dim=dim)
+        scale = torch.cat([q.scale.narrow(0, a, z - a) for a, z in ranges]) if dim == 0 else q.scale
+        yield name[: -len(".weight")] + fp8_loading.SCALE, scale
 
     def _packed_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format, scale_file: Path,
                       source: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -361,9 +383,10 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     cfg = shard_config(full, tp)
     own = getattr(spec.model_class, "tp_split_rule", None)
     rule = None if own is None else (lambda name: own(name, full))
-    fmt = fp8_loading.fp8_format(full.raw, model_dir)
+    fmt = fp8_loading.resolve_format(full.raw, model_dir, spec.quantization)
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
-                       weights=iter_shard_weights(model_dir, tp, rule, fmt), model_class=spec.model_class)
+                       weights=iter_shard_weights(model_dir, tp, rule, fmt), model_class=spec.model_class,
+                       quantization=spec.quantization)
     return attach(model, tp), cfg
 
 
@@ -461,7 +484,8 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
     source = str(Path(model_dir) / "config.json")
     model_class = get_model_class(mc.architecture, source=source)
     check_split(mc, n, source)
-    fp8_loading.fp8_format(mc.raw, model_dir)  # a malformed FP8 config fails here, before any worker starts
+    # a malformed FP8 config, or --quantization of a quantized checkpoint, fails here before any worker starts
+    fp8_loading.resolve_format(mc.raw, model_dir, config.quantization)
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ConfigError(f"tensor_parallel_size {n} runs on cuda:0..cuda:{n - 1}; got device {device}")
@@ -471,7 +495,7 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")
     spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads(),
-                     kv_cache_dtype)
+                     kv_cache_dtype, config.quantization)
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=worker_main, args=(r, n, store.port, str(model_dir), spec),

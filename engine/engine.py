@@ -72,9 +72,10 @@ def _skip_init(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int, device: torch.device,
                dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-               model_class: type | None = None):
+               model_class: type | None = None, quantization: str | None = None):
     """Instantiate the architecture named in config.json (or ``model_class``) on ``device`` and fill it from the
-    safetensors files (or ``weights``, e.g. one tensor-parallel rank's slices)."""
+    safetensors files (or ``weights``, e.g. one tensor-parallel rank's slices); ``quantization="fp8"`` quantizes an
+    unquantized checkpoint's projections to FP8 as they load."""
     cls = model_class or get_model_class(cfg.architecture,
                                          source=str(loader.checkpoint_dir(model_dir) / "config.json"))
     with torch.device("meta"), _skip_init(dtype):  # allocated on `device` once the loader knows what is packed
@@ -86,7 +87,8 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     if hasattr(weights, "shard_shape"):  # one tensor-parallel rank's slices (`distributed.ShardedWeights`)
         model.shard_shape = weights.shard_shape
         weights.keep_fp8 = keep
-    fmt = fp8_loading.fp8_format(cfg.raw, loader.checkpoint_dir(model_dir))
+    fmt = fp8_loading.resolve_format(cfg.raw, loader.checkpoint_dir(model_dir), quantization)
+    model.fp8 = fmt
     if fmt is not None:
         weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
     model.load_weights(weights, source=str(model_dir))
@@ -122,7 +124,8 @@ class Engine:
             self.runner = distributed.start_driver(self.model_dir, mc, config, self.max_model_len, self.device,
                                                    self.dtype, self.kv_cache_dtype)
         else:
-            model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype)
+            model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype,
+                               quantization=config.quantization)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
                                       kv_cache_dtype=self.kv_cache_dtype)
         try:
@@ -156,7 +159,8 @@ class Engine:
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                        kv_cache_dtype: str = "auto", state_snapshots: int | None = None) -> "Engine":
+                        kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
+                        quantization: str | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -164,6 +168,7 @@ class Engine:
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
+            quantization=quantization,
         )
         return cls(model_dir, config, bitmask_filler)
 

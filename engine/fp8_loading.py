@@ -28,12 +28,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from ember.engine.config import ConfigError
 from ember.engine.nvfp4_loading import QuantizationError, use_triton
 from ember.kernels import fp8_block
 
 SCALE = ".weight_scale_inv"
 """The scales' suffix in DeepSeek's and Qwen's block releases, and the name of every scale grid the loaders pass on."""
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,58 @@ class FP8Format:
     block: tuple[int, int]
     scale_suffix: str
     source: str
+    on_load: bool = False
+    """Not the checkpoint's: ``--quantization fp8`` quantizes its floating-point projections per channel as they
+    load."""
+
+
+ON_LOAD = FP8Format("channel", (1, fp8_block.CHANNEL), ".weight_scale", "--quantization fp8", on_load=True)
+QUANTIZATIONS = ("fp8",)
+"""What ``--quantization`` can apply to an unquantized checkpoint as it loads."""
+
+
+def resolve_format(raw_config: dict[str, Any], model_dir: str | os.PathLike, quantization: str | None
+                   ) -> FP8Format | None:
+    """The FP8 format the engine loads ``model_dir`` with: the checkpoint's (`fp8_format`), or `ON_LOAD` for
+    ``quantization="fp8"`` on an unquantized checkpoint; ConfigError for an unknown ``quantization`` or one asked
+    of a checkpoint that is quantized already."""
+    fmt = fp8_format(raw_config, model_dir)
+    if quantization is None:
+        return fmt
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    qc = raw_config.get("quantization_config")
+    declared = fmt.source if fmt is not None else (
+        f"{Path(model_dir) / 'config.json'}:quantization_config ({qc.get('quant_method')})" if isinstance(qc, dict)
+        else str(Path(model_dir) / "hf_quant_config.json") if (Path(model_dir) / "hf_quant_config.json").exists()
+        else None)
+    if declared is not None:
+        raise ConfigError(f"--quantization {quantization}: the checkpoint is quantized already ({declared}); "
+                          "leave --quantization unset to load it as it is")
+    return ON_LOAD
+
+
+def _quantizable_on_load(module: str) -> bool:
+    """A decoder layer's projection (``*_proj``, MLA's ``kv_a_proj_with_mqa``), including per-expert ones."""
+    return ".layers." in module and module.rsplit(".", 1)[-1].endswith(("proj", "proj_with_mqa"))
+
+
+def packed_candidates(files: list[Path], fmt: FP8Format) -> dict[str, tuple[Path, list[int]]]:
+    """Module -> (file, weight shape) of every module that can run packed: for an FP8 checkpoint, those with an
+    e4m3 weight and its scale (`paired_scales`); quantizing on load, every 2-D floating-point projection weight of a
+    decoder layer."""
+    if not fmt.on_load:
+        return paired_scales(files, fmt.scale_suffix)
+    out: dict[str, tuple[Path, list[int]]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                module = name[: -len(".weight")]
+                if name.endswith(".weight") and _quantizable_on_load(module):
+                    sl = sf.get_slice(name)
+                    if sl.get_dtype() in ("F32", "F16", "BF16") and len(sl.get_shape()) == 2:
+                        out[module] = (f, list(sl.get_shape()))
+    return out
 
 
 def _block(value: Any, source: str) -> tuple[int, int]:
@@ -208,7 +262,7 @@ def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
     dense_only = tuple(getattr(model, "fp8_dense_only", ()))
     groups: dict[str, dict[int, tuple[str, str, list[int]]]] = {}
     block = fmt.block
-    for hf_module, (_, shape) in paired_scales(loader.weight_files(source), fmt.scale_suffix).items():
+    for hf_module, (_, shape) in packed_candidates(loader.weight_files(source), fmt).items():
         name = rename(hf_module + ".weight")
         if name is None or ".layers." not in name or ".mlp.experts." in name or len(shape) != 2:
             continue
@@ -284,6 +338,9 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, sou
     """The checkpoint's tensors with every e4m3 weight paired with its scale (in either order) and dequantized;
     activation scales are left out. A module for which ``keep(module)`` holds (a model running it in FP8) comes as
     its e4m3 weight followed by ``{module}.weight_scale_inv``, the scale as a grid of ``fmt.block``."""
+    if fmt.on_load:
+        yield from _quantized_on_load(weights, keep)
+        return
     suffix = fmt.scale_suffix
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, torch.Tensor] = {}
@@ -321,3 +378,17 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, sou
                                 f"has no {next(iter(weights_waiting))}{suffix}")
     if scales_waiting:
         raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{suffix} has no FP8 weight beside it")
+
+
+def _quantized_on_load(weights: Iterable[tuple[str, torch.Tensor]],
+                       keep: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``--quantization fp8``: each projection the model keeps packed comes as its e4m3 weight, quantized per output
+    channel (``amax / 448``), followed by its ``[N, 1]`` scale grid; every other tensor passes on as it is."""
+    for name, tensor in weights:
+        module = name[: -len(".weight")]
+        if name.endswith(".weight") and keep is not None and keep(module) and tensor.dtype in _FLOATS:
+            q = fp8_block.quantize(tensor, ON_LOAD.block)
+            yield name, q.weight
+            yield module + SCALE, q.scale
+        else:
+            yield name, tensor

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from types import ModuleType
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from ember.engine import fp8_loading
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
@@ -214,7 +212,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Qwen3-MoE's loader over :meth:`checkpoint_name`; the latent up-projection must stay unquantized."""
-        fp8 = os.path.isdir(source) and fp8_loading.fp8_format(self.config.raw, source) is not None
+        fp8 = getattr(self, "fp8", None) is not None
 
         def checked() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in self.renamed(weights):

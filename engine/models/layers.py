@@ -414,8 +414,8 @@ class DecoderForCausalLM(nn.Module):
         from ember.engine import fp8_loading, nvfp4_loading  # quantized linears are swapped in before params are read
 
         weights = nvfp4_loading.prepare(self, weights, source)
-        fmt = fp8_loading.fp8_format(self.config.raw, source) if os.path.isdir(source) else None
-        if fmt is not None and self.nvfp4_plan is None:
+        fmt = getattr(self, "fp8", None)  # the FP8 format load_model chose (checkpoint's or --quantization)
+        if fmt is not None and self.nvfp4_plan is None and os.path.isdir(source):
             self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, fmt)
             weights = fp8_loading.fill_linears(self, weights, source)
         self.materialize()

@@ -232,12 +232,12 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         projection of the layer is e4m3 with its scales and this rank's share of ``moe_intermediate_size`` starts
         gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise. The kept
         modules' checkpoint names join ``fp8_packed`` (:meth:`keeps_fp8`)."""
-        fmt = fp8_loading.fp8_format(self.config.raw, source) if os.path.isdir(source) else None
-        if fmt is None:
+        fmt = getattr(self, "fp8", None)  # the FP8 format load_model chose (checkpoint's or --quantization)
+        if fmt is None or not os.path.isdir(source):
             return
         block = fmt.block
         fp8_modules = {}  # the model's module name -> the checkpoint's
-        for hf in fp8_loading.paired_scales(loader.weight_files(source), fmt.scale_suffix):
+        for hf in fp8_loading.packed_candidates(loader.weight_files(source), fmt):
             name = self.checkpoint_name(hf + ".weight")
             if name is not None:
                 fp8_modules[name[: -len(".weight")]] = hf

@@ -117,14 +117,15 @@ def ember_greedy(path: Path, ps: list[list[int]], new_tokens: int = NEW_TOKENS) 
     return out
 
 
-def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None) -> None:
+def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None, **options) -> None:
     """Greedy tokens over 2 CPU ranks (gloo) equal 1 process's; ``check(engine)`` inspects the split model first;
     every worker exits cleanly (the suite runs torch on one thread, so each rank gets one)."""
     import multiprocessing as mp
 
     from ember.engine.engine import Engine
 
-    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
+    opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64,
+                **options)
     expected = run_greedy(Engine.from_pretrained(model_dir, **opts), ps, new_tokens)
     engine = Engine.from_pretrained(model_dir, tensor_parallel_size=2, **opts)
     workers = list(engine.runner.workers)

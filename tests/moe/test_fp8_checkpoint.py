@@ -18,7 +18,7 @@ from ember.kernels import fp8_block
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.engine.nvfp4_loading import QuantizationError
 from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
-    hf_greedy, prompts
+    hf_greedy, prompts, run_greedy
 
 BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks is partial
 SMALL_BLOCK = (16, 16)  # two ranks' 16 expert channels each are whole blocks: experts stay FP8 under TP=2
@@ -332,3 +332,31 @@ def test_loading_never_allocates_fp8_layers_in_the_model_dtype(tmp_path):
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
     embeddings = 1280 * h * 4
     assert allocated.bytes - embeddings < 2 * fp8_bytes, (allocated.bytes, fp8_bytes)
+
+
+def test_quantization_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(tiny_moe_dir, tmp_path):
+    """``--quantization fp8`` on a full-precision checkpoint: every decoder projection and expert is quantized per
+    output channel as it loads (what compressed-tensors' per-channel checkpoints hold), so greedy tokens equal
+    transformers' on exactly those weights dequantized; two ranks quantize whole rows before taking their slices,
+    so they decode what one process does. A checkpoint that is quantized already is refused."""
+    from ember.engine.config import ConfigError
+    from ember.engine.engine import Engine
+    from ember.engine.fp8_loading import FP8Linear
+
+    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", layout="channel")  # the same quantization, on disk
+    engine = Engine.from_pretrained(tiny_moe_dir, dtype=torch.float32, device="cpu", num_kv_blocks=64,
+                                    max_num_seqs=16, quantization="fp8")
+    layer = engine.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, FP8Linear) and layer.self_attn.qkv_proj.block[0] == 1
+    assert isinstance(layer.mlp.experts.quant13, FP8BlockTensor)
+    ps = prompts(6, seed=7, min_len=3, max_len=30)
+    ps, expected = clear_margin(ps, hf_greedy(tmp_path / "ref", ps), need=4)
+    assert run_greedy(engine, ps, 8) == expected
+
+    def check(tp_engine):
+        o = tp_engine.runner.model.model.layers[0].self_attn.o_proj
+        assert isinstance(o, FP8Linear) and o.weight.shape == (64, 32)
+
+    assert_two_ranks_match_one(tiny_moe_dir, ps[:3], 6, check, quantization="fp8")
+    with pytest.raises(ConfigError, match="quantized already"):
+        Engine.from_pretrained(tmp_path / "fp8", device="cpu", num_kv_blocks=8, quantization="fp8")
