@@ -215,6 +215,12 @@ def _kept_indices(ranges: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([torch.arange(a, b) for a, b in ranges])
 
 
+def _take(t: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    """The ``ranges`` of ``t`` along ``dim``, concatenated in order."""
+    pieces = [t.narrow(dim, a, b - a) for a, b in ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
 def _read_shard(sf: Any, name: str, rule: tuple, tp: TensorParallel, source: Path) -> torch.Tensor:
     """This rank's slice of tensor ``name`` of the open safetensors file ``sf``, reading only that slice."""
     sl = sf.get_slice(name)
@@ -293,9 +299,8 @@ class ShardedWeights:
             yield name[: -len(".weight")] + fp8_loading.SCALE, q.scale
             return
         dim, ranges = kept
-        yield name, torch.cat([q.weight.narrow(dim, a, z - a) for a, z in ranges], dim=dim)
-        scale = torch.cat([q.scale.narrow(0, a, z - a) for a, z in ranges]) if dim == 0 else q.scale
-        yield name[: -len(".weight")] + fp8_loading.SCALE, scale
+        yield name, _take(q.weight, dim, ranges)
+        yield name[: -len(".weight")] + fp8_loading.SCALE, _take(q.scale, 0, ranges) if dim == 0 else q.scale
 
     def _packed_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format, scale_file: Path,
                       source: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -318,9 +323,7 @@ class ShardedWeights:
             raise ConfigError(f"{source}: tensor {name!r}: this rank's rows/columns {ranges} cut its {fmt.block} FP8 "
                               "scale blocks")
         grid = scale.reshape(-1, 1) if fmt.granularity == "channel" else scale
-        lead = (slice(None),) * dim
-        pieces = [grid[lead + (slice(a // b, -(-z // b)),)] for a, z in ranges]
-        yield scale_name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        yield scale_name, _take(grid, dim, [(a // b, -(-z // b)) for a, z in ranges])
 
     def _dequantized_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format, scale_file: Path,
                            source: Path) -> torch.Tensor:

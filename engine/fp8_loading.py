@@ -236,14 +236,10 @@ class FP8Linear(nn.Module):
         return F.linear(x, w.dequantize(x.dtype), bias)
 
 
-def whole_blocks(local: int, full: int, block: int) -> bool:
-    """Equal tensor-parallel shares of ``local`` out of ``full`` along a dimension start on ``block`` boundaries (or
-    one block spans the whole dimension, as a per-channel scale does along K)."""
-    return local == full or block >= full or local % block == 0
-
-
 def _aligned(full: list[int], local: list[int], block: tuple[int, int]) -> bool:
-    return all(whole_blocks(n, f, b) for f, n, b in zip(full, local, block))
+    """Equal tensor-parallel shares ``local`` of a tensor of shape ``full`` start on ``block`` boundaries in every
+    dimension (or one block spans the whole dimension, as a per-channel scale does along K)."""
+    return all(n == f or b >= f or n % b == 0 for f, n, b in zip(full, local, block))
 
 
 def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
