@@ -186,14 +186,6 @@ def scale_grid(scale: torch.Tensor, shape: list[int], fmt: FP8Format, module: st
                             f"{want} ({fmt.granularity} FP8 of a [{', '.join(map(str, shape))}] weight)")
 
 
-def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], module: str = "",
-               source: str = "checkpoint") -> torch.Tensor:
-    """fp32 ``weight * scale`` with each ``block`` of ``weight`` scaled by its entry of ``scale_inv`` (``module``
-    names the pair in errors)."""
-    check_scale_shape(list(weight.shape), scale_inv, block, module, source)
-    return fp8_block.dequantize(weight, scale_inv, block)
-
-
 def paired_scales(files: list[Path], suffix: str = SCALE) -> dict[str, tuple[Path, list[int]]]:
     """Module -> (the file holding its scale ``{module}{suffix}``, its weight's shape), for every module with both
     an e4m3 ``weight`` and a scale (from the safetensors headers; the pair may sit in different files)."""

@@ -81,7 +81,7 @@ def test_dequantize_scales_each_block_including_partial_ones():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(70, 100, generator=g)
     q = fp8_block.quantize(w, BLOCK)
-    got = fp8_loading.dequantize(q.weight, q.scale, BLOCK)
+    got = fp8_block.dequantize(q.weight, q.scale, BLOCK)  # what the loader multiplies by (after scale_grid)
     assert got[64:, 96:].abs().max() > 0  # the partial corner block is scaled, not dropped
     for i, j in ((0, 0), (2, 2), (1, 0)):
         rows, cols = slice(i * 32, (i + 1) * 32), slice(j * 48, (j + 1) * 48)
