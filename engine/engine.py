@@ -89,6 +89,8 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
         weights.keep_fp8 = keep
     fmt = fp8_loading.resolve_format(cfg.raw, loader.checkpoint_dir(model_dir), quantization)
     model.fp8 = fmt
+    # the modules that can stay FP8, read once from the headers for every layer kind that may keep them packed
+    model.fp8_candidates = fp8_loading.packed_candidates(loader.weight_files(model_dir), fmt) if fmt else {}
     if fmt is not None:
         weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
     model.load_weights(weights, source=str(model_dir))

@@ -234,7 +234,7 @@ def _aligned(full: list[int], local: list[int], block: tuple[int, int]) -> bool:
     return all(n == f or b >= f or n % b == 0 for f, n, b in zip(full, local, block))
 
 
-def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
+def install_linears(model: nn.Module, fmt: FP8Format) -> set[str]:
     """Swap each decoder-layer linear whose checkpoint weights are all block-FP8 for an :class:`FP8Linear` (noted
     in ``model.fp8_linears``, by the names the model's loader reads) and return the checkpoint's module names now
     read packed. A fused layer needs every partition in FP8 and each
@@ -242,7 +242,6 @@ def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
     this rank's slice of each tensor must start on a block boundary. Modules the model reads as plain weights
     (``model.fp8_dense_only``, e.g. MLA's ``kv_b_proj``) and experts (placed by the MoE loader) stay out; whatever
     stays out is dequantized as it loads."""
-    from ember.engine import loader
     from ember.engine.nvfp4_loading import fused_target
 
     rename = getattr(model, "checkpoint_name", lambda n: n)
@@ -250,7 +249,7 @@ def install_linears(model: nn.Module, source: str, fmt: FP8Format) -> set[str]:
     dense_only = tuple(getattr(model, "fp8_dense_only", ()))
     groups: dict[str, dict[int, tuple[str, str, list[int]]]] = {}
     block = fmt.block
-    for hf_module, (_, shape) in packed_candidates(loader.weight_files(source), fmt).items():
+    for hf_module, (_, shape) in model.fp8_candidates.items():  # set by load_model with ``model.fp8``
         name = rename(hf_module + ".weight")
         if name is None or ".layers." not in name or ".mlp.experts." in name or len(shape) != 2:
             continue

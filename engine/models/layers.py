@@ -415,8 +415,8 @@ class DecoderForCausalLM(nn.Module):
 
         weights = nvfp4_loading.prepare(self, weights, source)
         fmt = getattr(self, "fp8", None)  # the FP8 format load_model chose (checkpoint's or --quantization)
-        if fmt is not None and self.nvfp4_plan is None and os.path.isdir(source):
-            self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, source, fmt)
+        if fmt is not None and self.nvfp4_plan is None:
+            self.fp8_packed = getattr(self, "fp8_packed", set()) | fp8_loading.install_linears(self, fmt)
             weights = fp8_loading.fill_linears(self, weights, source)
         self.materialize()
         params = dict(self.named_parameters())

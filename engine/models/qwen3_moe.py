@@ -13,13 +13,12 @@ allocated only for a checkpoint whose experts are not packed.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from ember.engine import fp8_loading, loader, nvfp4_loading
+from ember.engine import fp8_loading, nvfp4_loading
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import (
     Attention,
@@ -233,11 +232,11 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         gate, up and (under tensor parallelism) down on scale-block boundaries; dequantize them otherwise. The kept
         modules' checkpoint names join ``fp8_packed`` (:meth:`keeps_fp8`)."""
         fmt = getattr(self, "fp8", None)  # the FP8 format load_model chose (checkpoint's or --quantization)
-        if fmt is None or not os.path.isdir(source):
+        if fmt is None:
             return
         block = fmt.block
         fp8_modules = {}  # the model's module name -> the checkpoint's
-        for hf in fp8_loading.packed_candidates(loader.weight_files(source), fmt):
+        for hf in self.fp8_candidates:
             name = self.checkpoint_name(hf + ".weight")
             if name is not None:
                 fp8_modules[name[: -len(".weight")]] = hf
