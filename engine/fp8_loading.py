@@ -240,13 +240,13 @@ def install_linears(model: nn.Module, fmt: FP8Format) -> set[str]:
     read packed. A fused layer needs every partition in FP8 and each
     partition but the last a whole number of scale-block rows; under tensor parallelism (``model.shard_shape``)
     this rank's slice of each tensor must start on a block boundary. Modules the model reads as plain weights
-    (``model.fp8_dense_only``, e.g. MLA's ``kv_b_proj``) and experts (placed by the MoE loader) stay out; whatever
+    (``model.dense_only``, e.g. MLA's ``kv_b_proj``) and experts (placed by the MoE loader) stay out; whatever
     stays out is dequantized as it loads."""
     from ember.engine.nvfp4_loading import fused_target
 
     rename = getattr(model, "checkpoint_name", lambda n: n)
     shard_shape = getattr(model, "shard_shape", None)
-    dense_only = tuple(getattr(model, "fp8_dense_only", ()))
+    dense_only = tuple(getattr(model, "dense_only", ()))
     groups: dict[str, dict[int, tuple[str, str, list[int]]]] = {}
     block = fmt.block
     for hf_module, (_, shape) in model.fp8_candidates.items():  # set by load_model with ``model.fp8``

@@ -309,6 +309,11 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
             spec = next(iter(parts.values()))
             raise QuantizationError(f"{spec.file}: tensor {spec.name}.weight is NVFP4 but {target!r} is not a "
                                     f"linear layer of {type(model).__name__}")
+        if target.endswith(tuple(getattr(model, "dense_only", ()))):
+            spec = next(iter(parts.values()))
+            raise QuantizationError(f"{spec.file}: tensor {spec.name}.weight is NVFP4; {type(model).__name__} reads "
+                                    "that projection's weights directly, so it must stay unquantized (exclude it "
+                                    "from quantization)")
         leaf = target.rsplit(".", 1)[-1]
         if leaf == "gate_up_proj":  # halves of the module itself: shared experts have their own width
             sizes = [old.out_features // 2] * 2

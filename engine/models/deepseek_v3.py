@@ -35,7 +35,7 @@ from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
 from ember.engine.models.qwen3_moe import MoEExperts, Qwen3MoeForCausalLM, SparseMoeBlock
-from ember.engine.nvfp4_loading import QuantizationError, use_triton
+from ember.engine.nvfp4_loading import use_triton
 from ember.kernels import moe_reference
 
 
@@ -167,8 +167,8 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     """DeepSeek-V3 over the latent paged KV cache; experts load as Qwen3-MoE's do (per-expert or fused keys)."""
 
     body = _Body
-    fp8_dense_only = (".kv_b_proj",)
-    """Projections the absorbed MLA reads as weights: a block-FP8 one is dequantized on load."""
+    dense_only = (".kv_b_proj",)
+    """Projections the absorbed MLA reads as weights: an FP8 one is dequantized on load, an NVFP4 one refused."""
 
     @staticmethod
     def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
@@ -211,7 +211,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Qwen3-MoE's loader over :meth:`checkpoint_name`; the latent up-projection must stay unquantized."""
+        """Qwen3-MoE's loader over :meth:`checkpoint_name`."""
         fp8 = getattr(self, "fp8", None) is not None
 
         def checked() -> Iterable[tuple[str, torch.Tensor]]:
@@ -222,8 +222,3 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
                 yield name, tensor
 
         super().load_weights(checked(), source)
-        for i, layer in enumerate(self.model.layers):
-            if not isinstance(layer.self_attn.kv_b_proj, nn.Linear):
-                raise QuantizationError(f"{source}: tensor model.layers.{i}.self_attn.kv_b_proj.weight is NVFP4; "
-                                        "Ember's latent attention reads that projection's weights directly, so it "
-                                        "must stay unquantized (exclude self_attn from quantization)")

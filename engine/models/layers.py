@@ -336,6 +336,9 @@ class DecoderForCausalLM(nn.Module):
     """A Llama-family decoder over the paged KV cache; subclasses choose ``qk_norm``."""
 
     qk_norm = False
+    dense_only: tuple[str, ...] = ()
+    """Suffixes of projections the model reads as plain weight matrices: never packed (FP8 ones are dequantized on
+    load, NVFP4 ones refused)."""
 
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         super().__init__()
