@@ -24,7 +24,7 @@ from torch import nn
 from ember.engine import nvfp4_loading
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, RMSNorm, RotaryEmbedding, \
-    materialized, sliding_windows
+    sliding_windows
 from ember.engine.models.qwen3_moe import SparseMoeBlock
 from ember.kernels import moe_reference
 from ember.kernels.mxfp4 import BLOCK as MX_BLOCK
@@ -59,12 +59,6 @@ class GptOssExperts(nn.Module):
                 self.make_mxfp4(which)
             else:
                 self.register_buffer(which, torch.empty(shape))
-
-    def materialize_packed(self, device: torch.device) -> None:
-        """Allocate MXFP4 stacks built on the meta device (the model allocates the buffers)."""
-        for attr in ("quant13", "quant2"):
-            if getattr(self, attr) is not None:
-                setattr(self, attr, materialized(getattr(self, attr), device))
 
     def make_mxfp4(self, which: str) -> MXFP4Tensor:
         """Replace one stack (``"w13"`` or ``"w2"``) by an empty MXFP4 stack for the loader to fill."""

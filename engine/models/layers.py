@@ -315,7 +315,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _KV_SCALES = ("k_scale", "v_scale")
 
 
-def materialized(packed: Any, device: torch.device) -> Any:
+def _materialized(packed: Any, device: torch.device) -> Any:
     """A packed weight dataclass (`NVFP4Tensor`, `FP8BlockTensor`, `MXFP4Tensor`) with its meta tensors allocated
     (zeroed) on ``device``; itself when none is on the meta device."""
     fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
@@ -371,16 +371,19 @@ class DecoderForCausalLM(nn.Module):
     def materialize(self) -> None:
         """Allocate on ``load_device`` whatever is still on the meta device: `ember.engine.engine.load_model` builds
         the model there, and :meth:`load_weights` calls this once the quantized (packed) layers are in place, so a
-        quantized checkpoint never holds those layers in the model dtype, not even while loading. Modules with
-        tensors outside their parameters and buffers (packed expert stacks) allocate them in their own
-        ``materialize_packed(device)``. A no-op for a model built on a real device."""
+        quantized checkpoint never holds those layers in the model dtype, not even while loading. Packed weights kept
+        outside parameters and buffers (the experts' NVFP4 / FP8 / MXFP4 stacks, dataclass attributes of a module)
+        are allocated too. A no-op for a model built on a real device."""
         device = getattr(self, "load_device", None)
         if device is None:
             return
         self._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
         for m in self.modules():
-            if hasattr(m, "materialize_packed"):
-                m.materialize_packed(device)
+            for attr, value in list(vars(m).items()):
+                if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    allocated = _materialized(value, device)
+                    if allocated is not value:
+                        setattr(m, attr, allocated)
 
     def keeps_fp8(self, module: str) -> bool:
         """Whether checkpoint module ``module``'s block-FP8 weight and scales reach :meth:`load_weights` packed (an

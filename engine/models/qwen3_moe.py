@@ -27,7 +27,6 @@ from ember.engine.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
-    materialized,
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
@@ -55,13 +54,6 @@ class MoEExperts(nn.Module):
         self.quant2: NVFP4Tensor | FP8BlockTensor | None = None
         self.a13_scale: torch.Tensor | None = None
         self.a2_scale: torch.Tensor | None = None
-
-    def materialize_packed(self, device: torch.device) -> None:
-        """Allocate packed stacks built on the meta device (the dense ones are buffers, which the model allocates)."""
-        self.device = device
-        for attr in ("quant13", "quant2"):
-            if getattr(self, attr) is not None:
-                setattr(self, attr, materialized(getattr(self, attr), device))
 
     def make_fp8(self, block: tuple[int, int]) -> None:
         """Replace both stacks by empty block-FP8 stacks (e4m3 weights, a float32 scale per ``block``) for the loader
