@@ -1,4 +1,4 @@
-"""The FastAPI app: endpoints, admission (validation, prompt, limits, grammar), streaming and errors.
+"""The FastAPI app: the endpoints, their streams and errors (shared admission and run helpers: `admission`).
 
 `create_app(runtime, config)` builds an app around a loaded `ModelRuntime`; `load_runtime(config)` loads one (the
 demo model when `config.model_dir` is None). `BackgroundServer` runs the app on uvicorn in a thread (tests,
@@ -7,16 +7,13 @@ benchmarks, embedding).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
-import secrets
 import signal
 import socket
 import threading
 import time
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -30,6 +27,9 @@ from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from . import tokenize_api
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
+                        check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
+                        require_api_key, state, stop_ids, stream_error)
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder, sse as anthropic_sse
 from .choice import ChoiceStep
@@ -37,7 +37,6 @@ from .config import ServeConfig
 from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
                      validation_error)
 from ember.parsers.initial import InitialState
-from ember.parsers.pipeline import ParserSetup
 
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run_choices, sampling_params, seeded
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -46,121 +45,6 @@ from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncod
 from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass
-class ServerState:
-    """The app's state: the one place mutable server-wide data lives."""
-
-    config: ServeConfig
-    runtime: ModelRuntime
-    metrics: Metrics
-    started: int = field(default_factory=lambda: int(time.time()))
-    engine_dead: str | None = None  # why the engine stopped, once it died
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.ember
-
-
-# ---------------------------------------------------------------------------------------------------------- admission
-
-async def require_api_key(request: Request) -> None:
-    keys = _state(request).config.api_key
-    if isinstance(keys, str):
-        keys = (keys,)
-    if not keys:
-        return
-    auth = request.headers.get("authorization", "")
-    bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
-    given = request.headers.get("x-api-key") or bearer
-    if not given or not any([hmac.compare_digest(given.encode(), k.encode()) for k in keys]):
-        raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
-                       code="invalid_api_key")
-
-
-def _check_model(st: ServerState, model: str | None) -> None:
-    if model is not None and model != st.runtime.model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{st.runtime.model_name}'",
-                       param="model", code="model_not_found")
-
-
-def _max_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
-                param: str = "messages") -> int:
-    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
-    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
-    limit = st.runtime.max_model_len
-    if prompt_len >= limit:
-        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
-                            f"{limit} tokens (prompt plus at least one generated token)", param=param,
-                       code="context_length_exceeded")
-    cache_tokens = st.runtime.model_info.kv_capacity_tokens
-    if prompt_len >= cache_tokens:
-        raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
-                            f"tokens in all (prompt plus at least one generated token)", param=param,
-                       code="context_length_exceeded")
-    room = min(limit, cache_tokens) - prompt_len
-    allowed = room if requested is None else min(requested, room)
-    if min_tokens > allowed:
-        raise bad_request(f"min_tokens ({min_tokens}) is larger than the {allowed} tokens this reply may have "
-                          f"(max_tokens and the context left by the prompt)", param="min_tokens")
-    return allowed
-
-
-def _check_capacity(st: ServerState) -> None:
-    stats = st.runtime.engine.stats()
-    if stats.num_waiting >= st.config.max_waiting:
-        raise ApiError(503, f"The server is overloaded: {stats.num_waiting} requests are waiting; retry later",
-                       code="overloaded")
-
-
-def _logit_bias(st: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    out = {}
-    vocab = st.runtime.model_info.vocab_size
-    for k, v in bias.items():
-        tid = int(k)
-        if not 0 <= tid < vocab:
-            raise bad_request(f"logit_bias names token {tid}, outside the vocabulary [0, {vocab})", param="logit_bias")
-        out[tid] = float(v)
-    return out
-
-
-def _stop_ids(st: ServerState, ids: list[int] | None) -> list[int]:
-    _check_token_ids(st, list(ids or ()), "stop_token_ids")
-    return list(ids or ())
-
-
-def _check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
-    vocab = st.runtime.model_info.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
-
-
-async def _constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
-                       tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
-                       thinking_budget: int | None, thinking: bool) -> list[Any]:
-    """One engine Constraint per choice for the request's structured output / forced tools / thinking budget,
-    or Nones when generation is free. `thinking` False (the request switched thinking off) keeps a constrained
-    reply from opening a thought of its own. Grammar problems are the request's fault (400). Compiling runs in a
-    worker thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
-    backend = st.runtime.grammar
-    if backend is None:
-        forced = tool_choice not in (None, "auto", "none")
-        if (response_format and response_format.get("type") != "text") or forced:
-            raise bad_request("structured output is not available on this server",
-                              param="response_format" if response_format else "tool_choice")
-        return [None] * n
-    if not response_format and not tools and thinking_budget is None:
-        return [None] * n
-    return await asyncio.to_thread(
-        backend.constraints, n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
-        response_format=response_format, tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget, thinking=thinking)
 
 
 def _response_format(rf: po.ResponseFormat | None) -> dict | None:
@@ -172,49 +56,12 @@ def _response_format(rf: po.ResponseFormat | None) -> dict | None:
     return out
 
 
-def _new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str, arrival: float) -> GenRequest:
-    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
-
-
 # ----------------------------------------------------------------------------------------------------- chat (OpenAI)
 
-@dataclass
-class _Run:
-    """Outcome of streaming one request: counts for usage and any generation errors."""
-
-    completion_tokens: int = 0
-    errors: list[str] = field(default_factory=list)
-    rejected: bool = False  # every error was the engine refusing the request (the client's fault: 400)
-    cached: dict[int, int] = field(default_factory=dict)  # choice index -> prompt tokens hit in the prefix cache
-
-    def note(self, step: ChoiceStep) -> None:
-        self.completion_tokens += len(step.tokens)
-        if step.end is not None and step.end.cached_tokens is not None:
-            self.cached[step.index] = step.end.cached_tokens
-        if step.end is not None and step.end.reason == "error":
-            self.rejected = step.end.rejected and (self.rejected or not self.errors)
-            self.errors.append(step.end.error or "generation failed")
-
-    def raise_for_errors(self) -> None:
-        if self.errors:
-            if self.rejected:
-                raise bad_request("the engine cannot serve this request: " + "; ".join(dict.fromkeys(self.errors)))
-            raise ApiError(500, "generation failed: " + "; ".join(self.errors))
-
-
-async def _steps(st: ServerState, req: GenRequest, run: _Run, single_call: bool = False) -> AsyncIterator[ChoiceStep]:
-    """The request's steps, noted in ``run`` (only the first tool call with ``single_call``): what a stream encodes
-    and a non-streaming body folds."""
-    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
-        async for step in steps:
-            run.note(step)
-            yield first_call_only(step) if single_call else step
-
-
-async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run,
+async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
                     single_call: bool) -> AsyncIterator[str]:
     """The chat stream's SSE text: the role chunks, one item per step (all of its chunks), then the tail (errors,
-    usage, ``[DONE]``). What `_steps` does is inlined: this runs once per streamed step of every stream."""
+    usage, ``[DONE]``). What `noted_steps` does is inlined: this runs once per streamed step of every stream."""
     tb = st.runtime.token_bytes.token_bytes
     encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
     prompt_ids = req.choices[0].prompt_ids
@@ -225,35 +72,12 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: _Run
             text = encs[step.index].step_sse(first_call_only(step) if single_call else step)
             if text:
                 yield text
-    tail = [_stream_error(err) for err in run.errors]
+    tail = [stream_error(err) for err in run.errors]
     if meta.include_usage:
         tail.append(sse_line(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0)))))
     tail.append("data: [DONE]\n\n")
     yield "".join(tail)
 
-
-async def _collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
-    """All items of a non-streaming response; a client that hangs up meanwhile aborts its request (blocks freed)."""
-    async def drain() -> list[dict]:
-        async with aclosing(items) as it:
-            return [x async for x in it]
-
-    task = asyncio.ensure_future(drain())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ApiError(499, "the client closed the connection")
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-def _stream_error(message: str) -> str:
-    return sse_line(openai_error_body(ApiError(500, message)))
 
 
 def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
@@ -266,9 +90,9 @@ def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
 async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                            _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
-    st = _state(request)
+    st = state(request)
     rt = st.runtime
-    _check_model(st, body.model)
+    check_model(st, body.model)
     if body.n > st.config.max_n:
         raise bad_request(f"n may be at most {st.config.max_n}", param="n")
     messages = chat.openai_messages(body.messages)
@@ -282,7 +106,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         kwargs=_template_kwargs(body))
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = _max_tokens(st, len(prompt_ids), requested, body.min_tokens)
+    max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser
@@ -291,7 +115,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        logit_bias=_logit_bias(st, body.logit_bias), stop_token_ids=_stop_ids(st, body.stop_token_ids),
+        logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
     choices = []
     for i in range(body.n):
@@ -299,24 +123,24 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                              tools=parse_tools)
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
-    constraints = await _constraints(
+    constraints = await build_constraints(
         st, body.n, setup=setup, initial=initial, response_format=_response_format(body.response_format),
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
         thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     for c, k in zip(choices, constraints):
         c.constraint = k
-    _check_capacity(st)
+    check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = _new_request(choices, stop, "chatcmpl", arrival)
+    req = new_request(choices, stop, "chatcmpl", arrival)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
                      top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
                      include_usage=include_usage)
-    run = _Run()
+    run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
                                    st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
-    collected = await _collect(request, _steps(st, req, run, not body.parallel_tool_calls))
+    collected = await collect(request, noted_steps(st, req, run, not body.parallel_tool_calls))
     run.raise_for_errors()
     return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
                                   prompt_token_ids=prompt_ids,
@@ -327,9 +151,9 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
 
 async def completions(body: po.CompletionRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
-    st = _state(request)
+    st = state(request)
     rt = st.runtime
-    _check_model(st, body.model)
+    check_model(st, body.model)
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
@@ -343,32 +167,32 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             text = p
         else:
             ids = list(p)
-            _check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
+            check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
             text = rt.token_bytes.decode(ids)
         if not ids:
             raise bad_request("prompt is empty", param="prompt")
-        max_tokens = _max_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
+        max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
         prompt_total += len(ids)
         base = sampling_params(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, seed=body.seed, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            logprobs=body.logprobs, logit_bias=_logit_bias(st, body.logit_bias),
-            stop_token_ids=_stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
+            logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
+            stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text if body.echo else None)
-    _check_capacity(st)
+    check_capacity(st)
     st.metrics.prompt_tokens.inc(prompt_total)
-    req = _new_request(choices, stop, "cmpl", arrival)
+    req = new_request(choices, stop, "cmpl", arrival)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage)
-    run = _Run()
+    run = Run()
 
     def completion_usage() -> dict:
         cached = sum(run.cached.get(i, 0) for i in range(0, len(choices), body.n))  # each prompt's first choice
@@ -390,13 +214,13 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 async for group in it:
                     if group:
                         yield "".join(sse_line(ch) for ch in group)
-            tail = [_stream_error(err) for err in run.errors]
+            tail = [stream_error(err) for err in run.errors]
             if include_usage:
                 tail.append(sse_line(usage_chunk(meta, completion_usage(), "text_completion")))
             tail.append("data: [DONE]\n\n")
             yield "".join(tail)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
-    collected = [ch for group in await _collect(request, groups()) for ch in group]
+    collected = [ch for group in await collect(request, groups()) for ch in group]
     run.raise_for_errors()
     return JSONResponse(fold_completion(collected, usage_body=completion_usage()))
 
@@ -421,11 +245,11 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
 
 async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
-    st = _state(request)
+    st = state(request)
     rt = st.runtime
-    _check_model(st, body.model)
+    check_model(st, body.model)
     prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
-    max_tokens = _max_tokens(st, len(prompt_ids), body.max_tokens)
+    max_tokens = allowed_tokens(st, len(prompt_ids), body.max_tokens)
     tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
     tool_choice: Any = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
@@ -443,14 +267,14 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True}}
-    [constraint] = await _constraints(
+    [constraint] = await build_constraints(
         st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
-    _check_capacity(st)
+    check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = _new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
+    req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
     enc = MessageEncoder(req.request_id.replace("-", "_"), rt.model_name, len(prompt_ids))
-    run = _Run()
+    run = Run()
 
     if body.stream:
         async def stream() -> AsyncIterator[str]:
@@ -464,12 +288,12 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             if run.errors:
                 yield "".join(anthropic_sse(anthropic_error_body(ApiError(500, err))) for err in run.errors)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
-    collected = await _collect(request, _steps(st, req, run, not parallel))
+    collected = await collect(request, noted_steps(st, req, run, not parallel))
     run.raise_for_errors()
     return JSONResponse(enc.body(collected))
 
 
-def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict]:
+def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]:
     run.note(step)
     out = enc.events(step.events, len(step.tokens))
     if step.end is not None:
@@ -478,8 +302,8 @@ def _message_step(enc: MessageEncoder, step: ChoiceStep, run: _Run) -> list[dict
 
 
 async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = Depends(require_api_key)) -> dict:
-    st = _state(request)
-    _check_model(st, body.model)
+    st = state(request)
+    check_model(st, body.model)
     prompt_ids, _tools, _kw = await _anthropic_prompt(st, body)
     return {"input_tokens": len(prompt_ids)}
 
@@ -487,7 +311,7 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
 # --------------------------------------------------------------------------------------------------------- the rest
 
 async def list_models(request: Request, _: None = Depends(require_api_key)) -> dict:
-    st = _state(request)
+    st = state(request)
     name = st.runtime.model_name
     if "anthropic-version" in request.headers:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
@@ -498,14 +322,14 @@ async def list_models(request: Request, _: None = Depends(require_api_key)) -> d
 
 
 async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
-    st = _state(request)
-    _check_model(st, model_id)
+    st = state(request)
+    check_model(st, model_id)
     return {"id": st.runtime.model_name, "object": "model", "created": st.started, "owned_by": "ember",
             "max_model_len": st.runtime.max_model_len}
 
 
 async def health(request: Request) -> Response:
-    engine = _state(request).runtime.engine
+    engine = state(request).runtime.engine
     if not engine.is_alive():
         reason = getattr(engine, "death_reason", None) or "the engine has stopped"
         return JSONResponse({"status": "engine_dead", "message": f"{reason}; restart the server"}, status_code=503)
@@ -515,7 +339,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _error_response(request: Request, err: ApiError) -> JSONResponse:

@@ -52,7 +52,7 @@ def _arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
-        raise bad_request(f"tool call arguments are not valid JSON", param=field) from None
+        raise bad_request("tool call arguments are not valid JSON", param=field) from None
 
 
 def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:

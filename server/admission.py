@@ -1,0 +1,202 @@
+"""What every generation endpoint shares: the app's state, the API-key check, admission (model, token limits,
+capacity, token IDs, grammar constraints) and the run of a request's steps (usage counts, errors, client hang-ups).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from ember.parsers.pipeline import ParserSetup
+
+from .call_limit import first_call_only
+from .choice import ChoiceStep
+from .config import ServeConfig
+from .errors import ApiError, bad_request, openai_error_body
+from .generation import ChoiceSpec, GenRequest, ModelRuntime, run_choices
+from .metrics import Metrics
+from .openai_encoder import sse_line
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    """The app's state: the one place mutable server-wide data lives."""
+
+    config: ServeConfig
+    runtime: ModelRuntime
+    metrics: Metrics
+    started: int = field(default_factory=lambda: int(time.time()))
+    engine_dead: str | None = None  # why the engine stopped, once it died
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.ember
+
+
+# ---------------------------------------------------------------------------------------------------------- admission
+
+async def require_api_key(request: Request) -> None:
+    keys = state(request).config.api_key
+    if isinstance(keys, str):
+        keys = (keys,)
+    if not keys:
+        return
+    auth = request.headers.get("authorization", "")
+    bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
+    given = request.headers.get("x-api-key") or bearer
+    if not given or not any([hmac.compare_digest(given.encode(), k.encode()) for k in keys]):
+        raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                       code="invalid_api_key")
+
+
+def check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.runtime.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{st.runtime.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
+                param: str = "messages") -> int:
+    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
+    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
+    limit = st.runtime.max_model_len
+    if prompt_len >= limit:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
+                            f"{limit} tokens (prompt plus at least one generated token)", param=param,
+                       code="context_length_exceeded")
+    cache_tokens = st.runtime.model_info.kv_capacity_tokens
+    if prompt_len >= cache_tokens:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
+                            f"tokens in all (prompt plus at least one generated token)", param=param,
+                       code="context_length_exceeded")
+    room = min(limit, cache_tokens) - prompt_len
+    allowed = room if requested is None else min(requested, room)
+    if min_tokens > allowed:
+        raise bad_request(f"min_tokens ({min_tokens}) is larger than the {allowed} tokens this reply may have "
+                          f"(max_tokens and the context left by the prompt)", param="min_tokens")
+    return allowed
+
+
+def check_capacity(st: ServerState) -> None:
+    stats = st.runtime.engine.stats()
+    if stats.num_waiting >= st.config.max_waiting:
+        raise ApiError(503, f"The server is overloaded: {stats.num_waiting} requests are waiting; retry later",
+                       code="overloaded")
+
+
+def logit_bias_ids(st: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    vocab = st.runtime.model_info.vocab_size
+    for k, v in bias.items():
+        tid = int(k)
+        if not 0 <= tid < vocab:
+            raise bad_request(f"logit_bias names token {tid}, outside the vocabulary [0, {vocab})", param="logit_bias")
+        out[tid] = float(v)
+    return out
+
+
+def stop_ids(st: ServerState, ids: list[int] | None) -> list[int]:
+    check_token_ids(st, list(ids or ()), "stop_token_ids")
+    return list(ids or ())
+
+
+def check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
+    vocab = st.runtime.model_info.vocab_size
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
+
+
+async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
+                       tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
+                       thinking_budget: int | None, thinking: bool) -> list[Any]:
+    """One engine Constraint per choice for the request's structured output / forced tools / thinking budget,
+    or Nones when generation is free. `thinking` False (the request switched thinking off) keeps a constrained
+    reply from opening a thought of its own. Grammar problems are the request's fault (400). Compiling runs in a
+    worker thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
+    backend = st.runtime.grammar
+    if backend is None:
+        forced = tool_choice not in (None, "auto", "none")
+        if (response_format and response_format.get("type") != "text") or forced:
+            raise bad_request("structured output is not available on this server",
+                              param="response_format" if response_format else "tool_choice")
+        return [None] * n
+    if not response_format and not tools and thinking_budget is None:
+        return [None] * n
+    return await asyncio.to_thread(
+        backend.constraints, n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
+        response_format=response_format, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget, thinking=thinking)
+
+
+
+def new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str, arrival: float) -> GenRequest:
+    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
+
+
+
+@dataclass
+class Run:
+    """Outcome of streaming one request: counts for usage and any generation errors."""
+
+    completion_tokens: int = 0
+    errors: list[str] = field(default_factory=list)
+    rejected: bool = False  # every error was the engine refusing the request (the client's fault: 400)
+    cached: dict[int, int] = field(default_factory=dict)  # choice index -> prompt tokens hit in the prefix cache
+
+    def note(self, step: ChoiceStep) -> None:
+        self.completion_tokens += len(step.tokens)
+        if step.end is not None and step.end.cached_tokens is not None:
+            self.cached[step.index] = step.end.cached_tokens
+        if step.end is not None and step.end.reason == "error":
+            self.rejected = step.end.rejected and (self.rejected or not self.errors)
+            self.errors.append(step.end.error or "generation failed")
+
+    def raise_for_errors(self) -> None:
+        if self.errors:
+            if self.rejected:
+                raise bad_request("the engine cannot serve this request: " + "; ".join(dict.fromkeys(self.errors)))
+            raise ApiError(500, "generation failed: " + "; ".join(self.errors))
+
+
+async def noted_steps(st: ServerState, req: GenRequest, run: Run,
+                      single_call: bool = False) -> AsyncIterator[ChoiceStep]:
+    """The request's steps, noted in ``run`` (only the first tool call with ``single_call``): what a stream encodes
+    and a non-streaming body folds."""
+    async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
+        async for step in steps:
+            run.note(step)
+            yield first_call_only(step) if single_call else step
+
+async def collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
+    """All items of a non-streaming response; a client that hangs up meanwhile aborts its request (blocks freed)."""
+    async def drain() -> list[dict]:
+        async with aclosing(items) as it:
+            return [x async for x in it]
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def stream_error(message: str) -> str:
+    return sse_line(openai_error_body(ApiError(500, message)))
