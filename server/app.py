@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
-from . import tokenize_api
+from . import responses_api, tokenize_api
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
                         require_api_key, state, stop_ids, stream_error)
@@ -40,6 +40,7 @@ from ember.parsers.initial import InitialState
 
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run_choices, sampling_params, seeded
 from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
                              sse_line, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
@@ -374,8 +375,8 @@ class _RequestCounter:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
-_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-           "/tokenize", "/detokenize", "/health", "/metrics")
+_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+           "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 async def _watch_engine(st: ServerState, exit_on_death: bool, poll_s: float = 0.2) -> None:
@@ -409,7 +410,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
             runtime.engine.shutdown()
 
     app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
-    st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats))
+    st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats),
+                     responses=ResponseStore(config.responses_store_size))
     app.state.ember = st
 
     app.add_api_route("/v1/models", list_models, methods=["GET"])
@@ -420,6 +422,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    responses_api.add_routes(app, [Depends(require_api_key)])
     tokenize_api.add_routes(app, [Depends(require_api_key)])
 
     @app.exception_handler(ApiError)

@@ -44,7 +44,7 @@ def _join_text(parts: Iterable[Any], field: str) -> str:
     return "".join(out)
 
 
-def _arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
+def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
     if isinstance(arguments, dict):
         return arguments
     if arguments.strip() == "":
@@ -80,7 +80,7 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
                     "type": "function",
                     "function": {
                         "name": tc.function.name,
-                        "arguments": _arguments_object(tc.function.arguments,
+                        "arguments": arguments_object(tc.function.arguments,
                                                        f"messages[{i}].tool_calls[{j}].function.arguments"),
                     },
                 }

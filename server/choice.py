@@ -38,3 +38,4 @@ class ChoiceStep:
     tokens: list[TokenInfo] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     end: ChoiceEnd | None = None
+    finish_at: int | None = None  # on the last step: where in `events` the pipeline's end-of-output flush begins

@@ -53,6 +53,9 @@ class ServeConfig(EngineArgs):
     allowed_origins: tuple[str, ...] = field(default=(), metadata={
         "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *; repeatable; "
                 "default: none (CORS off)", "action": "append", "metavar": "ORIGIN"})
+    responses_store_size: int = field(default=1024, metadata={
+        "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
+                "GET /v1/responses/ID, least recently used out first; 0 stores none"})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
                 "thinking); 0 switches it off"})

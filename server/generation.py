@@ -196,6 +196,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                                                  channels[0]))
                     step.events += pstep.events
                     if pstep.stopped:
+                        step.finish_at = len(step.events)
                         step.events += pipe.finish("stop")
                         end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
                                         cached_tokens=out.num_cached_tokens)
@@ -203,6 +204,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         yield step
                         return  # leaving `aclosing` aborts the engine request
                 if out.finished:
+                    step.finish_at = len(step.events)
                     step.events += pipe.finish(out.finish_reason or "stop")
                     end = step.end = _end(out)
                     yield step
@@ -210,7 +212,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 if step.tokens or step.events:
                     yield step
         end = ChoiceEnd("abort")
-        yield ChoiceStep(index, [], pipe.finish("abort"), end)
+        yield ChoiceStep(index, [], pipe.finish("abort"), end, finish_at=0)
     except (asyncio.CancelledError, GeneratorExit):
         pipe.abort()
         raise

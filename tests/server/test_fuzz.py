@@ -86,10 +86,49 @@ COMPLETION_FIELDS = {
     "best_of": small_int, "stop": st.text(max_size=2),
     "temperature": st.floats(0, 2),
 }
+input_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["input_text", "output_text", "input_text", "input_image", "refusal", "x"])},
+    optional={"text": st.text(max_size=8), "refusal": st.text(max_size=4)})
+input_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "assistant", "system", "developer", "tool"])},
+                          optional={"type": st.just("message"),
+                                    "content": st.text(max_size=20) | st.lists(input_part, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": st.sampled_from(["c1", "c2"]), "name": st.sampled_from(["f", "get_weather"]),
+        "arguments": st.sampled_from(["{}", "{", '{"a": 1}', "[]"])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": st.sampled_from(["c1", "c9"]), "output": st.text(max_size=5) | st.lists(input_part, max_size=1)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])}, optional={
+        "content": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["reasoning_text", "x"]),
+                                                   "text": st.text(max_size=5)}), max_size=2),
+        "summary": anything}))
+RESPONSES_FIELDS = {
+    "model": st.just("ember-demo"), "input": st.text(max_size=20) | st.lists(input_item, max_size=4),
+    "instructions": st.text(max_size=10), "max_output_tokens": small_int, "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1), "top_k": small_int, "seed": st.integers(0, 2**63),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "function", "web_search"])},
+                                            optional={"name": st.sampled_from(["f", "get_weather", "", "bad name"]),
+                                                      "parameters": schema, "strict": st.booleans()}), max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required", "x"]) | st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "allowed_tools"]), "name": st.sampled_from(["f", "zz"])}),
+    "parallel_tool_calls": st.booleans(),
+    "text": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+        optional={"name": st.text(max_size=3), "schema": schema, "strict": st.booleans()})}),
+    "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "high", "x"]),
+                                                     "summary": st.sampled_from(["auto", "x"])}),
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content",
+                                         "file_search_call.results"]), max_size=2),
+    "top_logprobs": small_int, "stream": st.booleans(), "store": st.booleans(),
+    "previous_response_id": st.sampled_from(["resp_missing", ""]),
+    "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3) | st.integers(), max_size=2),
+    "truncation": st.sampled_from(["auto", "disabled", "x"]), "background": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), anything, max_size=1),
+}
 
 
 REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/messages": ("model", "messages", "max_tokens"),
-            "/v1/completions": ("model", "prompt")}
+            "/v1/completions": ("model", "prompt"), "/v1/responses": ("model", "input")}
 
 
 def bodies(fields: dict, required: tuple[str, ...] = ()):
@@ -109,7 +148,7 @@ def bodies(fields: dict, required: tuple[str, ...] = ()):
 def _bound_generation(body):
     """Keep every accepted request short: the fuzz is about validation, not long generations."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             v = body.get(key)
             if key not in body or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 3):
                 body[key] = 2
@@ -133,7 +172,8 @@ FUZZ = settings(max_examples=70, deadline=None, suppress_health_check=list(Healt
 
 
 @pytest.mark.parametrize("path,fields", [("/v1/chat/completions", CHAT_FIELDS), ("/v1/messages", MESSAGES_FIELDS),
-                                         ("/v1/completions", COMPLETION_FIELDS)])
+                                         ("/v1/completions", COMPLETION_FIELDS),
+                                         ("/v1/responses", RESPONSES_FIELDS)])
 def test_fuzzed_bodies_never_500(demo_server, path, fields):
     @FUZZ
     @given(bodies(fields, REQUIRED[path]))

@@ -1,0 +1,167 @@
+"""`/v1/responses` (the OpenAI Responses API): create, streamed or not, over the same engine, parsers and grammar as
+chat; retrieve and delete stored responses.
+
+A request's prompt is its `instructions` (a system message), then the stored conversation of `previous_response_id`
+(its input and output; instructions are not carried over, as in the OpenAI API), then its own `input` items, rendered
+with the chat template. `store: true` (the default) keeps the response in the server's `ResponseStore`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import chat
+from . import protocol_responses as pr
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
+                        check_model, collect, new_request, noted_steps, state)
+from .errors import ApiError
+from .generation import ChoiceSpec, make_pipeline, sampling_params
+from .response_store import StoredResponse
+from .responses_encoder import ResponseEncoder, sse_event
+from .responses_input import input_items, responses_messages
+from .sse import EventStreamResponse
+
+
+def _tools(tools: list[pr.FunctionTool] | None) -> list[dict[str, Any]] | None:
+    """The request's function tools in chat's shape (templates, parsers and the grammar read that shape)."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn = t.model_dump(exclude={"type"}, exclude_none=True)
+        fn.setdefault("parameters", {"type": "object", "properties": {}})
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _template_kwargs(body: pr.ResponsesRequest) -> dict[str, Any] | None:
+    """`chat_template_kwargs`, plus `reasoning.effort` as `reasoning_effort` (gpt-oss's template reads it)."""
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
+
+
+def _previous(st: ServerState, response_id: str | None) -> list[dict[str, Any]]:
+    if response_id is None:
+        return []
+    stored = st.responses.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"Previous response with id '{response_id}' not found (this server keeps the latest "
+                            f"{st.responses.capacity} stored responses in memory)", param="previous_response_id",
+                       code="previous_response_not_found")
+    return stored.messages
+
+
+def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) -> dict[str, Any]:
+    """The response object's constant fields: identity and the settings it ran with, echoed."""
+    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    tool_choice: Any = body.tool_choice or ("auto" if body.tools else "none")
+    if isinstance(tool_choice, pr.NamedFunction):
+        tool_choice = {"type": "function", "name": tool_choice.name}
+    return {
+        "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
+        "background": False, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                      "summary": body.reasoning.summary if body.reasoning else None},
+        "store": store, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
+        "top_logprobs": body.top_logprobs or 0, "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": "disabled", "user": body.user,
+    }
+
+
+async def create_response(body: pr.ResponsesRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    st = state(request)
+    rt = st.runtime
+    check_model(st, body.model)
+    body.check()
+    history = _previous(st, body.previous_response_id) + responses_messages(input_items(body.input))
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+    tools = _tools(body.tools)
+    tool_choice: Any = body.tool_choice or ("auto" if tools else "none")
+    if isinstance(tool_choice, pr.NamedFunction):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    prompt_ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
+                                         kwargs=_template_kwargs(body))
+    max_tokens = allowed_tokens(st, len(prompt_ids), body.max_output_tokens, param="input")
+    parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
+    setup = rt.parser
+    initial = setup.initial_state(prompt_ids)
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                             top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=0.0,
+                             frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
+                             logprobs=top_logprobs, logit_bias=None)
+    pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
+    fmt = body.text.format if body.text is not None else None
+    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+    [constraint] = await build_constraints(
+        st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
+        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+        thinking_budget=None, thinking=not thinking_off)
+    check_capacity(st)
+    st.metrics.prompt_tokens.inc(len(prompt_ids))
+    req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
+    response_id = req.request_id.replace("-", "_")
+    store = body.store and st.responses.capacity > 0
+    enc = ResponseEncoder(_head(body, response_id, rt.model_name, store), rt.token_bytes.token_bytes,
+                          len(prompt_ids), top_logprobs)
+    run = Run()
+    single_call = not body.parallel_tool_calls
+
+    def remember(response: dict[str, Any]) -> None:
+        if store and response["status"] != "failed":
+            replies = responses_messages(response["output"], own_output=True)
+            st.responses.put(response_id, StoredResponse(response, history + replies))
+
+    if body.stream:
+        async def stream() -> AsyncIterator[str]:
+            yield "".join(sse_event(ev) for ev in enc.start())
+            async with aclosing(noted_steps(st, req, run, single_call)) as steps:
+                async for step in steps:
+                    events = enc.events(step)
+                    if events:
+                        yield "".join(sse_event(ev) for ev in events)
+            remember(enc.response())
+        return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
+    collected = await collect(request, noted_steps(st, req, run, single_call))
+    run.raise_for_errors()
+    response = enc.body(collected)
+    remember(response)
+    return JSONResponse(response)
+
+
+def _stored(st: ServerState, response_id: str) -> StoredResponse:
+    stored = st.responses.get(response_id)
+    if stored is None:
+        raise ApiError(404, f"No stored response with id '{response_id}'", param="response_id",
+                       code="response_not_found")
+    return stored
+
+
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    return _stored(state(request), response_id).body
+
+
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    st = state(request)
+    _stored(st, response_id)
+    st.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def add_routes(app: FastAPI, dependencies: list[Any]) -> None:
+    """Serve `/v1/responses` on `app`, behind `dependencies` (the app's API-key check)."""
+    app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=dependencies)
+    app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"], dependencies=dependencies)
+    app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"], dependencies=dependencies)

@@ -1,0 +1,141 @@
+"""Responses API input items -> the chat-template messages `chat.render` reads.
+
+Items are checked one by one, each error naming `input[i]...`. The mapping:
+- a string input is one user message;
+- `message` items (`type` may be left out) keep their role (`developer` becomes `system`); text parts
+  (`input_text`, `output_text`, `text`, `refusal`) are joined; images, files and audio are refused (text-only);
+- `function_call` items become the assistant's `tool_calls` (consecutive calls, and an assistant message right before
+  them, form one assistant turn);
+- `function_call_output` items become `tool` messages carrying the call's `tool_call_id` and `name`;
+- `reasoning` items (their `reasoning_text` content, else their summary) become the next assistant turn's
+  `reasoning_content`.
+
+A response's own output items are valid input items, so a stored conversation is replayed through the same mapping.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .chat import arguments_object
+from .errors import ApiError, bad_request
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` as items: a string is one user message."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value)
+
+
+def _str_field(item: dict[str, Any], key: str, where: str, *, required: bool = True) -> str | None:
+    v = item.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, str):
+        raise bad_request(f"{key} must be a string", param=f"{where}.{key}")
+    return v
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request("content must be a string or a list of content parts", param=where)
+    out = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            out.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise bad_request(f"content part type {kind!r} is not supported by this text-only model",
+                              param=f"{where}[{j}].type")
+        key = "refusal" if kind == "refusal" else "text"
+        out.append(_str_field(part, key, f"{where}[{j}]"))
+    return "".join(out)
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise bad_request(f"{key} must be a list", param=f"{where}.{key}")
+        texts = []
+        for j, p in enumerate(parts):
+            if not isinstance(p, dict) or p.get("type") != kind:
+                raise bad_request(f"{key} parts must have type {kind!r}", param=f"{where}.{key}[{j}].type")
+            texts.append(_str_field(p, "text", f"{where}.{key}[{j}]"))
+        if texts:
+            return "".join(texts)
+    return ""
+
+
+def responses_messages(items: Sequence[Any], *, own_output: bool = False) -> list[dict[str, Any]]:
+    """Template messages for the input `items`, in order. `own_output` marks a response's own
+    output items (replayed for `previous_response_id`): a call cut short keeps its arguments as raw text instead of
+    being refused as invalid JSON."""
+    out: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    call_names: dict[str, str] = {}
+    turn: dict[str, Any] | None = None  # the assistant turn function calls may still join
+
+    def assistant(content: str) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+            reasoning.clear()
+        out.append(msg)
+        return msg
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request("an input item must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise bad_request(f"role {role!r} is not one of {', '.join(_ROLES)}", param=f"{where}.role")
+            if "content" not in item:
+                raise bad_request("a message needs content", param=f"{where}.content")
+            text = _text(item["content"], f"{where}.content")
+            if _ROLES[role] == "assistant":
+                turn = assistant(text)
+            else:
+                out.append({"role": _ROLES[role], "content": text})
+                turn = None
+        elif kind == "function_call":
+            name = _str_field(item, "name", where)
+            call_id = _str_field(item, "call_id", where)
+            raw = _str_field(item, "arguments", where)
+            try:
+                args = arguments_object(raw, f"{where}.arguments")
+            except ApiError:
+                if not own_output:
+                    raise
+                args = raw
+            if turn is None or reasoning:
+                turn = assistant("")
+            turn.setdefault("tool_calls", []).append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            call_names[call_id] = name
+        elif kind == "function_call_output":
+            call_id = _str_field(item, "call_id", where)
+            msg = {"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"), f"{where}.output")}
+            if call_id in call_names:
+                msg["name"] = call_names[call_id]
+            out.append(msg)
+            turn = None
+        elif kind == "reasoning":
+            text = _reasoning_text(item, where)
+            if text:
+                reasoning.append(text)
+            turn = None
+        else:
+            raise bad_request(f"input item type {kind!r} is not supported (message, function_call, "
+                              "function_call_output and reasoning are)", param=f"{where}.type")
+    return out

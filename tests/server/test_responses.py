@@ -1,0 +1,278 @@
+"""`/v1/responses` through the real `openai` SDK (its `responses.stream` state machine checks every event's item and
+part indices) against the live demo server, cross-checked against `/v1/chat/completions` on the same prompts."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
+           "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                           "hourly": {"type": "boolean"}},
+                          "required": ["unit", "hourly"], "additionalProperties": False},
+           "strict": True}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def _stream(client, **kw):
+    """Every event of a streamed response, passed through the SDK's own accumulator."""
+    with client.responses.stream(**kw) as s:
+        return list(s)
+
+
+def _check_stream(events, final_status: str):
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    end = {"completed": "response.completed", "incomplete": "response.incomplete"}[final_status]
+    assert events[-1].type == end and events[-1].response.status == final_status
+    return events[-1].response
+
+
+def _items(response):
+    """Output items without what differs from run to run (IDs) or what the SDK's stream helper adds."""
+    return [(o.type, o.model_dump(exclude={"id", "call_id", "parsed_arguments"})) for o in response.output]
+
+
+def test_text_reply_equals_chat_and_its_stream(demo_server):
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, instructions="You are terse.", input="Say hello.",
+                                max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=demo_server.model, max_tokens=12, temperature=0,
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}])
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == demo_server.model
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    cut = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if cut else "completed")
+    assert (r.incomplete_details.reason if cut else r.incomplete_details) == ("max_output_tokens" if cut else None)
+    assert [o.type for o in r.output] == ["message"] and r.output[0].status == r.status
+    events = _stream(client, model=demo_server.model, instructions="You are terse.", input="Say hello.",
+                     max_output_tokens=12, temperature=0)
+    final = _check_stream(events, r.status)
+    assert _items(final) == _items(r)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [d.item.id for d in done] == [o.id for o in final.output]
+
+
+def test_reasoning_is_its_own_item(demo_server):
+    client = demo_server.openai()
+    kw = dict(model=demo_server.model, max_output_tokens=10,
+              extra_body={"seed": 5, "chat_template_kwargs": {"enable_thinking": True}})
+    r = client.responses.create(input="Say hello.", **kw)
+    chat = client.chat.completions.create(model=demo_server.model, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=10, extra_body=kw["extra_body"])
+    reasoning = chat.choices[0].message.model_extra["reasoning_content"]
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].type == "reasoning_text"
+    assert r.output[0].content[0].text == reasoning and reasoning
+    assert r.output_text == (chat.choices[0].message.content or "")
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    if len(r.output) == 1:  # the whole reply was thought
+        assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens
+    events = _stream(client, input="Say hello.", **kw)
+    final = _check_stream(events, r.status)
+    assert _items(final) == _items(r)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_function_call_streams_to_the_same_item(any_server, choice):
+    server = any_server
+    client = server.openai()
+    tool_choice = {"type": "function", "name": "get_weather"} if choice == "named" else "required"
+    kw = dict(model=server.model, input="Weather in Paris?", tools=[WEATHER], tool_choice=tool_choice,
+              parallel_tool_calls=False, max_output_tokens=60, extra_body={"seed": 9, **NO_THINK})
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "completed"
+    assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_")
+    args = json.loads(calls[0].arguments)
+    assert args["unit"] in ("celsius", "fahrenheit") and isinstance(args["hourly"], bool)
+    assert r.status == "completed" and r.tool_choice is not None and r.tools[0].name == "get_weather"
+    events = _stream(client, **kw)
+    final = _check_stream(events, "completed")
+    assert _items(final) == _items(r)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == calls[0].arguments
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == calls[0].arguments
+
+
+def test_previous_response_id_continues_with_a_function_result(any_server):
+    """The follow-up's prompt is exactly the chat prompt of [user, assistant(tool call), tool result], on the demo
+    template and on the real Qwen3 one."""
+    server = any_server
+    client = server.openai()
+    first = client.responses.create(model=server.model, input="Weather in Paris?", tools=[WEATHER],
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=60,
+                                    extra_body={"seed": 3, **NO_THINK})
+    [call] = [o for o in first.output if o.type == "function_call"]
+    follow = client.responses.create(
+        model=server.model, previous_response_id=first.id, tools=[WEATHER], max_output_tokens=3,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}], extra_body=NO_THINK)
+    chat = client.chat.completions.create(
+        model=server.model, tools=[CHAT_WEATHER], max_tokens=1, extra_body=NO_THINK, messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": first.output_text or None, "tool_calls": [
+                {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18C"}])
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    # the same conversation sent whole, as input items, renders the same prompt
+    whole = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=1,
+                                    extra_body=NO_THINK, input=[
+                                        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                                                     {"type": "input_text", "text": "Paris?"}]},
+                                        *[o.model_dump(exclude_none=True) for o in first.output],
+                                        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"}])
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_reasoning_and_calls_render_as_one_assistant_turn(demo_server):
+    """A reasoning item, an assistant message and its function call are one assistant turn (reasoning_content,
+    content, tool_calls), as chat would send it; `developer` is `system`."""
+    client = demo_server.openai()
+    args = '{"unit": "celsius", "hourly": false}'
+    r = client.responses.create(model=demo_server.model, max_output_tokens=1, tools=[WEATHER], input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C"}])
+    chat = client.chat.completions.create(model=demo_server.model, max_tokens=1, tools=[CHAT_WEATHER], messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Call.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    turn = httpx.post(demo_server.url + "/tokenize", timeout=30, json={"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Call.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]}).json()["tokens"]
+    text = demo_server.tokenizer.decode(turn)
+    assert "Call." in text  # the template renders this turn's reasoning, so the count above covers it
+
+
+def test_store_retrieve_delete(demo_server):
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, input="Say hello.", max_output_tokens=4, temperature=0,
+                                metadata={"k": "v"})
+    assert r.store is True and r.metadata == {"k": "v"}
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    follow = client.responses.create(model=demo_server.model, previous_response_id=r.id, input="More.",
+                                     max_output_tokens=2)
+    chat = client.chat.completions.create(model=demo_server.model, max_tokens=1, messages=[
+        {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "More."}])
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=demo_server.model, previous_response_id=r.id, input="x")
+    assert e.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_streamed_responses_are_stored(demo_server):
+    client = demo_server.openai()
+    events = list(client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=3, stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_json_schema_text_format(demo_server):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = demo_server.openai().responses.create(
+        model=demo_server.model, input="Answer.", max_output_tokens=30, extra_body={"seed": 1, **NO_THINK},
+        text={"format": {"type": "json_schema", "name": "r", "schema": schema, "strict": True}})
+    assert isinstance(json.loads(r.output_text)["ok"], bool)
+    assert r.text.format.type == "json_schema"
+
+
+def test_logprobs_match_chat_and_stream(demo_server):
+    client = demo_server.openai()
+    kw = dict(model=demo_server.model, input="Say hello.", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model=demo_server.model, messages=[{"role": "user", "content": "Say hello."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    got = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [(x.token, x.bytes) for x in got] == [(x.token, x.bytes) for x in want] and len(got) == 6
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and len(a.top_logprobs) == 2 for a, b in zip(got, want))
+    events = _stream(client, **kw)
+    streamed = [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [x.token for x in got]
+
+
+def test_cut_call_is_incomplete_and_still_replays(demo_server):
+    """max_output_tokens inside a call: the item and the response are incomplete; the stored conversation still
+    continues (its cut arguments are replayed as text, not refused)."""
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=16, extra_body=NO_THINK)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    [call] = r.output
+    assert call.type == "function_call" and call.status == "incomplete"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.arguments)
+    follow = client.responses.create(model=demo_server.model, previous_response_id=r.id, input="Go on.",
+                                     max_output_tokens=1)
+    assert follow.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_requests_name_the_field(demo_server, extra, param):
+    body = {"model": demo_server.model, "input": "Hi", "max_output_tokens": 2, **extra}
+    r = httpx.post(demo_server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_unknown_model_is_404(demo_server):
+    with pytest.raises(openai.NotFoundError):
+        demo_server.openai().responses.create(model="nope", input="Hi")
+
+
+def test_the_store_keeps_the_most_recently_used():
+    from ember.server.response_store import ResponseStore, StoredResponse
+
+    store = ResponseStore(2)
+    for rid in ("a", "b"):
+        store.put(rid, StoredResponse({"id": rid}, []))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    off = ResponseStore(0)
+    off.put("a", StoredResponse({"id": "a"}, []))
+    assert off.get("a") is None
