@@ -3,7 +3,7 @@
 `input` items stay plain dicts here: `responses_input` checks them one by one (naming `input[i]...` in its errors)
 and turns them into chat-template messages. Unknown top-level fields are accepted and ignored, as the OpenAI SDKs
 add new ones often; fields Ember cannot honour (`background`, `truncation: auto`, `conversation`, `prompt`) are
-refused by name. Extensions in vLLM's spirit: `top_k`, `min_p`, `seed`, `repetition_penalty`,
+refused by name. Extensions as on chat: `top_k`, `min_p`, `seed`, `repetition_penalty`, `ignore_eos`,
 `chat_template_kwargs`.
 """
 from __future__ import annotations
@@ -80,6 +80,7 @@ class ResponsesRequest(_Lenient):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    ignore_eos: bool = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True

@@ -101,7 +101,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
-                             logprobs=top_logprobs, logit_bias=None)
+                             logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False

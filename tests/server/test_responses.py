@@ -3,6 +3,7 @@ part indices) against the live demo server, cross-checked against `/v1/chat/comp
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -276,3 +277,40 @@ def test_the_store_keeps_the_most_recently_used():
     off = ResponseStore(0)
     off.put("a", StoredResponse({"id": "a"}, []))
     assert off.get("a") is None
+
+
+def _finished(server) -> dict[str, float]:
+    prefix = 'ember_request_finished_total{reason="'
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {ln[len(prefix):].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix)}
+
+
+def _settled(server, free_blocks: int) -> None:
+    deadline = time.monotonic() + 5
+    while (server.stats().num_running or server.stats().num_waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s = server.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (0, 0, free_blocks)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_aborts_its_response(demo_server, stream):
+    """3000 tokens asked (EOS ignored): only an abort on disconnect frees the slot and blocks within seconds."""
+    before = _finished(demo_server).get("cancelled", 0.0)
+    free = demo_server.stats().num_free_blocks
+    body = {"model": demo_server.model, "input": "Tell me about the weather.", "max_output_tokens": 3000,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", demo_server.url + "/v1/responses", json=body, timeout=60) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 6:
+                        break
+        assert [e["type"] for e in events][-1] == "response.output_text.delta"
+    else:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(demo_server.url + "/v1/responses", json=body, timeout=0.5)
+    _settled(demo_server, free)
+    assert _finished(demo_server).get("cancelled", 0.0) - before == 1
