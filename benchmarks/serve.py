@@ -4,7 +4,7 @@
     python benchmarks/serve.py --in-process                     # the same with the engine loop in-process
     python benchmarks/serve.py --model-dir DIR --concurrency 1,64,256 --requests 256 --max-tokens 64
     python benchmarks/serve.py --url http://host:8000 --model NAME   # an already running `ember serve`
-    python benchmarks/serve.py --endpoint completions           # or messages (Anthropic); default chat
+    python benchmarks/serve.py --endpoint completions           # or responses, messages (Anthropic); default chat
 
 Per concurrency level: TTFT p50/p99 (request sent -> first generated token's chunk), inter-token latency p50/p99
 (gap between consecutive token-carrying chunks of one stream), output tokens/s (all generated tokens / wall time),
@@ -36,7 +36,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-ENDPOINTS = ("chat", "completions", "messages")
+ENDPOINTS = ("chat", "completions", "responses", "messages")
 
 
 def _request(endpoint: str, model: str, prompt: str, max_tokens: int, seed: int) -> tuple[str, dict]:
@@ -45,6 +45,9 @@ def _request(endpoint: str, model: str, prompt: str, max_tokens: int, seed: int)
     if endpoint == "messages":
         return "/v1/messages", {"model": model, "messages": [{"role": "user", "content": prompt}],
                                 "max_tokens": max_tokens, "stream": True}
+    if endpoint == "responses":
+        return "/v1/responses", {"model": model, "input": prompt, "max_output_tokens": max_tokens, "stream": True,
+                                 "ignore_eos": True, "seed": seed, "store": False}
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "seed": seed,
             "return_token_ids": True}
     if endpoint == "completions":
@@ -53,8 +56,13 @@ def _request(endpoint: str, model: str, prompt: str, max_tokens: int, seed: int)
 
 
 def _tokens_in(endpoint: str, event: dict) -> tuple[bool, int]:
-    """Whether an SSE event carries generated output, and how many tokens it counts (Anthropic's events carry no
-    token IDs: its deltas count 0 and the closing ``message_delta`` carries the total)."""
+    """Whether an SSE event carries generated output, and how many tokens it counts (Anthropic's and the Responses
+    API's events carry no token IDs: their deltas count 0 and the closing event's usage carries the total)."""
+    if endpoint == "responses":
+        kind = event.get("type", "")
+        if kind in ("response.completed", "response.incomplete"):
+            return False, int((event["response"].get("usage") or {}).get("output_tokens", 0))
+        return kind.endswith(".delta"), 0
     if endpoint == "messages":
         if event.get("type") == "message_delta":
             return False, int(event.get("usage", {}).get("output_tokens", 0))
