@@ -1,6 +1,7 @@
 """Chat prompts: request messages (OpenAI or Anthropic) -> the plain dicts a Jinja chat template reads -> prompt text.
 
-Templates read `message.content` as a string, `message.reasoning_content`, and `message.tool_calls[i].function`
+Templates read `message.content` as a string, the assistant's earlier reasoning as `message.reasoning_content` (Qwen3,
+DeepSeek, GLM, ...) or `message.thinking` (gpt-oss, LFM2), and `message.tool_calls[i].function`
 with `arguments` as a mapping (Hermes-style templates `tojson` it; Qwen3's accepts either), so content parts are
 joined into one string and JSON arguments are parsed back into objects.
 """
@@ -55,6 +56,12 @@ def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
         raise bad_request("tool call arguments are not valid JSON", param=field) from None
 
 
+def set_reasoning(msg: dict[str, Any], text: str) -> None:
+    """An assistant message's reasoning, under both names templates read it by."""
+    msg["reasoning_content"] = text
+    msg["thinking"] = text
+
+
 def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI chat messages -> template messages (`developer` becomes `system`, `function` becomes `tool`)."""
     out: list[dict[str, Any]] = []
@@ -72,7 +79,7 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
             msg["name"] = m.name
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if role == "assistant" and reasoning is not None:
-            msg["reasoning_content"] = reasoning
+            set_reasoning(msg, reasoning)
         if m.tool_calls:
             msg["tool_calls"] = [
                 {
@@ -155,7 +162,7 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                                       param=f"{field}[{j}].type")
             msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
             if thinking:
-                msg["reasoning_content"] = "".join(thinking)
+                set_reasoning(msg, "".join(thinking))
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

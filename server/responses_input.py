@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .chat import arguments_object
+from .chat import arguments_object, set_reasoning
 from .errors import ApiError, bad_request
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
@@ -86,7 +86,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False) -> lis
     def assistant(content: str) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
-            msg["reasoning_content"] = "".join(reasoning)
+            set_reasoning(msg, "".join(reasoning))
             reasoning.clear()
         out.append(msg)
         return msg
