@@ -4,7 +4,7 @@
 and turns them into chat-template messages. Unknown top-level fields are accepted and ignored, as the OpenAI SDKs
 add new ones often; fields Ember cannot honour (`background`, `truncation: auto`, `conversation`, `prompt`) are
 refused by name. Extensions as on chat: `top_k`, `min_p`, `seed`, `repetition_penalty`, `ignore_eos`,
-`chat_template_kwargs`.
+`max_thinking_tokens`, `chat_template_kwargs`.
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class ResponsesRequest(_Lenient):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True

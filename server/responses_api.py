@@ -108,7 +108,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     [constraint] = await build_constraints(
         st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-        thinking_budget=None, thinking=not thinking_off)
+        thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)

@@ -83,6 +83,14 @@ def test_reasoning_is_its_own_item(demo_server):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
 
 
+def test_thinking_budget_closes_the_reasoning_item(demo_server):
+    r = demo_server.openai().responses.create(
+        model=demo_server.model, input="Say hello.", max_output_tokens=10,
+        extra_body={"seed": 2, "max_thinking_tokens": 3, "chat_template_kwargs": {"enable_thinking": True}})
+    assert [o.type for o in r.output][:2] == ["reasoning", "message"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 3
+
+
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_function_call_streams_to_the_same_item(any_server, choice):
     server = any_server

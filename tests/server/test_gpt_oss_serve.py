@@ -1,0 +1,74 @@
+"""gpt-oss served end to end: a tiny random gpt-oss carrying the real o200k_harmony tokenizer, behind the real gpt-oss
+chat template, through `/v1/responses` and `/v1/chat/completions`. The harmony grammar forces the tool call, the
+harmony parser turns it into a function call, and a follow-up's prompt is the one chat renders."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import shared_path, write_shared_tokenizer
+from tests.moe.test_gpt_oss import save_tiny_gpt_oss
+from tests.server.conftest import LiveServer, _serve
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["unit"], "additionalProperties": False}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_server(tmp_path_factory):
+    from ember.server.app import load_runtime
+    from ember.server.config import ServeConfig
+
+    template = shared_path("templates", "llama.cpp", "openai-gpt-oss-120b.jinja").read_text()
+    tok_dir = write_shared_tokenizer("gpt-oss", tmp_path_factory.mktemp("gpt-oss-tokenizer"))
+    model_dir = save_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"), tok_dir, vocab_size=201088,
+                                  bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
+    config = ServeConfig(model_dir=model_dir, served_model_name="tiny-gpt-oss", max_num_seqs=4, kv_cache_blocks=64,
+                         chat_template=template)
+    runtime = load_runtime(config)
+    srv, app = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "tiny-gpt-oss", runtime.tokenizer, app)
+    srv.stop()
+    runtime.engine.shutdown()
+
+
+def test_forced_call_is_a_function_call_item_and_its_result_continues(gpt_oss_server):
+    server = gpt_oss_server
+    client = server.openai()
+    assert server.runtime.parser.profile.name == "gpt_oss"
+    # The random model thinks freely first (the grammar leaves harmony's analysis channel open, and gpt-oss has no
+    # thinking budget); about half the seeds go straight to the forced call. Take the first that does.
+    for seed in range(10):
+        kw = dict(model=server.model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                  max_output_tokens=60, reasoning={"effort": "low"}, extra_body={"seed": seed})
+        r = client.responses.create(**kw)
+        if r.status == "completed":
+            break
+    [call] = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
+    assert r.status == "completed" and call.status == "completed"  # the turn ended on harmony's <|call|>
+    with client.responses.stream(**kw) as s:
+        final = list(s)[-1].response
+    assert [(o.type, getattr(o, "arguments", None)) for o in final.output] == [
+        (o.type, getattr(o, "arguments", None)) for o in r.output]
+    chat = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[CHAT_WEATHER],
+        tool_choice="required", max_tokens=60, reasoning_effort="low", seed=seed)
+    assert [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls] == [
+        (call.name, call.arguments)]
+    assert chat.choices[0].finish_reason == "tool_calls"
+    follow = client.responses.create(model=server.model, previous_response_id=r.id, tools=[WEATHER],
+                                     max_output_tokens=1, reasoning={"effort": "low"},
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18C"}])
+    history = client.chat.completions.create(
+        model=server.model, tools=[CHAT_WEATHER], max_tokens=1, reasoning_effort="low", messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "reasoning_content": r.output[0].content[0].text
+             if r.output[0].type == "reasoning" else None,
+             "tool_calls": [{"id": call.call_id, "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "18C"}])
+    assert follow.usage.input_tokens == history.usage.prompt_tokens
