@@ -72,7 +72,7 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) 
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": body.reasoning.summary if body.reasoning else None},
         "store": store, "temperature": 1.0 if body.temperature is None else body.temperature,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}},
         "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
         "top_logprobs": body.top_logprobs or 0, "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": "disabled", "user": body.user,

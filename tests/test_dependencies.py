@@ -153,3 +153,17 @@ def test_importing_the_pure_modules_loads_no_torch(module):
     code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_checkout_does_not_shadow_an_installed_package_of_a_folders_name(tmp_path):
+    """With the checkout's root first on sys.path (as under pytest), `import kernels` finds an installed `kernels`
+    distribution (Hugging Face's, which transformers >= 5.25 imports), not the checkout's `kernels/` folder."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("INSTALLED = True\n")
+    root = Path(__file__).resolve().parent.parent
+    code = (f"import sys; sys.path[:0] = [{str(root)!r}, {str(site)!r}]; import ember, kernels, ember.kernels; "
+            "assert getattr(kernels, 'INSTALLED', False), kernels.__file__; "
+            "assert ember.kernels.__file__ != kernels.__file__")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr[-2000:]
