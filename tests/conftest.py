@@ -12,6 +12,10 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Before any test uses transformers: `import ember` keeps the checkout's `kernels/` folder (the checkout's root is on
+# sys.path under pytest) from shadowing the `kernels` package transformers imports.
+import ember  # noqa: E402,F401
+
 # The suite's models are tiny: torch's intra-op threads only contend with each other and with the server and
 # engine threads the tests start (measured up to 20x slower on 2 cores), so every test runs torch on one thread.
 torch.set_num_threads(1)
