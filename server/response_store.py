@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -11,6 +11,7 @@ from typing import Any
 class StoredResponse:
     body: dict[str, Any]  # the response object as it was answered
     messages: list[dict[str, Any]]  # the conversation so far as template messages (without instructions)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as listed back
 
 
 class ResponseStore:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from . import chat
@@ -23,7 +23,7 @@ from .errors import ApiError
 from .generation import ChoiceSpec, make_pipeline, sampling_params
 from .response_store import StoredResponse
 from .responses_encoder import ResponseEncoder, sse_event
-from .responses_input import input_items, responses_messages
+from .responses_input import input_items, listed_items, responses_messages
 from .sse import EventStreamResponse
 
 
@@ -85,7 +85,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     rt = st.runtime
     check_model(st, body.model)
     body.check()
-    history = _previous(st, body.previous_response_id) + responses_messages(input_items(body.input))
+    items = input_items(body.input)
+    history = _previous(st, body.previous_response_id) + responses_messages(items)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     tools = _tools(body.tools)
     tool_choice: Any = body.tool_choice or ("auto" if tools else "none")
@@ -122,7 +123,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     def remember(response: dict[str, Any]) -> None:
         if store and response["status"] != "failed":
             replies = responses_messages(response["output"], own_output=True)
-            st.responses.put(response_id, StoredResponse(response, history + replies))
+            st.responses.put(response_id, StoredResponse(response, history + replies, listed_items(items)))
 
     if body.stream:
         async def stream() -> AsyncIterator[str]:
@@ -153,6 +154,22 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
     return _stored(state(request), response_id).body
 
 
+async def list_input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
+                           limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+    """A stored response's input items, a page at a time (`after`: the last item ID of the previous page)."""
+    items = _stored(state(request), response_id).input_items
+    items = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item with id '{after}' in this response", param="after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
     st = state(request)
     _stored(st, response_id)
@@ -165,3 +182,5 @@ def add_routes(app: FastAPI, dependencies: list[Any]) -> None:
     app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"], dependencies=dependencies)
+    app.add_api_route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"],
+                      dependencies=dependencies)

@@ -14,6 +14,7 @@ A response's own output items are valid input items, so a stored conversation is
 """
 from __future__ import annotations
 
+import secrets
 from typing import Any, Sequence
 
 from .chat import arguments_object, set_reasoning
@@ -28,6 +29,25 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     return list(value)
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input items as `GET /v1/responses/{id}/input_items` lists them: each with an `id` (kept when the client
+    gave one) and `type`, a message's string content as one text part (`output_text` for the assistant's,
+    `input_text` otherwise)."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        listed = {"type": kind, **item}
+        listed.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_{secrets.token_hex(12)}")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+        out.append(listed)
+    return out
 
 
 def _str_field(item: dict[str, Any], key: str, where: str, *, required: bool = True) -> str | None:

@@ -322,3 +322,23 @@ def test_a_client_that_hangs_up_aborts_its_response(demo_server, stream):
             httpx.post(demo_server.url + "/v1/responses", json=body, timeout=0.5)
     _settled(demo_server, free)
     assert _finished(demo_server).get("cancelled", 0.0) - before == 1
+
+
+def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, max_output_tokens=1, input=[
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}", "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C"}])
+    asc = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # the SDK follows `after` pages
+    assert [i.type for i in asc] == ["message", "function_call", "function_call_output"]
+    assert asc[0].content[0].type == "input_text" and asc[0].content[0].text == "Weather?"
+    assert asc[1].id == "fc_given" and asc[1].arguments == "{}" and asc[2].output == "18C"
+    assert len({i.id for i in asc}) == 3
+    page = client.responses.input_items.list(r.id, limit=2)  # default order: newest first
+    assert [i.id for i in page.data] == [asc[2].id, asc[1].id] and page.has_more
+    text = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=1)
+    [only] = client.responses.input_items.list(text.id).data
+    assert only.role == "user" and only.content[0].text == "Hi"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
