@@ -1,5 +1,5 @@
 """`/v1/responses` (the OpenAI Responses API): create, streamed or not, over the same engine, parsers and grammar as
-chat; retrieve and delete stored responses.
+chat; retrieve, list the input of, and delete stored responses.
 
 A request's prompt is its `instructions` (a system message), then the stored conversation of `previous_response_id`
 (its input and output; instructions are not carried over, as in the OpenAI API), then its own `input` items, rendered
