@@ -187,8 +187,9 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
 
 def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], *,
            tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> str:
-    """The prompt text; a template that fails on these messages is the request's fault (400)."""
+           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None, field: str = "messages") -> str:
+    """The prompt text; a template that fails on these messages is the request's fault (400 naming ``field``, the
+    request field the messages came from)."""
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
     bad = sorted(set(kwargs or {}) - set(extra))
     if bad:
@@ -201,9 +202,9 @@ def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]],
             messages, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tokenize=False, **extra)
     except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template, type errors on odd input
-        raise bad_request(f"the chat template could not render these messages: {e}", param="messages") from None
+        raise bad_request(f"the chat template could not render these messages: {e}", param=field) from None
     if not isinstance(text, str):
-        raise bad_request("the chat template did not produce text", param="messages")
+        raise bad_request("the chat template did not produce text", param=field)
     return text
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from tests.conftest import shared_path, write_shared_tokenizer
@@ -72,3 +73,17 @@ def test_forced_call_is_a_function_call_item_and_its_result_continues(gpt_oss_se
                              "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "18C"}])
     assert follow.usage.input_tokens == history.usage.prompt_tokens
+
+
+def test_a_turn_the_template_refuses_is_a_400_naming_input(gpt_oss_server):
+    """gpt-oss's template refuses an assistant turn with a thought, text and a call together: the error names
+    `input` (where that turn came from), not a chat field."""
+    r = httpx.post(gpt_oss_server.url + "/v1/responses", timeout=30, json={
+        "model": gpt_oss_server.model, "tools": [WEATHER], "input": [
+            {"role": "user", "content": "Weather?"},
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
+            {"role": "assistant", "content": "Checking."},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "Cannot pass both content and thinking" in err["message"]
