@@ -23,6 +23,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import get_model_class
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
+from ember.engine.prompt_logprobs import prompt_rows, score
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -303,6 +304,9 @@ class Engine:
         logits = self.runner.execute(sched)
         self.last_batch_size = self.runner.last_batch_size
         sampling = [c.seq for c in sched.chunks if c.samples]
+        if logits.shape[0] > len(sampling):
+            self._score_prompts(sched, logits[len(sampling):])
+            logits = logits[:len(sampling)]
         outputs: list[RequestOutput] = []
         if not sampling:
             self.scheduler.update(sched, {})
@@ -337,6 +341,20 @@ class Engine:
                 outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
         return outputs
 
+    @staticmethod
+    def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Score this step's prompt-logprob rows (in chunk order) into their sequences."""
+        row = 0
+        for chunk in sched.chunks:
+            lo, q = prompt_rows(chunk)
+            if not q:
+                continue
+            seq = chunk.seq
+            targets = seq.prompt_token_ids[lo + 1:lo + 1 + q]
+            seq.prompt_logprobs += score(logits[row:row + q], targets, seq.params.prompt_logprobs or 0)
+            seq.num_prompt_logprobs = lo + q
+            row += q
+
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens and (tok in p.stop_token_ids
@@ -358,10 +376,14 @@ class Engine:
     def _output(self, seq: Sequence, new: list[int], lp, finished: bool = False,
                 reason: FinishReason | None = None, stop_token_id: int | None = None,
                 error: str | None = None) -> RequestOutput:
+        prompt_lps = None
+        if seq.params.prompt_logprobs is not None and new and seq.prompt_logprobs is not None:
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once, with the first token
         return RequestOutput(request_id=seq.request_id, new_token_ids=new, logprobs=lp, finished=finished,
                              finish_reason=reason, stop_token_id=stop_token_id, error=error,
                              num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                             queue_seconds=None if seq.scheduled_at is None else seq.scheduled_at - seq.queued_at)
+                             queue_seconds=None if seq.scheduled_at is None else seq.scheduled_at - seq.queued_at,
+                             prompt_logprobs=prompt_lps)
 
     def _finish(self, seq: Sequence, new: list[int], lp, reason: FinishReason, stop_token_id: int | None = None,
                 error: str | None = None) -> RequestOutput:

@@ -26,6 +26,7 @@ from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_bac
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
+from ember.engine.prompt_logprobs import prompt_rows
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.staging import Staging
 
@@ -103,6 +104,8 @@ class ModelRunner:
         tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
         width = max(len(tb) for tb in tables)
         s = sum(1 for c in chunks if c.samples)
+        scored = [prompt_rows(c) for c in chunks]
+        s += sum(q for _, q in scored)  # prompt-logprob rows follow the sampling rows
         r = sum(1 for c in chunks if c.num_tokens == 1) if self.recurrent else 0
         # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s] | recurrent decode rows [3r]
         n64 = 3 * t + s + 3 * r
@@ -114,6 +117,7 @@ class ModelRunner:
         cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
         cu[0] = 0
         row = j = 0
+        k = s - sum(q for _, q in scored)  # next prompt-logprob row's index in `li`
         max_q = max_k = 0
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -136,6 +140,10 @@ class ModelRunner:
             if chunk.samples:
                 li[j] = row - 1
                 j += 1
+            lo, q = scored[i]
+            if q:
+                li[k:k + q] = np.arange(row - n + lo - start, row - n + lo - start + q)
+                k += q
             max_q, max_k = max(max_q, n), max(max_k, end)
         d64 = self._staged64.upload(n64)
         d32 = self._staged32.upload(2 * b + 1 + b * width)
@@ -177,7 +185,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order."""
+        """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order, then the rows that score prompt
+        tokens (`prompt_logprobs.prompt_rows`), in chunk order."""
         input_ids, meta = self.prepare(out)
         return self.forward(input_ids, meta)
 

@@ -27,6 +27,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # None: none; 0: the sampled token's logprob; N: plus the top-N alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (its prefix scores it)
     logit_bias: dict[int, float] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -55,3 +56,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_seconds: float | None = None  # from add_request to the first step that scheduled it (None: not yet)
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (with the first output), when requested

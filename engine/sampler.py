@@ -64,6 +64,8 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
             raise ValueError(f"{name} must be in [-2, 2], got {v}")
     if p.logprobs is not None and not 0 <= p.logprobs <= 20:
         raise ValueError(f"logprobs must be in [0, 20], got {p.logprobs}")
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= 20:
+        raise ValueError(f"prompt_logprobs must be in [0, 20], got {p.prompt_logprobs}")
     for tok in list((p.logit_bias or {}).keys()) + list(p.stop_token_ids):
         if not 0 <= int(tok) < vocab_size:
             raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary "

@@ -187,7 +187,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.lookup(seq)
+            hits = [] if seq.needs_prompt_logprobs else self.kv.lookup(seq)  # scoring the prompt computes it
             restore = None
             if self.snapshots is not None and hits:  # the KV hit counts only as far as a saved state reaches
                 k, restore = self.snapshots.longest(seq.block_hashes[:len(hits)])

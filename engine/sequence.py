@@ -52,6 +52,11 @@ class Sequence:
     output_snapshot: bytes | None = None
     """The key of the latest state snapshot taken inside this sequence's output (recurrent models), replaced as the
     output grows."""
+    prompt_logprobs: list | None = field(default_factory=list)
+    """`TokenLogprob`s of prompt tokens ``1 .. num_prompt_logprobs`` computed so far (prompt_logprobs); None once
+    sent with the first output."""
+    num_prompt_logprobs: int = 0
+    """Prompt tokens (after the first) whose logprob has been computed."""
     queued_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""
@@ -71,6 +76,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet (its prompt must be computed, not cached)."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -22,7 +22,7 @@ from ember.engine.params import RequestOutput, SamplingParams, TokenLogprob
 
 _PICKLED = 1
 _OUT_FIELDS = [f.name for f in dataclasses.fields(RequestOutput)]
-_LP_INDEX = _OUT_FIELDS.index("logprobs")
+_LP_INDICES = (_OUT_FIELDS.index("logprobs"), _OUT_FIELDS.index("prompt_logprobs"))
 _PARAM_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
 
@@ -61,16 +61,16 @@ def decode_params(values: list) -> SamplingParams:
 
 def encode_output(out: RequestOutput) -> list:
     values = [getattr(out, n) for n in _OUT_FIELDS]
-    lps = values[_LP_INDEX]
-    if lps is not None:
-        values[_LP_INDEX] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in lps]
+    for i in _LP_INDICES:
+        if values[i] is not None:
+            values[i] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in values[i]]
     return values
 
 
 def decode_output(values: list) -> RequestOutput:
-    lps = values[_LP_INDEX]
-    if lps is not None:
-        values[_LP_INDEX] = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in lps]
+    for i in _LP_INDICES:
+        if values[i] is not None:
+            values[i] = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in values[i]]
     return RequestOutput(*values)
 
 
