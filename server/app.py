@@ -158,8 +158,6 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs (prompt logprobs) is not supported", param="echo")
     stop = body.stop_list
     choices, echoes, prompt_total = [], [], 0
     for p_i, p in enumerate(prompts):
@@ -180,7 +178,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
             stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos)
+            ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo else None)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
@@ -202,7 +200,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     async def groups() -> AsyncIterator[list[dict]]:
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = rt.token_bytes.token_bytes
-        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
+        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], echo_ids=choices[i].prompt_ids)
+                for i in range(len(choices))]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:

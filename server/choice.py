@@ -39,3 +39,4 @@ class ChoiceStep:
     events: list[Event] = field(default_factory=list)
     end: ChoiceEnd | None = None
     finish_at: int | None = None  # on the last step: where in `events` the pipeline's end-of-output flush begins
+    prompt_logprobs: list[TokenInfo] | None = None  # on the first step, when asked: prompt tokens 1.. scored

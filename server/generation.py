@@ -187,6 +187,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     last_t = now
                 lps = out.logprobs
                 step = ChoiceStep(index)
+                if out.prompt_logprobs is not None:
+                    step.prompt_logprobs = [TokenInfo(lp.token_id, lp.logprob, list(lp.top))
+                                            for lp in out.prompt_logprobs]
                 for k, tid in enumerate(new_ids):
                     ntok += 1
                     pstep = pipe.feed([tid])
@@ -267,15 +270,15 @@ async def _run_many(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None) 
 def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
                     min_p: float | None, seed: int | None, presence_penalty: float, frequency_penalty: float,
                     repetition_penalty: float, logprobs: int | None, logit_bias: dict[int, float] | None,
-                    stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False
-                    ) -> SamplingParams:
+                    stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens, min_tokens=min_tokens, temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
         min_p=0.0 if min_p is None else min_p, presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
         seed=None if seed is None else seed % (2**63), logprobs=logprobs, logit_bias=logit_bias,
-        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
 
 
 def seeded(params: SamplingParams, index: int) -> SamplingParams:

@@ -278,11 +278,14 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
 class CompletionChoiceEncoder:
     """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
 
-    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None):
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None,
+                 echo_ids: Sequence[int] = ()):
         self.meta = meta
         self.index = index
         self.tb = token_bytes
         self.echo = echo
+        self.echo_ids = list(echo_ids)
+        self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offset = 0
         self.num_tokens = 0
 
@@ -313,14 +316,38 @@ class CompletionChoiceEncoder:
     def start(self, prompt_token_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
         extra = {"prompt_token_ids": list(prompt_token_ids)} if (self.meta.return_token_ids
                                                                   and prompt_token_ids is not None) else None
+        if self.echo is not None and self.meta.logprobs:
+            self.pending_echo = extra or {}
+            return []
         if self.echo or extra:
             return [self._chunk(self.echo or "", (), None, extra)]
         return []
+
+    def _echo_chunk(self, scored: Sequence[TokenInfo] | None) -> dict[str, Any]:
+        """The echoed prompt with its tokens' logprobs (the first token has none: nothing precedes it)."""
+        extra, self.pending_echo = self.pending_echo, None
+        chunk = self._chunk(self.echo or "", (), None, extra or None)
+        if scored is not None and self.echo_ids:
+            lp: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            offset = 0
+            for k, tid in enumerate(self.echo_ids):
+                s, _ = _token_str(self.tb, tid)
+                info = scored[k - 1] if 0 < k <= len(scored) else None
+                lp["tokens"].append(s)
+                lp["token_logprobs"].append(None if info is None else info.logprob)
+                lp["top_logprobs"].append(None if info is None else {
+                    _token_str(self.tb, a)[0]: v for a, v in (info.top or [])[:self.meta.top_logprobs]})
+                lp["text_offset"].append(offset)
+                offset += len(s)
+            chunk["choices"][0]["logprobs"] = lp
+        return chunk
 
     def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
         self.num_tokens += len(step.tokens)
         text = "".join(d.get("content", "") + d.get("reasoning_content", "") for d in event_deltas(step.events))
         chunks = []
+        if self.pending_echo is not None and (step.prompt_logprobs is not None or step.end is not None):
+            chunks.append(self._echo_chunk(step.prompt_logprobs))
         carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
         if text or carries_tokens:
             chunks.append(self._chunk(text, step.tokens, None))
