@@ -7,8 +7,9 @@ plain-data constraint spec (a frozen dataclass, carried as a pickled msgpack ext
 Engine -> front end (events): ``["ready", model_info_fields]``, ``["fatal", message]``,
 ``["step", [output, ...], stats_fields]`` (every request's new tokens of one step, and the engine counters after
 it), ``["reject", rid, message]`` (an add the engine refused: the request's ValueError). An output is
-`RequestOutput`'s field values in order, logprobs as ``[token_id, logprob, [[id, logprob], ...]]``; fields are
-carried generically, so a field added to `RequestOutput` or `EngineStats` crosses without changes here.
+`RequestOutput`'s field values in order, logprobs and prompt logprobs as ``[token_id, logprob, [[id, logprob],
+...]]``; other fields are carried generically, so a plain field added to `RequestOutput` or `EngineStats` crosses
+without changes here.
 """
 from __future__ import annotations
 
