@@ -20,10 +20,6 @@ from ember.parsers.result import fold
 from .choice import ChoiceEnd, ChoiceStep
 
 
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
-
-
 class MessageEncoder:
     """One response's events -> Anthropic stream events; blocks open and close as the channel changes."""
 

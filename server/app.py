@@ -31,7 +31,7 @@ from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_con
                         check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
                         require_api_key, state, stop_ids, stream_error)
 from .call_limit import first_call_only
-from .anthropic_encoder import MessageEncoder, sse as anthropic_sse
+from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
 from .config import ServeConfig
 from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
@@ -42,7 +42,7 @@ from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             sse_line, usage, usage_chunk)
+                             sse_event, sse_line, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
@@ -279,14 +279,14 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     if body.stream:
         async def stream() -> AsyncIterator[str]:
             """The start events, then each engine step's events as one body message, then any errors."""
-            yield "".join(anthropic_sse(ev) for ev in enc.start())
+            yield "".join(sse_event(ev) for ev in enc.start())
             async with aclosing(run_choices(rt, req, st.metrics)) as steps:
                 async for step in steps:
                     evs = _message_step(enc, step if parallel else first_call_only(step), run)
                     if evs:
-                        yield "".join(anthropic_sse(ev) for ev in evs)
+                        yield "".join(sse_event(ev) for ev in evs)
             if run.errors:
-                yield "".join(anthropic_sse(anthropic_error_body(ApiError(500, err))) for err in run.errors)
+                yield "".join(sse_event(anthropic_error_body(ApiError(500, err))) for err in run.errors)
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await collect(request, noted_steps(st, req, run, not parallel))
     run.raise_for_errors()

@@ -31,6 +31,12 @@ def sse_line(obj: Any) -> str:
     return "data: " + _dumps(obj) + "\n\n"
 
 
+def sse_event(event: dict[str, Any]) -> str:
+    """One named SSE event (Anthropic's and the Responses API's streams): ``event: <type>`` and the event as compact
+    JSON."""
+    return "event: " + event["type"] + "\ndata: " + _dumps(event) + "\n\n"
+
+
 def _delta_json(delta: dict[str, Any]) -> str:
     if len(delta) == 1 and "content" in delta:
         return '{"content":' + encode_basestring(delta["content"]) + "}"

@@ -22,7 +22,8 @@ from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_con
 from .errors import ApiError
 from .generation import ChoiceSpec, make_pipeline, sampling_params
 from .response_store import StoredResponse
-from .responses_encoder import ResponseEncoder, sse_event
+from .openai_encoder import sse_event
+from .responses_encoder import ResponseEncoder
 from .responses_input import input_items, listed_items, responses_messages
 from .sse import EventStreamResponse
 

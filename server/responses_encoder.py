@@ -20,12 +20,7 @@ from typing import Any, Iterable
 from ember.parsers.events import ContentDelta, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 
 from .choice import ChoiceEnd, ChoiceStep
-from .openai_encoder import TokenBytesFn, _dumps, logprob_entry
-
-
-def sse_event(event: dict[str, Any]) -> str:
-    """One named SSE event: ``event: <type>`` and the event as compact JSON."""
-    return "event: " + event["type"] + "\ndata: " + _dumps(event) + "\n\n"
+from .openai_encoder import TokenBytesFn, logprob_entry
 
 
 def _item_id(prefix: str) -> str:
