@@ -200,8 +200,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     async def groups() -> AsyncIterator[list[dict]]:
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = rt.token_bytes.token_bytes
-        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], echo_ids=choices[i].prompt_ids)
-                for i in range(len(choices))]
+        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:

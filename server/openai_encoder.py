@@ -284,29 +284,35 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
 class CompletionChoiceEncoder:
     """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
 
-    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None,
-                 echo_ids: Sequence[int] = ()):
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None):
         self.meta = meta
         self.index = index
         self.tb = token_bytes
         self.echo = echo
-        self.echo_ids = list(echo_ids)
+        self.echo_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offset = 0
         self.num_tokens = 0
+
+    def _add_logprob(self, lp: dict[str, list], token_id: int, logprob: float | None,
+                     top: Sequence[tuple[int, float]] | None, offset: int) -> str:
+        """Append one token to a legacy ``logprobs`` object (``top`` None: no alternatives, as for the prompt's
+        first token); returns the token's text."""
+        s, _ = _token_str(self.tb, token_id)
+        lp["tokens"].append(s)
+        lp["token_logprobs"].append(logprob)
+        lp["top_logprobs"].append(None if top is None else {
+            _token_str(self.tb, tid)[0]: v for tid, v in top[:self.meta.top_logprobs]})
+        lp["text_offset"].append(offset)
+        return s
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.meta.logprobs and tokens:
-            lp: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            lp = _legacy_logprobs()
             for t in tokens:
-                s, _ = _token_str(self.tb, t.token_id)
-                lp["tokens"].append(s)
-                lp["token_logprobs"].append(t.logprob)
-                lp["top_logprobs"].append({_token_str(self.tb, tid)[0]: v
-                                           for tid, v in (t.top or [])[:self.meta.top_logprobs]})
-                lp["text_offset"].append(self.offset)
+                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offset)
             choice["logprobs"] = lp
         if self.meta.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
@@ -324,6 +330,7 @@ class CompletionChoiceEncoder:
                                                                   and prompt_token_ids is not None) else None
         if self.echo is not None and self.meta.logprobs:
             self.pending_echo = extra or {}
+            self.echo_ids = list(prompt_token_ids or ())
             return []
         if self.echo or extra:
             return [self._chunk(self.echo or "", (), None, extra)]
@@ -334,17 +341,12 @@ class CompletionChoiceEncoder:
         extra, self.pending_echo = self.pending_echo, None
         chunk = self._chunk(self.echo or "", (), None, extra or None)
         if scored is not None and self.echo_ids:
-            lp: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            lp = _legacy_logprobs()
             offset = 0
             for k, tid in enumerate(self.echo_ids):
-                s, _ = _token_str(self.tb, tid)
                 info = scored[k - 1] if 0 < k <= len(scored) else None
-                lp["tokens"].append(s)
-                lp["token_logprobs"].append(None if info is None else info.logprob)
-                lp["top_logprobs"].append(None if info is None else {
-                    _token_str(self.tb, a)[0]: v for a, v in (info.top or [])[:self.meta.top_logprobs]})
-                lp["text_offset"].append(offset)
-                offset += len(s)
+                offset += len(self._add_logprob(lp, tid, None if info is None else info.logprob,
+                                                None if info is None else info.top or [], offset))
             chunk["choices"][0]["logprobs"] = lp
         return chunk
 
@@ -361,6 +363,11 @@ class CompletionChoiceEncoder:
             reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
             chunks.append(self._chunk("", (), reason))
         return chunks
+
+
+def _legacy_logprobs() -> dict[str, list]:
+    """An empty legacy (`text_completion`) ``logprobs`` object."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, Any] | None) -> dict[str, Any]:
@@ -380,7 +387,7 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
             if "prompt_token_ids" in ch:
                 prompt_ids[i] = ch["prompt_token_ids"]
             if c.get("logprobs"):
-                acc = lps.setdefault(i, {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+                acc = lps.setdefault(i, _legacy_logprobs())
                 for k in acc:
                     acc[k].extend(c["logprobs"][k])
             if "token_ids" in c:
