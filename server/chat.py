@@ -107,9 +107,23 @@ def openai_tools(tools: Sequence[po.Tool] | None) -> list[dict[str, Any]] | None
     out = []
     for t in tools:
         d = t.model_dump(exclude_none=True)
-        d["function"].setdefault("parameters", {"type": "object", "properties": {}})
+        _default_parameters(d["function"])
         out.append(d)
     return out
+
+
+def responses_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]] | None:
+    """Responses API function tools (`{"type": "function", "name", ...}`, flat) in chat's shape, which templates,
+    parsers and the grammar read, with an empty object schema where `parameters` is missing."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": _default_parameters(t.model_dump(exclude={"type"}, exclude_none=True))}
+            for t in tools]
+
+
+def _default_parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    fn.setdefault("parameters", {"type": "object", "properties": {}})
+    return fn
 
 
 def anthropic_tools(tools: Sequence[pa.ToolDef] | None) -> list[dict[str, Any]] | None:

@@ -126,5 +126,10 @@ class ResponsesRequest(_Lenient):
                               param="tool_choice.name")
 
     @property
+    def tool_choice_or_default(self) -> str | NamedFunction:
+        """`tool_choice`, or its default: `auto` with tools, `none` without."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())

@@ -28,18 +28,6 @@ from .responses_input import input_items, listed_items, responses_messages
 from .sse import EventStreamResponse
 
 
-def _tools(tools: list[pr.FunctionTool] | None) -> list[dict[str, Any]] | None:
-    """The request's function tools in chat's shape (templates, parsers and the grammar read that shape)."""
-    if not tools:
-        return None
-    out = []
-    for t in tools:
-        fn = t.model_dump(exclude={"type"}, exclude_none=True)
-        fn.setdefault("parameters", {"type": "object", "properties": {}})
-        out.append({"type": "function", "function": fn})
-    return out
-
-
 def _template_kwargs(body: pr.ResponsesRequest) -> dict[str, Any] | None:
     """`chat_template_kwargs`, plus `reasoning.effort` as `reasoning_effort` (gpt-oss's template reads it)."""
     effort = body.reasoning.effort if body.reasoning is not None else None
@@ -62,7 +50,7 @@ def _previous(st: ServerState, response_id: str | None) -> list[dict[str, Any]]:
 def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) -> dict[str, Any]:
     """The response object's constant fields: identity and the settings it ran with, echoed."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
-    tool_choice: Any = body.tool_choice or ("auto" if body.tools else "none")
+    tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "name": tool_choice.name}
     return {
@@ -89,8 +77,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     items = input_items(body.input)
     history = _previous(st, body.previous_response_id) + responses_messages(items)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-    tools = _tools(body.tools)
-    tool_choice: Any = body.tool_choice or ("auto" if tools else "none")
+    tools = chat.responses_tools(body.tools)
+    tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
     prompt_ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
@@ -146,9 +134,12 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
 def _stored(st: ServerState, response_id: str) -> StoredResponse:
     stored = st.responses.get(response_id)
     if stored is None:
-        raise ApiError(404, f"No stored response with id '{response_id}'", param="response_id",
-                       code="response_not_found")
+        raise _not_stored(response_id)
     return stored
+
+
+def _not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"No stored response with id '{response_id}'", param="response_id", code="response_not_found")
 
 
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
@@ -172,9 +163,8 @@ async def list_input_items(response_id: str, request: Request, order: Literal["a
 
 
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    st = state(request)
-    _stored(st, response_id)
-    st.responses.delete(response_id)
+    if not state(request).responses.delete(response_id):
+        raise _not_stored(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

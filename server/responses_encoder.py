@@ -11,8 +11,6 @@ what the stream ends with.
 """
 from __future__ import annotations
 
-import copy
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -21,10 +19,7 @@ from ember.parsers.events import ContentDelta, Malformed, ReasoningDelta, ToolCa
 
 from .choice import ChoiceEnd, ChoiceStep
 from .openai_encoder import TokenBytesFn, logprob_entry
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+from .responses_input import new_item_id
 
 
 @dataclass
@@ -37,6 +32,16 @@ class _TextItem:
     parts: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
 
+    def part(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {"id": self.id, "type": "reasoning", "summary": [], "content": content, "status": status}
+        return {"id": self.id, "type": "message", "role": "assistant", "status": status, "content": content}
+
 
 @dataclass
 class _CallItem:
@@ -45,6 +50,10 @@ class _CallItem:
     call_id: str
     name: str
     fragments: list[str] = field(default_factory=list)
+
+    def item(self, status: str) -> dict[str, Any]:
+        return {"id": self.id, "type": "function_call", "call_id": self.call_id, "name": self.name,
+                "arguments": "".join(self.fragments), "status": status}
 
 
 class ResponseEncoder:
@@ -60,7 +69,7 @@ class ResponseEncoder:
         self.reasoning_tokens = 0
         self.cached_tokens = 0
         self.seq = 0
-        self.output: list[dict[str, Any] | None] = []  # closed items; None where an item is still open
+        self.output: list[dict[str, Any] | None] = []  # closed items (never changed again); None where still open
         self.text: _TextItem | None = None
         self.calls: dict[int, _CallItem] = {}  # open calls by their index among this response's calls
         self.pending_logprobs: list[dict[str, Any]] = []  # content tokens whose text has not been streamed yet
@@ -85,7 +94,7 @@ class ResponseEncoder:
                      "total_tokens": self.input_tokens + self.output_tokens}
         return {**self.head, "status": self.status, "completed_at": self.completed_at, "error": self.error,
                 "incomplete_details": self.incomplete_details,
-                "output": [copy.deepcopy(item) for item in self.output if item is not None], "usage": usage}
+                "output": [item for item in self.output if item is not None], "usage": usage}
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
@@ -95,18 +104,13 @@ class ResponseEncoder:
 
     def _open_text(self, kind: str) -> list[dict[str, Any]]:
         out = self._close_text("completed")
-        item = _TextItem(kind, len(self.output), _item_id("rs" if kind == "reasoning" else "msg"))
+        item = _TextItem(kind, len(self.output), new_item_id(kind))
         self.output.append(None)
         self.text = item
-        if kind == "reasoning":
-            added = {"id": item.id, "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-        else:
-            added = {"id": item.id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        out.append(self._event("response.output_item.added", output_index=item.output_index, item=added))
+        out.append(self._event("response.output_item.added", output_index=item.output_index,
+                               item=item.item("in_progress", [])))
         out.append(self._event("response.content_part.added", item_id=item.id, output_index=item.output_index,
-                               content_index=0, part=part))
+                               content_index=0, part=item.part("", [])))
         return out
 
     def _close_text(self, status: str) -> list[dict[str, Any]]:
@@ -117,18 +121,15 @@ class ResponseEncoder:
         text = "".join(item.parts)
         where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
         if item.kind == "reasoning":
-            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
             done = self._event("response.reasoning_text.done", **where, text=text)
-            final = {"id": item.id, "type": "reasoning", "summary": [], "content": [part], "status": status}
         else:
             item.logprobs += self.pending_logprobs
             self.pending_logprobs = []
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": item.logprobs}
             done = self._event("response.output_text.done", **where, text=text, logprobs=item.logprobs)
-            final = {"id": item.id, "type": "message", "role": "assistant", "status": status, "content": [part]}
-        self.output[item.output_index] = final
-        return [done, self._event("response.content_part.done", **where, part=copy.deepcopy(part)),
-                self._event("response.output_item.done", output_index=item.output_index, item=copy.deepcopy(final))]
+        part = item.part(text, item.logprobs)
+        final = self.output[item.output_index] = item.item(status, [part])
+        return [done, self._event("response.content_part.done", **where, part=part),
+                self._event("response.output_item.done", output_index=item.output_index, item=final)]
 
     def _text_delta(self, kind: str, text: str) -> list[dict[str, Any]]:
         out = [] if self.text is not None and self.text.kind == kind else self._open_text(kind)
@@ -148,23 +149,19 @@ class ResponseEncoder:
 
     def _open_call(self, ev: ToolCallStart) -> list[dict[str, Any]]:
         out = self._close_text("completed")
-        call = _CallItem(len(self.output), _item_id("fc"), ev.id, ev.name)
+        call = _CallItem(len(self.output), new_item_id("function_call"), ev.id, ev.name)
         self.output.append(None)
         self.calls[ev.index] = call
-        item = {"id": call.id, "type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": "",
-                "status": "in_progress"}
-        out.append(self._event("response.output_item.added", output_index=call.output_index, item=item))
+        out.append(self._event("response.output_item.added", output_index=call.output_index,
+                               item=call.item("in_progress")))
         return out
 
     def _close_call(self, index: int, status: str) -> list[dict[str, Any]]:
         call = self.calls.pop(index)
-        arguments = "".join(call.fragments)
-        final = {"id": call.id, "type": "function_call", "call_id": call.call_id, "name": call.name,
-                 "arguments": arguments, "status": status}
-        self.output[call.output_index] = final
+        final = self.output[call.output_index] = call.item(status)
         return [self._event("response.function_call_arguments.done", item_id=call.id,
-                            output_index=call.output_index, name=call.name, arguments=arguments),
-                self._event("response.output_item.done", output_index=call.output_index, item=copy.deepcopy(final))]
+                            output_index=call.output_index, name=call.name, arguments=final["arguments"]),
+                self._event("response.output_item.done", output_index=call.output_index, item=final)]
 
     # ----------------------------------------------------------------------------------------------------- steps
 

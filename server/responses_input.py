@@ -34,6 +34,11 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
+def new_item_id(kind: str) -> str:
+    """A fresh ID for an item of type ``kind`` (``msg_...``, ``fc_...``, ``rs_...``, ...)."""
+    return f"{_ID_PREFIX.get(kind, 'item')}_{secrets.token_hex(12)}"
+
+
 def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as `GET /v1/responses/{id}/input_items` lists them: each with an `id` (kept when the client
     gave one) and `type`, a message's string content as one text part (`output_text` for the assistant's,
@@ -42,7 +47,7 @@ def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         listed = {"type": kind, **item}
-        listed.setdefault("id", f"{_ID_PREFIX.get(kind, 'item')}_{secrets.token_hex(12)}")
+        listed.setdefault("id", new_item_id(kind))
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             listed["content"] = [{"type": part, "text": item["content"]}]
@@ -50,10 +55,8 @@ def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _str_field(item: dict[str, Any], key: str, where: str, *, required: bool = True) -> str | None:
+def _str_field(item: dict[str, Any], key: str, where: str) -> str:
     v = item.get(key)
-    if v is None and not required:
-        return None
     if not isinstance(v, str):
         raise bad_request(f"{key} must be a string", param=f"{where}.{key}")
     return v
