@@ -23,7 +23,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import get_model_class
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
-from ember.engine.prompt_logprobs import prompt_rows, score
+from ember.engine.prompt_logprobs import score
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -346,7 +346,7 @@ class Engine:
         """Score this step's prompt-logprob rows (in chunk order) into their sequences."""
         row = 0
         for chunk in sched.chunks:
-            lo, q = prompt_rows(chunk)
+            lo, q = chunk.prompt_rows
             if not q:
                 continue
             seq = chunk.seq

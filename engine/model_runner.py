@@ -26,7 +26,6 @@ from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_bac
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
-from ember.engine.prompt_logprobs import prompt_rows
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.staging import Staging
 
@@ -104,7 +103,7 @@ class ModelRunner:
         tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
         width = max(len(tb) for tb in tables)
         s = sum(1 for c in chunks if c.samples)
-        scored = [prompt_rows(c) for c in chunks]
+        scored = [c.prompt_rows for c in chunks]
         s += sum(q for _, q in scored)  # prompt-logprob rows follow the sampling rows
         r = sum(1 for c in chunks if c.num_tokens == 1) if self.recurrent else 0
         # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s] | recurrent decode rows [3r]
@@ -186,7 +185,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order, then the rows that score prompt
-        tokens (`prompt_logprobs.prompt_rows`), in chunk order."""
+        tokens (`ScheduledChunk.prompt_rows`), in chunk order."""
         input_ids, meta = self.prepare(out)
         return self.forward(input_ids, meta)
 

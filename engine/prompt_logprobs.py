@@ -1,4 +1,5 @@
-"""Prompt logprobs (`SamplingParams.prompt_logprobs`): which rows of a step score prompt tokens, and their scores.
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`): the scores of a step's prompt rows (which rows those are:
+`ScheduledChunk.prompt_rows`).
 
 The row at position ``p`` predicts token ``p + 1``, so a prompt of ``P`` tokens has ``P - 1`` scored tokens
 (positions ``0 .. P - 2``; the last prompt position is the sampling row). A sequence that needs them is never served
@@ -9,17 +10,6 @@ from __future__ import annotations
 import torch
 
 from ember.engine.params import TokenLogprob
-from ember.engine.scheduler import ScheduledChunk
-
-
-def prompt_rows(chunk: ScheduledChunk) -> tuple[int, int]:
-    """``(first position, count)`` of the chunk's positions whose logits score a prompt token (count 0: none)."""
-    seq = chunk.seq
-    if not seq.needs_prompt_logprobs:
-        return chunk.start, 0
-    lo = max(chunk.start, seq.num_prompt_logprobs)
-    hi = min(chunk.start + chunk.num_tokens, seq.num_prompt_tokens - 1)
-    return lo, max(0, hi - lo)
 
 
 def score(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:

@@ -16,6 +16,7 @@ slot), and a prompt's prefill chunk ends at its last full-block boundary, where 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,6 +35,18 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     """True when the chunk reaches ``seq.num_tokens``: a new token is sampled from its last position."""
+
+    @functools.cached_property
+    def prompt_rows(self) -> tuple[int, int]:
+        """``(first position, count)`` of this chunk's positions whose logits score a prompt token (count 0: none;
+        `ember.engine.prompt_logprobs`): positions not scored yet, short of the prompt's last (the sampling row).
+        Read by the runner (which rows to compute) and the engine (where the scores go), once per step."""
+        seq = self.seq
+        if not seq.needs_prompt_logprobs:
+            return self.start, 0
+        lo = max(self.start, seq.num_prompt_logprobs)
+        hi = min(self.start + self.num_tokens, seq.num_prompt_tokens - 1)
+        return lo, max(0, hi - lo)
 
 
 @dataclass
