@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.test_concurrency import _cancelled
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city",
            "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
                                                            "hourly": {"type": "boolean"}},
@@ -287,12 +289,6 @@ def test_the_store_keeps_the_most_recently_used():
     assert off.get("a") is None
 
 
-def _finished(server) -> dict[str, float]:
-    prefix = 'ember_request_finished_total{reason="'
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {ln[len(prefix):].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix)}
-
-
 def _settled(server, free_blocks: int) -> None:
     deadline = time.monotonic() + 5
     while (server.stats().num_running or server.stats().num_waiting) and time.monotonic() < deadline:
@@ -304,7 +300,7 @@ def _settled(server, free_blocks: int) -> None:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_hangs_up_aborts_its_response(demo_server, stream):
     """3000 tokens asked (EOS ignored): only an abort on disconnect frees the slot and blocks within seconds."""
-    before = _finished(demo_server).get("cancelled", 0.0)
+    before = _cancelled(demo_server)
     free = demo_server.stats().num_free_blocks
     body = {"model": demo_server.model, "input": "Tell me about the weather.", "max_output_tokens": 3000,
             "ignore_eos": True, "stream": stream}
@@ -321,7 +317,7 @@ def test_a_client_that_hangs_up_aborts_its_response(demo_server, stream):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(demo_server.url + "/v1/responses", json=body, timeout=0.5)
     _settled(demo_server, free)
-    assert _finished(demo_server).get("cancelled", 0.0) - before == 1
+    assert _cancelled(demo_server) - before == 1
 
 
 def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
