@@ -152,12 +152,16 @@ class Run:
     """Outcome of streaming one request: counts for usage and any generation errors."""
 
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # tokens whose text went to the reasoning channel (OpenAI `reasoning_tokens`)
     errors: list[str] = field(default_factory=list)
     rejected: bool = False  # every error was the engine refusing the request (the client's fault: 400)
     cached: dict[int, int] = field(default_factory=dict)  # choice index -> prompt tokens hit in the prefix cache
 
     def note(self, step: ChoiceStep) -> None:
         self.completion_tokens += len(step.tokens)
+        for t in step.tokens:
+            if t.channel == "reasoning":
+                self.reasoning_tokens += 1
         if step.end is not None and step.end.cached_tokens is not None:
             self.cached[step.index] = step.end.cached_tokens
         if step.end is not None and step.end.reason == "error":

@@ -75,10 +75,14 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
                 yield text
     tail = [stream_error(err) for err in run.errors]
     if meta.include_usage:
-        tail.append(sse_line(usage_chunk(meta, usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0)))))
+        tail.append(sse_line(usage_chunk(meta, _chat_usage(len(prompt_ids), run))))
     tail.append("data: [DONE]\n\n")
     yield "".join(tail)
 
+
+
+def _chat_usage(prompt_tokens: int, run: Run) -> dict[str, Any]:
+    return usage(prompt_tokens, run.completion_tokens, run.cached.get(0, 0), run.reasoning_tokens)
 
 
 def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
@@ -145,7 +149,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     run.raise_for_errors()
     return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
                                   prompt_token_ids=prompt_ids,
-                                  usage_body=usage(len(prompt_ids), run.completion_tokens, run.cached.get(0, 0))))
+                                  usage_body=_chat_usage(len(prompt_ids), run)))
 
 
 # ----------------------------------------------------------------------------------------------- completions (OpenAI)

@@ -229,11 +229,15 @@ def finish_reason(end: ChoiceEnd, completed_calls: int) -> str:
     return "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """An OpenAI `usage` object; the details appear where their count is known."""
     u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u
 
 

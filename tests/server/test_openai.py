@@ -123,11 +123,13 @@ def test_reasoning_is_split_from_content(demo_server):
     ids = r.choices[0].model_extra["token_ids"]
     tb = demo_server.runtime.token_bytes
     assert extra["reasoning_content"] == tb.decode(ids[:4])
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4  # the delimiter is no reasoning text
     # thinking off: no reasoning at all
     off = demo_server.openai().chat.completions.create(
         model=demo_server.model, messages=HI, max_tokens=6, seed=2,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_reasoning_split_with_the_real_qwen3_thinking_template(qwen3_thinking_server):
@@ -144,8 +146,11 @@ def test_reasoning_split_with_the_real_qwen3_thinking_template(qwen3_thinking_se
     after = tb.decode(ids[4:]).removesuffix("<|im_end|>")
     content = r.choices[0].message.content
     assert after.endswith(content) and after[:len(after) - len(content)].strip() == ""  # at most whitespace held
-    rebuilt, stream_ids, _, _ = _rebuild(server.openai().chat.completions.create(stream=True, **kw))
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3
+    rebuilt, stream_ids, usage, _ = _rebuild(server.openai().chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
     assert stream_ids == ids
+    assert usage.completion_tokens_details.reasoning_tokens == 3
     assert rebuilt.choices[0].message.model_extra["reasoning_content"] == extra["reasoning_content"]
     assert rebuilt.choices[0].message.content == r.choices[0].message.content
 
