@@ -214,49 +214,91 @@ class _Delims:
 # ------------------------------------------------------------------------------------------------------------ answers
 
 def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, Any]) -> str | None:
-    """The answer rule of ``response_format`` in the family's JSON layout, None for plain text."""
+    """The answer rule of ``response_format`` in the family's JSON layout, None for plain text.
+
+    Beside OpenAI's types: ``regex``, ``grammar`` (Lark, or GBNF as llama.cpp and xgrammar write it) and ``choice``
+    (``choice``: a list of strings, the answer is exactly one). A ``param`` key names the request field the value
+    came from when it is not ``response_format`` (vLLM's ``structured_outputs.regex``, ``guided_regex``, ...);
+    ``whitespace_pattern`` (a regex) and ``compact`` override the JSON layout."""
     if rf is None:
         return None
     if not isinstance(rf, Mapping):
         raise GrammarError("response_format must be an object")
+    param = rf.get("param")
+
+    def name(key: str) -> str:
+        return param or f"response_format.{key}"
+
     kind = rf.get("type", "text")
     if kind == "text":
         return None
+    if kind in ("json_object", "json_schema"):
+        options = _json_layout(options, rf)
     if kind == "json_object":
         return g.add("answer", _json_rule({"type": "object"}, options))
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, Mapping):
-            raise GrammarError("response_format.json_schema must be an object")
+            raise GrammarError(f"{name('json_schema')} must be an object")
         schema = js.get("schema", js.get("schema_", {}))
         if not isinstance(schema, Mapping):
-            raise GrammarError("response_format.json_schema.schema must be a JSON schema object")
+            raise GrammarError(f"{param or 'response_format.json_schema.schema'} must be a JSON schema object")
         strict = bool(js.get("strict", False))
         return g.add("answer", _json_rule(schema, options, lenient=not strict))
     if kind == "regex":
         pattern = rf.get("regex", rf.get("pattern"))
         if not isinstance(pattern, str) or not pattern:
-            raise GrammarError("response_format.regex must be a non-empty string")
-        g.subgrammars.append(("user_regex", "start: " + _regex_literal(pattern) + "\n"))
+            raise GrammarError(f"{name('regex')} must be a non-empty string")
+        g.subgrammars.append(("user_regex", "start: " + _regex_literal(pattern, name("regex")) + "\n"))
         return g.add("answer", "@user_regex")
     if kind == "grammar":
-        lark = rf.get("grammar")
-        if not isinstance(lark, str) or not lark.strip():
-            raise GrammarError("response_format.grammar must be a non-empty Lark grammar")
-        g.subgrammars.append(("user_grammar", lark))
+        text = rf.get("grammar")
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError(f"{name('grammar')} must be a non-empty Lark or GBNF grammar")
+        g.subgrammars.append(("user_grammar", _lark_of(text, name("grammar"))))
         return g.add("answer", "@user_grammar")
+    if kind == "choice":
+        options_list = rf.get("choice")
+        if (not isinstance(options_list, Sequence) or isinstance(options_list, str) or not options_list
+                or not all(isinstance(c, str) for c in options_list)):
+            raise GrammarError(f"{name('choice')} must be a non-empty list of strings")
+        return g.add("answer", " | ".join(_lit(c) for c in dict.fromkeys(options_list)))
     raise GrammarError(f"response_format.type must be one of text, json_object, json_schema, regex, grammar; "
                        f"got {kind!r}")
 
 
-def _regex_literal(pattern: str) -> str:
+def _json_layout(options: Mapping[str, Any], rf: Mapping) -> Mapping[str, Any]:
+    """The JSON layout with a request's overrides: ``compact`` (no whitespace at all) or a ``whitespace_pattern``
+    (the only whitespace allowed between tokens)."""
+    if rf.get("compact"):
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    pattern = rf.get("whitespace_pattern")
+    if pattern is None:
+        return options
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"{rf.get('param') or 'response_format'}.whitespace_pattern must be a non-empty regex")
+    return {"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"}
+
+
+def _lark_of(text: str, where: str) -> str:
+    """A user grammar as Lark: kept when it is Lark (a ``start:`` rule or ``%llguidance``), else read as GBNF
+    (``root ::= ...``)."""
+    from llguidance.gbnf_to_lark import any_to_lark  # a pure string translation
+
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # noqa: BLE001 - any failure here is the user's grammar
+        raise GrammarError(f"{where} is neither Lark nor valid GBNF: {e}") from None
+
+
+def _regex_literal(pattern: str, where: str = "response_format.regex") -> str:
     """``pattern`` (Rust regex syntax, matching the whole answer) as a Lark ``/.../`` terminal."""
     import llguidance  # only its pure string helper, which escapes "/" for the /.../ syntax
 
     try:
         return "/" + llguidance.regex_to_lark(pattern, "") + "/"
     except Exception as e:  # noqa: BLE001 - any failure here is the user's regex
-        raise GrammarError(f"response_format.regex is not a valid regex: {e}") from None
+        raise GrammarError(f"{where} is not a valid regex: {e}") from None
 
 
 def _hermes_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
@@ -529,8 +571,10 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
         start = _harmony_start(g, d, answer)
     else:
         start = _reasoning_start(g, d, profile, initial, answer, may_open)
-    fields = [f for f, used in (("response_format", "answer" in g.rules), ("tools", "call" in g.rules)) if used]
-    return GrammarPlan(g.source(start), budget, " and ".join(fields) or "response_format")
+    format_field = response_format.get("param", "response_format") if isinstance(response_format, Mapping) \
+        else "response_format"
+    fields = [f for f, used in ((format_field, "answer" in g.rules), ("tools", "call" in g.rules)) if used]
+    return GrammarPlan(g.source(start), budget, " and ".join(fields) or format_field)
 
 
 def build_grammar(profile: Profile, initial: InitialState, delimiter_ids: Mapping[str, int | None],

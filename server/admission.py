@@ -131,7 +131,8 @@ async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, init
         forced = tool_choice not in (None, "auto", "none")
         if (response_format and response_format.get("type") != "text") or forced:
             raise bad_request("structured output is not available on this server",
-                              param="response_format" if response_format else "tool_choice")
+                              param=response_format.get("param", "response_format") if response_format
+                              else "tool_choice")
         return [None] * n
     if not response_format and not tools and thinking_budget is None:
         return [None] * n

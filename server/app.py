@@ -27,6 +27,7 @@ from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from . import responses_api, tokenize_api
+from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
                         require_api_key, state, stop_ids, stream_error)
@@ -46,15 +47,6 @@ from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncod
 from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
-
-
-def _response_format(rf: po.ResponseFormat | None) -> dict | None:
-    if rf is None or rf.type == "text":
-        return None
-    out = rf.model_dump(by_alias=True, exclude_none=True)
-    if out["type"] == "lark":
-        out["type"] = "grammar"
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------- chat (OpenAI)
@@ -129,7 +121,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
     constraints = await build_constraints(
-        st, body.n, setup=setup, initial=initial, response_format=_response_format(body.response_format),
+        st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
         thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     for c, k in zip(choices, constraints):
@@ -188,6 +180,11 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text if body.echo else None)
+    constraints = await build_constraints(
+        st, len(choices), setup=rt.parser_plain, initial=InitialState.CONTENT, response_format=answer_format(body),
+        tools=None, tool_choice=None, parallel_tool_calls=True, thinking_budget=None, thinking=False)
+    for c, k in zip(choices, constraints):
+        c.constraint = k
     check_capacity(st)
     st.metrics.prompt_tokens.inc(prompt_total)
     req = new_request(choices, stop, "cmpl", arrival)

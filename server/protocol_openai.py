@@ -2,7 +2,8 @@
 
 Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
 `return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
-`max_thinking_tokens`). Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
+`max_thinking_tokens`, `structured_outputs` and the `guided_*` fields older vLLM clients send). Unknown fields are
+accepted and ignored, as the OpenAI SDKs add new ones often.
 """
 from __future__ import annotations
 
@@ -103,6 +104,34 @@ class ResponseFormat(_Lenient):
         return self
 
 
+class StructuredOutputs(_Lenient):
+    """vLLM's `structured_outputs` extension: one answer format (`json`, `regex`, `choice`, `grammar` or
+    `json_object`) and its JSON layout options."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "StructuredOutputs":
+        kinds = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                ("grammar", self.grammar), ("json_object", self.json_object or None),
+                                ("structural_tag", self.structural_tag)) if v is not None]
+        if len(kinds) != 1:
+            raise ValueError("set exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(kinds)}" if kinds else ""))
+        return self
+
+
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -141,6 +170,13 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None   # vLLM < 0.12's names for structured_outputs' keys
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -170,7 +206,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -19,7 +19,8 @@ log = logging.getLogger("ember.server")
 
 def _param(message: str) -> str | None:
     head = message.split(":", 1)[0].split(" ", 1)[0]
-    for root in ("response_format", "tools", "tool_choice", "thinking", "max_thinking_tokens"):
+    for root in ("response_format", "structured_outputs", "guided_", "tools", "tool_choice", "thinking",
+                 "max_thinking_tokens"):
         if head.startswith(root):
             return head.rstrip(".,")
     return None
@@ -66,7 +67,8 @@ class Structured:
             raise bad_request(e.message, param=_param(e.message)) from None
         except (ValueError, TypeError, KeyError, RecursionError) as e:  # odd schemas the compiler did not foresee
             raise bad_request(f"structured output could not be set up for this request: {e}",
-                              param="response_format" if response_format else "tools") from None
+                              param=(response_format or {}).get("param", "response_format") if response_format
+                              else "tools") from None
 
 
 def engine_constraints(model_dir: str) -> Structured | None:

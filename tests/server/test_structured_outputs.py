@@ -1,0 +1,123 @@
+"""vLLM's structured-output fields (`structured_outputs`, and the `guided_*` fields older clients send) on chat and
+text completions, through the real `openai` SDK against the live demo server: each constrains the answer as vLLM
+documents it, and a bad or conflicting one is a 400 naming its field."""
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+HI = [{"role": "user", "content": "Answer."}]
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+CHOICES = ["yes", "no", 'maybe "so"\n']
+
+
+def _chat(server, extra: dict, seed: int, stream: bool = False, **kw) -> tuple[str, str | None, str]:
+    """(content, reasoning, finish_reason) of one chat reply, streamed or not."""
+    client = server.openai()
+    args = dict(model=server.model, messages=HI, max_tokens=kw.pop("max_tokens", 40), seed=seed, temperature=1.0,
+                extra_body=extra, **kw)
+    if not stream:
+        r = client.chat.completions.create(**args)
+        msg = r.choices[0].message
+        return msg.content or "", (msg.model_extra or {}).get("reasoning_content"), r.choices[0].finish_reason
+    content, reasoning, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            finish = c.finish_reason or finish
+    return content, reasoning or None, finish
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}],
+                         ids=["structured_outputs", "guided"])
+def test_choice_answers_exactly_one_option_streamed_or_not(demo_server, extra):
+    for seed in range(4):
+        full = _chat(demo_server, {**extra, **THINK_OFF}, seed)
+        assert full[0] in CHOICES and full[2] == "stop", full
+        assert _chat(demo_server, {**extra, **THINK_OFF}, seed, stream=True) == full
+
+
+def test_choice_applies_after_the_thought(demo_server):
+    """With thinking on, the thought is free and the answer after `</think>` is one of the options (after at most
+    the few whitespace characters models put after a thought)."""
+    extra = {"structured_outputs": {"choice": CHOICES}, "max_thinking_tokens": 3,
+             "chat_template_kwargs": {"enable_thinking": True}}
+    content, reasoning, finish = _chat(demo_server, extra, seed=5)
+    answer = content.lstrip(" \t\r\n")
+    assert reasoning and answer in CHOICES and len(content) - len(answer) <= 8 and finish == "stop"
+
+
+def test_regex_and_gbnf_grammar(demo_server):
+    for seed in range(3):
+        text, _, _ = _chat(demo_server, {"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}, **THINK_OFF}, seed)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+        text, _, _ = _chat(demo_server, {"guided_regex": r"(ab|cd){2}", **THINK_OFF}, seed)
+        assert re.fullmatch(r"(ab|cd){2}", text), text
+        gbnf = 'root ::= "id-" digit digit ("!" | "?")\ndigit ::= [0-9]\n'
+        text, _, _ = _chat(demo_server, {"structured_outputs": {"grammar": gbnf}, **THINK_OFF}, seed)
+        assert re.fullmatch(r"id-[0-9]{2}[!?]", text), text
+
+
+def test_json_schema_given_as_text_and_its_layout_options(demo_server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    for seed in range(3):
+        closed = {"json": json.dumps(schema), "disable_additional_properties": True}
+        text, _, finish = _chat(demo_server, {"structured_outputs": closed, **THINK_OFF}, seed, max_tokens=60)
+        assert finish == "stop" and set(json.loads(text)) == {"n", "ok"}, text  # no extra keys
+        assert ", " in text  # Ember's default layout
+        compact = {"json": schema, "disable_any_whitespace": True, "disable_additional_properties": True}
+        text, _, _ = _chat(demo_server, {"structured_outputs": compact, **THINK_OFF}, seed, max_tokens=60)
+        assert " " not in text and set(json.loads(text)) == {"n", "ok"}, text
+        legacy = {"guided_json": {**schema, "additionalProperties": False}, "guided_whitespace_pattern": "[ ]{2}"}
+        text, _, _ = _chat(demo_server, {**legacy, **THINK_OFF}, seed, max_tokens=80)
+        assert set(json.loads(text)) == {"n", "ok"} and set(re.findall(" +", text)) == {"  "}, text
+
+
+def test_completions_take_structured_outputs_and_response_format(demo_server):
+    client = demo_server.openai()
+    kw = dict(model=demo_server.model, prompt="The answer is", max_tokens=40, temperature=1.0, n=3, seed=2)
+    r = client.completions.create(extra_body={"structured_outputs": {"choice": CHOICES}}, **kw)
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in r.choices)
+    r = client.completions.create(extra_body={"guided_regex": "[a-c]{4}"}, **kw)
+    assert all(re.fullmatch("[a-c]{4}", c.text) for c in r.choices)
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"],
+              "additionalProperties": False}
+    r = client.completions.create(
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}},
+        **kw)
+    assert [json.loads(c.text)["k"] in (1, 2) for c in r.choices] == [True] * 3
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stream=True, extra_body={"structured_outputs": {"choice": CHOICES}}, **{**kw, "n": 1}))
+    assert streamed in CHOICES
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "guided_json"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": "[1]"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}},
+     "structured_outputs.json"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "root ::= (("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}}, "structured_outputs.structural_tag"),
+])
+def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, param):
+    client = demo_server.openai()
+    for create in (lambda: client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=4,
+                                                           extra_body=extra),
+                   lambda: client.completions.create(model=demo_server.model, prompt="x", max_tokens=4,
+                                                     extra_body=extra)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.body["param"] == param, e.value.body
