@@ -51,7 +51,10 @@ class AttentionMetadata:
 
     ``query_start_loc`` int32 [B+1] (cu_seqlens_q); ``seq_lens`` int32 [B] (context + this step's tokens);
     ``block_table`` int32 [B, max_blocks]; ``slot_mapping`` int64 [T]; ``positions`` int64 [T];
-    ``logits_indices`` int64 [S]: the flat index of the last token of each sequence that samples this step.
+    ``logits_indices`` int64 [S]: the flat index of the last token of each sequence that samples this step;
+    ``score_indices`` int64 [Q] (or None): the flat indices of the rows that score prompt tokens
+    (`ScheduledChunk.prompt_rows`, in chunk order), whose hidden states the runner keeps for
+    `ember.engine.prompt_logprobs`.
     """
 
     query_start_loc: torch.Tensor
@@ -64,6 +67,7 @@ class AttentionMetadata:
     max_seqlen_k: int
     recurrent: RecurrentMetadata | None = None
     """Set for models with recurrent-state layers (`RecurrentMetadata`)."""
+    score_indices: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

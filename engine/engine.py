@@ -23,7 +23,7 @@ from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import get_model_class
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
-from ember.engine.prompt_logprobs import score
+from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -304,9 +304,8 @@ class Engine:
         logits = self.runner.execute(sched)
         self.last_batch_size = self.runner.last_batch_size
         sampling = [c.seq for c in sched.chunks if c.samples]
-        if logits.shape[0] > len(sampling):
-            self._score_prompts(sched, logits[len(sampling):])
-            logits = logits[:len(sampling)]
+        if self.runner.scoring_hidden is not None:
+            self._score_prompts(sched)
         outputs: list[RequestOutput] = []
         if not sampling:
             self.scheduler.update(sched, {})
@@ -341,9 +340,9 @@ class Engine:
                 outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
         return outputs
 
-    @staticmethod
-    def _score_prompts(sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Score this step's prompt-logprob rows (in chunk order) into their sequences."""
+    def _score_prompts(self, sched: SchedulerOutput) -> None:
+        """Score this step's prompt-logprob rows (in chunk order) into their sequences, ``max_num_seqs`` rows of
+        logits at a time (`ember.engine.prompt_logprobs`)."""
         row = 0
         for chunk in sched.chunks:
             lo, q = chunk.prompt_rows
@@ -351,9 +350,11 @@ class Engine:
                 continue
             seq = chunk.seq
             targets = seq.prompt_token_ids[lo + 1:lo + 1 + q]
-            seq.prompt_logprobs += score(logits[row:row + q], targets, seq.params.prompt_logprobs or 0)
+            seq.prompt_logprobs += score_rows(self.runner.scoring_logits, row, targets,
+                                              seq.params.prompt_logprobs or 0, self.config.max_num_seqs)
             seq.num_prompt_logprobs = lo + q
             row += q
+        self.runner.scoring_hidden = None
 
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params

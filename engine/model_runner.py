@@ -64,6 +64,9 @@ class ModelRunner:
         self.graph_pool_bytes = 0  # CUDA memory the captured graphs hold (measured at capture)
         self.num_graph_steps = 0  # forwards routed through `graphs`
         self.num_eager_steps = 0
+        self.scoring_hidden: torch.Tensor | None = None
+        """Hidden states ``[Q, hidden]`` of the last step's prompt-scoring rows (`AttentionMetadata.score_indices`);
+        None when it had none."""
         self.recurrent = hasattr(model, "allocate_recurrent_state")
         """The model has layers with a per-sequence recurrent state (kept in ``Sequence.state_slot``)."""
         self.state_pad_slot: int | None = None
@@ -116,7 +119,7 @@ class ModelRunner:
         cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
         cu[0] = 0
         row = j = 0
-        k = s - sum(q for _, q in scored)  # next prompt-logprob row's index in `li`
+        k = k0 = s - sum(q for _, q in scored)  # next prompt-logprob row's index in `li`
         max_q = max_k = 0
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
@@ -152,9 +155,10 @@ class ModelRunner:
             block_table=d32[2 * b + 1:].view(b, width),
             slot_mapping=d64[2 * t:3 * t],
             positions=d64[t:2 * t],
-            logits_indices=d64[3 * t:3 * t + s],
+            logits_indices=d64[3 * t:3 * t + k0],
             max_seqlen_q=max_q,
             max_seqlen_k=max_k,
+            score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
         if self.recurrent:
             rec = d64[3 * t + s:].view(3, r)
@@ -184,8 +188,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order, then the rows that score prompt
-        tokens (`ScheduledChunk.prompt_rows`), in chunk order."""
+        """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order. The hidden states of the rows
+        that score prompt tokens (`ScheduledChunk.prompt_rows`) stay for `scoring_logits`."""
         input_ids, meta = self.prepare(out)
         return self.forward(input_ids, meta)
 
@@ -197,6 +201,7 @@ class ModelRunner:
         step."""
         self.last_batch_size = meta.num_seqs
         self.last_num_tokens = meta.num_tokens
+        self.scoring_hidden = None
         saves = meta.recurrent.saves if meta.recurrent is not None else None
         if self.graphs is not None and self._graph_step(meta):
             self.num_graph_steps += 1
@@ -204,6 +209,8 @@ class ModelRunner:
         else:
             self.num_eager_steps += 1
             hidden = self.model(input_ids, meta, self.kv_caches, self.backend)
+            if meta.score_indices is not None:
+                self.scoring_hidden = hidden[meta.score_indices]
             if meta.logits_indices.numel() == 0:
                 logits = torch.empty(0, self.cfg.vocab_size, device=self.device)
             else:
@@ -212,13 +219,20 @@ class ModelRunner:
             self.model.save_states(saves)
         return logits
 
+    @torch.inference_mode()
+    def scoring_logits(self, lo: int, hi: int) -> torch.Tensor:
+        """fp32 logits of the last step's prompt-scoring rows ``lo .. hi-1``: computed on demand, a slice at a time,
+        so that a long scored prompt never holds a ``[prompt, vocab]`` tensor."""
+        return self.model.compute_logits(self.scoring_hidden[lo:hi]).float()
+
     def _graph_step(self, meta: AttentionMetadata) -> bool:
         """Decode-only (one token per sequence, each sampling), no larger than the largest captured batch, and no
         prefix-cache restore (restores happen eagerly, before the layers compute; saves come after any step)."""
         n = meta.num_seqs
         rec = meta.recurrent
         return (meta.max_seqlen_q == 1 and meta.num_tokens == n and meta.logits_indices.shape[0] == n
-                and n <= self.graphs.max_batch_size and (rec is None or not rec.restores))
+                and n <= self.graphs.max_batch_size and (rec is None or not rec.restores)
+                and meta.score_indices is None)
 
     def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The graphed forward: fp32 logits of every row of a decode batch."""

@@ -94,3 +94,23 @@ def test_a_preempted_prompt_is_scored_once(tiny):
         assert len(lps) == len(prompt) - 1 and all(lp.top == [] for lp in lps)
         want = _hf(hf, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert torch.allclose(torch.tensor([lp.logprob for lp in lps]), want, atol=1e-4)
+
+
+def test_a_long_scored_prompt_builds_logits_of_at_most_max_num_seqs_rows(tiny):
+    """One 60-token prefill chunk scores 59 tokens, yet no logits tensor has more rows than the `max_num_seqs` the
+    memory profile counts (a GPU sized close to its limit would otherwise run out of memory)."""
+    path, hf = tiny
+    prompt = torch.randint(0, 1270, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    engine = Engine.from_pretrained(str(path), block_size=4, max_num_batched_tokens=64, max_num_seqs=4)
+    model = engine.runner.model
+    rows: list[int] = []
+    plain = model.compute_logits
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return plain(hidden)
+
+    model.compute_logits = counted
+    got = _run(engine, [prompt], top=2)
+    _check(got["lps"][0], _hf(hf, prompt), prompt, 2)
+    assert max(rows) <= 4 and sum(rows) >= 59
