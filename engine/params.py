@@ -40,6 +40,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # prompt logprobs: 1 + how many tokens score higher than ``token_id`` (sampled: None)
 
 
 @dataclass

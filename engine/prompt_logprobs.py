@@ -19,14 +19,17 @@ from ember.engine.params import TokenLogprob
 
 
 def score(logits: torch.Tensor, targets: list[int], top: int) -> list[TokenLogprob]:
-    """Each row's log-probability of its target token and the ``top`` best alternatives (fp32 log-softmax)."""
+    """Each row's log-probability of its target token, the token's rank, and the ``top`` best alternatives (fp32
+    log-softmax)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1))
+    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+    lps = chosen.squeeze(1).tolist()
     if top <= 0:
-        return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen)]
+        return [TokenLogprob(t, lp, [], r) for t, lp, r in zip(targets, lps, ranks)]
     values, ids = logp.topk(min(top, logp.shape[1]), dim=-1)
-    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(targets, chosen, ids.tolist(),
-                                                                       values.tolist())]
+    return [TokenLogprob(t, lp, list(zip(i, v)), r)
+            for t, lp, r, i, v in zip(targets, lps, ranks, ids.tolist(), values.tolist())]
 
 
 def score_rows(logits_of: Callable[[int, int], torch.Tensor], first: int, targets: list[int], top: int,

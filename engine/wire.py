@@ -8,7 +8,7 @@ Engine -> front end (events): ``["ready", model_info_fields]``, ``["fatal", mess
 ``["step", [output, ...], stats_fields]`` (every request's new tokens of one step, and the engine counters after
 it), ``["reject", rid, message]`` (an add the engine refused: the request's ValueError). An output is
 `RequestOutput`'s field values in order, logprobs and prompt logprobs as ``[token_id, logprob, [[id, logprob],
-...]]``; other fields are carried generically, so a plain field added to `RequestOutput` or `EngineStats` crosses
+...], rank]``; other fields are carried generically, so a plain field added to `RequestOutput` or `EngineStats` crosses
 without changes here.
 """
 from __future__ import annotations
@@ -64,14 +64,14 @@ def encode_output(out: RequestOutput) -> list:
     values = [getattr(out, n) for n in _OUT_FIELDS]
     for i in _LP_INDICES:
         if values[i] is not None:
-            values[i] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in values[i]]
+            values[i] = [[lp.token_id, lp.logprob, [list(t) for t in lp.top], lp.rank] for lp in values[i]]
     return values
 
 
 def decode_output(values: list) -> RequestOutput:
     for i in _LP_INDICES:
         if values[i] is not None:
-            values[i] = [TokenLogprob(t, lp, [(a, b) for a, b in top]) for t, lp, top in values[i]]
+            values[i] = [TokenLogprob(t, lp, [(a, b) for a, b in top], rank) for t, lp, top, rank in values[i]]
     return RequestOutput(*values)
 
 

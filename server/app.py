@@ -73,6 +73,19 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
 
 
 
+def _prompt_logprobs(body: po._SamplingFields) -> int | None:
+    """vLLM's `prompt_logprobs` (alternatives per prompt token), which come only in a non-streaming body."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+    return body.prompt_logprobs
+
+
+def _most(*tops: int | None) -> int | None:
+    """The most alternatives any of ``tops`` asks for (None: none asks)."""
+    asked = [t for t in tops if t is not None]
+    return max(asked) if asked else None
+
+
 def _chat_usage(prompt_tokens: int, run: Run) -> dict[str, Any]:
     return usage(prompt_tokens, run.completion_tokens, run.cached.get(0, 0), run.reasoning_tokens)
 
@@ -113,12 +126,15 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body))
     choices = []
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
                              tools=parse_tools)
-        choices.append(ChoiceSpec(prompt_ids, seeded(base, i), pipe))
+        params = seeded(base, i)
+        if i:
+            params.prompt_logprobs = None  # the prompt is scored once, with the first choice
+        choices.append(ChoiceSpec(prompt_ids, params, pipe))
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
     constraints = await build_constraints(
         st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
@@ -132,7 +148,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
                      top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
-                     include_usage=include_usage)
+                     include_usage=include_usage, prompt_logprobs=body.prompt_logprobs)
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
@@ -155,6 +171,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
     stop = body.stop_list
+    scored_top = _prompt_logprobs(body)
     choices, echoes, prompt_total = [], [], 0
     for p_i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -174,7 +191,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
             stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos, prompt_logprobs=body.logprobs if body.echo else None)
+            ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top))
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
@@ -191,7 +208,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-                     return_token_ids=body.return_token_ids, include_usage=include_usage)
+                     return_token_ids=body.return_token_ids, include_usage=include_usage,
+                     prompt_logprobs=scored_top)
     run = Run()
 
     def completion_usage() -> dict:

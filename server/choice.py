@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ember.engine.params import TokenLogprob
 from ember.parsers.events import Event
 
 EndReason = Literal["eos", "stop_string", "length", "abort", "error"]
@@ -39,4 +40,4 @@ class ChoiceStep:
     events: list[Event] = field(default_factory=list)
     end: ChoiceEnd | None = None
     finish_at: int | None = None  # on the last step: where in `events` the pipeline's end-of-output flush begins
-    prompt_logprobs: list[TokenInfo] | None = None  # on the first step, when asked: prompt tokens 1.. scored
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first step, when asked: prompt tokens 1.. scored

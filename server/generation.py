@@ -188,8 +188,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 lps = out.logprobs
                 step = ChoiceStep(index)
                 if out.prompt_logprobs is not None:
-                    step.prompt_logprobs = [TokenInfo(lp.token_id, lp.logprob, list(lp.top))
-                                            for lp in out.prompt_logprobs]
+                    step.prompt_logprobs = out.prompt_logprobs
                 for k, tid in enumerate(new_ids):
                     ntok += 1
                     pstep = pipe.feed([tid])

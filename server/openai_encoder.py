@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, Callable, Iterable, Sequence
 
+from ember.engine.params import TokenLogprob
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallEnd, ToolCallStart)
 from ember.parsers.result import fold
@@ -54,6 +55,7 @@ class ChunkMeta:
     top_logprobs: int = 0
     return_token_ids: bool = False
     include_usage: bool = False
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)
 
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
@@ -116,6 +118,20 @@ def logprob_entry(tb: TokenBytesFn, tok: TokenInfo, top_n: int) -> dict[str, Any
         t, r = _token_str(tb, tid)
         top.append({"token": t, "logprob": lp, "bytes": r})
     return {"token": text, "logprob": tok.logprob, "bytes": raw, "top_logprobs": top}
+
+
+def vllm_prompt_logprobs(tb: TokenBytesFn, prompt_ids: Sequence[int], scored: Sequence[TokenLogprob],
+                         top_n: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing precedes it), else a map from token ID
+    (a string key) to ``{"logprob", "rank", "decoded_token"}`` holding the prompt's token and the ``top_n`` best."""
+    out: list[dict[str, dict[str, Any]] | None] = [None] if prompt_ids else []
+    for info in scored[:max(0, len(prompt_ids) - 1)]:
+        entry = {str(info.token_id): {"logprob": info.logprob, "rank": info.rank,
+                                      "decoded_token": _token_str(tb, info.token_id)[0]}}
+        for rank, (tid, lp) in enumerate(info.top[:top_n], 1):
+            entry.setdefault(str(tid), {"logprob": lp, "rank": rank, "decoded_token": _token_str(tb, tid)[0]})
+        out.append(entry)
+    return out
 
 
 def _chat_logprobs(tb: TokenBytesFn, tokens: Sequence[TokenInfo], top_n: int) -> dict[str, Any]:
@@ -253,11 +269,14 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
     events: list[list[Event]] = [[] for _ in range(n)]
     tokens: list[list[TokenInfo]] = [[] for _ in range(n)]
     ends: list[ChoiceEnd | None] = [None] * n
+    scored: list[TokenLogprob] = []
     for step in steps:
         events[step.index] += step.events
         tokens[step.index] += step.tokens
         if step.end is not None:
             ends[step.index] = step.end
+        if step.prompt_logprobs is not None and step.index == 0:
+            scored = step.prompt_logprobs
     choices = []
     for idx in range(n):
         out = fold(events[idx])
@@ -282,6 +301,8 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
                             "choices": choices, "usage": usage_body}
     if meta.return_token_ids and prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)
+    if meta.prompt_logprobs is not None and prompt_token_ids is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(token_bytes, prompt_token_ids, scored, meta.prompt_logprobs)
     return body
 
 
@@ -293,6 +314,7 @@ class CompletionChoiceEncoder:
         self.index = index
         self.tb = token_bytes
         self.echo = echo
+        self.prompt_ids: list[int] = []
         self.echo_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offset = 0
@@ -330,11 +352,12 @@ class CompletionChoiceEncoder:
         return chunk
 
     def start(self, prompt_token_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        self.prompt_ids = list(prompt_token_ids or ())
         extra = {"prompt_token_ids": list(prompt_token_ids)} if (self.meta.return_token_ids
                                                                   and prompt_token_ids is not None) else None
         if self.echo is not None and self.meta.logprobs:
             self.pending_echo = extra or {}
-            self.echo_ids = list(prompt_token_ids or ())
+            self.echo_ids = self.prompt_ids
             return []
         if self.echo or extra:
             return [self._chunk(self.echo or "", (), None, extra)]
@@ -360,6 +383,11 @@ class CompletionChoiceEncoder:
         chunks = []
         if self.pending_echo is not None and (step.prompt_logprobs is not None or step.end is not None):
             chunks.append(self._echo_chunk(step.prompt_logprobs))
+        if self.meta.prompt_logprobs is not None and step.prompt_logprobs is not None:
+            chunk = self._chunk("", (), None)
+            chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tb, self.prompt_ids, step.prompt_logprobs, self.meta.prompt_logprobs)
+            chunks.append(chunk)
         carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
         if text or carries_tokens:
             chunks.append(self._chunk(text, step.tokens, None))
@@ -381,6 +409,7 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
     texts: dict[int, list[str]] = {}
     lps: dict[int, dict[str, list]] = {}
     tids: dict[int, list[int]] = {}
+    scored: dict[int, list] = {}
     reasons: dict[int, str | None] = {}
     for ch in chunks:
         head = head or ch
@@ -396,6 +425,8 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
                     acc[k].extend(c["logprobs"][k])
             if "token_ids" in c:
                 tids.setdefault(i, []).extend(c["token_ids"])
+            if "prompt_logprobs" in c:
+                scored[i] = c["prompt_logprobs"]
             if c.get("finish_reason") is not None:
                 reasons[i] = c["finish_reason"]
     assert head is not None
@@ -406,6 +437,8 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
         if i in tids or i in prompt_ids:
             choice["token_ids"] = tids.get(i, [])
             choice["prompt_token_ids"] = prompt_ids.get(i)
+        if i in scored:
+            choice["prompt_logprobs"] = scored[i]
         out.append(choice)
     return {"id": head["id"], "object": "text_completion", "created": head["created"], "model": head["model"],
             "choices": out, "usage": usage_body}

@@ -2,8 +2,8 @@
 
 Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
 `return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
-`max_thinking_tokens`, `structured_outputs` and the `guided_*` fields older vLLM clients send). Unknown fields are
-accepted and ignored, as the OpenAI SDKs add new ones often.
+`max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send).
+Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
 """
 from __future__ import annotations
 
@@ -169,6 +169,7 @@ class _SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

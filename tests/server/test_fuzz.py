@@ -15,6 +15,14 @@ small_int = st.integers(min_value=1, max_value=3)
 schema = st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 2}, {"enum": [1, "a"]},
                           {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
                            "required": ["a"]}, {"type": "nope"}, {"$ref": "#/missing"}, {"anyOf": []}])
+structured_outputs = st.fixed_dictionaries({}, optional={
+    "json": schema | st.sampled_from(['{"type": "object"}', "{not json", "[1]"]),
+    "regex": st.sampled_from(["[a-z]{1,3}", "(", ""]), "choice": st.lists(st.text(max_size=4), max_size=3),
+    "grammar": st.sampled_from(['root ::= "a" [0-9]', "start: \"a\"", "root ::= ((", ""]),
+    "json_object": st.booleans(), "structural_tag": anything, "whitespace_pattern": st.sampled_from([" ", "(", ""]),
+    "disable_any_whitespace": st.booleans(), "disable_additional_properties": st.booleans()})
+VLLM_FIELDS = {"structured_outputs": structured_outputs, "guided_json": schema, "guided_choice": st.lists(
+    st.text(max_size=4), max_size=3), "guided_regex": st.sampled_from(["a+", "("]), "prompt_logprobs": small_int}
 tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"])}, optional={
     "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "get_weather", "", "bad name"])},
                                       optional={"parameters": schema, "strict": st.booleans(),
@@ -52,7 +60,7 @@ CHAT_FIELDS = {
                                             anything, max_size=2),
     "continue_final_message": st.booleans(), "add_generation_prompt": st.booleans(),
     "stop_token_ids": st.lists(st.integers(-3, 2000), max_size=2), "min_tokens": st.integers(0, 5),
-    "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(),
+    "ignore_eos": st.booleans(), "include_stop_str_in_output": st.booleans(), **VLLM_FIELDS,
 }
 block = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "text", "tool_use", "tool_result", "thinking", "image", "x"])},
@@ -84,7 +92,7 @@ COMPLETION_FIELDS = {
     "max_tokens": small_int, "n": small_int, "echo": st.booleans(),
     "logprobs": small_int, "stream": st.booleans(), "suffix": st.none() | st.text(max_size=2),
     "best_of": small_int, "stop": st.text(max_size=2),
-    "temperature": st.floats(0, 2),
+    "temperature": st.floats(0, 2), **VLLM_FIELDS,
 }
 input_part = st.fixed_dictionaries(
     {"type": st.sampled_from(["input_text", "output_text", "input_text", "input_image", "refusal", "x"])},

@@ -1,7 +1,9 @@
-"""`/v1/completions` with `echo` and `logprobs`: the prompt's tokens come back scored (what lm-evaluation-harness
-reads for log-likelihood tasks), equal to the model's own log-softmax, streamed or not."""
+"""Scored prompts, equal to the model's own log-softmax: `/v1/completions` with `echo` and `logprobs` (what
+lm-evaluation-harness reads for log-likelihood tasks), streamed or not, and vLLM's `prompt_logprobs` on chat and
+completions."""
 from __future__ import annotations
 
+import openai
 import pytest
 import torch
 
@@ -39,3 +41,55 @@ def test_echo_with_logprobs_scores_the_prompt(demo_server, demo_hf):
     scores = [s for ch in streamed for c in ch.choices if c.logprobs for s in c.logprobs.token_logprobs]
     assert tokens == lp.tokens and scores == lp.token_logprobs
     assert "".join(c.text for ch in streamed for c in ch.choices) == c.text
+
+
+def _logp(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _check_vllm_shape(scored: list, ids: list[int], logp: torch.Tensor, top: int, tb) -> None:
+    """vLLM's `prompt_logprobs`: None, then per token a map holding the token (its logprob and rank) and the best
+    ``top`` (ranks 1..top)."""
+    assert len(scored) == len(ids) and scored[0] is None
+    for k in range(1, len(ids)):
+        entry, row = scored[k], logp[k - 1]
+        own = entry[str(ids[k])]
+        assert abs(own["logprob"] - row[ids[k]].item()) < 1e-4
+        assert own["rank"] == int((row > row[ids[k]]).sum()) + 1
+        assert own["decoded_token"] == tb(ids[k]).decode("utf-8", errors="replace")
+        best = row.topk(top).indices.tolist()
+        assert set(entry) == {str(t) for t in best} | {str(ids[k])}
+        assert sorted(entry[str(t)]["rank"] for t in best) == list(range(1, top + 1))
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(demo_server, demo_hf):
+    client = demo_server.openai()
+    tb = demo_server.runtime.token_bytes.token_bytes
+    text = "Once upon a time there was"
+    ids = demo_server.tokenizer.encode(text)
+    r = client.completions.create(model=demo_server.model, prompt=text, max_tokens=2, temperature=0, n=2,
+                                  extra_body={"prompt_logprobs": 3})
+    for c in r.choices:
+        _check_vllm_shape(c.model_extra["prompt_logprobs"], ids, _logp(demo_hf, ids), 3, tb)
+    # with echo + logprobs=1 too: the echo keeps its one alternative while prompt_logprobs has three
+    both = client.completions.create(model=demo_server.model, prompt=text, max_tokens=1, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"prompt_logprobs": 3})
+    assert all(t is None or len(t) == 1 for t in both.choices[0].logprobs.top_logprobs)
+    _check_vllm_shape(both.choices[0].model_extra["prompt_logprobs"], ids, _logp(demo_hf, ids), 3, tb)
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(model=demo_server.model, messages=messages, max_tokens=2, n=2,
+                                          extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    prompt_ids = chat.model_extra["prompt_token_ids"]
+    _check_vllm_shape(chat.model_extra["prompt_logprobs"], prompt_ids, _logp(demo_hf, prompt_ids), 0, tb)
+    plain = client.chat.completions.create(model=demo_server.model, messages=messages, max_tokens=1)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=demo_server.model, messages=messages, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=demo_server.model, prompt=text, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 21})
+    assert e.value.body["param"] == "prompt_logprobs"
