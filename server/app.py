@@ -56,7 +56,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
     """The chat stream's SSE text: the role chunks, one item per step (all of its chunks), then the tail (errors,
     usage, ``[DONE]``). What `noted_steps` does is inlined: this runs once per streamed step of every stream."""
     tb = st.runtime.token_bytes.token_bytes
-    encs = [ChatChoiceEncoder(meta, i, tb) for i in range(len(req.choices))]
+    encs = [ChatChoiceEncoder(meta, i, tb, len(c.prompt_ids)) for i, c in enumerate(req.choices)]
     prompt_ids = req.choices[0].prompt_ids
     yield "".join(sse_line(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
@@ -78,6 +78,14 @@ def _prompt_logprobs(body: po._SamplingFields) -> int | None:
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     return body.prompt_logprobs
+
+
+def _usage_options(body: po._SamplingFields) -> tuple[bool, bool]:
+    """(a last chunk with the usage, every chunk with its choice's usage so far): `stream_options`'
+    `include_usage` and vLLM's `continuous_usage_stats`, which needs it."""
+    opts = body.stream_options
+    include = bool(body.stream and opts and opts.include_usage)
+    return include, include and bool(opts.continuous_usage_stats)
 
 
 def _most(*tops: int | None) -> int | None:
@@ -145,10 +153,11 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request(choices, stop, "chatcmpl", arrival)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous_usage = _usage_options(body)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
                      top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
-                     include_usage=include_usage, prompt_logprobs=body.prompt_logprobs)
+                     include_usage=include_usage, continuous_usage=continuous_usage,
+                     prompt_logprobs=body.prompt_logprobs)
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
@@ -205,11 +214,11 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     check_capacity(st)
     st.metrics.prompt_tokens.inc(prompt_total)
     req = new_request(choices, stop, "cmpl", arrival)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    include_usage, continuous_usage = _usage_options(body)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
-                     prompt_logprobs=scored_top)
+                     continuous_usage=continuous_usage, prompt_logprobs=scored_top)
     run = Run()
 
     def completion_usage() -> dict:
@@ -219,7 +228,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     async def groups() -> AsyncIterator[list[dict]]:
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = rt.token_bytes.token_bytes
-        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i]) for i in range(len(choices))]
+        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], prompt_tokens=len(c.prompt_ids))
+                for i, c in enumerate(choices)]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:
             async for step in steps:

@@ -55,6 +55,7 @@ class ChunkMeta:
     top_logprobs: int = 0
     return_token_ids: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)
 
 
@@ -154,10 +155,11 @@ def _chat_logprobs(tb: TokenBytesFn, tokens: Sequence[TokenInfo], top_n: int) ->
 class ChatChoiceEncoder:
     """Turns one choice's steps into `chat.completion.chunk` dicts."""
 
-    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn):
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, prompt_tokens: int = 0):
         self.meta = meta
         self.index = index
         self.tb = token_bytes
+        self.prompt_tokens = prompt_tokens
         self.completed_calls = 0
         self.num_tokens = 0
         # the constant text around a chunk's delta, for `step_sse` (the same bytes as `sse_line(chunk)`)
@@ -177,7 +179,7 @@ class ChatChoiceEncoder:
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "chat.completion.chunk", "created": self.meta.created,
                                  "model": self.meta.model, "choices": [choice]}
         if self.meta.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage(self.prompt_tokens, self.num_tokens) if self.meta.continuous_usage else None
         if extra:
             chunk.update(extra)
         return chunk
@@ -227,8 +229,11 @@ class ChatChoiceEncoder:
         ids = ""
         if meta.return_token_ids:
             ids = ',"token_ids":[' + ",".join([str(t.token_id) for t in tokens]) + "]"
+        tail = self._tail
+        if meta.continuous_usage:
+            tail = '}],"usage":' + _dumps(usage(self.prompt_tokens, self.num_tokens)) + "}\n\n"
         return (self._head + delta_json + ',"logprobs":' + lp + ',"finish_reason":' + finish_json + ids
-                + self._tail)
+                + tail)
 
     def finish_reason(self, end: ChoiceEnd) -> str:
         return finish_reason(end, self.completed_calls)
@@ -309,10 +314,12 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
 class CompletionChoiceEncoder:
     """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
 
-    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None):
+    def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None,
+                 prompt_tokens: int = 0):
         self.meta = meta
         self.index = index
         self.tb = token_bytes
+        self.prompt_tokens = prompt_tokens
         self.echo = echo
         self.prompt_ids: list[int] = []
         self.echo_ids: list[int] = []
@@ -346,7 +353,7 @@ class CompletionChoiceEncoder:
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
                                  "model": self.meta.model, "choices": [choice]}
         if self.meta.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = usage(self.prompt_tokens, self.num_tokens) if self.meta.continuous_usage else None
         if extra:
             chunk.update(extra)
         return chunk

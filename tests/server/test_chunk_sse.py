@@ -20,7 +20,8 @@ _token = st.builds(TokenInfo, st.integers(0, 50000), st.one_of(st.none(), st.flo
                    st.sampled_from([None, "content", "reasoning", "tool"]))
 _end = st.one_of(st.none(), st.builds(ChoiceEnd, st.sampled_from(["eos", "stop_string", "length", "abort", "error"])))
 _meta = st.builds(ChunkMeta, id=_text, created=st.integers(0, 2**40), model=_text, logprobs=st.booleans(),
-                  top_logprobs=st.integers(0, 3), return_token_ids=st.booleans(), include_usage=st.booleans())
+                  top_logprobs=st.integers(0, 3), return_token_ids=st.booleans(), include_usage=st.booleans(),
+                  continuous_usage=st.booleans())
 
 
 def _tb(token_id: int) -> bytes:
@@ -31,7 +32,9 @@ def _tb(token_id: int) -> bytes:
 @given(_meta, st.integers(0, 3), st.lists(st.tuples(st.lists(_event, max_size=5), st.lists(_token, max_size=3),
                                                      _end), min_size=1, max_size=4))
 def test_step_sse_equals_the_encoded_chunk_dicts(meta, index, steps):
-    slow, fast = ChatChoiceEncoder(meta, index, _tb), ChatChoiceEncoder(meta, index, _tb)
+    if meta.continuous_usage and not meta.include_usage:
+        meta.continuous_usage = False  # the server sets it only with include_usage
+    slow, fast = ChatChoiceEncoder(meta, index, _tb, 11), ChatChoiceEncoder(meta, index, _tb, 11)
     for events, tokens, end in steps:
         step = ChoiceStep(index, tokens, events, end)
         assert fast.step_sse(step) == "".join(sse_line(c) for c in slow.step(step))

@@ -302,3 +302,31 @@ def test_health_and_metrics(demo_server):
                  "ember_time_to_first_token_seconds_bucket", "ember_inter_token_latency_seconds_bucket"):
         assert name in text
     assert 'ember_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(demo_server):
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk's usage counts its choice's tokens so far; the
+    last chunk still carries the whole request's usage."""
+    client = demo_server.openai()
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=6, n=2, seed=4,
+                                                 temperature=1.0, stream=True, stream_options=opts,
+                                                 extra_body={"return_token_ids": True}))
+    *per_choice, last = chunks
+    prompt = _prompt_len(demo_server, HI)
+    seen = {0: 0, 1: 0}
+    for ch in per_choice:
+        c = ch.choices[0]
+        seen[c.index] += len((c.model_extra or {}).get("token_ids") or [])
+        assert ch.usage.prompt_tokens == prompt and ch.usage.completion_tokens == seen[c.index]
+        assert ch.usage.total_tokens == prompt + seen[c.index]
+    assert last.choices == [] and last.usage.completion_tokens == seen[0] + seen[1]
+    text = list(client.completions.create(model=demo_server.model, prompt=["a b", "c d e f"], max_tokens=3,
+                                          stream=True, stream_options=opts, extra_body={"ignore_eos": True}))
+    for ch in text[:-1]:
+        c = ch.choices[0]
+        assert ch.usage.prompt_tokens == len(demo_server.tokenizer.encode(["a b", "c d e f"][c.index]))
+    assert {ch.choices[0].index: ch.usage.completion_tokens for ch in text[:-1]} == {0: 3, 1: 3}
+    plain = list(client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in plain[:-1])
