@@ -22,6 +22,7 @@ from .errors import ApiError, bad_request, openai_error_body
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, run_choices
 from .metrics import Metrics
 from .openai_encoder import sse_line
+from .background_responses import BackgroundResponses
 from .response_store import ResponseStore
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -35,6 +36,7 @@ class ServerState:
     runtime: ModelRuntime
     metrics: Metrics
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # stored /v1/responses results
+    background: BackgroundResponses = field(default_factory=BackgroundResponses)  # /v1/responses still running
     started: int = field(default_factory=lambda: int(time.time()))
     engine_dead: str | None = None  # why the engine stopped, once it died
 

@@ -433,6 +433,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
         watcher = asyncio.create_task(_watch_engine(st, exit_on_engine_death))
         yield
         watcher.cancel()
+        await st.background.cancel_all()
         if shutdown_engine:
             runtime.engine.shutdown()
 

@@ -1,5 +1,6 @@
-"""`/v1/responses` (the OpenAI Responses API): create, streamed or not, over the same engine, parsers and grammar as
-chat; retrieve, list the input of, and delete stored responses.
+"""`/v1/responses` (the OpenAI Responses API): create, streamed, not, or in the background
+(`background_responses`), over the same engine, parsers and grammar as chat; retrieve, list the input of, cancel and
+delete responses.
 
 A request's prompt is its `instructions` (a system message), then the stored conversation of `previous_response_id`
 (its input and output; instructions are not carried over, as in the OpenAI API), then its own `input` items, rendered
@@ -39,6 +40,9 @@ def _template_kwargs(body: pr.ResponsesRequest) -> dict[str, Any] | None:
 def _previous(st: ServerState, response_id: str | None) -> list[dict[str, Any]]:
     if response_id is None:
         return []
+    if st.background.get(response_id) is not None:
+        raise ApiError(400, f"Previous response with id '{response_id}' is still running in the background; poll it "
+                            "until it has finished", param="previous_response_id")
     stored = st.responses.get(response_id)
     if stored is None:
         raise ApiError(404, f"Previous response with id '{response_id}' not found (this server keeps the latest "
@@ -55,8 +59,8 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) 
         tool_choice = {"type": "function", "name": tool_choice.name}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
-        "background": False, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-        "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
+        "background": bool(body.background), "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": body.reasoning.summary if body.reasoning else None},
@@ -110,10 +114,15 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     single_call = not body.parallel_tool_calls
 
     def remember(response: dict[str, Any]) -> None:
-        if store and response["status"] != "failed":
+        if store and (response["status"] != "failed" or body.background):  # a poller must see the failure
             replies = responses_messages(response["output"], own_output=True)
             st.responses.put(response_id, StoredResponse(response, history + replies, listed_items(items)))
 
+    if body.background:
+        if not store:
+            raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background "
+                                "response could not be polled", param="background")
+        return JSONResponse(st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember))
     if body.stream:
         async def stream() -> AsyncIterator[str]:
             yield "".join(sse_event(ev) for ev in enc.start())
@@ -143,7 +152,23 @@ def _not_stored(response_id: str) -> ApiError:
 
 
 async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
-    return _stored(state(request), response_id).body
+    st = state(request)
+    running = st.background.get(response_id)
+    return running.view() if running is not None else _stored(st, response_id).body
+
+
+async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
+    """Stop a background response (its engine request aborted); one that has already finished is returned as it
+    ended."""
+    st = state(request)
+    cancelled = await st.background.cancel(response_id)
+    if cancelled is not None:
+        return cancelled
+    body = _stored(st, response_id).body
+    if not body.get("background"):
+        raise ApiError(400, f"Response '{response_id}' was not created in the background; only background "
+                            "responses can be cancelled", param="response_id")
+    return body
 
 
 async def list_input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
@@ -163,7 +188,9 @@ async def list_input_items(response_id: str, request: Request, order: Literal["a
 
 
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
-    if not state(request).responses.delete(response_id):
+    st = state(request)
+    await st.background.cancel(response_id)
+    if not st.responses.delete(response_id):
         raise _not_stored(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
@@ -173,5 +200,7 @@ def add_routes(app: FastAPI, dependencies: list[Any]) -> None:
     app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"], dependencies=dependencies)
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"],
+                      dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"],
                       dependencies=dependencies)

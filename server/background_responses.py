@@ -1,0 +1,91 @@
+"""Background responses (`background: true` on `/v1/responses`): the request runs as a server task after the create
+call has answered with the response `queued`.
+
+While it runs, `GET /v1/responses/{id}` shows it as it stands (`queued` until its first token, then `in_progress`
+with the items closed so far); `POST /v1/responses/{id}/cancel` stops it (the engine request is aborted, its slot and
+KV blocks freed) and leaves it `cancelled`. However it ends, its final response goes to the response store.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from .choice import ChoiceStep
+from .responses_encoder import ResponseEncoder
+
+log = logging.getLogger("ember.server")
+
+
+@dataclass
+class BackgroundResponse:
+    """One running background response: its encoder (the response so far) and the task that feeds it."""
+
+    encoder: ResponseEncoder
+    task: asyncio.Task | None = None
+    started: bool = False  # a step has arrived: no longer queued
+    cancelled: bool = field(default=False, repr=False)
+
+    def view(self) -> dict[str, Any]:
+        body = self.encoder.response()
+        if self.cancelled:
+            body["status"] = "cancelled"
+        elif not self.started:
+            body["status"] = "queued"
+        return body
+
+
+class BackgroundResponses:
+    """The background responses still running, by response ID."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, BackgroundResponse] = {}
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def get(self, response_id: str) -> BackgroundResponse | None:
+        return self._running.get(response_id)
+
+    def start(self, response_id: str, encoder: ResponseEncoder, steps: AsyncIterator[ChoiceStep],
+              finish: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Run ``steps`` through ``encoder`` in a task; ``finish`` gets the final response (completed, incomplete,
+        failed or cancelled). Returns the response as the create call answers it (`queued`)."""
+        bg = BackgroundResponse(encoder)
+        self._running[response_id] = bg
+        bg.task = asyncio.create_task(self._run(response_id, bg, steps, finish))
+        return bg.view()
+
+    async def _run(self, response_id: str, bg: BackgroundResponse, steps: AsyncIterator[ChoiceStep],
+                   finish: Callable[[dict[str, Any]], None]) -> None:
+        try:
+            async with aclosing(steps) as it:  # closing aborts the engine request
+                async for step in it:
+                    bg.started = True
+                    bg.encoder.events(step)
+        except asyncio.CancelledError:
+            bg.cancelled = True
+        except Exception as e:  # the engine died, or a bug: the poller sees a failed response, not a hang
+            log.exception("background response %s failed", response_id)
+            bg.encoder.status = "failed"
+            bg.encoder.error = {"code": "server_error", "message": f"generation failed: {type(e).__name__}: {e}"}
+        finally:
+            self._running.pop(response_id, None)
+        finish(bg.view())
+
+    async def cancel(self, response_id: str) -> dict[str, Any] | None:
+        """Stop a running background response and wait until it is stored; its final response, or None when it is
+        not running (any more)."""
+        bg = self._running.get(response_id)
+        if bg is None or bg.task is None:
+            return None
+        bg.task.cancel()
+        await asyncio.gather(bg.task, return_exceptions=True)
+        return bg.view()
+
+    async def cancel_all(self) -> None:
+        """Stop every running background response (the server is shutting down)."""
+        for response_id in list(self._running):
+            await self.cancel(response_id)
