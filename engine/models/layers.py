@@ -119,6 +119,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
     raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
 
 
+def partial_rotary_dim(cfg: ModelConfig) -> int:
+    """Channels of each head that RoPE turns: ``partial_rotary_factor`` of ``head_dim`` (top level in older
+    config.json, in ``rope_parameters`` in transformers 5's; 1.0 when absent)."""
+    raw = cfg.raw
+    factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return int(cfg.head_dim * float(factor or 1.0))
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate_half) RoPE with a cos/sin cache indexed by position. Heads wider than ``head_dim`` turn
     their first ``head_dim`` channels only (partial rotary, e.g. Qwen3-Next's ``partial_rotary_factor``)."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
-from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding
+from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding, partial_rotary_dim
 from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from ember.kernels import gated_delta_rule
 
@@ -285,13 +285,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
 
     body = _Body
 
-    @staticmethod
-    def rotary_dim(cfg: ModelConfig) -> int:
-        """``partial_rotary_factor`` of each head (top level in older config.json, in ``rope_parameters`` in
-        transformers 5's)."""
-        raw = cfg.raw
-        factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
-        return int(cfg.head_dim * float(factor or 1.0))
+    rotary_dim = staticmethod(partial_rotary_dim)
 
     def _linear_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]

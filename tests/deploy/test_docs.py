@@ -136,8 +136,9 @@ def test_request_field_tables_match_the_request_models(live):
 
     _, app = live
     doc = text("api.md")
-    posts = [r for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods]
-    assert posts
+    posts = [r for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods
+             and "body" in typing.get_type_hints(r.endpoint)]  # not `POST .../cancel`, which takes none
+    assert len(posts) >= 5
     for route in posts:
         model = typing.get_type_hints(route.endpoint)["body"]
         fields = section(section(doc, f"## `POST {route.path}`"), "### Request fields")
