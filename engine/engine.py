@@ -22,6 +22,7 @@ from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import get_model_class
+from ember.engine.models.layers import RotaryEmbedding
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
@@ -95,7 +96,9 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     if fmt is not None:
         weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
     model.load_weights(weights, source=str(model_dir))
-    model.rope.build_cache(device, dtype)
+    for m in model.modules():  # the model's RoPE tables (Gemma 3 has a local and a global one)
+        if isinstance(m, RotaryEmbedding):
+            m.build_cache(device, dtype)
     return model.eval()
 
 

@@ -119,6 +119,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
     raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
 
 
+class OffsetRMSNorm(nn.Module):
+    """Zero-centred RMSNorm (Gemma, Qwen3-Next): ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then cast; with a
+    ``residual``, ``(norm(x + residual), x + residual)`` like `RMSNorm`."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
 def partial_rotary_dim(cfg: ModelConfig) -> int:
     """Channels of each head that RoPE turns: ``partial_rotary_factor`` of ``head_dim`` (top level in older
     config.json, in ``rope_parameters`` in transformers 5's; 1.0 when absent)."""

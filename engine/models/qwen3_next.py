@@ -31,7 +31,8 @@ from torch import nn
 
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
-from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RotaryEmbedding, partial_rotary_dim
+from ember.engine.models.layers import (Attention, DecoderLayer, GatedMLP, OffsetRMSNorm, RotaryEmbedding,
+                                        partial_rotary_dim)
 from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from ember.kernels import gated_delta_rule
 
@@ -42,25 +43,6 @@ def qkv_channel_parts(cfg: ModelConfig) -> tuple[int, int, int]:
     """The linear attention's q, k and v channel counts (the conv's channels, in that order)."""
     keys = cfg.raw_int("linear_num_key_heads") * cfg.raw_int("linear_key_head_dim")
     return keys, keys, cfg.raw_int("linear_num_value_heads") * cfg.raw_int("linear_value_head_dim")
-
-
-class OffsetRMSNorm(nn.Module):
-    """Zero-centred RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then cast; with a ``residual``,
-    ``(norm(x + residual), x + residual)`` like `ember.engine.models.layers.RMSNorm`."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            return self.forward(x), x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

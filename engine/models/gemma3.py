@@ -1,0 +1,143 @@
+"""Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``): embeddings scaled
+by ``sqrt(hidden_size)``; zero-centred RMSNorms (``1 + w``) before and after both the attention and the MLP; per-head
+q/k norms; a softmax scale of ``query_pre_attn_scalar ** -0.5``; a GELU (tanh) gated MLP.
+
+Layers alternate by ``layer_types`` (or every ``sliding_window_pattern``-th layer global, as older config.json
+files say): ``sliding_attention`` layers attend over the last ``sliding_window`` keys with their own RoPE (theta
+``rope_local_base_freq``), ``full_attention`` layers over everything with the global RoPE (``rope_theta`` and
+``rope_scaling``; transformers 5 writes both under ``rope_parameters`` by layer type). Gemma 2's attention-logit
+soft-capping is not implemented (refused); a final logit soft-cap is applied.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.engine.attention import AttentionMetadata
+from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models.layers import Attention, DecoderForCausalLM, GatedMLP, OffsetRMSNorm, RotaryEmbedding
+
+_MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """Each layer's kind, ``sliding_attention`` or ``full_attention``, as transformers reads config.json."""
+    raw = cfg.raw
+    types = raw.get("layer_types")
+    if types:
+        if len(types) != cfg.num_hidden_layers:
+            raise ConfigError(f"config.json: layer_types has {len(types)} entries for {cfg.num_hidden_layers} layers")
+        return list(types)
+    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(cfg.num_hidden_layers)]
+
+
+def rope_settings(cfg: ModelConfig, layer_type: str) -> tuple[float, dict | None]:
+    """``(theta, scaling)`` of one layer kind's RoPE."""
+    raw = cfg.raw
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        p = params[layer_type]
+        kind = p.get("rope_type", p.get("type", "default"))
+        return float(p.get("rope_theta", 10000.0)), None if kind == "default" else dict(p, rope_type=kind)
+    if layer_type == "sliding_attention":
+        return float(raw.get("rope_local_base_freq", 10000.0)), None
+    return float(raw.get("rope_theta", 1_000_000.0)), cfg.rope_scaling
+
+
+class GeluTanhMLP(GatedMLP):
+    """``down(gelu_tanh(gate(x)) * up(x))`` (the torch path on every device)."""
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Pre- and post-norms around the attention and the MLP, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Attention(cfg, qk_norm=False)
+        self.self_attn.q_norm = OffsetRMSNorm(cfg.head_dim, eps)
+        self.self_attn.k_norm = OffsetRMSNorm(cfg.head_dim, eps)
+        self.self_attn.scale = float(cfg.raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
+        self.self_attn.sliding_window = window
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.mlp = GeluTanhMLP(cfg)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), meta, rope, kv, backend))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: ModelConfig, windows: list[int | None]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, w) for w in windows)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    """Gemma 3's decoder over the paged KV cache, from the text-only or the multimodal checkpoint layout."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        nn.Module.__init__(self)
+        raw = cfg.raw
+        if raw.get("attn_logit_softcapping"):
+            raise ConfigError("config.json: attn_logit_softcapping (Gemma 2) is not supported")
+        if raw.get("use_bidirectional_attention"):
+            raise ConfigError("config.json: use_bidirectional_attention is not supported (a decoder is causal)")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in _GELU_TANH:
+            raise ConfigError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+        self.config = cfg
+        self.layer_types = layer_types(cfg)
+        window = int(raw["sliding_window"]) if raw.get("sliding_window") else None
+        self.model = _Body(cfg, [window if t == "sliding_attention" else None for t in self.layer_types])
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "full_attention"))
+        self.rope_local = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "sliding_attention"))
+        self.softcap = float(raw.get("final_logit_softcapping") or 0.0)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype).item()  # the scale as rounded to h's dtype
+        for layer, kind, kv in zip(self.model.layers, self.layer_types, kv_caches):
+            h = layer(h, meta, self.rope_local if kind == "sliding_attention" else self.rope, kv, backend)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The language model's tensors under Ember's names (the multimodal layouts' ``language_model.model.`` or
+        ``model.language_model.`` -> ``model.``); the vision tower and its projector are skipped."""
+        if name.startswith(_SKIPPED):
+            return None
+        for prefix, ours in _MULTIMODAL_PREFIXES:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
+        return name
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        super().load_weights(self.renamed(weights), source)
