@@ -1,6 +1,6 @@
-"""Checkpoints and models the engine sections run: the demo Qwen3 (tiny), a tiny random Qwen3-MoE, and a random
-Qwen3-8B-shaped model cut to a few layers (bf16), each written once per run as a real checkpoint folder
-(``save_pretrained`` + the demo tokenizer) so the engine loads it through its own loader."""
+"""Checkpoints and models the engine sections run: the demo Qwen3 (tiny), tiny random Qwen3-MoE, Qwen3-Next, GLM-4.5
+and Gemma 3, and a random Qwen3-8B-shaped model cut to a few layers (bf16), each written once per run as a real
+checkpoint folder (``save_pretrained`` + the demo tokenizer) so the engine loads it through its own loader."""
 from __future__ import annotations
 
 import json
@@ -83,6 +83,59 @@ def tiny_qwen3_next(ctx: Ctx) -> Path:
         return _with_tokenizer(path, ctx)
 
     return ctx.cached("tiny_qwen3_next", build)
+
+
+def tiny_glm4_moe(ctx: Ctx) -> Path:
+    """A random GLM-4.5 (3 layers, the first dense; q/k/v biases, rotary on half of each head; 8 experts in 2 groups,
+    top-2, a shared expert, a correction bias) saved by transformers; routers and biases drawn wide."""
+    def build() -> Path:
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        cfg = Glm4MoeConfig(vocab_size=1280, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                            first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True,
+                            max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5})
+        torch.manual_seed(0)
+        model = Glm4MoeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0.0, 0.5)
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.weight.normal_(0.0, 0.5)
+                    layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+        path = ctx.tmp / "glm4-moe-tiny"
+        model.save_pretrained(path)
+        return _with_tokenizer(path, ctx)
+
+    return ctx.cached("tiny_glm4_moe", build)
+
+
+def tiny_gemma3(ctx: Ctx) -> Path:
+    """A random Gemma 3 (7 layers: sliding windows of 8 with their own RoPE around one global layer with linear
+    scaling) saved by transformers; the zero-centred norm weights moved off 0."""
+    def build() -> Path:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                               query_pre_attn_scalar=24, max_position_embeddings=1024, initializer_range=0.1,
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                   "rope_theta": 1e6}})
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+        path = ctx.tmp / "gemma3-tiny"
+        model.save_pretrained(path)
+        return _with_tokenizer(path, ctx)
+
+    return ctx.cached("tiny_gemma3", build)
 
 
 def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:

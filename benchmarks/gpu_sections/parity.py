@@ -1,6 +1,7 @@
 """Section 2: the engine end to end on the device against the engine on the CPU, greedy, on tiny models.
 
-For the demo Qwen3, a tiny Qwen3-MoE and a tiny Qwen3-Next (its linear attention on the torch path): the same prompts
+For the demo Qwen3, a tiny Qwen3-MoE, a tiny Qwen3-Next (its linear attention on the torch path), a tiny GLM-4.5
+(partial rotary, grouped routing) and a tiny Gemma 3 (sliding windows, two RoPEs): the same prompts
 (shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
 through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
 first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
@@ -184,3 +185,9 @@ def run(ctx: Ctx) -> None:
     ctx.deadline.check("tiny qwen3-next")
     with ctx.case("build tiny qwen3-next"):
         _model(ctx, "qwen3-next", models.tiny_qwen3_next(ctx))
+    ctx.deadline.check("tiny glm4-moe")
+    with ctx.case("build tiny glm4-moe"):
+        _model(ctx, "glm4-moe", models.tiny_glm4_moe(ctx))
+    ctx.deadline.check("tiny gemma3")
+    with ctx.case("build tiny gemma3"):
+        _model(ctx, "gemma3", models.tiny_gemma3(ctx))
