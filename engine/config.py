@@ -102,7 +102,10 @@ class ModelConfig:
             raise ConfigError(f"{source}: no 'architectures' entry")
         if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: Ember serves its language model
             top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "audio_config")}
-            cfg = {**top, **cfg["text_config"], "architectures": archs}
+            merged = {**top, **cfg["text_config"], "architectures": archs}
+            if "tie_word_embeddings" in top:  # transformers ties by the outer config's setting
+                merged["tie_word_embeddings"] = top["tie_word_embeddings"]
+            cfg = merged
 
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:

@@ -10,7 +10,7 @@ import importlib
 from ember.engine.config import ConfigError
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.models.llama import LlamaForCausalLM
-from ember.engine.models.mistral import MistralForCausalLM
+from ember.engine.models.mistral import Mistral3ForCausalLM, MistralForCausalLM
 from ember.engine.models.qwen2 import Qwen2ForCausalLM
 from ember.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -19,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Mistral3ForConditionalGeneration": Mistral3ForCausalLM,
     "Qwen3MoeForCausalLM": "ember.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "ember.engine.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV3ForCausalLM": "ember.engine.models.deepseek_v3:DeepseekV3ForCausalLM",

@@ -19,11 +19,9 @@ from torch import nn
 
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
-from ember.engine.models.layers import Attention, DecoderForCausalLM, GatedMLP, OffsetRMSNorm, RotaryEmbedding
+from ember.engine.models.layers import (Attention, DecoderForCausalLM, GatedMLP, OffsetRMSNorm, RotaryEmbedding,
+                                        language_model_name)
 
-_MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                        ("language_model.lm_head.", "lm_head."))
-_SKIPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
@@ -129,14 +127,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         return logits
 
     def checkpoint_name(self, name: str) -> str | None:
-        """The language model's tensors under Ember's names (the multimodal layouts' ``language_model.model.`` or
-        ``model.language_model.`` -> ``model.``); the vision tower and its projector are skipped."""
-        if name.startswith(_SKIPPED):
-            return None
-        for prefix, ours in _MULTIMODAL_PREFIXES:
-            if name.startswith(prefix):
-                return ours + name[len(prefix):]
-        return name
+        return language_model_name(name)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

@@ -351,6 +351,23 @@ def _materialized(packed: Any, device: torch.device) -> Any:
     return dataclasses.replace(packed, **meta) if meta else packed
 
 
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_name(name: str) -> str | None:
+    """A multimodal (``...ForConditionalGeneration``) checkpoint's tensor under its language model's name
+    (``language_model.model.`` or ``model.language_model.`` -> ``model.``); None for the vision tower and its
+    projector, which a text-only server does not load."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
+
+
 def _kv_scale_module(parts: list[str]) -> str | None:
     """The attention module an FP8 KV scale belongs to: ModelOpt's ``self_attn.k_proj.k_scale`` /
     ``self_attn.v_proj.v_scale`` or the older ``self_attn.k_scale`` / ``self_attn.v_scale``; None for other names."""

@@ -74,3 +74,27 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny, k
     got, _ = _run_staggered(engine, [shared])
     assert engine.kv.prefix_hits - hits == 32
     assert got == [_hf_greedy(hf, [shared])[0][0]]
+
+
+def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, demo_model_dir):
+    """Mistral Small 3.x / Magistral / Devstral ship as ``Mistral3ForConditionalGeneration`` (the decoder under
+    ``language_model.``, a vision tower beside it): the logits of a text prompt equal transformers'."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from tests.moe.conftest import ember_logits, ember_model, prompts
+
+    text = dict(model_type="mistral", vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                initializer_range=0.1, tie_word_embeddings=False)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, head_dim=8)
+    torch.manual_seed(2)
+    hf = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision)).eval()
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, tmp_path / name)
+    prompt = prompts(1, seed=5, min_len=30, max_len=30)[0]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+    got = ember_logits(ember_model(tmp_path), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
