@@ -134,7 +134,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body))
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body),
+        defaults=rt.sampling_defaults)
     choices = []
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
@@ -200,7 +201,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
             stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
-            ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top))
+            ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top),
+            defaults=rt.sampling_defaults)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
@@ -286,7 +288,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     stop = list(body.stop_sequences or ())
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=None, seed=body.seed, presence_penalty=0.0,
-                             frequency_penalty=0.0, repetition_penalty=1.0, logprobs=None, logit_bias=None)
+                             frequency_penalty=0.0, repetition_penalty=None, logprobs=None, logit_bias=None,
+                             defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
     budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None

@@ -73,7 +73,10 @@ class BackgroundResponses:
             bg.encoder.error = {"code": "server_error", "message": f"generation failed: {type(e).__name__}: {e}"}
         finally:
             self._running.pop(response_id, None)
-        finish(bg.view())
+        try:
+            finish(bg.view())
+        except Exception:  # nothing awaits this task: say why the response was not stored
+            log.exception("background response %s could not be stored", response_id)
 
     async def cancel(self, response_id: str) -> dict[str, Any] | None:
         """Stop a running background response and wait until it is stored; its final response, or None when it is

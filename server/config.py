@@ -56,6 +56,11 @@ class ServeConfig(EngineArgs):
     responses_store_size: int = field(default=1024, metadata={
         "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
                 "GET /v1/responses/ID, least recently used out first; 0 stores none"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take them "
+                "from: 'auto' (the model's generation_config.json, as vLLM does), 'vllm' (neutral values: "
+                "temperature 1, no truncation, no penalty) or a folder with a generation_config.json; default: auto",
+        "type": lambda text: parse_generation_config(text)})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
                 "thinking); 0 switches it off"})
@@ -71,6 +76,16 @@ def parse_chat_template(text: str) -> str:
         what = "is a directory" if p.is_dir() else "no such file"
         raise SettingValueError(f"{text}: {what} (a template file, or template text containing '{{' or '}}')")
     return text
+
+
+def parse_generation_config(text: str) -> str:
+    """`--generation-config`: `auto`, `vllm` (or `none`), or a folder holding a generation_config.json."""
+    if text in ("auto", "vllm", "none"):
+        return text
+    p = Path(text).expanduser()
+    if not (p / "generation_config.json").is_file():
+        raise SettingValueError(f"{text}: not 'auto', 'vllm' or a folder with a generation_config.json")
+    return str(p)
 
 
 def parse_profile_name(text: str) -> str:

@@ -28,6 +28,7 @@ from ember.parsers.tokens import TokenBytes
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
 from .metrics import Metrics
+from .sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("ember.server")
 
@@ -90,6 +91,7 @@ class ModelRuntime:
     parser_plain: ParserSetup  # the "none" profile, for /v1/completions
     tools_enabled: bool  # False with `--tool-parser none`: tool markup is always content
     grammar: Any = None  # ember.server.structured.Structured (front-end validation), when available
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # for settings a request leaves unset
 
     @property
     def model_info(self) -> ModelInfo:
@@ -115,7 +117,8 @@ class ModelRuntime:
                  setup.delimiter_ids)
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    chat_template=template, parser=setup, parser_plain=plain,
-                   tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar)
+                   tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
+                   sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir))
 
 
 @dataclass
@@ -268,14 +271,22 @@ async def _run_many(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None) 
 
 def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,
                     min_p: float | None, seed: int | None, presence_penalty: float, frequency_penalty: float,
-                    repetition_penalty: float, logprobs: int | None, logit_bias: dict[int, float] | None,
+                    repetition_penalty: float | None, logprobs: int | None, logit_bias: dict[int, float] | None,
                     stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None,
+                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """A request's engine parameters: a setting it leaves unset (None) takes the model's default (``defaults``), else
+    its neutral value."""
+    def pick(value: Any, default: Any, neutral: Any) -> Any:
+        return value if value is not None else default if default is not None else neutral
+
+    top_k = pick(top_k, defaults.top_k, 0)
     return SamplingParams(
-        max_tokens=max_tokens, min_tokens=min_tokens, temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p, top_k=0 if top_k in (None, -1) else top_k,
-        min_p=0.0 if min_p is None else min_p, presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+        max_tokens=max_tokens, min_tokens=min_tokens, temperature=pick(temperature, defaults.temperature, 1.0),
+        top_p=pick(top_p, defaults.top_p, 1.0), top_k=0 if top_k == -1 else top_k,
+        min_p=pick(min_p, defaults.min_p, 0.0), presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty, 1.0),
         seed=None if seed is None else seed % (2**63), logprobs=logprobs, logit_bias=logit_bias,
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs)
 

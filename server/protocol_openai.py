@@ -164,7 +164,7 @@ class _SamplingFields(_Lenient):
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

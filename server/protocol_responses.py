@@ -79,7 +79,7 @@ class ResponsesRequest(_Lenient):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None

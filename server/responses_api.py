@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from ember.engine.params import SamplingParams
+
 from . import chat
 from . import protocol_responses as pr
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
@@ -51,8 +53,10 @@ def _previous(st: ServerState, response_id: str | None) -> list[dict[str, Any]]:
     return stored.messages
 
 
-def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) -> dict[str, Any]:
-    """The response object's constant fields: identity and the settings it ran with, echoed."""
+def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
+          params: SamplingParams) -> dict[str, Any]:
+    """The response object's constant fields: identity and the settings it ran with (``params``: the sampling
+    settings in effect, the model's defaults included), echoed."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
@@ -64,10 +68,10 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool) 
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": body.reasoning.summary if body.reasoning else None},
-        "store": store, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "store": store, "temperature": params.temperature,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}},
         "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
-        "top_logprobs": body.top_logprobs or 0, "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
         "truncation": "disabled", "user": body.user,
     }
 
@@ -95,7 +99,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
-                             logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos)
+                             logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos,
+                             defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
     thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
@@ -108,7 +113,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
     response_id = req.request_id.replace("-", "_")
     store = body.store and st.responses.capacity > 0
-    enc = ResponseEncoder(_head(body, response_id, rt.model_name, store), rt.token_bytes.token_bytes,
+    enc = ResponseEncoder(_head(body, response_id, rt.model_name, store, params), rt.token_bytes.token_bytes,
                           len(prompt_ids), top_logprobs)
     run = Run()
     single_call = not body.parallel_tool_calls

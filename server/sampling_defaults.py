@@ -1,0 +1,63 @@
+"""The model's recommended sampling settings: generation_config.json's ``temperature``, ``top_p``, ``top_k``, ``min_p``
+and ``repetition_penalty``, which a request that leaves one unset takes (vLLM's ``--generation-config auto``; Qwen3,
+for instance, asks for temperature 0.6, top_p 0.95 and top_k 20). ``--generation-config vllm`` ignores them (each
+unset setting is then neutral: temperature 1, no truncation, no penalty); a folder reads its generation_config.json
+instead of the model's."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ember.server")
+
+IGNORE = ("vllm", "none")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Values for unset request settings (None: the setting's neutral value)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, raw: dict[str, Any], source: str) -> "SamplingDefaults":
+        """The usable settings of a generation_config.json (a value out of its range is logged and skipped)."""
+        ranges = {"temperature": (0.0, 100.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 31), "min_p": (0.0, 1.0),
+                  "repetition_penalty": (1e-9, 100.0)}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            v = raw.get(f.name)
+            if v is None:
+                continue
+            lo, hi = ranges[f.name]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+            if f.name == "top_k":
+                ok = ok and float(v).is_integer()
+            if not ok:
+                log.warning("%s: %s = %r is not a usable default; ignored", source, f.name, v)
+                continue
+            values[f.name] = int(v) if f.name == "top_k" else float(v)
+        return cls(**values)
+
+    @classmethod
+    def load(cls, setting: str, model_dir: str | Path) -> "SamplingDefaults":
+        """``setting`` is ``--generation-config``: ``auto`` (the model's), ``vllm`` / ``none``, or a folder."""
+        if setting in IGNORE:
+            return cls()
+        path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        defaults = cls.from_generation_config(json.loads(path.read_text()), str(path))
+        chosen = {f.name: getattr(defaults, f.name) for f in fields(cls) if getattr(defaults, f.name) is not None}
+        if chosen:
+            log.info("sampling defaults from %s: %s (--generation-config vllm ignores them)", path,
+                     ", ".join(f"{k}={v}" for k, v in chosen.items()))
+        return defaults

@@ -1,0 +1,80 @@
+"""The model's recommended sampling settings (generation_config.json) fill what a request leaves unset, on every
+endpoint, as vLLM's `--generation-config auto` does; a request's own value wins, and `--generation-config vllm`
+ignores them. The served model here recommends `top_k: 1`, so an unset `top_k` makes sampling greedy."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ember.server.sampling_defaults import SamplingDefaults
+from tests.server.conftest import LiveServer, _serve
+
+HI = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def recommending_server(tmp_path_factory, demo_model_dir):
+    from ember.server.app import load_runtime
+    from ember.server.config import ServeConfig
+
+    model = tmp_path_factory.mktemp("demo-topk1") / "demo"
+    shutil.copytree(demo_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "temperature": 0.7,
+                                                              "top_p": "high"}))  # a bad value is skipped
+    config = ServeConfig(model_dir=model, served_model_name="demo-topk1", max_num_seqs=8, kv_cache_blocks=128,
+                         in_process=True)
+    runtime = load_runtime(config)
+    srv, app = _serve(runtime, config)
+    yield LiveServer(srv.url, runtime, "demo-topk1", runtime.tokenizer, app)
+    srv.stop()
+    runtime.engine.shutdown()
+
+
+def _chat(server, **kw) -> str:
+    r = server.openai().chat.completions.create(model=server.model, messages=HI, max_tokens=12,
+                                               extra_body={"return_token_ids": True, **kw.pop("extra", {})}, **kw)
+    return r.choices[0].model_extra["token_ids"]
+
+
+def test_unset_settings_take_the_models_recommendation(recommending_server):
+    server = recommending_server
+    assert server.runtime.sampling_defaults == SamplingDefaults(temperature=0.7, top_k=1)
+    greedy = _chat(server, temperature=0)
+    assert all(_chat(server, seed=s) == greedy for s in range(4))  # top_k 1 from generation_config.json
+    assert any(_chat(server, seed=s, extra={"top_k": 0}) != greedy for s in range(4))  # the request's own wins
+    completions = server.openai().completions.create(model=server.model, prompt="Once", max_tokens=8, seed=3,
+                                                     extra_body={"return_token_ids": True})
+    plain = server.openai().completions.create(model=server.model, prompt="Once", max_tokens=8, temperature=0,
+                                               extra_body={"return_token_ids": True})
+    assert completions.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"]
+    r = server.openai().responses.create(model=server.model, input="Hi", max_output_tokens=2)
+    assert r.temperature == 0.7  # the setting in effect is echoed
+
+
+def test_generation_config_vllm_ignores_the_recommendation(recommending_server):
+    import dataclasses
+
+    server = recommending_server
+    neutral = dataclasses.replace(server.runtime, sampling_defaults=SamplingDefaults.load("vllm", "unused"))
+    srv, app = _serve(neutral, dataclasses.replace(server.app.state.ember.config, generation_config="vllm"))
+    try:
+        plain = LiveServer(srv.url, neutral, server.model, server.tokenizer, app)
+        greedy = _chat(plain, temperature=0)
+        assert any(_chat(plain, seed=s) != greedy for s in range(4))
+    finally:
+        srv.stop()
+
+
+def test_the_flag_takes_auto_vllm_or_a_folder_with_the_file(tmp_path):
+    from ember.engine.args import SettingValueError
+    from ember.server.config import parse_generation_config
+
+    assert parse_generation_config("auto") == "auto" and parse_generation_config("vllm") == "vllm"
+    with pytest.raises(SettingValueError, match="generation_config.json"):
+        parse_generation_config(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    assert SamplingDefaults.load(parse_generation_config(str(tmp_path)), "elsewhere") == SamplingDefaults(
+        temperature=0.6, top_p=0.95, top_k=20)
