@@ -28,10 +28,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     add_flags(p, ServeConfig)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # the older spelling of --no-enable-prefix-caching
+    _vllm_spellings(p)
+
+
+def _vllm_spellings(p: argparse.ArgumentParser) -> None:
+    """vLLM's spellings of a `vllm serve` command line, so one carries over (docs/deployment.md lists them):
+    ``--model`` and ``--tool-call-parser`` set MODEL and ``--tool-parser``; ``--enable-auto-tool-choice`` and
+    ``--trust-remote-code`` are accepted and change nothing (Ember parses tool calls whenever the model family has a
+    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name)."""
+    from .config import parse_model_arg, parse_profile_name
+
+    p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
+    p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
+    for flag in ("--enable-auto-tool-choice", "--trust-remote-code"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    return from_namespace(ServeConfig, args)
+    config = from_namespace(ServeConfig, args)
+    flag = getattr(args, "model_flag", None)  # vLLM's --model MODEL
+    if flag is not None:
+        if config.model_dir is not None and config.model_dir != flag:
+            raise SystemExit(f"ember serve: error: MODEL given twice ({config.model_dir} and --model {flag})")
+        config.model_dir = flag
+    return config
 
 
 def serve(config: ServeConfig) -> int:

@@ -28,6 +28,9 @@ def test_serve_options_map_to_the_config(capsys):
     assert (c.tensor_parallel_size, c.enforce_eager, c.gpu_memory_utilization) == (2, True, 0.9)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-cache-blocks", "10", "--kv-cache-memory", "1G"])
+    vllm = serve_config(parser.parse_args(["serve", "--model", "org/y", "--enable-auto-tool-choice",
+                                           "--tool-call-parser", "qwen3_xml", "--trust-remote-code"]))
+    assert (str(vllm.model_dir), vllm.tool_parser) == ("org/y", "qwen3_coder")  # a vLLM command line carries over
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out
