@@ -20,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForCausalLM,
+    "Ministral3ForCausalLM": MistralForCausalLM,
     "Qwen3MoeForCausalLM": "ember.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "ember.engine.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV3ForCausalLM": "ember.engine.models.deepseek_v3:DeepseekV3ForCausalLM",

@@ -98,3 +98,26 @@ def test_a_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, de
         want = hf(input_ids=torch.tensor([prompt])).logits[0].float()
     got = ember_logits(ember_model(tmp_path), prompt)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_ministral3_scales_queries_past_its_original_context(tmp_path, demo_model_dir):
+    """Ministral 3 / Mistral Large 3: YaRN RoPE and, past ``original_max_position_embeddings`` (8 here, so a 30-token
+    prompt crosses it three times), queries multiplied by ``1 + beta * log(1 + floor(pos / 8))``."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    from tests.moe.conftest import assert_prefill_logits_match_transformers
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}
+    torch.manual_seed(3)
+    Ministral3ForCausalLM(Ministral3Config(
+        vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
+        rope_parameters=rope)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, tmp_path / name)
+    from ember.engine import loader
+
+    model = get_model_class("Ministral3ForCausalLM")(loader.load_model_config(tmp_path), 64)
+    assert model.model.layers[0].self_attn.q_position_scale == (0.5, 8)
+    assert_prefill_logits_match_transformers(tmp_path)
