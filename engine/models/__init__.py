@@ -9,7 +9,7 @@ import importlib
 
 from ember.engine.config import ConfigError
 from ember.engine.models.layers import DecoderForCausalLM
-from ember.engine.models.llama import LlamaForCausalLM
+from ember.engine.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
 from ember.engine.models.mistral import Mistral3ForCausalLM, MistralForCausalLM
 from ember.engine.models.qwen2 import Qwen2ForCausalLM
 from ember.engine.models.qwen3 import Qwen3ForCausalLM
@@ -17,6 +17,7 @@ from ember.engine.models.qwen3 import Qwen3ForCausalLM
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForCausalLM,

@@ -198,8 +198,9 @@ class Attention(nn.Module):
     With an FP8 (e4m3) KV cache, K and V are stored divided by ``k_scale`` / ``v_scale`` (the checkpoint's per-layer
     scales, 1.0 when it has none) and multiplied back when read.
 
-    ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE each query
-    is multiplied by ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length`` positions.
+    ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE layers). ``q_position_scale`` ``(beta, length)``
+    (Llama 4's and Mistral 3's attention temperature): after RoPE each query is multiplied by
+    ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length`` positions.
 
     Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
     the partial ``o_proj`` outputs over the ranks."""
@@ -223,6 +224,7 @@ class Attention(nn.Module):
         self.sinks: nn.Parameter | None = None
         self.k_scale = self.v_scale = 1.0
         self.q_position_scale: tuple[float, int] | None = None
+        self.use_rope = True
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
@@ -233,7 +235,8 @@ class Attention(nn.Module):
         v = v.reshape(t, self.hkv, self.d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(meta.positions, q, k)
+        if self.use_rope:
+            q, k = rope(meta.positions, q, k)
         if self.q_position_scale is not None:
             beta, length = self.q_position_scale
             scale = 1.0 + beta * torch.log1p(torch.floor(meta.positions / length))
