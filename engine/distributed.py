@@ -162,7 +162,9 @@ def _split_rule(name: str) -> tuple[str, int]:
     """How tensor ``name`` is split: ("replicate", -1), ("shard", dim), ("rank0", -1) for a row-parallel bias, or
     ("gate_up", 1) for transformers 5's fused expert stack ``[E, 2I, H]`` (gate and up halves split apart).
     A model's own rule may also return ("segments", dim, sizes): ``dim`` concatenates parts of those sizes, each
-    split evenly (the rank's slices of every part, concatenated)."""
+    split evenly (the rank's slices of every part, concatenated); or ("either_dim", dim, size, halves) for a fused
+    expert stack whose checkpoint may hold it transposed: the dimension of ``size`` (``dim``, else the other of 1
+    and 2) is split, as gate and up halves when ``halves`` is 2."""
     parts = name.split(".")
     if len(parts) < 2:
         return "replicate", -1
@@ -187,6 +189,14 @@ def _kept_ranges(shape: list[int], name: str, rule: tuple, tp: TensorParallel,
     kind, dim, *parts = rule
     if kind in ("replicate", "rank0"):
         return None
+    if kind == "either_dim":
+        size, halves = parts
+        if len(shape) == 3 and shape[dim] != size:
+            dim = 3 - dim
+        if len(shape) != 3 or shape[dim] != size:
+            raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(shape)}; expected {size} along dimension "
+                              "1 or 2")
+        kind, parts = ("gate_up" if halves == 2 else "shard"), []
     if dim >= len(shape):
         raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(shape)}; cannot split dimension {dim}")
     n, r = tp.world_size, tp.rank

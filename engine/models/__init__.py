@@ -29,6 +29,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Glm4MoeForCausalLM": "ember.engine.models.glm4_moe:Glm4MoeForCausalLM",
     "Gemma3ForCausalLM": "ember.engine.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ember.engine.models.gemma3:Gemma3ForCausalLM",
+    "Qwen3VLForConditionalGeneration": "ember.engine.models.qwen3_vl:Qwen3VLForCausalLM",
+    "Qwen3VLMoeForConditionalGeneration": "ember.engine.models.qwen3_vl:Qwen3VLMoeForCausalLM",
     "Qwen3NextForCausalLM": "ember.engine.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "ember.engine.models.qwen3_5:Qwen3_5ForCausalLM",

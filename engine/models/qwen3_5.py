@@ -16,10 +16,9 @@ from torch import nn
 
 from ember.engine.config import ModelConfig
 from ember.engine.models import qwen3_next
+from ember.engine.models.layers import language_model_name
 from ember.engine.models.qwen3_moe import moe_settings
 
-_LANGUAGE_MODEL = "model.language_model."
-_SKIPPED = ("model.visual.", "mtp.")
 
 
 class SplitGatedDeltaNet(qwen3_next.GatedDeltaNet):
@@ -66,6 +65,4 @@ class Qwen3_5ForCausalLM(qwen3_next.Qwen3NextForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """The language model's tensors under Ember's names (``model.language_model.`` -> ``model.``); the vision
         tower and the multi-token-prediction head are skipped."""
-        if name.startswith(_SKIPPED):
-            return None
-        return "model." + name[len(_LANGUAGE_MODEL):] if name.startswith(_LANGUAGE_MODEL) else name
+        return None if name.startswith("mtp.") else language_model_name(name)

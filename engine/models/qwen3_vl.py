@@ -1,0 +1,62 @@
+"""Qwen3-VL's language model (``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``), served for
+text: Qwen3 (dense) or Qwen3-MoE under ``model.language_model.``; the vision tower (``model.visual.``) is not loaded.
+Text positions are the same on the three multimodal rotary axes (``mrope_section``), so the rotary embedding is the
+plain one, and the deepstack visual features only ever add to image positions.
+
+The MoE checkpoints store each layer's experts fused, ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``,
+either as transformers holds them (``[E, 2I, H]``, ``[E, H, I]``) or transposed (``[E, H, 2I]``, ``[E, I, H]``, as
+the released checkpoints are); the loader takes either, and under tensor parallelism splits the dimension that holds
+the intermediate channels.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from ember.engine.config import ModelConfig
+from ember.engine.models.layers import language_model_name
+from ember.engine.models.qwen3 import Qwen3ForCausalLM
+from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+class Qwen3VLForCausalLM(Qwen3ForCausalLM):
+    def checkpoint_name(self, name: str) -> str | None:
+        return language_model_name(name)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        super().load_weights(self.renamed(weights), source)
+
+
+class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
+    def checkpoint_name(self, name: str) -> str | None:
+        return language_model_name(name)
+
+    @staticmethod
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple:
+        """A fused expert stack splits along whichever dimension holds the intermediate channels."""
+        from ember.engine import distributed
+
+        inter = int(cfg.raw.get("moe_intermediate_size") or 0)
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            return "either_dim", 1, 2 * inter, 2
+        if name.endswith(".mlp.experts.down_proj"):
+            return "either_dim", 2, inter, 1
+        return distributed._split_rule(name)
+
+    def _upright(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Fused expert stacks in the layout of the model's own (``[E, 2I, H]`` / ``[E, H, I]``)."""
+        for name, tensor in weights:
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and tensor.dim() == 3:
+                layer = int(name.split(".")[2])
+                ex = self._experts(layer)
+                want = ex.w13 if name.endswith("gate_up_proj") else ex.w2
+                if want is not None and tuple(tensor.shape) != tuple(want.shape) \
+                        and tuple(tensor.shape) == (want.shape[0], want.shape[2], want.shape[1]):
+                    tensor = tensor.transpose(1, 2)
+            yield name, tensor
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        super().load_weights(self._upright(self.renamed(weights)), source)
