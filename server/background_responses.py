@@ -1,9 +1,12 @@
 """Background responses (`background: true` on `/v1/responses`): the request runs as a server task after the create
-call has answered with the response `queued`.
+call has answered, with the response `queued` (or, asked with `stream: true`, with its event stream, which a client
+may leave and join again: the generation goes on either way).
 
 While it runs, `GET /v1/responses/{id}` shows it as it stands (`queued` until its first token, then `in_progress`
-with the items closed so far); `POST /v1/responses/{id}/cancel` stops it (the engine request is aborted, its slot and
-KV blocks freed) and leaves it `cancelled`. However it ends, its final response goes to the response store.
+with the items closed so far) and `GET /v1/responses/{id}?stream=true&starting_after=N` streams its events after
+sequence number N, the ones already sent and then the new ones as they come; `POST /v1/responses/{id}/cancel`
+stops it (the engine request is aborted, its slot and KV blocks freed) and leaves it `cancelled`. However it ends,
+its final response goes to the response store, with its events for later replays.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from .choice import ChoiceStep
+from .choice import ChoiceEnd, ChoiceStep
 from .responses_encoder import ResponseEncoder
 
 log = logging.getLogger("ember.server")
@@ -21,12 +24,16 @@ log = logging.getLogger("ember.server")
 
 @dataclass
 class BackgroundResponse:
-    """One running background response: its encoder (the response so far) and the task that feeds it."""
+    """One running background response: its encoder (the response so far), every event it has produced, and the
+    task that feeds them."""
 
     encoder: ResponseEncoder
     task: asyncio.Task | None = None
     started: bool = False  # a step has arrived: no longer queued
-    cancelled: bool = field(default=False, repr=False)
+    cancelled: bool = False
+    done: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when events grow or it ends
 
     def view(self) -> dict[str, Any]:
         body = self.encoder.response()
@@ -35,6 +42,23 @@ class BackgroundResponse:
         elif not self.started:
             body["status"] = "queued"
         return body
+
+    def _publish(self, events: list[dict[str, Any]]) -> None:
+        self.events += events
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+async def follow(bg: BackgroundResponse, after: int) -> AsyncIterator[dict[str, Any]]:
+    """``bg``'s events after sequence number ``after``: those produced so far, then each new one, until it ends."""
+    i = max(0, after + 1)
+    while True:
+        while i < len(bg.events):
+            yield bg.events[i]
+            i += 1
+        if bg.done:
+            return
+        await bg.changed.wait()
 
 
 class BackgroundResponses:
@@ -50,31 +74,35 @@ class BackgroundResponses:
         return self._running.get(response_id)
 
     def start(self, response_id: str, encoder: ResponseEncoder, steps: AsyncIterator[ChoiceStep],
-              finish: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+              finish: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> BackgroundResponse:
         """Run ``steps`` through ``encoder`` in a task; ``finish`` gets the final response (completed, incomplete,
-        failed or cancelled). Returns the response as the create call answers it (`queued`)."""
+        failed or cancelled) and its events."""
         bg = BackgroundResponse(encoder)
+        bg._publish(encoder.start())
         self._running[response_id] = bg
         bg.task = asyncio.create_task(self._run(response_id, bg, steps, finish))
-        return bg.view()
+        return bg
 
     async def _run(self, response_id: str, bg: BackgroundResponse, steps: AsyncIterator[ChoiceStep],
-                   finish: Callable[[dict[str, Any]], None]) -> None:
+                   finish: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> None:
         try:
             async with aclosing(steps) as it:  # closing aborts the engine request
                 async for step in it:
                     bg.started = True
-                    bg.encoder.events(step)
+                    events = bg.encoder.events(step)
+                    if events:
+                        bg._publish(events)
         except asyncio.CancelledError:
             bg.cancelled = True
         except Exception as e:  # the engine died, or a bug: the poller sees a failed response, not a hang
             log.exception("background response %s failed", response_id)
-            bg.encoder.status = "failed"
-            bg.encoder.error = {"code": "server_error", "message": f"generation failed: {type(e).__name__}: {e}"}
+            bg._publish(bg.encoder.finish(ChoiceEnd("error", error=f"generation failed: {type(e).__name__}: {e}")))
         finally:
             self._running.pop(response_id, None)
+            bg.done = True
+            bg._publish([])
         try:
-            finish(bg.view())
+            finish(bg.view(), bg.events)
         except Exception:  # nothing awaits this task: say why the response was not stored
             log.exception("background response %s could not be stored", response_id)
 

@@ -2,8 +2,8 @@
 
 `input` items stay plain dicts here: `responses_input` checks them one by one (naming `input[i]...` in its errors)
 and turns them into chat-template messages. Unknown top-level fields are accepted and ignored, as the OpenAI SDKs
-add new ones often; fields Ember cannot honour (`truncation: auto`, `conversation`, `prompt`, a streamed
-`background` response) are refused by name. Extensions as on chat: `top_k`, `min_p`, `seed`, `repetition_penalty`,
+add new ones often; fields Ember cannot honour (`truncation: auto`, `conversation`, `prompt`) are refused by
+name. Extensions as on chat: `top_k`, `min_p`, `seed`, `repetition_penalty`,
 `ignore_eos`, `max_thinking_tokens`, `chat_template_kwargs`.
 """
 from __future__ import annotations
@@ -101,9 +101,6 @@ class ResponsesRequest(_Lenient):
 
     def check(self) -> None:
         """Refuse, naming the field, what Ember cannot honour and what contradicts itself (400)."""
-        if self.background and self.stream:
-            raise bad_request("a background response is not streamed: poll GET /v1/responses/{id} instead",
-                              param="stream")
         if self.background and not self.store:
             raise bad_request("a background response must be stored (store: true) to be polled", param="store")
         if self.truncation == "auto":

@@ -12,6 +12,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object as it was answered
     messages: list[dict[str, Any]]  # the conversation so far as template messages (without instructions)
     input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's input, as listed back
+    events: list[dict[str, Any]] | None = None  # a background response's stream events, for replays
 
 
 class ResponseStore:

@@ -24,6 +24,7 @@ from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_con
                         check_model, collect, new_request, noted_steps, state)
 from .errors import ApiError
 from .generation import ChoiceSpec, make_pipeline, sampling_params
+from .background_responses import follow
 from .response_store import StoredResponse
 from .openai_encoder import sse_event
 from .responses_encoder import ResponseEncoder
@@ -118,16 +119,19 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     run = Run()
     single_call = not body.parallel_tool_calls
 
-    def remember(response: dict[str, Any]) -> None:
+    def remember(response: dict[str, Any], events: list[dict[str, Any]] | None = None) -> None:
         if store and (response["status"] != "failed" or body.background):  # a poller must see the failure
             replies = responses_messages(response["output"], own_output=True)
-            st.responses.put(response_id, StoredResponse(response, history + replies, listed_items(items)))
+            st.responses.put(response_id, StoredResponse(response, history + replies, listed_items(items), events))
 
     if body.background:
         if not store:
             raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background "
                                 "response could not be polled", param="background")
-        return JSONResponse(st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember))
+        bg = st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember)
+        if body.stream:  # a view of the task: a client that leaves stops reading, not generating
+            return _event_stream(st, follow(bg, -1))
+        return JSONResponse(bg.view())
     if body.stream:
         async def stream() -> AsyncIterator[str]:
             yield "".join(sse_event(ev) for ev in enc.start())
@@ -156,9 +160,34 @@ def _not_stored(response_id: str) -> ApiError:
     return ApiError(404, f"No stored response with id '{response_id}'", param="response_id", code="response_not_found")
 
 
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+def _event_stream(st: ServerState, events: AsyncIterator[dict[str, Any]]) -> EventStreamResponse:
+    async def sse() -> AsyncIterator[str]:
+        async with aclosing(events) as it:
+            async for ev in it:
+                yield sse_event(ev)
+    return EventStreamResponse(sse(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
+
+
+async def _replay(events: list[dict[str, Any]], after: int) -> AsyncIterator[dict[str, Any]]:
+    for ev in events[max(0, after + 1):]:
+        yield ev
+
+
+async def retrieve_response(response_id: str, request: Request, stream: bool = False,
+                            starting_after: int | None = None) -> Any:
+    """The response as it stands; with ``stream``, a background response's events after ``starting_after`` (all of
+    them without it), followed live while it runs."""
     st = state(request)
     running = st.background.get(response_id)
+    after = -1 if starting_after is None else starting_after
+    if stream:
+        if running is not None:
+            return _event_stream(st, follow(running, after))
+        stored = _stored(st, response_id)
+        if stored.events is None:
+            raise ApiError(400, f"Response '{response_id}' was not created in the background; only background "
+                                "responses can be streamed again", param="stream")
+        return _event_stream(st, _replay(stored.events, after))
     return running.view() if running is not None else _stored(st, response_id).body
 
 

@@ -249,7 +249,6 @@ def test_cut_call_is_incomplete_and_still_replays(demo_server):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"background": True, "stream": True}, "stream"),
     ({"background": True, "store": False}, "store"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},

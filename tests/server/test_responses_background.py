@@ -1,6 +1,7 @@
 """Background responses (`background: true` on `/v1/responses`) through the real `openai` SDK: the create call answers
 at once, polling shows the response until it has finished, equal to the same request run in the foreground;
-`cancel` and `delete` stop a running one and free its slot and KV blocks."""
+streamed, a client may leave and join again after any sequence number; `cancel` and `delete` stop a running one and
+free its slot and KV blocks."""
 from __future__ import annotations
 
 import time
@@ -75,3 +76,46 @@ def test_only_background_responses_can_be_cancelled(demo_server):
     assert e.value.body["param"] == "response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_missing")
+
+
+def test_a_streamed_background_response_goes_on_without_its_client_and_replays(demo_server):
+    client = demo_server.openai()
+    kw = dict(model=demo_server.model, input="Say hello.", max_output_tokens=12, temperature=1.0,
+              extra_body={"seed": 4, **NO_THINK})
+    fg = client.responses.create(**kw)
+    stream = client.responses.create(background=True, stream=True, **kw)
+    first = []
+    for ev in stream:
+        first.append(ev)
+        if len(first) == 3:
+            break
+    stream.close()  # the client leaves; the response goes on
+    rid = first[0].response.id
+    assert first[0].type == "response.created" and first[0].response.background is True
+    done = _poll(client, rid, ("completed", "incomplete"))
+    assert done.output_text == fg.output_text
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=2))
+    assert [e.sequence_number for e in rest] == list(range(3, 3 + len(rest)))
+    assert rest[-1].type == f"response.{done.status}" and rest[-1].response.output_text == fg.output_text
+    whole = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[3:] == rest
+
+
+def test_joining_a_running_stream_follows_it_until_it_is_cancelled(demo_server):
+    client = demo_server.openai()
+    free = demo_server.stats().num_free_blocks
+    bg = client.responses.create(model=demo_server.model, background=True, **LONG)
+    _poll(client, bg.id, ("in_progress",))
+    joined = client.responses.retrieve(bg.id, stream=True, starting_after=0)
+    seen = []
+    for ev in joined:
+        seen.append(ev)
+        if len(seen) == 8:
+            client.responses.cancel(bg.id)  # the stream then ends by itself
+    assert seen[0].sequence_number == 1 and len(seen) >= 8
+    assert [e.sequence_number for e in seen] == list(range(1, 1 + len(seen)))
+    _settled(demo_server, free)
+    with pytest.raises(openai.BadRequestError) as e:
+        foreground = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=1)
+        list(client.responses.retrieve(foreground.id, stream=True))
+    assert e.value.body["param"] == "stream"
