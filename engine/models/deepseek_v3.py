@@ -34,9 +34,17 @@ from torch import nn
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderLayer, GatedMLP, RMSNorm, RotaryEmbedding
+from ember.engine.models import qwen3_moe
 from ember.engine.models.qwen3_moe import MoEExperts, Qwen3MoeForCausalLM, SparseMoeBlock
 from ember.engine.nvfp4_loading import use_triton
 from ember.kernels import moe_reference
+
+
+def prediction_layer(name: str, cfg: ModelConfig) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction layer (``model.layers.N`` with N past
+    ``num_hidden_layers``), which the served model does not run."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= cfg.num_hidden_layers
 
 
 class MLAttention(nn.Module):
@@ -145,22 +153,22 @@ class DeepseekV3MoE(SparseMoeBlock):
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
+    """Latent attention (``attention``; GLM-4.5 brings its own) + DeepSeek's MoE, or the dense gated MLP."""
+
+    @staticmethod
+    def attention(cfg: ModelConfig) -> nn.Module:
+        return MLAttention(cfg)
+
     def __init__(self, cfg: ModelConfig, moe: dict | None, device: torch.device, dtype: torch.dtype) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = self.attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DeepseekV3MoE(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
 
 
-class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(cfg, moe if sparse[i] else None, device, dtype) for i in range(len(sparse)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class _Body(qwen3_moe._Body):
+    layer = DeepseekV3DecoderLayer
 
 
 class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
@@ -203,9 +211,7 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """``self_attn.q_proj`` (no q LoRA) is ``q_proj_mla`` here (not a fused q/k/v part); multi-token-prediction
         layers past ``num_hidden_layers`` are skipped."""
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() \
-                and int(parts[2]) >= self.config.num_hidden_layers:
+        if prediction_layer(name, self.config):
             return None
         return name.replace(".self_attn.q_proj.", ".self_attn.q_proj_mla.")
 

@@ -8,34 +8,24 @@ Qwen3-MoE.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ember.engine.config import ModelConfig
-from ember.engine.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
-from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, partial_rotary_dim
+from ember.engine.models import deepseek_v3
+from ember.engine.models.layers import Attention, partial_rotary_dim
 
 
-class Glm4MoeDecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, moe: dict | None, device: torch.device, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qk_norm=bool(cfg.raw.get("use_qk_norm", False)), o_bias=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = DeepseekV3MoE(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
+class Glm4MoeDecoderLayer(deepseek_v3.DeepseekV3DecoderLayer):
+    @staticmethod
+    def attention(cfg: ModelConfig) -> nn.Module:
+        return Attention(cfg, qk_norm=bool(cfg.raw.get("use_qk_norm", False)), o_bias=False)
 
 
-class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Glm4MoeDecoderLayer(cfg, moe if sparse[i] else None, device, dtype) for i in range(len(sparse)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class _Body(deepseek_v3._Body):
+    layer = Glm4MoeDecoderLayer
 
 
-class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+class Glm4MoeForCausalLM(deepseek_v3.DeepseekV3ForCausalLM):
     """GLM-4.5's decoder over the paged KV cache; experts and their routing are DeepSeek-V3's."""
 
     body = _Body
@@ -50,8 +40,4 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         """Every tensor under its own name, but the multi-token-prediction layers past ``num_hidden_layers``."""
-        parts = name.split(".")
-        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() \
-                and int(parts[2]) >= self.config.num_hidden_layers:
-            return None
-        return name
+        return None if deepseek_v3.prediction_layer(name, self.config) else name

@@ -132,13 +132,17 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
 
 
 class _Body(nn.Module):
+    """Embeddings, one ``layer`` per config layer (sparse where ``sparse`` says), the final norm; a MoE family
+    subclasses it with its own ``layer``."""
+
+    layer: type[nn.Module] = Qwen3MoeDecoderLayer
+
     def __init__(self, cfg: ModelConfig, moe: dict, sparse: list[bool], device: torch.device,
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(cfg, moe if sparse[i] else None, device, dtype) for i in range(len(sparse))
-        )
+            self.layer(cfg, moe if sparse[i] else None, device, dtype) for i in range(len(sparse)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
