@@ -26,6 +26,13 @@ def tiny_qwen3(ctx: Ctx) -> Path:
     return ctx.cached("tiny_qwen3", lambda: demo.build(ctx.tmp / "qwen3-tiny"))
 
 
+def _saved(model: Any, ctx: Ctx, name: str) -> Path:
+    """A transformers model saved as the checkpoint folder ``name``, with the demo tokenizer."""
+    path = ctx.tmp / name
+    model.save_pretrained(path)
+    return _with_tokenizer(path, ctx)
+
+
 def _with_tokenizer(path: Path, ctx: Ctx) -> Path:
     src = tiny_qwen3(ctx)
     for name in TOKENIZER_FILES:
@@ -50,9 +57,7 @@ def tiny_qwen3_moe(ctx: Ctx) -> Path:
             for layer in model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0.0, 0.5)
-        path = ctx.tmp / "qwen3-moe-tiny"
-        model.save_pretrained(path)
-        return _with_tokenizer(path, ctx)
+        return _saved(model, ctx, "qwen3-moe-tiny")
 
     return ctx.cached("tiny_qwen3_moe", build)
 
@@ -78,9 +83,7 @@ def tiny_qwen3_next(ctx: Ctx) -> Path:
                     p.add_(torch.randn_like(p) * 0.2)
                 elif name.endswith("mlp.gate.weight"):
                     p.normal_(0.0, 0.5)
-        path = ctx.tmp / "qwen3-next-tiny"
-        model.save_pretrained(path)
-        return _with_tokenizer(path, ctx)
+        return _saved(model, ctx, "qwen3-next-tiny")
 
     return ctx.cached("tiny_qwen3_next", build)
 
@@ -106,9 +109,7 @@ def tiny_glm4_moe(ctx: Ctx) -> Path:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.weight.normal_(0.0, 0.5)
                     layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
-        path = ctx.tmp / "glm4-moe-tiny"
-        model.save_pretrained(path)
-        return _with_tokenizer(path, ctx)
+        return _saved(model, ctx, "glm4-moe-tiny")
 
     return ctx.cached("tiny_glm4_moe", build)
 
@@ -131,9 +132,7 @@ def tiny_gemma3(ctx: Ctx) -> Path:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
-        path = ctx.tmp / "gemma3-tiny"
-        model.save_pretrained(path)
-        return _with_tokenizer(path, ctx)
+        return _saved(model, ctx, "gemma3-tiny")
 
     return ctx.cached("tiny_gemma3", build)
 
