@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": "ember.engine.models.granite:GraniteForCausalLM",
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForCausalLM,

@@ -316,10 +316,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, qk_norm: bool, layer: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer(cfg, qk_norm) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -392,6 +392,7 @@ class DecoderForCausalLM(nn.Module):
     """A Llama-family decoder over the paged KV cache; subclasses choose ``qk_norm``."""
 
     qk_norm = False
+    layer: type[DecoderLayer] = DecoderLayer
     dense_only: tuple[str, ...] = ()
     """Suffixes of projections the model reads as plain weight matrices: never packed (FP8 ones are dequantized on
     load, NVFP4 ones refused)."""
@@ -399,7 +400,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderBody(cfg, self.qk_norm)
+        self.model = DecoderBody(cfg, self.qk_norm, self.layer)
         for layer, window in zip(self.model.layers, sliding_windows(cfg)):
             layer.self_attn.sliding_window = window
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
