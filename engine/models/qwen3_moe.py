@@ -121,12 +121,14 @@ class SparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):
-    """Qwen3 attention + either a sparse MoE block or the dense gated MLP."""
+    """Qwen3 attention (``qk_norm``: Mixtral's has none) + either a sparse MoE block or the dense gated MLP."""
+
+    qk_norm = True
 
     def __init__(self, cfg: ModelConfig, moe: dict | None, device: torch.device, dtype: torch.dtype) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qk_norm=True)
+        self.self_attn = Attention(cfg, qk_norm=self.qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoeBlock(cfg, moe, device, dtype) if moe is not None else GatedMLP(cfg)
 

@@ -1,0 +1,66 @@
+"""Mixtral (``MixtralForCausalLM``): Mistral's attention (no q/k norm; ``sliding_window`` when set) and a sparse MoE
+in every layer: softmax top-``num_experts_per_tok`` of ``num_local_experts`` experts of ``intermediate_size``,
+renormalised (Qwen3-MoE's block and kernels). The checkpoint names the experts ``block_sparse_moe.experts.E.w1``
+(gate), ``w3`` (up), ``w2`` (down) and the router ``block_sparse_moe.gate``; they load under Qwen3-MoE's names."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models import qwen3_moe
+from ember.engine.models.layers import sliding_windows
+
+_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class MixtralDecoderLayer(qwen3_moe.Qwen3MoeDecoderLayer):
+    qk_norm = False
+
+
+class _Body(qwen3_moe._Body):
+    layer = MixtralDecoderLayer
+
+
+class MixtralForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
+    qk_norm = False
+    body = _Body
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__(cfg, max_position)
+        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
+            layer.self_attn.sliding_window = window
+
+    @staticmethod
+    def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
+        raw = cfg.raw
+        moe = {"num_experts": int(raw.get("num_local_experts") or 0), "top_k": int(raw.get("num_experts_per_tok") or 0),
+               "inter": cfg.intermediate_size, "norm_topk_prob": True}
+        if not 1 <= moe["top_k"] <= moe["num_experts"]:
+            raise ConfigError("config.json: Mixtral needs 1 <= num_experts_per_tok <= num_local_experts")
+        return moe, [True] * cfg.num_hidden_layers
+
+    @staticmethod
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
+        """``w1`` / ``w3`` split their rows (intermediate channels), ``w2`` its columns; the rest as usual."""
+        from ember.engine import distributed
+
+        module, _, leaf = name.rpartition(".")
+        which = module.rpartition(".")[2]
+        if ".block_sparse_moe.experts." in name and which in _EXPERT_NAMES and leaf == "weight":
+            return ("shard", 1) if which == "w2" else ("shard", 0)
+        return distributed._split_rule(name)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if ".block_sparse_moe." not in name:
+            return name
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        parts = name.split(".")
+        if len(parts) > 2 and parts[-2] in _EXPERT_NAMES:
+            parts[-2] = _EXPERT_NAMES[parts[-2]]
+        return ".".join(parts)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        super().load_weights(self.renamed(weights), source)

@@ -1,0 +1,43 @@
+"""A tiny random Mixtral (Mistral attention, a softmax top-2 MoE in every layer, experts named w1/w3/w2 under
+``block_sparse_moe``): Ember's logits and greedy tokens equal transformers', through chunked prefill and prefix hits,
+and two tensor-parallel ranks (each with its share of every expert's channels) decode what one process does."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny_mixtral_dir(tmp_path_factory, demo_model_dir):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-mixtral")
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=1280, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+        initializer_range=0.1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model_dir / name, path / name)
+    return path
+
+
+def test_prefill_logits_match_transformers(tiny_mixtral_dir):
+    assert_prefill_logits_match_transformers(tiny_mixtral_dir)
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_mixtral_dir):
+    assert_greedy_matches_transformers_chunked_and_cached(tiny_mixtral_dir)
+
+
+def test_two_ranks_match_one(tiny_mixtral_dir):
+    assert_two_ranks_match_one(tiny_mixtral_dir, prompts(4, seed=12, min_len=5, max_len=40), 6)
