@@ -14,7 +14,8 @@ from ember.engine import loader
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
+                                save_with_tokenizer)
 
 TEXT = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, max_position_embeddings=256,
@@ -31,20 +32,13 @@ def _randomize_norms(model) -> None:
                 p.normal_(0.0, 0.3)
 
 
-def _copy_tokenizer(tokenizer_dir, path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-
-
 def save_tiny_gemma3(path, tokenizer_dir, seed: int = 0):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**TEXT))
     _randomize_norms(model)
-    model.save_pretrained(path)
-    _copy_tokenizer(tokenizer_dir, path)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +87,7 @@ def test_the_multimodal_checkpoint_serves_its_language_model(tmp_path, demo_mode
                   patch_size=14)
     model = Gemma3ForConditionalGeneration(Gemma3Config(text_config=TEXT, vision_config=vision, mm_tokens_per_image=4))
     _randomize_norms(model)
-    model.save_pretrained(tmp_path / "mm")
-    _copy_tokenizer(demo_model_dir, tmp_path / "mm")
+    save_with_tokenizer(model, tmp_path / "mm", demo_model_dir)
     assert loader.load_model_config(tmp_path / "mm").architecture == "Gemma3ForConditionalGeneration"
     assert_prefill_logits_match_transformers(tmp_path / "mm")
 

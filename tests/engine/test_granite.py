@@ -2,29 +2,24 @@
 logits and greedy tokens equal transformers', through chunked prefill and prefix hits."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers)
+                                assert_prefill_logits_match_transformers, save_with_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def tiny_granite_dir(tmp_path_factory, demo_model_dir):
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-granite")
     torch.manual_seed(0)
-    GraniteForCausalLM(GraniteConfig(
+    model = GraniteForCausalLM(GraniteConfig(
         vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
         embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.3, logits_scaling=4.0,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-granite"), demo_model_dir)
 
 
 def test_prefill_logits_match_transformers(tiny_granite_dir):

@@ -4,15 +4,14 @@ tensor-parallel ranks (each taking its share of every fused part) decode what on
 by name."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
+                                save_with_tokenizer)
 
 CONFIG = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
@@ -25,13 +24,11 @@ def tiny_phi3_dir(tmp_path_factory, demo_model_dir):
     from safetensors import safe_open
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-phi3")
     torch.manual_seed(0)
-    Phi3ForCausalLM(Phi3Config(**CONFIG)).save_pretrained(path)
+    path = save_with_tokenizer(Phi3ForCausalLM(Phi3Config(**CONFIG)), tmp_path_factory.mktemp("tiny-phi3"),
+                               demo_model_dir)
     with safe_open(path / "model.safetensors", "pt") as f:
         assert "model.layers.0.self_attn.qkv_proj.weight" in f.keys()  # the fused form real checkpoints have
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
     return path
 
 

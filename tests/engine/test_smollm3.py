@@ -2,30 +2,25 @@
 equal transformers', through chunked prefill and prefix hits."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from ember.engine import loader
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers)
+                                assert_prefill_logits_match_transformers, save_with_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def tiny_smollm3_dir(tmp_path_factory, demo_model_dir):
     from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-smollm3")
     torch.manual_seed(0)
-    SmolLM3ForCausalLM(SmolLM3Config(
+    model = SmolLM3ForCausalLM(SmolLM3Config(
         vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+        pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-smollm3"), demo_model_dir)
 
 
 def test_every_fourth_layer_has_no_rope(tiny_smollm3_dir):

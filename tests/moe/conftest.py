@@ -25,6 +25,14 @@ def tiny_moe_config(**over):
     return Qwen3MoeConfig(**cfg)
 
 
+def save_with_tokenizer(model, path: Path, tokenizer_dir: Path) -> Path:
+    """``model`` (a transformers model) saved as a checkpoint folder with the tokenizer of ``tokenizer_dir``."""
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
 def save_tiny_moe(path: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Path:
     """A random Qwen3-MoE saved by ``save_pretrained``; routers drawn with std 0.5 so top-k has no near-ties."""
     from transformers import Qwen3MoeForCausalLM
@@ -35,10 +43,7 @@ def save_tiny_moe(path: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Pat
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 def save_hybrid(model, path: Path, tokenizer_dir: Path) -> Path:
@@ -51,10 +56,7 @@ def save_hybrid(model, path: Path, tokenizer_dir: Path) -> Path:
                 p.add_(torch.randn_like(p) * 0.2)
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[tuple[list[int], float]]:

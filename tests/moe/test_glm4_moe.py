@@ -5,7 +5,6 @@ from NVFP4 and block-FP8 exports too, and two tensor-parallel ranks decode what 
 family's own parser (``glm45``) is picked from its ``model_type``."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ import torch
 from ember.engine import loader
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
+                                save_with_tokenizer)
 
 
 def save_tiny_glm4_moe(path, tokenizer_dir, seed: int = 0, **over):
@@ -36,15 +36,13 @@ def save_tiny_glm4_moe(path, tokenizer_dir, seed: int = 0, **over):
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.weight.normal_(0.0, 0.5)
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
-    model.save_pretrained(path)
+    save_with_tokenizer(model, path, tokenizer_dir)
     tensors = load_file(path / "model.safetensors")  # GLM checkpoints carry a multi-token-prediction layer
     n = cfg["num_hidden_layers"]
     mtp = {k.replace(f".layers.{n - 1}.", f".layers.{n}."): v.clone() for k, v in tensors.items()
            if f".layers.{n - 1}." in k}
     mtp[f"model.layers.{n}.eh_proj.weight"] = torch.randn(64, 128)
     save_file(tensors | mtp, str(path / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
     return path
 
 

@@ -3,20 +3,18 @@
 and two tensor-parallel ranks (each with its share of every expert's channels) decode what one process does."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
+                                save_with_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def tiny_mixtral_dir(tmp_path_factory, demo_model_dir):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-mixtral")
     torch.manual_seed(0)
     model = MixtralForCausalLM(MixtralConfig(
         vocab_size=1280, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -25,10 +23,7 @@ def tiny_mixtral_dir(tmp_path_factory, demo_model_dir):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_model_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-mixtral"), demo_model_dir)
 
 
 def test_prefill_logits_match_transformers(tiny_mixtral_dir):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.moe.conftest import assert_two_ranks_match_one, ember_logits, ember_model, prompts
+from tests.moe.conftest import assert_two_ranks_match_one, ember_logits, ember_model, prompts, save_with_tokenizer
 
 TEXT = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1,
@@ -17,13 +17,6 @@ TEXT = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_la
                              "mrope_interleaved": True})
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
               spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
-
-
-def _save(model, path, tokenizer_dir):
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 def _check_logits(hf, path) -> None:
@@ -39,7 +32,7 @@ def test_dense_qwen3_vl_text_logits_match_transformers(tmp_path, demo_model_dir)
 
     torch.manual_seed(0)
     hf = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=TEXT, vision_config=VISION)).eval()
-    _check_logits(hf, _save(hf, tmp_path / "vl", demo_model_dir))
+    _check_logits(hf, save_with_tokenizer(hf, tmp_path / "vl", demo_model_dir))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,7 @@ def vl_moe(tmp_path_factory, demo_model_dir):
         for layer in hf.model.language_model.layers:
             layer.mlp.gate.weight.normal_(0.0, 0.5)
     root = tmp_path_factory.mktemp("qwen3-vl-moe")
-    own = _save(hf, root / "own", demo_model_dir)
+    own = save_with_tokenizer(hf, root / "own", demo_model_dir)
     released = root / "released"
     shutil.copytree(own, released)
     tensors = load_file(own / "model.safetensors")
