@@ -116,6 +116,9 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
     """ConfigError naming the config.json field that ``world_size`` does not divide."""
     from ember.engine.models.qwen3_moe import moe_settings
 
+    if cfg.model_type in ("olmo2", "olmo3") and world_size > 1:
+        raise ConfigError(f"{source}: OLMo's q/k norms span every head; tensor_parallel_size {world_size} is not "
+                          "supported for it")
     fields = [("num_attention_heads", cfg.num_attention_heads)]
     if not _is_mla(cfg):  # MLA's one latent KV head is replicated
         fields.append(("num_key_value_heads", cfg.num_key_value_heads))

@@ -18,6 +18,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": "ember.engine.models.olmo:OlmoForCausalLM",
+    "Olmo3ForCausalLM": "ember.engine.models.olmo:OlmoForCausalLM",
     "GraniteForCausalLM": "ember.engine.models.granite:GraniteForCausalLM",
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

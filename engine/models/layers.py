@@ -198,9 +198,11 @@ class Attention(nn.Module):
     With an FP8 (e4m3) KV cache, K and V are stored divided by ``k_scale`` / ``v_scale`` (the checkpoint's per-layer
     scales, 1.0 when it has none) and multiplied back when read.
 
-    ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE layers). ``q_position_scale`` ``(beta, length)``
-    (Llama 4's and Mistral 3's attention temperature): after RoPE each query is multiplied by
-    ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length`` positions.
+    ``whole_qk_norm`` applies ``q_norm`` / ``k_norm`` over the whole q / k projections instead of per head (OLMo 2 /
+    3, whose norms are as wide as the projections). ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE
+    layers). ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE
+    each query is multiplied by ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length``
+    positions.
 
     Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
     the partial ``o_proj`` outputs over the ranks."""
@@ -225,15 +227,18 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
         self.q_position_scale: tuple[float, int] | None = None
         self.use_rope = True
+        self.whole_qk_norm = False
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
                 kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.whole_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = rope(meta.positions, q, k)
