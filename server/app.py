@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import chat
@@ -369,6 +370,34 @@ async def health(request: Request) -> Response:
                          "num_steps": s.num_steps, "step_ms": s.step_ms})
 
 
+async def version() -> dict:
+    """Ember's version (vLLM's `/version`)."""
+    from .cli import version as ember_version
+
+    return {"version": ember_version()}
+
+
+async def invocations(request: Request, _: None = Depends(require_api_key)) -> Response:
+    """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat completion, one with `prompt`
+    a text completion (the same validation, answers and errors as those routes)."""
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise bad_request(f"Request body is not valid JSON: {e}", code="json_invalid") from None
+    if isinstance(raw, dict) and "messages" in raw:
+        model, handler = po.ChatCompletionRequest, chat_completions
+    elif isinstance(raw, dict) and "prompt" in raw:
+        model, handler = po.CompletionRequest, completions
+    else:
+        raise bad_request("an /invocations body is a JSON object with messages (a chat completion) or prompt (a "
+                          "text completion)", param="messages")
+    try:
+        body = model.model_validate(raw)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    return await handler(body, request, None)
+
+
 async def metrics(request: Request) -> Response:
     return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -452,6 +481,9 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.add_api_route("/v1/messages", messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/invocations", invocations, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     responses_api.add_routes(app, [Depends(require_api_key)])
     tokenize_api.add_routes(app, [Depends(require_api_key)])

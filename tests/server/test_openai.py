@@ -330,3 +330,32 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(dem
     plain = list(client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=2, stream=True,
                                                 stream_options={"include_usage": True}))
     assert all(ch.usage is None for ch in plain[:-1])
+
+
+def test_sagemaker_and_vllm_utility_routes(demo_server, keyed_server):
+    """`/invocations` (SageMaker, as vLLM serves it) answers what chat or completions answer for the same body and
+    refuses what they refuse; `/ping` is the health check; `/version` names the version."""
+    url = demo_server.url
+    chat = {"model": demo_server.model, "messages": HI, "max_tokens": 4, "temperature": 0}
+    via = httpx.post(url + "/invocations", json=chat, timeout=30).json()
+    direct = httpx.post(url + "/v1/chat/completions", json=chat, timeout=30).json()
+    assert via["object"] == "chat.completion" and via["choices"][0]["message"] == direct["choices"][0]["message"]
+    text = {"model": demo_server.model, "prompt": "Once", "max_tokens": 4, "temperature": 0}
+    via = httpx.post(url + "/invocations", json=text, timeout=30).json()
+    assert via["object"] == "text_completion"
+    assert via["choices"][0]["text"] == httpx.post(url + "/v1/completions", json=text, timeout=30).json()[
+        "choices"][0]["text"]
+    with httpx.stream("POST", url + "/invocations", json={**chat, "stream": True}, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert [ln for ln in r.iter_lines() if ln.startswith("data: ")][-1] == "data: [DONE]"
+    refused = (({"foo": 1}, "messages"), ({"messages": [{"role": "bogus", "content": "x"}]}, "messages[0].role"),
+               ({"prompt": "x", "max_tokens": 0}, "max_tokens"))
+    for body, param in refused:
+        r = httpx.post(url + "/invocations", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(url + "/invocations", content=b"{nope", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_invalid"
+    assert httpx.post(keyed_server.url + "/invocations", json=chat, timeout=30).status_code == 401
+    assert httpx.get(url + "/ping", timeout=30).json()["status"] == "ok"
+    assert httpx.post(url + "/ping", timeout=30).status_code == 200
+    assert httpx.get(url + "/version", timeout=30).json()["version"]
