@@ -95,7 +95,7 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     model.fp8_candidates = fp8_loading.packed_candidates(loader.weight_files(model_dir), fmt) if fmt else {}
     if fmt is not None:
         weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
-    model.load_weights(weights, source=str(model_dir))
+    model.load_weights(model.renamed(weights), source=str(model_dir))  # under the model's own names
     for m in model.modules():  # the model's RoPE tables (Gemma 3 has a local and a global one)
         if isinstance(m, RotaryEmbedding):
             m.build_cache(device, dtype)

@@ -217,11 +217,11 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Qwen3-MoE's loader over :meth:`checkpoint_name`."""
+        """Qwen3-MoE's loader, refusing FP8 scales that config.json gives no format for."""
         fp8 = getattr(self, "fp8", None) is not None
 
         def checked() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in self.renamed(weights):
+            for name, tensor in weights:
                 if name.endswith(".weight_scale_inv") and not fp8:
                     raise ConfigError(f"{source}: tensor {name!r} is FP8 block-quantized but config.json has no "
                                       "quantization_config (quant_method fp8, weight_block_size) to read it by")

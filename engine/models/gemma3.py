@@ -11,7 +11,6 @@ soft-capping is not implemented (refused); a final logit soft-cap is applied.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -128,7 +127,3 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         return language_model_name(name)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self.renamed(weights), source)

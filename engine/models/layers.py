@@ -426,8 +426,9 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """The name this model's loader gives checkpoint tensor ``name``, or None for a tensor it does not use (a
-        multi-token-prediction head, a vision tower). A model that renames or skips tensors overrides this and
-        applies it to its weight stream (:meth:`renamed`); the NVFP4 plan reads the checkpoint through it too."""
+        multi-token-prediction head, a vision tower). A model that renames or skips tensors overrides this; the
+        engine's ``load_model`` hands :meth:`load_weights` the stream :meth:`renamed`, and the NVFP4 plan reads the
+        checkpoint through it too."""
         return name
 
     def materialize(self) -> None:

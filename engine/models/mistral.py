@@ -5,10 +5,6 @@ add an attention temperature past the YaRN context (``rope_parameters.llama_4_sc
 model, one of these decoders, from the multimodal checkpoint layout."""
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
-
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderForCausalLM, language_model_name
 
@@ -40,7 +36,3 @@ class Mistral3ForCausalLM(MistralForCausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         return language_model_name(name)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self.renamed(weights), source)

@@ -4,10 +4,6 @@ renormalised (Qwen3-MoE's block and kernels). The checkpoint names the experts `
 (gate), ``w3`` (up), ``w2`` (down) and the router ``block_sparse_moe.gate``; they load under Qwen3-MoE's names."""
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
-
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import qwen3_moe
 from ember.engine.models.layers import sliding_windows
@@ -60,7 +56,3 @@ class MixtralForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         if len(parts) > 2 and parts[-2] in _EXPERT_NAMES:
             parts[-2] = _EXPERT_NAMES[parts[-2]]
         return ".".join(parts)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self.renamed(weights), source)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -325,9 +324,3 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         """The multi-token-prediction head (``mtp.*``) is skipped."""
         return None if name.startswith("mtp.") else name
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        """Qwen3-MoE's loader (experts in either key form, shared expert's gate/up fused) over
-        :meth:`checkpoint_name`."""
-        super().load_weights(self.renamed(weights), source)

@@ -24,10 +24,6 @@ class Qwen3VLForCausalLM(Qwen3ForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         return language_model_name(name)
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self.renamed(weights), source)
-
 
 class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
@@ -59,4 +55,4 @@ class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self._upright(self.renamed(weights)), source)
+        super().load_weights(self._upright(weights), source)
