@@ -322,7 +322,6 @@ class CompletionChoiceEncoder:
         self.prompt_tokens = prompt_tokens
         self.echo = echo
         self.prompt_ids: list[int] = []
-        self.echo_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offset = 0
         self.num_tokens = 0
@@ -364,20 +363,19 @@ class CompletionChoiceEncoder:
                                                                   and prompt_token_ids is not None) else None
         if self.echo is not None and self.meta.logprobs:
             self.pending_echo = extra or {}
-            self.echo_ids = self.prompt_ids
             return []
         if self.echo or extra:
             return [self._chunk(self.echo or "", (), None, extra)]
         return []
 
-    def _echo_chunk(self, scored: Sequence[TokenInfo] | None) -> dict[str, Any]:
+    def _echo_chunk(self, scored: Sequence[TokenLogprob] | None) -> dict[str, Any]:
         """The echoed prompt with its tokens' logprobs (the first token has none: nothing precedes it)."""
         extra, self.pending_echo = self.pending_echo, None
         chunk = self._chunk(self.echo or "", (), None, extra or None)
-        if scored is not None and self.echo_ids:
+        if scored is not None and self.prompt_ids:
             lp = _legacy_logprobs()
             offset = 0
-            for k, tid in enumerate(self.echo_ids):
+            for k, tid in enumerate(self.prompt_ids):
                 info = scored[k - 1] if 0 < k <= len(scored) else None
                 offset += len(self._add_logprob(lp, tid, None if info is None else info.logprob,
                                                 None if info is None else info.top or [], offset))
