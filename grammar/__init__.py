@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compiler import JSON_OPTIONS, GrammarError, GrammarPlan, ThinkingBudget, build_grammar, compile_request
+from .compiler import (JSON_OPTIONS, GrammarError, GrammarPlan, ThinkingBudget, answer_field, build_grammar,
+                       compile_request)
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
+           "answer_field",
            "GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"]
 
 _MATCHER_NAMES = frozenset({"GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"})

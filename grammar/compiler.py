@@ -29,7 +29,8 @@ from ember.parsers.profiles import Profile
 from ember.parsers.profiles.base import REASONING as REASONING_STATE
 from ember.parsers.xml_values import parameter_types, streams_as_string
 
-__all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS"]
+__all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
+           "answer_field"]
 
 
 class GrammarError(ValueError):
@@ -265,6 +266,13 @@ def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, 
         return g.add("answer", " | ".join(_lit(c) for c in dict.fromkeys(options_list)))
     raise GrammarError(f"response_format.type must be one of text, json_object, json_schema, regex, grammar; "
                        f"got {kind!r}")
+
+
+def answer_field(response_format: Any) -> str:
+    """The request field a ``response_format`` mapping came from, for error messages: its ``param`` (vLLM's
+    ``structured_outputs.regex``, ``guided_json``, ...), else ``response_format``."""
+    return response_format.get("param", "response_format") if isinstance(response_format, Mapping) \
+        else "response_format"
 
 
 def _json_layout(options: Mapping[str, Any], rf: Mapping) -> Mapping[str, Any]:
@@ -571,8 +579,7 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
         start = _harmony_start(g, d, answer)
     else:
         start = _reasoning_start(g, d, profile, initial, answer, may_open)
-    format_field = response_format.get("param", "response_format") if isinstance(response_format, Mapping) \
-        else "response_format"
+    format_field = answer_field(response_format)
     fields = [f for f, used in ((format_field, "answer" in g.rules), ("tools", "call" in g.rules)) if used]
     return GrammarPlan(g.source(start), budget, " and ".join(fields) or format_field)
 

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
+from ember.grammar import answer_field
 from ember.parsers.pipeline import ParserSetup
 
 from .call_limit import first_call_only
@@ -133,8 +134,7 @@ async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, init
         forced = tool_choice not in (None, "auto", "none")
         if (response_format and response_format.get("type") != "text") or forced:
             raise bad_request("structured output is not available on this server",
-                              param=response_format.get("param", "response_format") if response_format
-                              else "tool_choice")
+                              param=answer_field(response_format) if response_format else "tool_choice")
         return [None] * n
     if not response_format and not tools and thinking_budget is None:
         return [None] * n

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ember.engine.eos import end_of_turn_ids
-from ember.grammar import GrammarBackend, GrammarError, GrammarPlan, compile_request, model_vocab_size
+from ember.grammar import GrammarBackend, GrammarError, GrammarPlan, answer_field, compile_request, model_vocab_size
 from ember.parsers.initial import InitialState
 
 from .errors import bad_request
@@ -67,8 +67,7 @@ class Structured:
             raise bad_request(e.message, param=_param(e.message)) from None
         except (ValueError, TypeError, KeyError, RecursionError) as e:  # odd schemas the compiler did not foresee
             raise bad_request(f"structured output could not be set up for this request: {e}",
-                              param=(response_format or {}).get("param", "response_format") if response_format
-                              else "tools") from None
+                              param=answer_field(response_format) if response_format else "tools") from None
 
 
 def engine_constraints(model_dir: str) -> Structured | None:
