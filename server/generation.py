@@ -197,8 +197,8 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     pstep = pipe.feed([tid])
                     lp = lps[k] if lps is not None and k < len(lps) else None
                     channels = getattr(pstep, "token_channels", None) or [None]
-                    step.tokens.append(TokenInfo(tid, lp.logprob if lp else None, list(lp.top) if lp else None,
-                                                 channels[0]))
+                    step.tokens.append(TokenInfo(tid, _floored(lp.logprob) if lp else None,
+                                                 [(t, _floored(v)) for t, v in lp.top] if lp else None, channels[0]))
                     step.events += pstep.events
                     if pstep.stopped:
                         step.finish_at = len(step.events)
@@ -267,6 +267,15 @@ async def _run_many(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None) 
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+LOGPROB_FLOOR = -9999.0
+"""The logprob reported for a token the sampling mask ruled out (a grammar, ``min_tokens``): its true value, -inf,
+is not JSON. OpenAI and vLLM report the same stand-in."""
+
+
+def _floored(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float | None, top_k: int | None,

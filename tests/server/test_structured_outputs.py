@@ -123,3 +123,22 @@ def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, para
         with pytest.raises(openai.BadRequestError) as e:
             create()
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_logprobs_of_tokens_the_grammar_rules_out_are_json(demo_server):
+    """With a grammar, most alternatives are masked to -inf, which JSON cannot hold: they come back as -9999.0 (as
+    OpenAI and vLLM report them), streamed or not, on chat and completions."""
+    client = demo_server.openai()
+    text = client.completions.create(model=demo_server.model, prompt="x", max_tokens=3, logprobs=20,
+                                     extra_body={"guided_choice": ["yes", "no"]})
+    tops = [v for d in text.choices[0].logprobs.top_logprobs for v in d.values()]
+    assert min(tops) == -9999.0 and all(v >= -9999.0 for v in tops)
+    chat = client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=3, logprobs=True,
+                                          top_logprobs=20, extra_body={"structured_outputs": {"choice": CHOICES},
+                                                                       **THINK_OFF})
+    tops = [t.logprob for e in chat.choices[0].logprobs.content for t in e.top_logprobs]
+    assert min(tops) == -9999.0
+    streamed = [c for c in client.completions.create(model=demo_server.model, prompt="x", max_tokens=3, logprobs=20,
+                                                     stream=True, extra_body={"guided_choice": ["yes", "no"]})]
+    assert all(v >= -9999.0 for c in streamed for ch in c.choices if ch.logprobs
+               for d in ch.logprobs.top_logprobs for v in d.values())
