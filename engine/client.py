@@ -87,7 +87,8 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     old.new_token_ids = old.new_token_ids + new.new_token_ids
     if old.logprobs is not None or new.logprobs is not None:
         old.logprobs = (old.logprobs or []) + (new.logprobs or [])
-    for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens"):
+    for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens",
+                 "embedding"):
         setattr(old, name, getattr(new, name))
     return old
 

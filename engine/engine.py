@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ember.engine import fp8_loading, loader
+from ember.engine import fp8_loading, loader, pooling
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
@@ -249,7 +249,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len + (params.pooling is not None):  # a pooled prompt needs no room after it
             raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}, "
                              f"which leaves no room for output")
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -307,12 +307,12 @@ class Engine:
         logits = self.runner.execute(sched)
         self.last_batch_size = self.runner.last_batch_size
         sampling = [c.seq for c in sched.chunks if c.samples]
-        if self.runner.scoring_hidden is not None:
-            self._score_prompts(sched)
         outputs: list[RequestOutput] = []
+        if self.runner.scoring_hidden is not None:
+            self._keep_rows(sched)
         if not sampling:
             self.scheduler.update(sched, {})
-            return outputs
+            return self._finish_pooled(sched, outputs)
         result = self.sampler(logits, sampling, self.eos_token_ids)
         sampled: dict[str, int] = {}
         for i, seq in enumerate(sampling):
@@ -331,6 +331,7 @@ class Engine:
                     continue
             sampled[seq.request_id] = tok
         self.scheduler.update(sched, sampled)
+        self._finish_pooled(sched, outputs)
         for i, seq in enumerate(sampling):
             if seq.request_id not in sampled or seq.status is not SequenceStatus.RUNNING:
                 continue
@@ -343,8 +344,9 @@ class Engine:
                 outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
         return outputs
 
-    def _score_prompts(self, sched: SchedulerOutput) -> None:
-        """Score this step's prompt-logprob rows (in chunk order) into their sequences, ``max_num_seqs`` rows of
+    def _keep_rows(self, sched: SchedulerOutput) -> None:
+        """Take this step's kept hidden rows (in chunk order) into their sequences: a pooling request folds them
+        into its pool (`ember.engine.pooling`); a prompt-logprob request scores them, ``max_num_seqs`` rows of
         logits at a time (`ember.engine.prompt_logprobs`)."""
         row = 0
         for chunk in sched.chunks:
@@ -352,12 +354,31 @@ class Engine:
             if not q:
                 continue
             seq = chunk.seq
-            targets = seq.prompt_token_ids[lo + 1:lo + 1 + q]
-            seq.prompt_logprobs += score_rows(self.runner.scoring_logits, row, targets,
-                                              seq.params.prompt_logprobs or 0, self.config.max_num_seqs)
-            seq.num_prompt_logprobs = lo + q
+            kind = seq.params.pooling
+            if kind is not None:
+                seq.pooled = pooling.fold(kind, seq.pooled, lo, self.runner.scoring_hidden[row:row + q])
+            else:
+                targets = seq.prompt_token_ids[lo + 1:lo + 1 + q]
+                seq.prompt_logprobs += score_rows(self.runner.scoring_logits, row, targets,
+                                                  seq.params.prompt_logprobs or 0, self.config.max_num_seqs)
+                seq.num_prompt_logprobs = lo + q
             row += q
         self.runner.scoring_hidden = None
+
+    def _finish_pooled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Finish (``stop``) the pooling requests whose prompt this step completed, each output carrying its
+        embedding; returns ``outputs``."""
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            kind = seq.params.pooling
+            if kind is None or seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens < seq.num_tokens:
+                continue
+            embedding = pooling.result(kind, seq.pooled, seq.num_prompt_tokens)
+            seq.pooled = None
+            out = self._finish(seq, [], None, "stop")
+            out.embedding = embedding
+            outputs.append(out)
+        return outputs
 
     def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
         p = seq.params

@@ -31,6 +31,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    pooling: str | None = None
+    """None: generate. ``"last"``, ``"mean"`` or ``"cls"``: an embedding request (`ember.engine.pooling`): the
+    prompt is computed and its final hidden states pooled into `RequestOutput.embedding`; no token is generated and
+    the sampling settings are ignored."""
 
 
 @dataclass
@@ -58,3 +62,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_seconds: float | None = None  # from add_request to the first step that scheduled it (None: not yet)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (with the first output), when requested
+    embedding: list[float] | None = None  # the pooled hidden state (fp32, not normalized): a pooling request's end

@@ -24,6 +24,7 @@ import torch
 from ember.engine.constraint import BitmaskFiller, bitmask_words, fill_bitmasks_serial
 from ember.engine.params import SamplingParams, TokenLogprob
 from ember.engine.penalties import PenaltyState
+from ember.engine.pooling import POOLING_TYPES
 from ember.engine.sequence import Sequence
 from ember.engine.staging import Staging
 
@@ -42,6 +43,8 @@ class SamplerOutput:
 
 def validate_params(p: SamplingParams, vocab_size: int) -> None:
     """ValueError naming the field when a setting is out of range."""
+    if p.pooling is not None and p.pooling not in POOLING_TYPES:
+        raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)} (or None), got {p.pooling!r}")
     if p.max_tokens is not None and p.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
     if p.min_tokens < 0:

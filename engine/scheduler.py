@@ -20,6 +20,7 @@ import functools
 from collections import deque
 from dataclasses import dataclass, field
 
+from ember.engine import pooling
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.params import FinishReason
 from ember.engine.sequence import Sequence, SequenceStatus
@@ -34,14 +35,18 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     samples: bool
-    """True when the chunk reaches ``seq.num_tokens``: a new token is sampled from its last position."""
+    """True when the chunk reaches ``seq.num_tokens`` of a generating sequence: a new token is sampled from its last
+    position (a pooling request's last chunk samples nothing: the engine finishes it)."""
 
     @functools.cached_property
     def prompt_rows(self) -> tuple[int, int]:
-        """``(first position, count)`` of this chunk's positions whose logits score a prompt token (count 0: none;
-        `ember.engine.prompt_logprobs`): positions not scored yet, short of the prompt's last (the sampling row).
-        Read by the runner (which rows to compute) and the engine (where the scores go), once per step."""
+        """``(first position, count)`` of this chunk's positions whose hidden states the step keeps (count 0: none):
+        for a pooling request the positions it pools (`ember.engine.pooling.rows`), otherwise those whose logits
+        score a prompt token (`ember.engine.prompt_logprobs`): not scored yet, short of the prompt's last (the
+        sampling row). Read by the runner (which rows to keep) and the engine (where they go), once per step."""
         seq = self.seq
+        if seq.params.pooling is not None:
+            return pooling.rows(seq.params.pooling, seq.num_prompt_tokens, self.start, self.num_tokens)
         if not seq.needs_prompt_logprobs:
             return self.start, 0
         lo = max(self.start, seq.num_prompt_logprobs)
@@ -126,7 +131,7 @@ class Scheduler:
         if not self.enable_chunked_prefill and n_prompt > self.max_num_batched_tokens:
             raise ValueError(f"the prompt has {n_prompt} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) with chunked prefill disabled")
-        max_tokens = seq.params.max_tokens
+        max_tokens = 0 if seq.params.pooling is not None else seq.params.max_tokens
         longest = self.max_model_len if max_tokens is None else min(self.max_model_len, n_prompt + max_tokens)
         longest = max(longest, n_prompt)
         need = self.kv.blocks_for(longest)
@@ -188,7 +193,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, start, n, start + n == num_tokens))
+                out.chunks.append(self._chunk(seq, n))
                 budget -= n
                 if self._save_at_boundary(seq, start, n, out):
                     budget = 0  # (see _cap): the chunk stopped short, so nothing newer runs this step
@@ -200,7 +205,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = [] if seq.needs_prompt_logprobs else self.kv.lookup(seq)  # scoring the prompt computes it
+            hits = [] if seq.computes_whole_prompt else self.kv.lookup(seq)
             restore = None
             if self.snapshots is not None and hits:  # the KV hit counts only as far as a saved state reaches
                 k, restore = self.snapshots.longest(seq.block_hashes[:len(hits)])
@@ -310,7 +315,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
-        return ScheduledChunk(seq=seq, start=start, num_tokens=n, samples=start + n == seq.num_tokens)
+        return ScheduledChunk(seq=seq, start=start, num_tokens=n,
+                              samples=start + n == seq.num_tokens and seq.params.pooling is None)
 
     def _release_slot(self, seq: Sequence) -> None:
         self._free_slots.append(seq.state_slot)

@@ -57,6 +57,8 @@ class Sequence:
     sent with the first output."""
     num_prompt_logprobs: int = 0
     """Prompt tokens (after the first) whose logprob has been computed."""
+    pooled: object | None = None
+    """A pooling request's running pool of the hidden states computed so far (`ember.engine.pooling`)."""
     queued_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""
@@ -81,6 +83,12 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some are not computed yet (its prompt must be computed, not cached)."""
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """The prefix cache must not serve this sequence: prompt logprobs or a pooling over every prompt position
+        need each position's hidden state."""
+        return self.needs_prompt_logprobs or self.params.pooling in ("mean", "cls")
 
     @property
     def is_finished(self) -> bool:

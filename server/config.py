@@ -64,6 +64,11 @@ class ServeConfig(EngineArgs):
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
                 "thinking); 0 switches it off"})
+    pooler_config: str | None = field(default=None, metadata={
+        "help": "how /v1/embeddings pools the hidden states, as JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
+                "LAST, normalized",
+        "type": lambda text: parse_pooler_config_flag(text)})
 
 
 def parse_chat_template(text: str) -> str:
@@ -86,6 +91,17 @@ def parse_generation_config(text: str) -> str:
     if not (p / "generation_config.json").is_file():
         raise SettingValueError(f"{text}: not 'auto', 'vllm' or a folder with a generation_config.json")
     return str(p)
+
+
+def parse_pooler_config_flag(text: str) -> str:
+    """`--pooler-config`: JSON that `ember.server.pooling_spec.parse_pooler_config` accepts; returned unchanged."""
+    from .pooling_spec import parse_pooler_config
+
+    try:
+        parse_pooler_config(text)
+    except ValueError as e:
+        raise SettingValueError(str(e)) from None
+    return text
 
 
 def parse_profile_name(text: str) -> str:

@@ -28,6 +28,7 @@ from ember.parsers.tokens import TokenBytes
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
 from .metrics import Metrics
+from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
 from .sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("ember.server")
@@ -92,6 +93,7 @@ class ModelRuntime:
     tools_enabled: bool  # False with `--tool-parser none`: tool markup is always content
     grammar: Any = None  # ember.server.structured.Structured (front-end validation), when available
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # for settings a request leaves unset
+    pooling: PoolingSpec = PoolingSpec()  # how /v1/embeddings pools
 
     @property
     def model_info(self) -> ModelInfo:
@@ -118,7 +120,9 @@ class ModelRuntime:
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
-                   sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir))
+                   sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir),
+                   pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
+                                             if config.pooler_config else None))
 
 
 @dataclass

@@ -106,11 +106,11 @@ def test_quickstart_curl_answers(live):
     assert body["usage"]["completion_tokens"] <= 32
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_quickstart_python_snippets_run(live, index, capsys):
     server, _ = live
     snippets = code_blocks(text("quickstart.md"), "python")
-    assert len(snippets) == 4  # openai chat + stream, openai forced tool call, openai responses, anthropic
+    assert len(snippets) == 5  # openai chat + stream, forced tool call, responses, embeddings; anthropic
     code = snippets[index]
     assert QUICKSTART_URL in code
     exec(compile(code.replace(QUICKSTART_URL, server.url), f"quickstart.md snippet {index}", "exec"), {})

@@ -96,6 +96,17 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [out[r] for r in ids]
 
 
+def _mean_pooled(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """The prompt's mean-pooled embedding (a chunked pooling request)."""
+    rid = engine.add_request(prompt, SamplingParams(pooling="mean"))
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                assert o.error is None, o.error
+                vec = torch.tensor(o.embedding)
+    return vec
+
+
 def _assert_workers_exited(workers) -> None:
     assert len(workers) == 1
     for p in workers:
@@ -107,12 +118,14 @@ def _assert_workers_exited(workers) -> None:
 def test_two_ranks_generate_the_same_greedy_tokens(kind, request):
     path = request.getfixturevalue(f"{kind}_dir")
     prompts = _prompts()
-    expected = _greedy(Engine.from_pretrained(path, **ENGINE_OPTIONS), prompts)
+    single = Engine.from_pretrained(path, **ENGINE_OPTIONS)
+    expected, pooled = _greedy(single, prompts), _mean_pooled(single, prompts[4])
     engine = Engine.from_pretrained(path, tensor_parallel_size=2, **ENGINE_OPTIONS)
     workers = list(engine.runner.workers)
     try:
         assert engine.runner.kv_caches[0][0].shape[2] == 1  # each rank caches 1 of the 2 KV heads
         assert _greedy(engine, prompts) == expected
+        assert torch.allclose(_mean_pooled(engine, prompts[4]), pooled, rtol=1e-4, atol=1e-5)
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)

@@ -133,10 +133,19 @@ RESPONSES_FIELDS = {
     "truncation": st.sampled_from(["auto", "disabled", "x"]), "background": st.booleans(),
     "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "x"]), anything, max_size=1),
 }
+EMBEDDINGS_FIELDS = {
+    "model": st.just("ember-demo"),
+    "input": st.text(max_size=20) | st.lists(st.text(max_size=8), max_size=3) | st.lists(st.integers(-5, 2000),
+                                                                                          max_size=5)
+    | st.lists(st.lists(st.integers(-1, 1300), max_size=3), max_size=2),
+    "encoding_format": st.sampled_from(["float", "base64", "x"]), "dimensions": st.integers(-2, 100),
+    "truncate_prompt_tokens": st.integers(-3, 300), "add_special_tokens": st.booleans(), "user": st.text(max_size=3),
+}
 
 
 REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/messages": ("model", "messages", "max_tokens"),
-            "/v1/completions": ("model", "prompt"), "/v1/responses": ("model", "input")}
+            "/v1/completions": ("model", "prompt"), "/v1/responses": ("model", "input"),
+            "/v1/embeddings": ("model", "input")}
 
 
 def bodies(fields: dict, required: tuple[str, ...] = ()):
@@ -181,7 +190,7 @@ FUZZ = settings(max_examples=70, deadline=None, suppress_health_check=list(Healt
 
 @pytest.mark.parametrize("path,fields", [("/v1/chat/completions", CHAT_FIELDS), ("/v1/messages", MESSAGES_FIELDS),
                                          ("/v1/completions", COMPLETION_FIELDS),
-                                         ("/v1/responses", RESPONSES_FIELDS)])
+                                         ("/v1/responses", RESPONSES_FIELDS), ("/v1/embeddings", EMBEDDINGS_FIELDS)])
 def test_fuzzed_bodies_never_500(demo_server, path, fields):
     @FUZZ
     @given(bodies(fields, REQUIRED[path]))

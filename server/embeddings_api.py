@@ -1,0 +1,156 @@
+"""`POST /v1/embeddings`, in the OpenAI API's request and response shapes (what `client.embeddings.create` sends
+and reads, ``encoding_format: "base64"`` included), with vLLM's `truncate_prompt_tokens` and `add_special_tokens`.
+
+Each input is one engine pooling request (`ember.engine.pooling`), run next to generation in the same steps; the
+pooled vector is cut to ``dimensions`` (Matryoshka models only) and then normalized as the model's `PoolingSpec`
+says. A client that hangs up aborts every input still running.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Literal
+
+import numpy as np
+from fastapi import Request
+from pydantic import Field
+
+from ember.engine.client import EngineDeadError
+from ember.engine.params import SamplingParams
+
+from . import protocol_openai as po
+from .admission import check_capacity, check_model, check_token_ids, collect, state
+from .errors import ApiError, bad_request
+from .generation import ModelRuntime
+
+MAX_INPUTS = 2048
+"""Inputs one request may carry (the OpenAI API's limit)."""
+
+
+class EmbeddingRequest(po._Lenient):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs as a list: texts, or token-ID lists."""
+        x = self.input
+        if isinstance(x, str) or (x and isinstance(x[0], int)):
+            return [x]
+        return list(x)
+
+
+def _token_lists(rt: ModelRuntime, body: EmbeddingRequest, st: Any) -> list[list[int]]:
+    """Each input's token IDs, truncated as asked and checked against the context and the KV cache."""
+    inputs = body.inputs()
+    if not inputs:
+        raise bad_request("input must not be empty", param="input")
+    if len(inputs) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+    limit = min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
+    keep = body.truncate_prompt_tokens
+    if keep == -1:
+        keep = limit
+    if keep is not None and keep > limit:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the {limit} tokens a prompt may have",
+                          param="truncate_prompt_tokens")
+    single = isinstance(body.input, str) or isinstance(body.input[0], int)
+    out = []
+    for i, x in enumerate(inputs):
+        param = "input" if single else f"input[{i}]"
+        if isinstance(x, str):
+            ids = list(rt.tokenizer.encode(x, add_special_tokens=body.add_special_tokens))
+        else:
+            ids = list(x)
+            check_token_ids(st, ids, param)
+        if keep is not None and keep > 0:
+            ids = ids[-keep:]
+        if not ids:
+            raise bad_request("an input must have at least one token", param=param)
+        if len(ids) > limit:
+            raise ApiError(400, f"The input has {len(ids)} tokens, but this model's maximum context length is "
+                                f"{limit} tokens (send truncate_prompt_tokens to keep the last ones)", param=param,
+                           code="context_length_exceeded")
+        out.append(ids)
+    return out
+
+
+def _encode(vec: np.ndarray, fmt: str) -> list[float] | str:
+    if fmt == "base64":
+        return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+    return vec.tolist()
+
+
+def _finish(pooled: list[float], dimensions: int | None, normalize: bool) -> np.ndarray:
+    """The embedding a client gets: cut to ``dimensions``, then scaled to unit length when ``normalize``."""
+    vec = np.asarray(pooled, dtype=np.float32)
+    if dimensions is not None:
+        vec = vec[:dimensions]
+    if normalize:
+        vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+    return vec
+
+
+async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -> AsyncIterator[dict]:
+    """``{"index", "pooled"}`` for each prompt as it finishes, the prompts running as concurrent engine requests.
+    Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
+    params = SamplingParams(pooling=rt.pooling.kind)
+
+    async def one(i: int) -> dict:
+        async with aclosing(rt.engine.generate(prompts[i], params, request_id=f"{request_id}-{i}")) as gen:
+            async for out in gen:
+                if out.finished:
+                    if out.embedding is None:
+                        raise ApiError(500, f"embedding failed: {out.error or out.finish_reason}")
+                    return {"index": i, "pooled": out.embedding}
+        raise ApiError(500, "embedding failed: the engine ended the request without a result")
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    try:
+        for done in asyncio.as_completed(tasks):
+            try:
+                yield await done
+            except ValueError as e:  # the engine refused the request at admission
+                raise bad_request(f"the engine cannot serve this input: {e}", param="input") from None
+            except EngineDeadError as e:
+                raise ApiError(500, f"embedding failed: {e}") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    st = state(request)
+    rt = st.runtime
+    check_model(st, body.model)
+    spec = rt.pooling
+    if spec.refused:
+        raise bad_request(f"this model's embeddings are not served: {spec.refused}; start the server with "
+                          f"--pooler-config to choose a pooling", param="model")
+    if body.dimensions is not None and (why := spec.check_dimensions(body.dimensions)):
+        raise bad_request(why, param="dimensions")
+    prompts = await asyncio.to_thread(_token_lists, rt, body, st)
+    check_capacity(st)
+    total = sum(len(p) for p in prompts)
+    st.metrics.prompt_tokens.inc(total)
+    rid = f"embd-{secrets.token_hex(12)}"
+    results = await collect(request, _pooled(rt, prompts, rid))
+    data = [None] * len(prompts)
+    for r in results:
+        vec = _finish(r["pooled"], body.dimensions, spec.normalize)
+        data[r["index"]] = {"object": "embedding", "index": r["index"], "embedding": _encode(vec, body.encoding_format)}
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,
+            "usage": {"prompt_tokens": total, "total_tokens": total}}
+
+
+def add_routes(app: Any, dependencies: list[Any]) -> None:
+    """Serve the route on `app`, behind `dependencies` (the app's API-key check)."""
+    app.add_api_route("/v1/embeddings", create_embeddings, methods=["POST"], dependencies=dependencies)
