@@ -121,6 +121,10 @@ class ModelConfig:
         if isinstance(rope_scaling, dict):
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
+            if kind in ("longrope", "su"):  # Phi-3 keeps the pretrained length at the top level
+                rope_scaling.setdefault("original_max_position_embeddings",
+                                        cfg.get("original_max_position_embeddings"))
+                rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         act = cfg.get("hidden_act", "silu")

@@ -70,7 +70,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for RoPE types default, linear, llama3 and yarn."""
+    """Inverse frequencies and the attention scaling factor for RoPE types default, linear, llama3, yarn and
+    longrope."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq, 1.0
@@ -116,7 +117,34 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
         extra = 1 - ramp
         inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
         return inv, float(attn)
-    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn)")
+    if kind in ("longrope", "su"):
+        return _longrope_inv_freq(head_dim, theta, scaling, max_position)
+    raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (default, linear, llama3, yarn, "
+                      f"longrope)")
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors, ``long_factor`` when the served context
+    (``max_position``) is longer than the pretrained one, else ``short_factor``, and the paper's attention factor.
+
+    transformers switches between the two per forward by the sequence's current length; a paged KV cache cannot
+    (keys cached under one set would be read under the other), so the set is chosen once for the served context, as
+    vLLM does. Sequences are then exact to transformers' whenever the context fits the pretrained length, or, with a
+    longer context, once they pass it."""
+    orig = scaling.get("original_max_position_embeddings")
+    if not orig:
+        raise ConfigError("config.json: LongRoPE needs original_max_position_embeddings")
+    orig = int(orig)
+    factor = scaling.get("factor") or float(scaling.get("max_position_embeddings") or orig) / orig
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = scaling["long_factor"] if max_position > orig else scaling["short_factor"]
+    if len(ext) != head_dim // 2:
+        raise ConfigError(f"config.json: LongRoPE factors have {len(ext)} entries; the rotary dimension "
+                          f"{head_dim} needs {head_dim // 2}")
+    freq = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * freq), float(attn)
 
 
 class OffsetRMSNorm(nn.Module):

@@ -1,8 +1,7 @@
 """Phi-3 / Phi-4 (``Phi3ForCausalLM``): the Llama decoder with q/k/v and gate/up fused in the checkpoint
 (``self_attn.qkv_proj``, ``mlp.gate_up_proj``; split into their parts as they load, and under tensor parallelism each
-part split evenly) and RoPE on the first ``partial_rotary_factor`` of each head. LongRoPE (``rope_scaling`` type
-``longrope``: Phi-3.5's and Phi-4-mini's long contexts, whose short and long factors switch with the sequence length)
-is refused by name."""
+part split evenly) and RoPE on the first ``partial_rotary_factor`` of each head, LongRoPE included (Phi-3.5's and
+Phi-4-mini's long contexts: `ember.engine.models.layers.rope_inv_freq`)."""
 from __future__ import annotations
 
 from typing import Iterable, Iterator
@@ -17,9 +16,6 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     qk_norm = False
 
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        kind = (cfg.rope_scaling or {}).get("rope_type")
-        if kind in ("longrope", "su"):
-            raise ConfigError(f"config.json: rope_scaling type {kind!r} (LongRoPE) is not supported")
         super().__init__(cfg, max_position)
         self.rope = RotaryEmbedding(partial_rotary_dim(cfg), max_position, cfg.rope_theta, cfg.rope_scaling)
 
