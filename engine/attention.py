@@ -103,10 +103,10 @@ class TorchBackend:
     @staticmethod
     def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, k_scale=None, v_scale=None, *, sliding_window=None,
-                        sinks=None) -> torch.Tensor:
+                        sinks=None, softcap=None) -> torch.Tensor:
         if max_seqlen_q <= 1 and q.shape[0] == seq_lens.shape[0]:
             _decode_batched(q, k_cache, v_cache, out, None, seq_lens, block_table, softmax_scale, sliding_window,
-                            sinks, max_seqlen_k, k_scale, v_scale)
+                            sinks, max_seqlen_k, k_scale, v_scale, softcap)
             return out
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         decode = (qlens == 1).nonzero().flatten()
@@ -117,17 +117,18 @@ class TorchBackend:
                 reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
                                           seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
                                           softmax_scale, k_scale, v_scale, sliding_window=sliding_window,
-                                          sinks=sinks)
+                                          sinks=sinks, softcap=softcap)
         if decode.numel():
             _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
-                            block_table[decode], softmax_scale, sliding_window, sinks, None, k_scale, v_scale)
+                            block_table[decode], softmax_scale, sliding_window, sinks, None, k_scale, v_scale,
+                            softcap)
         return out
 
 
 def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float,
                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
                     max_seqlen_k: int | None = None, k_scale: float | None = None,
-                    v_scale: float | None = None) -> None:
+                    v_scale: float | None = None, softcap: float | None = None) -> None:
     """One-token queries ``q[rows]`` (every row when ``rows`` is None) over their sequences' cached keys."""
     nb, bs, hkv, d = k_cache.shape
     b = seq_lens.shape[0]
@@ -146,14 +147,19 @@ def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale
     valid = kpos < seq_lens.unsqueeze(1)
     if sliding_window is not None:
         valid = valid & (kpos >= seq_lens.unsqueeze(1) - sliding_window)
-    if sinks is None:
+    if sinks is None and not softcap:
         o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=valid[:, None, None, :], scale=scale)
-    else:  # the sink joins the denominator: one extra logit per head with a zero value row
+    else:  # the scores themselves: a soft-cap bounds them; a sink joins the denominator (a zero value row)
         s = torch.einsum("bhgd,bkhd->bhgk", qs, k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-        sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        if sinks is not None:
+            sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
         o = torch.einsum("bhgk,bkhd->bhgd", p, v)
     if rows is None:
         out.copy_(o.reshape(b, hq, d))

@@ -25,7 +25,8 @@ Sliding window (``WINDOW`` constexpr, 0 = none): a query at ``pos`` sees keys ``
 2D kernel starts at the first tile its first query's window touches and the split-KV kernel divides only the tiles
 that overlap the window among its segments, so tiles wholly outside are never loaded. Sinks (``HAS_SINKS``, gpt-oss):
 one logit per query head added to the softmax denominator only, ``exp(sink - m)`` against the running max in the 2D
-kernel and against the common max of the segments in the reduce.
+kernel and against the common max of the segments in the reduce. Soft-cap (``SOFTCAP`` constexpr, Gemma 2's
+``attn_logit_softcapping``): each scaled score becomes ``c * tanh(s / c)`` before the mask, ``c`` a runtime argument.
 
 Dispatch (``paged_attention``): split-KV when ``max_seqlen_q == 1`` and ``num_seqs * num_kv_heads`` is at most
 ``SPLIT_KV_MAX_PROGRAMS`` (128, about one wave of an H200's 132 SMs), the 2D kernel otherwise. Nothing depends on
@@ -139,18 +140,26 @@ def _find_seq_idx(cu_seqlens_q_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _soft_capped(s, cap):
+    """``cap * tanh(s / cap)``, with tanh as ``1 - 2 / (exp(2x) + 1)`` (exact at both ends: exp overflows to inf)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
+
+
+@triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q,
     k_cache_ptr, v_cache_ptr, block_table_ptr, seq_idx, stride_bt,
     kv_head, query_pos, query_mask, context_len, prefix_len,
-    tile_start, tile_end, softmax_scale, k_scale, v_scale,
+    tile_start, tile_end, softmax_scale, k_scale, v_scale, softcap,
     stride_kc0, stride_kc1, stride_kc2, stride_kc3,
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     offs_d, dim_mask,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online-softmax accumulation of tiles ``[tile_start, tile_end)`` of one sequence's KV for one KV head; with
-    ``WINDOW > 0`` a query at ``pos`` sees only keys ``pos - WINDOW < key_pos <= pos``."""
+    ``WINDOW > 0`` a query at ``pos`` sees only keys ``pos - WINDOW < key_pos <= pos``; with ``SOFTCAP`` the scores
+    are soft-capped at ``softcap``."""
     offs_t = tl.arange(0, TILE)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     for j in range(tile_start, tile_end):
@@ -169,6 +178,8 @@ def _attend_tiles(
             k = k_raw.to(q.dtype)
             v = v_raw.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * softmax_scale
+        if SOFTCAP:
+            s = _soft_capped(s, softcap)
         causal = kpos[None, :] < context_len + query_pos[:, None] + 1
         if WINDOW > 0:
             causal = causal & (kpos[None, :] > context_len + query_pos[:, None] - WINDOW)
@@ -187,7 +198,7 @@ def _attend_tiles(
 def _unified_attention_2d(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, softmax_scale, k_scale, v_scale,
+    num_seqs, softmax_scale, k_scale, v_scale, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kc0, stride_kc1, stride_kc2, stride_kc3,
@@ -195,7 +206,7 @@ def _unified_attention_2d(
     stride_bt,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -232,9 +243,9 @@ def _unified_attention_2d(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_idx, stride_bt,
         kv_head, query_pos, query_mask, context_len, prefix_len, first_tile, num_tiles, softmax_scale, k_scale,
-        v_scale,
+        v_scale, softcap,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP,
     )
     if HAS_SINKS:  # the sink's exp joins the denominator only
         sink = tl.load(sinks_ptr + q_head, mask=query_mask, other=0.0).to(tl.float32)
@@ -251,14 +262,14 @@ def _unified_attention_2d(
 def _unified_attention_3d(
     q_ptr, k_cache_ptr, v_cache_ptr, segm_out_ptr, segm_max_ptr, segm_sum_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_table_ptr,
-    softmax_scale, k_scale, v_scale,
+    softmax_scale, k_scale, v_scale, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kc0, stride_kc1, stride_kc2, stride_kc3,
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     stride_bt, num_q_heads,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Decode only (every query_len <= 1): program (seq, kv_head, segment); partials go to ``segm_*[tok, head, seg]``."""
     seq_idx = tl.program_id(0)
@@ -296,9 +307,9 @@ def _unified_attention_3d(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_idx, stride_bt,
         kv_head, query_pos, query_mask, context_len, prefix_len, tile_start, tile_end, softmax_scale,
-        k_scale, v_scale,
+        k_scale, v_scale, softcap,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP,
     )
     # a segment with no visible key keeps m = -inf, l = 0 (the reduce weighs it out)
     m_i = tl.where(l_i > 0.0, m_i, float("-inf"))
@@ -368,6 +379,7 @@ def paged_attention(
     block_m: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -377,8 +389,8 @@ def paged_attention(
     path, which needs ``max_seqlen_q <= 1``; ``None`` dispatches by batch shape. ``num_segments`` (a power of two),
     ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
     of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
-    unlimited) and ``sinks`` ``[Hq]`` (None: none) as in the reference; KV tiles wholly outside the window are
-    skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 3 stages).
+    unlimited), ``sinks`` ``[Hq]`` (None: none) and ``softcap`` (None: none) as in the reference; KV tiles wholly
+    outside the window are skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 3 stages).
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -410,6 +422,9 @@ def paged_attention(
     if has_sinks and tuple(sinks.shape) != (hq,):
         raise ValueError(f"sinks must have one logit per query head ({hq}), got shape {tuple(sinks.shape)}")
     sinks_arg = sinks.contiguous() if has_sinks else q
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    cap = float(softcap or 0.0)
     common_strides = (*k_cache.stride(), *v_cache.stride(), block_table.stride(0))
 
     if split_kv:
@@ -420,9 +435,10 @@ def paged_attention(
         segm_sum = torch.empty(num_tokens, hq, segs, dtype=torch.float32, device=q.device)
         _unified_attention_3d[(num_seqs, hkv, segs)](
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
-            float(softmax_scale), ks, vs, *q.stride(), *common_strides, hq,
+            float(softmax_scale), ks, vs, cap, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, num_warps=warps, num_stages=stages,
+            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, SOFTCAP=cap > 0, num_warps=warps,
+            num_stages=stages,
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
@@ -435,8 +451,9 @@ def paged_attention(
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention_2d[(num_q_blocks, hkv)](
         q, k_cache, v_cache, out, sinks_arg, cu_seqlens_q, seq_lens, block_table,
-        num_seqs, float(softmax_scale), ks, vs, *q.stride(), *out.stride(), *common_strides,
+        num_seqs, float(softmax_scale), ks, vs, cap, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, num_warps=warps, num_stages=stages,
+        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, SOFTCAP=cap > 0, num_warps=warps,
+        num_stages=stages,
     )
     return out

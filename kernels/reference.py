@@ -12,7 +12,8 @@ A sequence's new tokens are its last ``query_len`` positions, so query ``i`` att
 with ``context_len = seq_len - query_len`` (causal). This one rule covers prefill, chunked prefill, prefix-cached
 prefill and decode. A sliding window ``W`` keeps only keys ``pos - W < key_pos <= pos`` (the query's own position and
 the ``W - 1`` before it, as transformers' ``sliding_window``). Sinks (gpt-oss) are one logit per query head that
-joins the softmax denominator only: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``.
+joins the softmax denominator only: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``. A soft-cap ``c`` (Gemma 2's
+``attn_logit_softcapping``) bounds each scaled score before the mask: ``s = c * tanh(s / c)``.
 """
 from __future__ import annotations
 
@@ -69,12 +70,13 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache, written into ``out`` ``[T, Hq, D]``.
 
     Computes in fp32, one sequence at a time (slow, obviously right). ``max_seqlen_*`` are accepted for signature
-    parity with the Triton kernels. ``sliding_window`` (None: unlimited) and ``sinks`` ``[Hq]`` (None: none) as in
-    the module doc.
+    parity with the Triton kernels. ``sliding_window`` (None: unlimited), ``sinks`` ``[Hq]`` (None: none) and
+    ``softcap`` (None: none) as in the module doc.
     """
     del max_seqlen_q, max_seqlen_k
     hq = q.shape[1]
@@ -99,6 +101,8 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1)
         qs = q[s:e].float()  # [qlen, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * softmax_scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(qlen, device=q.device).unsqueeze(1) + ctx
         kpos = torch.arange(klen, device=q.device).unsqueeze(0)
         hidden = kpos > qpos

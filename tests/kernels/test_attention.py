@@ -363,3 +363,38 @@ def test_gpu_default_prefill_tiles_over_a_cached_prefix(hq, hkv, d):
     out, ref = _run_both(specs, hq, hkv, d, torch.float16, seed=hq + d, block_m=64, tile_size=32, num_warps=4,
                          num_stages=3)
     assert _rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_soft_capped_scores_match_reference(dtype, split):
+    """Gemma 2's attention soft-cap: scores of order 10 against a cap of 4, so the cap reshapes every softmax; with a
+    window too, in prefill, chunked and decode rows (split-KV takes the decode-only batch)."""
+    specs = [(40, 1), (2, 1), (95, 1), (16, 1)] if split else WINDOW_SPECS
+    q, kc, vc, cu, seq_lens, table = _batch(specs, 8, 2, 64, dtype, seed=21)
+    q = (q.float() * 3).to(dtype)
+    max_q, max_k = max(ql for _, ql in specs), int(seq_lens.max())
+    outs = {}
+    for cap in (None, 4.0):
+        ref = torch.zeros_like(q)
+        reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, max_q, max_k, 64 ** -0.5,
+                                  sliding_window=35, softcap=cap)
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, max_q, max_k, 64 ** -0.5,
+                                  sliding_window=35, softcap=cap, split_kv=split, num_segments=4 if split else None)
+        assert _rel_err(out, ref) < 1e-3
+        outs[cap] = ref
+    assert _rel_err(outs[4.0], outs[None]) > 0.05  # the cap really changes the result
+
+
+def test_torch_backend_soft_caps_like_the_reference():
+    """The CPU backend (batched decode rows, per-sequence prefill) applies the cap in both paths."""
+    from ember.engine.attention import TorchBackend
+
+    specs = [(21, 13), (37, 1), (0, 17), (70, 1)]
+    q, kc, vc, cu, seq_lens, table = _batch(specs, 8, 2, 64, torch.float32, seed=22)
+    q = q * 3
+    ref, out = torch.zeros_like(q), torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, 17, 71, 0.125, softcap=4.0)
+    TorchBackend.paged_attention(q, kc, vc, out, cu, seq_lens, table, 17, 71, 0.125, softcap=4.0)
+    assert _rel_err(out, ref) < 1e-5
