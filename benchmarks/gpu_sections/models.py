@@ -137,6 +137,29 @@ def tiny_gemma3(ctx: Ctx) -> Path:
     return ctx.cached("tiny_gemma3", build)
 
 
+def tiny_gemma2(ctx: Ctx) -> Path:
+    """A random Gemma 2 (4 layers alternating windows of 8 and global attention; attention scores soft-capped at 1.5
+    with q projections scaled up so the cap shapes every softmax, final logits at 4) saved by transformers."""
+    def build() -> Path:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        cfg = Gemma2Config(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                           query_pre_attn_scalar=24, max_position_embeddings=1024, initializer_range=0.1,
+                           attn_logit_softcapping=1.5, final_logit_softcapping=4.0)
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+                elif name.endswith("q_proj.weight"):
+                    p.mul_(4)
+        return _saved(model, ctx, "gemma2-tiny")
+
+    return ctx.cached("tiny_gemma2", build)
+
+
 def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:
     """Qwen3-8B's shapes (toy shapes on a CPU run) with ``layers`` decoder layers."""
     return dict(QWEN3_TOY if ctx.tiny else QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=40960,

@@ -1,7 +1,8 @@
 """Section 2: the engine end to end on the device against the engine on the CPU, greedy, on tiny models.
 
 For the demo Qwen3, a tiny Qwen3-MoE, a tiny Qwen3-Next (its linear attention on the torch path), a tiny GLM-4.5
-(partial rotary, grouped routing) and a tiny Gemma 3 (sliding windows, two RoPEs): the same prompts
+(partial rotary, grouped routing), a tiny Gemma 3 (sliding windows, two RoPEs) and a tiny Gemma 2 (soft-capped
+attention scores): the same prompts
 (shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
 through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
 first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
@@ -191,3 +192,6 @@ def run(ctx: Ctx) -> None:
     ctx.deadline.check("tiny gemma3")
     with ctx.case("build tiny gemma3"):
         _model(ctx, "gemma3", models.tiny_gemma3(ctx))
+    ctx.deadline.check("tiny gemma2")
+    with ctx.case("build tiny gemma2"):
+        _model(ctx, "gemma2", models.tiny_gemma2(ctx))

@@ -1,12 +1,14 @@
-"""Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``): embeddings scaled
-by ``sqrt(hidden_size)``; zero-centred RMSNorms (``1 + w``) before and after both the attention and the MLP; per-head
-q/k norms; a softmax scale of ``query_pre_attn_scalar ** -0.5``; a GELU (tanh) gated MLP.
+"""Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``) and Gemma 2
+(``Gemma2ForCausalLM``): embeddings scaled by ``sqrt(hidden_size)``; zero-centred RMSNorms (``1 + w``) before and
+after both the attention and the MLP; a softmax scale of ``query_pre_attn_scalar ** -0.5``; a GELU (tanh) gated MLP;
+soft-caps on the attention scores (``attn_logit_softcapping``, Gemma 2) and the final logits
+(``final_logit_softcapping``) where config.json sets them.
 
-Layers alternate by ``layer_types`` (or every ``sliding_window_pattern``-th layer global, as older config.json
-files say): ``sliding_attention`` layers attend over the last ``sliding_window`` keys with their own RoPE (theta
-``rope_local_base_freq``), ``full_attention`` layers over everything with the global RoPE (``rope_theta`` and
-``rope_scaling``; transformers 5 writes both under ``rope_parameters`` by layer type). Gemma 2's attention-logit
-soft-capping is not implemented (refused); a final logit soft-cap is applied.
+Gemma 3 adds per-head q/k norms. Layers alternate by ``layer_types`` (or, as older config.json files say, every
+``sliding_window_pattern``-th layer global: 6 for Gemma 3, 2 for Gemma 2): ``sliding_attention`` layers attend over
+the last ``sliding_window`` keys, ``full_attention`` layers over everything. Gemma 3's local layers have their own
+RoPE (theta ``rope_local_base_freq``), its global ones ``rope_theta`` and ``rope_scaling`` (transformers 5 writes
+both under ``rope_parameters`` by layer type); Gemma 2 has one RoPE for all.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ember.engine.models.layers import (Attention, DecoderForCausalLM, GatedMLP,
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
-def layer_types(cfg: ModelConfig) -> list[str]:
+def layer_types(cfg: ModelConfig, default_pattern: int = 6) -> list[str]:
     """Each layer's kind, ``sliding_attention`` or ``full_attention``, as transformers reads config.json."""
     raw = cfg.raw
     types = raw.get("layer_types")
@@ -32,7 +34,7 @@ def layer_types(cfg: ModelConfig) -> list[str]:
         if len(types) != cfg.num_hidden_layers:
             raise ConfigError(f"config.json: layer_types has {len(types)} entries for {cfg.num_hidden_layers} layers")
         return list(types)
-    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or default_pattern)
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(cfg.num_hidden_layers)]
 
@@ -61,15 +63,17 @@ class GeluTanhMLP(GatedMLP):
 class Gemma3DecoderLayer(nn.Module):
     """Pre- and post-norms around the attention and the MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.self_attn = Attention(cfg, qk_norm=False)
-        self.self_attn.q_norm = OffsetRMSNorm(cfg.head_dim, eps)
-        self.self_attn.k_norm = OffsetRMSNorm(cfg.head_dim, eps)
+        if qk_norm:
+            self.self_attn.q_norm = OffsetRMSNorm(cfg.head_dim, eps)
+            self.self_attn.k_norm = OffsetRMSNorm(cfg.head_dim, eps)
         self.self_attn.scale = float(cfg.raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
         self.self_attn.sliding_window = window
+        self.self_attn.softcap = float(cfg.raw.get("attn_logit_softcapping") or 0.0) or None
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
@@ -82,33 +86,38 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, windows: list[int | None]) -> None:
+    def __init__(self, cfg: ModelConfig, windows: list[int | None], qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, w) for w in windows)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, w, qk_norm) for w in windows)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3's decoder over the paged KV cache, from the text-only or the multimodal checkpoint layout."""
 
+    qk_norm = True
+    local_rope = True  # sliding layers have their own RoPE
+    default_pattern = 6  # every 6th layer global, when config.json has no layer_types
+
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         nn.Module.__init__(self)
         raw = cfg.raw
-        if raw.get("attn_logit_softcapping"):
-            raise ConfigError("config.json: attn_logit_softcapping (Gemma 2) is not supported")
         if raw.get("use_bidirectional_attention"):
             raise ConfigError("config.json: use_bidirectional_attention is not supported (a decoder is causal)")
         act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in _GELU_TANH:
             raise ConfigError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
         self.config = cfg
-        self.layer_types = layer_types(cfg)
+        self.layer_types = layer_types(cfg, self.default_pattern)
         window = int(raw["sliding_window"]) if raw.get("sliding_window") else None
-        self.model = _Body(cfg, [window if t == "sliding_attention" else None for t in self.layer_types])
+        self.model = _Body(cfg, [window if t == "sliding_attention" else None for t in self.layer_types], self.qk_norm)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "full_attention"))
-        self.rope_local = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "sliding_attention"))
+        if self.local_rope:
+            self.rope = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "full_attention"))
+            self.rope_local = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "sliding_attention"))
+        else:
+            self.rope = self.rope_local = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.softcap = float(raw.get("final_logit_softcapping") or 0.0)
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
@@ -127,3 +136,11 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         return language_model_name(name)
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's layers without q/k norms, one RoPE, every other layer global, soft-capped attention."""
+
+    qk_norm = False
+    local_rope = False
+    default_pattern = 2

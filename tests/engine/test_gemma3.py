@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ember.engine import loader
-from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
                                 assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
@@ -94,9 +93,3 @@ def test_the_multimodal_checkpoint_serves_its_language_model(tmp_path, demo_mode
 
 def test_two_ranks_match_one(tiny_gemma3_dir):
     assert_two_ranks_match_one(tiny_gemma3_dir, prompts(4, seed=12, min_len=5, max_len=40), 6)
-
-
-def test_gemma2_soft_capped_attention_is_refused_naming_the_field():
-    cfg = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], **TEXT, "attn_logit_softcapping": 50.0})
-    with pytest.raises(ConfigError, match="attn_logit_softcapping"):
-        get_model_class(cfg.architecture)(cfg, 64)
