@@ -116,9 +116,6 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
     """ConfigError naming the config.json field that ``world_size`` does not divide."""
     from ember.engine.models.qwen3_moe import moe_settings
 
-    if cfg.model_type in ("olmo2", "olmo3") and world_size > 1:
-        raise ConfigError(f"{source}: OLMo's q/k norms span every head; tensor_parallel_size {world_size} is not "
-                          "supported for it")
     fields = [("num_attention_heads", cfg.num_attention_heads)]
     if not _is_mla(cfg):  # MLA's one latent KV head is replicated
         fields.append(("num_key_value_heads", cfg.num_key_value_heads))
@@ -183,6 +180,15 @@ def _split_rule(name: str) -> tuple[str, int]:
     if module in _ROW:
         return ("rank0", -1) if leaf == "bias" else ("shard", 1)
     return "replicate", -1
+
+
+def whole_qk_norm_rule(name: str) -> tuple[str, int]:
+    """`_split_rule` for a model whose q/k norms span the whole projections (OLMo 2/3, MiniMax-M2): their weights
+    split as the projections' rows (each rank its heads' share; `Attention` sums the mean square over the ranks)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf == "weight" and module.endswith((".self_attn.q_norm", ".self_attn.k_norm")):
+        return "shard", 0
+    return _split_rule(name)
 
 
 def _kept_ranges(shape: list[int], name: str, rule: tuple, tp: TensorParallel,

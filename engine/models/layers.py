@@ -65,8 +65,12 @@ class RMSNorm(nn.Module):
             x = x + residual
             return self.forward(x), x
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.normed(xf, xf.pow(2).mean(-1, keepdim=True), x.dtype)
+
+    def normed(self, xf: torch.Tensor, variance: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The norm of fp32 ``xf`` given its ``variance`` (mean square), in ``dtype``: what `forward` computes, for
+        a caller that reduced the variance itself (a whole-projection q/k norm under tensor parallelism)."""
+        return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
@@ -228,7 +232,8 @@ class Attention(nn.Module):
     scales, 1.0 when it has none) and multiplied back when read.
 
     ``whole_qk_norm`` applies ``q_norm`` / ``k_norm`` over the whole q / k projections instead of per head (OLMo 2 /
-    3, whose norms are as wide as the projections). ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE
+    3, MiniMax-M2: norms as wide as the projections); under tensor parallelism each rank holds its heads' share of
+    the norm weights and the mean square is summed over the ranks. ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE
     layers). ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE
     each query is multiplied by ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length``
     positions.
@@ -264,7 +269,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         if self.whole_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._whole_norm(self.q_norm, q), self._whole_norm(self.k_norm, k)
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
@@ -279,6 +284,13 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, meta, kv, backend)
         out = self.o_proj(out.reshape(t, self.hq * self.d))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _whole_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return norm(x)
+        xf = x.float()
+        total = self.tp.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        return norm.normed(xf, total / (x.shape[-1] * self.tp.world_size), x.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:

@@ -2,7 +2,7 @@
 normed before it joins the residual stream; no norm before the sublayers), q/k RMSNorms over the whole q / k
 projections, and norms that multiply by their weight in fp32 before casting back. OLMo 3 alternates sliding-window
 layers with global ones by ``layer_types``, each kind with its own RoPE (``rope_parameters`` by layer type, as
-Gemma 3). Tensor parallelism is refused: the q/k norms span every head."""
+Gemma 3). Under tensor parallelism each rank holds its heads' share of the q/k norm weights (`Attention`)."""
 from __future__ import annotations
 
 from types import ModuleType
@@ -26,7 +26,11 @@ class OlmoRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.normed(xf, xf.pow(2).mean(-1, keepdim=True), x.dtype)
+
+    def normed(self, xf: torch.Tensor, variance: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`forward` of fp32 ``xf`` whose ``variance`` the caller reduced (see `RMSNorm.normed`)."""
+        return (self.weight.float() * xf * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
 class OlmoDecoderLayer(nn.Module):
@@ -58,6 +62,12 @@ class _Body(nn.Module):
 
 class OlmoForCausalLM(DecoderForCausalLM):
     """OLMo 2 (every layer global, one RoPE) and OLMo 3 (``layer_types``)."""
+
+    @staticmethod
+    def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
+        from ember.engine import distributed
+
+        return distributed.whole_qk_norm_rule(name)
 
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         nn.Module.__init__(self)

@@ -1,15 +1,15 @@
 """Tiny random OLMo 2 and OLMo 3 (post-norm layers, q/k norms over the whole projections; OLMo 3 with sliding-window
 layers and their own RoPE around a global one with YaRN): Ember's logits and greedy tokens equal transformers' for
-prompts past the window, through chunked prefill and prefix hits; tensor parallelism is refused by name."""
+prompts past the window, through chunked prefill and prefix hits; two tensor-parallel ranks (each with its heads'
+share of the whole-projection q/k norms) decode what one process does."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember.engine import distributed, loader
-from ember.engine.config import ConfigError
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
-                                assert_prefill_logits_match_transformers, save_with_tokenizer)
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, prompts,
+                                save_with_tokenizer)
 
 COMMON = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False, pad_token_id=0,
@@ -49,6 +49,6 @@ def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(olmo_di
     assert_greedy_matches_transformers_chunked_and_cached(olmo_dirs[name])
 
 
-def test_tensor_parallelism_is_refused_naming_why(olmo_dirs):
-    with pytest.raises(ConfigError, match="q/k norms span every head"):
-        distributed.check_split(loader.load_model_config(olmo_dirs["olmo3"]), 2)
+@pytest.mark.parametrize("name", ["olmo2", "olmo3"])
+def test_two_ranks_match_one(olmo_dirs, name):
+    assert_two_ranks_match_one(olmo_dirs[name], prompts(4, seed=12, min_len=5, max_len=40), 6)
