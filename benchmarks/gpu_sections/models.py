@@ -160,6 +160,28 @@ def tiny_gemma2(ctx: Ctx) -> Path:
     return ctx.cached("tiny_gemma2", build)
 
 
+def tiny_minimax_m2(ctx: Ctx) -> Path:
+    """A random MiniMax-M2 (q/k RMSNorms over the whole projections, rotary on half of each head, sigmoid routing with
+    a correction bias over 8 experts, 2 per token) saved by transformers in the release's layout."""
+    def build() -> Path:
+        from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+        cfg = MiniMaxM2Config(vocab_size=1280, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, rotary_dim=8,
+                              num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+                              initializer_range=0.1, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = MiniMaxM2ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, 0.5)
+                layer.mlp.e_score_correction_bias.normal_(0.0, 0.3)
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+        return _saved(model, ctx, "minimax-m2-tiny")
+
+    return ctx.cached("tiny_minimax_m2", build)
+
+
 def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:
     """Qwen3-8B's shapes (toy shapes on a CPU run) with ``layers`` decoder layers."""
     return dict(QWEN3_TOY if ctx.tiny else QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=40960,

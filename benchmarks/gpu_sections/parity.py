@@ -1,8 +1,8 @@
 """Section 2: the engine end to end on the device against the engine on the CPU, greedy, on tiny models.
 
 For the demo Qwen3, a tiny Qwen3-MoE, a tiny Qwen3-Next (its linear attention on the torch path), a tiny GLM-4.5
-(partial rotary, grouped routing), a tiny Gemma 3 (sliding windows, two RoPEs) and a tiny Gemma 2 (soft-capped
-attention scores): the same prompts
+(partial rotary, grouped routing), a tiny Gemma 3 (sliding windows, two RoPEs), a tiny Gemma 2 (soft-capped
+attention scores) and a tiny MiniMax-M2 (whole-projection q/k norms, sigmoid routing): the same prompts
 (shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
 through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
 first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
@@ -195,3 +195,6 @@ def run(ctx: Ctx) -> None:
     ctx.deadline.check("tiny gemma2")
     with ctx.case("build tiny gemma2"):
         _model(ctx, "gemma2", models.tiny_gemma2(ctx))
+    ctx.deadline.check("tiny minimax-m2")
+    with ctx.case("build tiny minimax-m2"):
+        _model(ctx, "minimax-m2", models.tiny_minimax_m2(ctx))

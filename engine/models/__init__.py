@@ -31,6 +31,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "GptOssForCausalLM": "ember.engine.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV3ForCausalLM": "ember.engine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM": "ember.engine.models.glm4_moe:Glm4MoeForCausalLM",
+    "MiniMaxM2ForCausalLM": "ember.engine.models.minimax_m2:MiniMaxM2ForCausalLM",
     "Gemma2ForCausalLM": "ember.engine.models.gemma3:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "ember.engine.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "ember.engine.models.gemma3:Gemma3ForCausalLM",

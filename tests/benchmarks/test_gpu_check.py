@@ -62,7 +62,8 @@ def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_pat
         "qwen3: fp8 kv cache first tokens == fp32 cache (but near-ties)", "qwen3-moe: device fp32 eager == cpu",
         "qwen3-moe: cuda graphs == eager", "qwen3-next: device fp32 eager == cpu", "qwen3-next: cuda graphs == eager",
         "glm4-moe: device fp32 eager == cpu", "glm4-moe: cuda graphs == eager", "gemma3: device fp32 eager == cpu",
-        "gemma3: cuda graphs == eager", "gemma2: device fp32 eager == cpu", "gemma2: cuda graphs == eager"]
+        "gemma3: cuda graphs == eager", "gemma2: device fp32 eager == cpu", "gemma2: cuda graphs == eager",
+        "minimax-m2: device fp32 eager == cpu", "minimax-m2: cuda graphs == eager"]
     for name in NAMES[2:]:
         assert got[name]["status"] == "ok", (name, got[name].get("errors"), got[name].get("timeout"))
         assert all(c["ok"] for c in got[name]["checks"]), name

@@ -44,7 +44,8 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLO
     grid = {"block": block, "channel": (1, fp8_block.CHANNEL), "tensor": (fp8_block.CHANNEL, fp8_block.CHANNEL)}
     fp8, ref = {}, {}
     for name, t in tensors.items():
-        if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight")) and t.dim() == 2:
+        if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight",
+                                                 ".w3.weight")) and t.dim() == 2:
             q = fp8_block.quantize(t, grid[layout])
             scale_name = name + "_scale_inv" if layout == "block" else name[: -len(".weight")] + ".weight_scale"
             fp8[name], fp8[scale_name] = q.weight, q.scale.reshape(()) if layout == "tensor" else q.scale
