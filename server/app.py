@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
-from . import embeddings_api, responses_api, tokenize_api
+from . import embeddings_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
@@ -492,6 +492,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     responses_api.add_routes(app, [Depends(require_api_key)])
     tokenize_api.add_routes(app, [Depends(require_api_key)])
     embeddings_api.add_routes(app, [Depends(require_api_key)])
+    score_api.add_routes(app, [Depends(require_api_key)])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

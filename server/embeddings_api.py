@@ -47,26 +47,19 @@ class EmbeddingRequest(po._Lenient):
         return list(x)
 
 
-def _token_lists(rt: ModelRuntime, body: EmbeddingRequest, st: Any) -> list[list[int]]:
-    """Each input's token IDs, truncated as asked and checked against the context and the KV cache."""
-    inputs = body.inputs()
-    if not inputs:
-        raise bad_request("input must not be empty", param="input")
-    if len(inputs) > MAX_INPUTS:
-        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], params: list[str],
+                 truncate: int | None, add_special_tokens: bool) -> list[list[int]]:
+    """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit) and checked against the
+    context and the KV cache; a problem is a 400 naming ``params[i]``."""
     limit = min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
-    keep = body.truncate_prompt_tokens
-    if keep == -1:
-        keep = limit
+    keep = limit if truncate == -1 else truncate
     if keep is not None and keep > limit:
         raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the {limit} tokens a prompt may have",
                           param="truncate_prompt_tokens")
-    single = isinstance(body.input, str) or isinstance(body.input[0], int)
     out = []
-    for i, x in enumerate(inputs):
-        param = "input" if single else f"input[{i}]"
+    for x, param in zip(inputs, params):
         if isinstance(x, str):
-            ids = list(rt.tokenizer.encode(x, add_special_tokens=body.add_special_tokens))
+            ids = list(rt.tokenizer.encode(x, add_special_tokens=add_special_tokens))
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
@@ -127,26 +120,47 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
+                add_special_tokens: bool = True, dimensions: int | None = None,
+                normalize: bool | None = None) -> tuple[list[np.ndarray], int, str]:
+    """The embeddings of ``inputs`` (in order), their total token count and the request id: each input checked
+    (errors name ``params[i]``), run as an engine pooling request, cut to ``dimensions`` and normalized as the
+    model's pooling says (or as ``normalize`` says). What `/v1/embeddings` and the score routes share."""
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
     spec = rt.pooling
     if spec.refused:
         raise bad_request(f"this model's embeddings are not served: {spec.refused}; start the server with "
                           f"--pooler-config to choose a pooling", param="model")
-    if body.dimensions is not None and (why := spec.check_dimensions(body.dimensions)):
-        raise bad_request(why, param="dimensions")
-    prompts = await asyncio.to_thread(_token_lists, rt, body, st)
+    if not inputs:
+        raise bad_request(f"{params[0] if params else 'input'} must not be empty", param="input")
+    if len(inputs) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+    prompts = await asyncio.to_thread(_token_lists, rt, st, inputs, params, truncate, add_special_tokens)
     check_capacity(st)
     total = sum(len(p) for p in prompts)
     st.metrics.prompt_tokens.inc(total)
     rid = f"embd-{secrets.token_hex(12)}"
     results = await collect(request, _pooled(rt, prompts, rid))
-    data = [None] * len(prompts)
+    vectors: list[np.ndarray] = [np.empty(0)] * len(prompts)
     for r in results:
-        vec = _finish(r["pooled"], body.dimensions, spec.normalize)
-        data[r["index"]] = {"object": "embedding", "index": r["index"], "embedding": _encode(vec, body.encoding_format)}
+        vectors[r["index"]] = _finish(r["pooled"], dimensions, spec.normalize if normalize is None else normalize)
+    return vectors, total, rid
+
+
+async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    st = state(request)
+    rt = st.runtime
+    check_model(st, body.model)
+    if body.dimensions is not None and (why := rt.pooling.check_dimensions(body.dimensions)):
+        raise bad_request(why, param="dimensions")
+    inputs = body.inputs()
+    single = isinstance(body.input, str) or (bool(body.input) and isinstance(body.input[0], int))
+    params = ["input"] if single else [f"input[{i}]" for i in range(len(inputs))]
+    vectors, total, rid = await embed(request, inputs, params, truncate=body.truncate_prompt_tokens,
+                                      add_special_tokens=body.add_special_tokens, dimensions=body.dimensions)
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+            for i, v in enumerate(vectors)]
     return {"id": rid, "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 

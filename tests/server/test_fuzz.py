@@ -142,10 +142,18 @@ EMBEDDINGS_FIELDS = {
     "truncate_prompt_tokens": st.integers(-3, 300), "add_special_tokens": st.booleans(), "user": st.text(max_size=3),
 }
 
+texts = st.text(max_size=12) | st.lists(st.text(max_size=8), max_size=3)
+SCORE_FIELDS = {"model": st.just("ember-demo"), "text_1": texts, "text_2": texts,
+                "truncate_prompt_tokens": st.integers(-3, 300)}
+RERANK_FIELDS = {"model": st.just("ember-demo"), "query": st.text(max_size=12),
+                 "documents": st.lists(st.text(max_size=8), max_size=4), "top_n": st.integers(-1, 5),
+                 "return_documents": st.booleans(), "truncate_prompt_tokens": st.integers(-3, 300)}
+
 
 REQUIRED = {"/v1/chat/completions": ("model", "messages"), "/v1/messages": ("model", "messages", "max_tokens"),
             "/v1/completions": ("model", "prompt"), "/v1/responses": ("model", "input"),
-            "/v1/embeddings": ("model", "input")}
+            "/v1/embeddings": ("model", "input"), "/v1/score": ("text_1", "text_2"),
+            "/v1/rerank": ("query", "documents")}
 
 
 def bodies(fields: dict, required: tuple[str, ...] = ()):
@@ -190,7 +198,8 @@ FUZZ = settings(max_examples=70, deadline=None, suppress_health_check=list(Healt
 
 @pytest.mark.parametrize("path,fields", [("/v1/chat/completions", CHAT_FIELDS), ("/v1/messages", MESSAGES_FIELDS),
                                          ("/v1/completions", COMPLETION_FIELDS),
-                                         ("/v1/responses", RESPONSES_FIELDS), ("/v1/embeddings", EMBEDDINGS_FIELDS)])
+                                         ("/v1/responses", RESPONSES_FIELDS), ("/v1/embeddings", EMBEDDINGS_FIELDS),
+                                         ("/v1/score", SCORE_FIELDS), ("/v1/rerank", RERANK_FIELDS)])
 def test_fuzzed_bodies_never_500(demo_server, path, fields):
     @FUZZ
     @given(bodies(fields, REQUIRED[path]))

@@ -1,0 +1,100 @@
+"""vLLM's score and rerank routes for embedding models: `POST /v1/score` (``text_1`` against ``text_2``) and
+`POST /v1/rerank` (Jina's and Cohere's shape: a ``query`` against ``documents``, best first), each also under the
+paths vLLM serves them (`/score`; `/rerank`, `/v2/rerank`).
+
+A score is the cosine similarity of the two texts' embeddings (`ember.server.embeddings_api.embed`, the model's
+pooling), as vLLM scores with an embedding (bi-encoder) model. Cross-encoder rerankers, which read the query and the
+document together, are not served: Ember runs decoder models only.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from pydantic import Field
+
+from . import protocol_openai as po
+from .admission import check_model, state
+from .embeddings_api import embed
+from .errors import bad_request
+
+
+class ScoreRequest(po._Lenient):
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+
+class RerankRequest(po._Lenient):
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = Field(default=0, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-12))
+
+
+def _pairs(body: ScoreRequest) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+    """The distinct texts of each side and the pairs to score, by vLLM's rules: one text against each of the others,
+    or two lists of the same length pairwise."""
+    left = [body.text_1] if isinstance(body.text_1, str) else list(body.text_1)
+    right = [body.text_2] if isinstance(body.text_2, str) else list(body.text_2)
+    if not left or not right:
+        raise bad_request("text_1 and text_2 must not be empty", param="text_1" if not left else "text_2")
+    if len(left) == 1:
+        return left, right, [(0, j) for j in range(len(right))]
+    if len(left) != len(right):
+        raise bad_request(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or lists of the "
+                          "same length (scored pairwise)", param="text_2")
+    return left, right, [(i, i) for i in range(len(left))]
+
+
+async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+    st = state(request)
+    check_model(st, body.model)
+    left, right, pairs = _pairs(body)
+    params = ([f"text_1[{i}]" for i in range(len(left))] if isinstance(body.text_1, list) else ["text_1"]) + \
+        ([f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"])
+    vectors, total, rid = await embed(request, left + right, params, truncate=body.truncate_prompt_tokens)
+    data = [{"index": k, "object": "score", "score": _cosine(vectors[i], vectors[len(left) + j])}
+            for k, (i, j) in enumerate(pairs)]
+    return {"id": rid.replace("embd-", "score-"), "object": "list", "created": int(time.time()),
+            "model": st.runtime.model_name, "data": data,
+            "usage": {"prompt_tokens": total, "total_tokens": total}}
+
+
+async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
+    st = state(request)
+    check_model(st, body.model)
+    if not body.documents:
+        raise bad_request("documents must not be empty", param="documents")
+    params = ["query"] + [f"documents[{i}]" for i in range(len(body.documents))]
+    vectors, total, rid = await embed(request, [body.query, *body.documents], params,
+                                      truncate=body.truncate_prompt_tokens)
+    scores = [_cosine(vectors[0], v) for v in vectors[1:]]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if body.top_n:
+        order = order[:body.top_n]
+    results = []
+    for i in order:
+        item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+        if body.return_documents:
+            item["document"] = {"text": body.documents[i]}
+        results.append(item)
+    return {"id": rid.replace("embd-", "rerank-"), "model": st.runtime.model_name, "results": results,
+            "usage": {"total_tokens": total}}
+
+
+def add_routes(app: Any, dependencies: list[Any]) -> None:
+    """Serve the routes on `app`, behind `dependencies` (the app's API-key check)."""
+    for path in ("/v1/score", "/score"):
+        app.add_api_route(path, score, methods=["POST"], dependencies=dependencies)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"], dependencies=dependencies)
