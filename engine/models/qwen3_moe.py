@@ -12,6 +12,7 @@ allocated only for a checkpoint whose experts are not packed.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable
 
@@ -118,6 +119,22 @@ class SparseMoeBlock(nn.Module):
                                            self.experts.a13_scale, self.experts.a2_scale)
             return moe.fused_moe(x, w13, w2, topk_w, topk_ids)
         return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def __init__(self, cfg: ModelConfig, moe: dict, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(cfg, moe, device, dtype)
+        width = int(cfg.raw.get("shared_expert_intermediate_size") or 0)
+        self.shared_expert = GatedMLP(dataclasses.replace(cfg, intermediate_size=width)) if width else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if width else None
+
+    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
+        out = super()._experts_out(x)
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.local(x)  # reduced with out
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):

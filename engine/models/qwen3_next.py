@@ -21,7 +21,6 @@ Multi-token-prediction weights (``mtp.*``) are not used and are skipped on load.
 """
 from __future__ import annotations
 
-import dataclasses
 from types import ModuleType
 
 import torch
@@ -32,7 +31,7 @@ from ember.engine.attention import AttentionMetadata, RecurrentMetadata, is_trit
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import (Attention, DecoderLayer, GatedMLP, OffsetRMSNorm, RotaryEmbedding,
                                         partial_rotary_dim)
-from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from ember.engine.models.qwen3_moe import Qwen3MoeForCausalLM, SharedExpertMoeBlock
 from ember.kernels import gated_delta_rule
 
 _CHUNK = 64
@@ -203,22 +202,6 @@ class GatedDeltaNet(nn.Module):
                 out[s:e] = o[i, :e - s]
                 self.ssm_state[slot] = states[i]
         return out
-
-
-class SharedExpertMoeBlock(SparseMoeBlock):
-    """Routed experts plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
-
-    def __init__(self, cfg: ModelConfig, moe: dict, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__(cfg, moe, device, dtype)
-        width = int(cfg.raw.get("shared_expert_intermediate_size") or 0)
-        self.shared_expert = GatedMLP(dataclasses.replace(cfg, intermediate_size=width)) if width else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if width else None
-
-    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
-        out = super()._experts_out(x)
-        if self.shared_expert is None:
-            return out
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.local(x)  # reduced with out
 
 
 class Qwen3NextDecoderLayer(DecoderLayer):
