@@ -13,7 +13,7 @@ call of each family whose string argument is that long (DeepSeek V3.1's bare JSO
 JSON string as it streams, Kimi's JSON); their markers are added to the tokenizer as single special tokens.
 `llama3_json args` (a bare `{"name": .., "parameters": {..}}` at the reply's start), `mistral args` (`[TOOL_CALLS]NAME
 [ARGS]{..}`) and `pythonic args` (`[write_file(content="...")]`, Python literals converted to JSON as they stream) are
-the same for those syntaxes.
+the same for those syntaxes, and `minimax_m2 args` a MiniMax-M2 `<parameter name="content">` value (as Qwen3-Coder's).
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ SECTION_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
                    "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
                    "<|tool_call_end|>", "<|tool_calls_section_end|>")
 """DeepSeek's, GLM's and Kimi K2's tool-call markers: single tokens in their own vocabularies, added here."""
-FLAT_MARKERS = ("<|python_tag|>", "<|eot_id|>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<|python_start|>", "<|python_end|>")
-"""Llama 3's, Mistral's and Llama 4's markers (single tokens in their vocabularies), added here."""
+FLAT_MARKERS = ("<|python_tag|>", "<|eot_id|>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<|python_start|>", "<|python_end|>",
+                "<minimax:tool_call>", "</minimax:tool_call>", "[e~[")
+"""Llama 3's, Mistral's, Llama 4's and MiniMax-M2's markers (single tokens in their vocabularies), added here."""
 
 
 def load_tokenizer():
@@ -90,6 +91,8 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
         "mistral args": (InitialState.CONTENT, body('[TOOL_CALLS]write_file[ARGS]{"content": "', escaped, []),
                          {"tools": TOOLS}),
         "pythonic args": (InitialState.CONTENT, body('[write_file(content="', escaped, []), {"tools": TOOLS}),
+        "minimax_m2 args": (InitialState.CONTENT, body('<minimax:tool_call>\n<invoke name="write_file">\n'
+                                                      '<parameter name="content">', PARAGRAPH, []), {"tools": TOOLS}),
     }
 
 
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SECTION_MARKERS + FLAT_MARKERS])
     profiles = {"reasoning": "qwen3", "content": "qwen3", "hermes args": "qwen3", "qwen3_coder args": "qwen3_coder",
                 "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2",
-                "llama3_json args": "llama3_json", "mistral args": "mistral", "pythonic args": "pythonic"}
+                "llama3_json args": "llama3_json", "mistral args": "mistral", "pythonic args": "pythonic",
+                "minimax_m2 args": "minimax_m2"}
     if args.scenarios:
         wanted = [s.strip() for s in args.scenarios.split(",")]
         unknown = [s for s in wanted if s not in profiles]

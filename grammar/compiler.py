@@ -350,10 +350,10 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
     return g.add(rule, f"{rule}_json {close}")
 
 
-def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
-    """Rule for one parameter value, ending with its ``\\n</parameter>\\n``."""
-    close = '"\\n</parameter>\\n"'
-    return _tag_value(g, rule, schema, lenient, close, ("<\\/parameter>", close))
+def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: str, pad: str) -> str:
+    """Rule for one parameter value, ending with its ``pad + closer + "\\n"`` (Qwen3-Coder: ``\\n</parameter>\\n``)."""
+    close = _lit(pad + closer + "\n")
+    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close))
 
 
 def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
@@ -378,24 +378,34 @@ def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], 
     return f"{perm}::0x0"
 
 
-def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
+def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool], many: bool) -> str:
     """``<tool_call>\\n<function=NAME>\\n(<parameter=K>\\nV\\n</parameter>\\n)*</function>\\n</tool_call>`` with each
-    parameter at most once, in any order, required ones present, each value constrained by its schema."""
+    parameter at most once, in any order, required ones present, each value constrained by its schema. The tags are
+    the profile's terminals, the newlines around values only where it strips them (MiniMax-M2:
+    ``<invoke name="NAME">\\n(<parameter name="K">V</parameter>\\n)*</invoke>\\n``); where its calls share one block,
+    the block holds one call, or several when ``many``."""
+    term = d.profile.terminals
+    fn_open, fn_close, tag_end = term["function_open"], term["function_close"], term["tag_end"]
+    key_open, key_close = term["parameter_open"], term["parameter_close"]
+    pad = "\n" if d.profile.strip_value_newlines else ""
+    tail = _lit(fn_close + "\n")
+    unwritable = set("<>\n" + tag_end)
     alts = []
     for k, t in enumerate(tools):
         lenient = not t.strict
 
         def param(p: str, ps: Mapping, rule: str) -> str:
-            if not p or any(ch in p for ch in "<>\n"):
+            if not p or unwritable & set(p):
                 raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as "
-                                   f"<parameter={p}>")
-            return f'{_lit("<parameter=" + p + ">" + chr(10))} {_coder_value(g, rule, ps, lenient)}'
+                                   f"{key_open}{p}{tag_end}")
+            return f'{_lit(key_open + p + tag_end + pad)} {_coder_value(g, rule, ps, lenient, key_close, pad)}'
 
-        head = _lit("<function=" + t.name + ">" + chr(10))
+        head = _lit(fn_open + t.name + tag_end + "\n")
         params = _param_set(g, k, t, param)
-        alts.append(g.add(f"t{k}_fn", f'{head} {params or ""} "</function>\\n"'))
+        alts.append(g.add(f"t{k}_fn", f'{head} {params or ""} {tail}'))
     g.add("fn", " | ".join(alts))
-    return g.add("call", f'{d.ref("tool_open")} "\\n" fn {d.ref("tool_close")}')
+    body = "fn+" if many and d.profile.calls_share_block else "fn"
+    return g.add("call", f'{d.ref("tool_open")} "\\n" {body} {d.ref("tool_close")}')
 
 
 def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool) -> str:
@@ -634,7 +644,7 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
     if profile.tool_format == "hermes":
         call = _hermes_call(g, d, tools)
     elif profile.tool_format == "qwen3_coder":
-        call = _coder_call(g, d, tools)
+        call = _coder_call(g, d, tools, parallel and mode != "named")
     elif profile.tool_format == "glm45":
         call = _glm_call(g, d, tools)
     elif profile.tool_format in ("deepseek_v3", "kimi_k2"):
@@ -649,7 +659,8 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
         g.add("TEXT", _TEXT)
         return g.add("tools", f"{free} | {call}")
     g.add("WS", _WS)
-    calls = g.add("calls", f"(call WS)+" if parallel and mode != "named" else "call WS")
+    blocks = parallel and not profile.calls_share_block  # several blocks; a shared block holds every call itself
+    calls = g.add("calls", "(call WS)+" if blocks and mode != "named" else "call WS")
     if mode in ("required", "named"):
         return calls
     if formatted is not None:
@@ -657,7 +668,7 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
     if d.id("tool_open") is None:
         return None  # the trigger is text: free text cannot be told apart from a call's start
     g.add("TEXT", _TEXT)
-    tail = "(TEXT call)+ TEXT | TEXT" if parallel else "TEXT call TEXT | TEXT"
+    tail = "(TEXT call)+ TEXT | TEXT" if blocks else "TEXT call TEXT | TEXT"
     return g.add("tools", tail)
 
 

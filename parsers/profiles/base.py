@@ -64,6 +64,7 @@ class Profile:
     transitions: Mapping[tuple[str, str], Rule] = field(default_factory=dict)   # (state, terminal name) -> rule
     hold_boundary_whitespace: bool = True      # A.6: whitespace-only content next to a tool call is Dropped
     strip_value_newlines: bool = False         # Qwen3-Coder: one "\n" after `<parameter=K>` and before `</parameter>`
+    calls_share_block: bool = False            # MiniMax-M2: the calls of one reply go in one tool-call block
 
     def terminal_names_in(self, state: str) -> tuple[str, ...]:
         """Names of the terminals that have a rule in ``state``."""

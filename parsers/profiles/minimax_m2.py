@@ -1,0 +1,36 @@
+"""MiniMax-M2 / M2.1 / M2.5: the reply starts inside a thought (the generation prompt ends with `<think>\\n`) that
+`</think>` closes, then XML tool calls, several sharing one block: `<minimax:tool_call>\\n<invoke name="NAME">\\n`,
+`<parameter name="KEY">VALUE</parameter>\\n` per parameter, `</invoke>\\n` per call, `</minimax:tool_call>`. Values
+are typed by the tool's JSON schema as Qwen3-Coder's, with no newlines around them: Qwen3-Coder's syntax reads them
+with these terminals. `<minimax:tool_call>`/`</minimax:tool_call>` are single tokens, the XML tags text. The turn ends
+with `[e~[`."""
+from __future__ import annotations
+
+from .base import Profile, ReasoningSpec, end_of_turn_rules, reasoning_rules
+from .qwen3_coder import XML_TOOL_RULES
+
+TERMINALS = {
+    "think_open": "<think>",
+    "think_close": "</think>",
+    "tool_open": "<minimax:tool_call>",
+    "tool_close": "</minimax:tool_call>",
+    "function_open": '<invoke name="',
+    "function_close": "</invoke>",
+    "parameter_open": '<parameter name="',
+    "parameter_close": "</parameter>",
+    "tag_end": '">',
+    "eot_end": "[e~[",
+}
+EOT = ("eot_end",)
+
+PROFILE = Profile(
+    name="minimax_m2",
+    reasoning=ReasoningSpec(open="<think>", close="</think>", start_mode="prompt_tail"),
+    tool_format="qwen3_coder",
+    terminals=TERMINALS,
+    token_id_terminals=frozenset({"think_open", "think_close", "tool_open", "tool_close", *EOT}),
+    generation_headers=("]~b]ai\n",),
+    end_of_turn=("[e~[",),
+    transitions={**reasoning_rules(tool_open_ends_reasoning=True), **XML_TOOL_RULES, **end_of_turn_rules(EOT)},
+    calls_share_block=True,
+)
