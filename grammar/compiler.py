@@ -258,14 +258,71 @@ def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, 
             raise GrammarError(f"{name('grammar')} must be a non-empty Lark or GBNF grammar")
         g.subgrammars.append(("user_grammar", _lark_of(text, name("grammar"))))
         return g.add("answer", "@user_grammar")
+    if kind == "structural_tag":
+        return _structural_tag_answer(g, rf, param or "response_format", options)
     if kind == "choice":
         options_list = rf.get("choice")
         if (not isinstance(options_list, Sequence) or isinstance(options_list, str) or not options_list
                 or not all(isinstance(c, str) for c in options_list)):
             raise GrammarError(f"{name('choice')} must be a non-empty list of strings")
         return g.add("answer", " | ".join(_lit(c) for c in dict.fromkeys(options_list)))
-    raise GrammarError(f"response_format.type must be one of text, json_object, json_schema, regex, grammar; "
-                       f"got {kind!r}")
+    raise GrammarError(f"response_format.type must be one of text, json_object, json_schema, regex, grammar, "
+                       f"structural_tag; got {kind!r}")
+
+
+def _structural_tag_answer(g: _Lark, rf: Mapping, field: str, options: Mapping[str, Any]) -> str:
+    """vLLM's structural tags (``structures`` of ``{begin, schema, end}`` and their ``triggers``): free text in which
+    each trigger, once written, must go on as one of the structures whose ``begin`` starts with it, the JSON of its
+    schema and its ``end``, then free text again. The added tokens of the tokenizer found in triggers, begins and
+    ends (``token_ids``, filled by the server) count only as those tokens, as the parsers read delimiters; a text
+    trigger ends the free text at its first occurrence (a lazy lexeme)."""
+    structures, triggers = rf.get("structures"), rf.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise GrammarError(f"{field}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError(f"{field}.structures must be a non-empty list of {{begin, schema, end}} objects")
+    ids = rf.get("token_ids") or {}
+    tokens = sorted(ids, key=len, reverse=True)
+
+    def piece(text: str) -> str:
+        """``text`` as grammar: its added tokens as token references, the rest as literals."""
+        out, i = [], 0
+        while i < len(text):
+            hit = next((t for t in tokens if text.startswith(t, i)), None)
+            if hit is not None:
+                out.append(f"<[{int(ids[hit])}]>")
+                i += len(hit)
+                continue
+            j = i + 1
+            while j < len(text) and not any(text.startswith(t, j) for t in tokens):
+                j += 1
+            out.append(_lit(text[i:j]))
+            i = j
+        return " ".join(out)
+
+    bodies: dict[str, list[str]] = {}
+    for i, st in enumerate(structures):
+        where = f"{field}.structures[{i}]"
+        if not isinstance(st, Mapping) or not isinstance(st.get("begin"), str) or not isinstance(st.get("end"), str):
+            raise GrammarError(f"{where} must be an object with begin and end strings and a schema")
+        schema = st.get("schema", {})
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"{where}.schema must be a JSON schema object")
+        trigger = max((t for t in triggers if st["begin"].startswith(t)), key=len, default=None)
+        if trigger is None:
+            raise GrammarError(f"{where}.begin {st['begin']!r} starts with none of the triggers")
+        g.add(f"st{i}_json", _json_rule(schema, options, lenient=True))
+        parts = [piece(st["begin"][len(trigger):]), f"st{i}_json", piece(st["end"])]
+        bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p))
+    g.add("ST_TEXT", _TEXT)
+    segments = []
+    for k, (trigger, alts) in enumerate(bodies.items()):
+        if trigger in ids:
+            head = f"ST_TEXT {piece(trigger)}"
+        else:
+            head = g.add(f"st_h{k}", f"ST_TEXT {_lit(trigger)}", "[lazy]")
+        segments.append(g.add(f"st_t{k}", f"{head} ({' | '.join(alts)})"))
+    return g.add("answer", f"({' | '.join(segments)})* ST_TEXT")
 
 
 def answer_field(response_format: Any) -> str:

@@ -138,11 +138,25 @@ async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, init
         return [None] * n
     if not response_format and not tools and thinking_budget is None:
         return [None] * n
+    if response_format and response_format.get("type") == "structural_tag":
+        response_format = with_token_ids(response_format, st.runtime.tokenizer)
     return await asyncio.to_thread(
         backend.constraints, n, profile=setup.profile, delimiter_ids=setup.delimiter_ids, initial=initial,
         response_format=response_format, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget, thinking=thinking)
 
+
+
+def with_token_ids(response_format: dict, tokenizer: Any) -> dict:
+    """A structural-tag answer format with ``token_ids``: the added tokens of this tokenizer (delimiters such as
+    `<tool_call>`) that its triggers, begins and ends contain; the grammar accepts them only as those tokens, as the
+    parsers read them. Malformed parts are left for the compiler to name."""
+    texts = [t for t in response_format.get("triggers") or () if isinstance(t, str)]
+    for st in response_format.get("structures") or ():
+        if isinstance(st, dict):
+            texts += [st[k] for k in ("begin", "end") if isinstance(st.get(k), str)]
+    added = tokenizer.get_added_vocab()
+    return {**response_format, "token_ids": {a: i for a, i in added.items() if a and any(a in t for t in texts)}}
 
 
 def new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str, arrival: float) -> GenRequest:

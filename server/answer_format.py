@@ -2,8 +2,7 @@
 it replaced in vLLM 0.12), as the one ``response_format`` mapping the grammar compiler reads
 (`ember.grammar.compile_request`).
 
-A request may set one of them; a second is a 400 naming it, and so is what Ember cannot honour
-(`structured_outputs.structural_tag`). Errors found later, while compiling, name the field the value came from
+A request may set one of them; a second is a 400 naming it. Errors found later, while compiling, name the field the value came from
 (``structured_outputs.regex``, ``guided_json``, ...): the mapping carries it as ``param``.
 """
 from __future__ import annotations
@@ -43,14 +42,32 @@ def _from_response_format(rf: po.ResponseFormat) -> dict[str, Any]:
         out["regex"] = rf.regex
     if rf.grammar is not None:
         out["grammar"] = rf.grammar
+    if rf.type == "structural_tag":
+        out["structures"], out["triggers"] = rf.structures, rf.triggers
     return out
+
+
+def _structural_tag(value: Any, param: str) -> dict[str, Any]:
+    """vLLM's ``structured_outputs.structural_tag``: the JSON text (or object) of ``{"type": "structural_tag",
+    "structures": [...], "triggers": [...]}``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object with structures and triggers", param=param)
+    if "format" in value and "structures" not in value:
+        raise bad_request(f"{param}: the 'format' form of structural tags is not supported; send structures and "
+                          "triggers", param=param)
+    return {"type": "structural_tag", "structures": value.get("structures"), "triggers": value.get("triggers"),
+            "param": param}
 
 
 def _from_structured_outputs(so: po.StructuredOutputs) -> dict[str, Any]:
     if so.structural_tag is not None:
-        raise bad_request("structured_outputs.structural_tag is not supported; use json, regex, choice or grammar",
-                          param="structured_outputs.structural_tag")
-    if so.json_ is not None:
+        out = _structural_tag(so.structural_tag, "structured_outputs.structural_tag")
+    elif so.json_ is not None:
         out = _json(so.json_, "structured_outputs.json", so.disable_additional_properties)
     elif so.json_object:
         out = {"type": "json_object", "param": "structured_outputs.json_object"}

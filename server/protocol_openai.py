@@ -88,10 +88,12 @@ class JsonSchemaSpec(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema", "regex", "grammar", "lark"]
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar", "lark", "structural_tag"]
     json_schema: JsonSchemaSpec | None = None
     regex: str | None = None
     grammar: str | None = None
+    structures: list[Any] | None = None  # structural_tag: [{begin, schema, end}]
+    triggers: list[Any] | None = None  # structural_tag: the texts that start a structure
 
     @model_validator(mode="after")
     def _needs_payload(self) -> "ResponseFormat":
@@ -101,6 +103,8 @@ class ResponseFormat(_Lenient):
             raise ValueError("type regex needs a regex")
         if self.type in ("grammar", "lark") and not self.grammar:
             raise ValueError(f"type {self.type} needs a grammar")
+        if self.type == "structural_tag" and (not self.structures or not self.triggers):
+            raise ValueError("type structural_tag needs structures and triggers")
         return self
 
 

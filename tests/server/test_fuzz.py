@@ -19,7 +19,11 @@ structured_outputs = st.fixed_dictionaries({}, optional={
     "json": schema | st.sampled_from(['{"type": "object"}', "{not json", "[1]"]),
     "regex": st.sampled_from(["[a-z]{1,3}", "(", ""]), "choice": st.lists(st.text(max_size=4), max_size=3),
     "grammar": st.sampled_from(['root ::= "a" [0-9]', "start: \"a\"", "root ::= ((", ""]),
-    "json_object": st.booleans(), "structural_tag": anything, "whitespace_pattern": st.sampled_from([" ", "(", ""]),
+    "json_object": st.booleans(), "structural_tag": anything | st.sampled_from([
+        {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]},
+        '{"triggers": ["<tool_call>"], "structures": [{"begin": "<tool_call>", "schema": {}, "end": "x"}]}',
+        {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "nope"}, "end": ""}]},
+        {"triggers": [1], "structures": "x"}, {"format": {}}]), "whitespace_pattern": st.sampled_from([" ", "(", ""]),
     "disable_any_whitespace": st.booleans(), "disable_additional_properties": st.booleans()})
 VLLM_FIELDS = {"structured_outputs": structured_outputs, "guided_json": schema, "guided_choice": st.lists(
     st.text(max_size=4), max_size=3), "guided_regex": st.sampled_from(["a+", "("]), "prompt_logprobs": small_int}

@@ -112,7 +112,14 @@ def test_completions_take_structured_outputs_and_response_format(demo_server):
      "structured_outputs.json"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"grammar": "root ::= (("}}, "structured_outputs.grammar"),
-    ({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag"}}},
+     "structured_outputs.structural_tag.triggers"),
+    ({"structured_outputs": {"structural_tag": '{"type": "structural_tag", "triggers": ["<f"], "structures": '
+                                               '[{"begin": "<g>", "schema": {}, "end": ""}]}'}},
+     "structured_outputs.structural_tag.structures[0].begin"),
+    ({"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "tag"}}}},
+     "structured_outputs.structural_tag"),
 ])
 def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, param):
     client = demo_server.openai()
@@ -123,6 +130,24 @@ def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, para
         with pytest.raises(openai.BadRequestError) as e:
             create()
         assert e.value.body["param"] == param, e.value.body
+
+
+TAG = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+     "end": "</function>"}]}
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+                                   {"structured_outputs": {"structural_tag": TAG}},
+                                   {"response_format": TAG}], ids=["json-text", "object", "response_format"])
+def test_structural_tags_are_accepted_in_each_spelling(demo_server, extra):
+    """vLLM's spellings of a structural tag reach the grammar (which tests/grammar/test_structural_tag.py checks):
+    the reply is free text in which the trigger, if written, opens a valid structure."""
+    client = demo_server.openai()
+    r = client.chat.completions.create(model=demo_server.model, messages=HI, max_tokens=8, extra_body={**extra,
+                                                                                                      **THINK_OFF})
+    text = r.choices[0].message.content or ""
+    assert "<function=" not in text or text.split("<function=", 1)[1].startswith("get_weather>")
 
 
 def test_logprobs_of_tokens_the_grammar_rules_out_are_json(demo_server):
