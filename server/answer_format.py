@@ -2,8 +2,8 @@
 it replaced in vLLM 0.12), as the one ``response_format`` mapping the grammar compiler reads
 (`ember.grammar.compile_request`).
 
-A request may set one of them; a second is a 400 naming it. Errors found later, while compiling, name the field the value came from
-(``structured_outputs.regex``, ``guided_json``, ...): the mapping carries it as ``param``.
+A request may set one of them; a second is a 400 naming it. Errors found later, while compiling, name the field the
+value came from (``structured_outputs.regex``, ``guided_json``, ...): the mapping carries it as ``param``.
 """
 from __future__ import annotations
 
