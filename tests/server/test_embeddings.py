@@ -159,3 +159,32 @@ def test_a_mean_pooling_matryoshka_checkpoint_is_served_as_its_files_say(mean_se
     assert _close(short.data[0].embedding, _unit(mean[:16]))  # cut, then normalized
     with pytest.raises(openai.BadRequestError, match="one of \\[16, 32\\]"):
         client.embeddings.create(model="st", input=text, dimensions=20)
+
+
+def test_a_client_that_hangs_up_aborts_its_inputs(demo_server):
+    """600 distinct inputs of about 250 tokens need more than 70 full steps: a client that hangs up once they run
+    leaves the engine idle (slots and blocks free) long before they could all have run."""
+    import socket
+    import time
+    from urllib.parse import urlparse
+
+    start = demo_server.stats()
+    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 28 for i in range(600)]  # no shared prefix
+    body = json.dumps({"input": texts}).encode()
+    url = urlparse(demo_server.url)
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 20
+    while demo_server.stats().num_steps == start.num_steps and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sock.close()  # hang up while the inputs run
+    while time.monotonic() < deadline:
+        s = demo_server.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            break
+        time.sleep(0.05)
+    s = demo_server.stats()
+    assert s.num_steps > start.num_steps and (s.num_running, s.num_waiting) == (0, 0)
+    assert s.num_free_blocks == start.num_free_blocks
+    assert s.num_steps - start.num_steps < 40  # most of the 70+ steps never ran
