@@ -56,10 +56,12 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
     if keep is not None and keep > limit:
         raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the {limit} tokens a prompt may have",
                           param="truncate_prompt_tokens")
+    texts = [x for x in inputs if isinstance(x, str)]
+    encoded = iter(rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else ())
     out = []
     for x, param in zip(inputs, params):
         if isinstance(x, str):
-            ids = list(rt.tokenizer.encode(x, add_special_tokens=add_special_tokens))
+            ids = list(next(encoded))  # one batched call: the tokenizer's Rust side runs the texts in parallel
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
