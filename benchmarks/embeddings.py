@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import _cpu_seconds, _pct, _start_server  # noqa: E402
+from serve import _cpu_seconds, _pct, _start_server, _stop_server  # noqa: E402
 
 
 async def _level(url: str, model: str, concurrency: int, requests: int, batch: int, words: int) -> dict:
@@ -81,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["cpu_us_per_input"] = 1e6 * (_cpu_seconds(proc.pid) - cpu0) / row["inputs"]
             rows.append(row)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop_server(proc)
     print(f"model {model}  batch {args.batch}  words/input {args.words}")
     head = ("clients", "latency p50 ms", "latency p99 ms", "inputs/s", "prompt tok/s", "front-end CPU us/input")
     print("| " + " | ".join(head) + " |")

@@ -171,6 +171,17 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.3)
 
 
+def _stop_server(proc: subprocess.Popen | None) -> None:
+    """SIGTERM the server this script started (if any), killing it after 30 s."""
+    if proc is None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _free_port() -> int:
     import socket
 
@@ -217,12 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             row["steps"] = h1.get("num_steps", 0) - h0.get("num_steps", 0)
             rows.append(row)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop_server(proc)
     mode = "in-process engine" if args.in_process else "engine process"
     print(f"model {model}  {mode}  endpoint {args.endpoint}  max_tokens {args.max_tokens}")
     head = ("clients", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "step ms", "out tok/s", "req/s",

@@ -50,13 +50,7 @@ def _from_response_format(rf: po.ResponseFormat) -> dict[str, Any]:
 def _structural_tag(value: Any, param: str) -> dict[str, Any]:
     """vLLM's ``structured_outputs.structural_tag``: the JSON text (or object) of ``{"type": "structural_tag",
     "structures": [...], "triggers": [...]}``."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
-    if not isinstance(value, dict):
-        raise bad_request(f"{param} must be an object with structures and triggers", param=param)
+    value = _object(value, param, "an object with structures and triggers")
     if "format" in value and "structures" not in value:
         raise bad_request(f"{param}: the 'format' form of structural tags is not supported; send structures and "
                           "triggers", param=param)
@@ -95,16 +89,22 @@ def _from_guided(body: po._SamplingFields, name: str) -> dict[str, Any]:
     return {"type": kind, kind: value, "param": name}
 
 
+def _object(value: Any, param: str, what: str) -> dict[str, Any]:
+    """``value`` as a JSON object: itself, or parsed from JSON text; a 400 naming ``param`` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be {what}", param=param)
+    return value
+
+
 def _json(schema: dict[str, Any] | str, param: str, closed: bool) -> dict[str, Any]:
     """A JSON-schema answer; ``schema`` may come as JSON text. ``closed``: objects that do not say otherwise get
     ``additionalProperties: false`` (vLLM's ``disable_additional_properties``)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as e:
-            raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
-    if not isinstance(schema, dict):
-        raise bad_request(f"{param} must be a JSON schema object", param=param)
+    schema = _object(schema, param, "a JSON schema object")
     if closed:
         schema = _closed(schema)
     return {"type": "json_schema", "json_schema": {"schema": schema}, "param": param}

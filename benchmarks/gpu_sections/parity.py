@@ -180,21 +180,9 @@ def _has_kv_cache_dtype() -> bool:
 def run(ctx: Ctx) -> None:
     with ctx.case("build tiny qwen3"):
         _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
-    ctx.deadline.check("tiny qwen3-moe")
-    with ctx.case("build tiny qwen3-moe"):
-        _model(ctx, "qwen3-moe", models.tiny_qwen3_moe(ctx))
-    ctx.deadline.check("tiny qwen3-next")
-    with ctx.case("build tiny qwen3-next"):
-        _model(ctx, "qwen3-next", models.tiny_qwen3_next(ctx))
-    ctx.deadline.check("tiny glm4-moe")
-    with ctx.case("build tiny glm4-moe"):
-        _model(ctx, "glm4-moe", models.tiny_glm4_moe(ctx))
-    ctx.deadline.check("tiny gemma3")
-    with ctx.case("build tiny gemma3"):
-        _model(ctx, "gemma3", models.tiny_gemma3(ctx))
-    ctx.deadline.check("tiny gemma2")
-    with ctx.case("build tiny gemma2"):
-        _model(ctx, "gemma2", models.tiny_gemma2(ctx))
-    ctx.deadline.check("tiny minimax-m2")
-    with ctx.case("build tiny minimax-m2"):
-        _model(ctx, "minimax-m2", models.tiny_minimax_m2(ctx))
+    for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
+                        ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),
+                        ("gemma2", models.tiny_gemma2), ("minimax-m2", models.tiny_minimax_m2)):
+        ctx.deadline.check(f"tiny {name}")
+        with ctx.case(f"build tiny {name}"):
+            _model(ctx, name, build(ctx))

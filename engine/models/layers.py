@@ -233,8 +233,8 @@ class Attention(nn.Module):
 
     ``whole_qk_norm`` applies ``q_norm`` / ``k_norm`` over the whole q / k projections instead of per head (OLMo 2 /
     3, MiniMax-M2: norms as wide as the projections); under tensor parallelism each rank holds its heads' share of
-    the norm weights and the mean square is summed over the ranks. ``use_rope`` False skips RoPE in this layer (SmolLM3's NoPE
-    layers). ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE
+    the norm weights and the mean square is summed over the ranks. ``use_rope`` False skips RoPE in this layer
+    (SmolLM3's NoPE layers). ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE
     each query is multiplied by ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length``
     positions.
 
@@ -372,6 +372,13 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def apply_sliding_windows(layers: Iterable[nn.Module], cfg: ModelConfig) -> None:
+    """Give each layer's attention its window from `sliding_windows` (layers with none keep full attention)."""
+    for layer, window in zip(layers, sliding_windows(cfg)):
+        if window is not None:
+            layer.self_attn.sliding_window = window
+
+
 def sliding_windows(cfg: ModelConfig) -> list[int | None]:
     """Each layer's sliding window (None: full attention), as transformers reads config.json: ``layer_types``
     where given (``sliding_attention`` layers get ``sliding_window``), else Qwen2's ``use_sliding_window`` with
@@ -450,8 +457,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg, self.qk_norm, self.layer)
-        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
-            layer.self_attn.sliding_window = window
+        apply_sliding_windows(self.model.layers, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
 

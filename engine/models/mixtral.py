@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import qwen3_moe
-from ember.engine.models.layers import sliding_windows
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -22,11 +21,6 @@ class _Body(qwen3_moe._Body):
 class MixtralForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
     qk_norm = False
     body = _Body
-
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        super().__init__(cfg, max_position)
-        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
-            layer.self_attn.sliding_window = window
 
     @staticmethod
     def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:

@@ -9,7 +9,7 @@ from torch import nn
 
 from ember.engine.config import ModelConfig
 from ember.engine.models import qwen3_moe
-from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, sliding_windows
+from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm
 
 
 class Qwen2MoeDecoderLayer(DecoderLayer):
@@ -30,8 +30,3 @@ class Qwen2MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 
     qk_norm = False
     body = _Body
-
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
-        super().__init__(cfg, max_position)
-        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
-            layer.self_attn.sliding_window = window

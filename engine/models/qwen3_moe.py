@@ -28,6 +28,7 @@ from ember.engine.models.layers import (
     GatedMLP,
     RMSNorm,
     RotaryEmbedding,
+    apply_sliding_windows,
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
@@ -197,6 +198,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         self.moe, self.sparse = self.moe_settings(cfg)
         probe = torch.empty(0)
         self.model = self.body(cfg, self.moe, self.sparse, probe.device, probe.dtype)
+        apply_sliding_windows(self.model.layers, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(self.rotary_dim(cfg), max_position, cfg.rope_theta, cfg.rope_scaling)
 

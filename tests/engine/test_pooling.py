@@ -9,6 +9,7 @@ import torch
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from tests.conftest import save_tiny_qwen3
+from tests.engine.test_engine import _drain
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +24,6 @@ def _want(hf, prompt: list[int], kind: str) -> torch.Tensor:
     with torch.no_grad():
         h = hf(torch.tensor([prompt])).last_hidden_state[0].float()
     return {"last": h[-1], "mean": h.mean(dim=0), "cls": h[0]}[kind]
-
-
-def _drain(engine: Engine) -> dict[str, list]:
-    outs: dict[str, list] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
 
 
 def _close(got: list[float], want: torch.Tensor) -> bool:
