@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import _cpu_seconds, _pct, _start_server, _stop_server  # noqa: E402
+from serve import _cpu_seconds, _pct, _start_server, _stop_server, add_server_flags  # noqa: E402
 
 
 async def _level(url: str, model: str, concurrency: int, requests: int, batch: int, words: int) -> dict:
@@ -54,16 +54,11 @@ async def _level(url: str, model: str, concurrency: int, requests: int, batch: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="a running server; default: start `ember serve` in a subprocess")
-    ap.add_argument("--model", default=None, help="model name to send (default: what /v1/models lists)")
-    ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
-    ap.add_argument("--in-process", action="store_true", help="serve with the engine loop in the server process")
-    ap.add_argument("--serve-args", default="", help="more `ember serve` flags")
+    add_server_flags(ap)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 4 x concurrency)")
     ap.add_argument("--batch", type=int, default=16, help="inputs per request")
     ap.add_argument("--words", type=int, default=32, help="words per input")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     args = ap.parse_args(argv)
     import httpx
 

@@ -171,6 +171,16 @@ def _start_server(args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.3)
 
 
+def add_server_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags that choose the server a benchmark loads: a running one (``--url``) or one it starts."""
+    ap.add_argument("--url", default=None, help="a running server; default: start `ember serve` in a subprocess")
+    ap.add_argument("--model", default=None, help="model name to send (default: what /v1/models lists)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
+    ap.add_argument("--in-process", action="store_true", help="serve with the engine loop in the server process")
+    ap.add_argument("--serve-args", default="", help="more `ember serve` flags, e.g. '--sse-keepalive-seconds 0'")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+
+
 def _stop_server(proc: subprocess.Popen | None) -> None:
     """SIGTERM the server this script started (if any), killing it after 30 s."""
     if proc is None:
@@ -192,18 +202,13 @@ def _free_port() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="a running server; default: start `ember serve` in a subprocess")
-    ap.add_argument("--model", default=None, help="model name to send (default: what /v1/models lists)")
-    ap.add_argument("--model-dir", type=Path, default=None, help="checkpoint to serve (default: the demo model)")
-    ap.add_argument("--in-process", action="store_true", help="serve with the engine loop in the server process")
-    ap.add_argument("--serve-args", default="", help="more `ember serve` flags, e.g. '--sse-keepalive-seconds 0'")
+    add_server_flags(ap)
     ap.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
                     help="the streaming API to load (messages: lengths not fixed, tokens from usage)")
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 2 x concurrency)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-words", type=int, default=32)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args(argv)
     import httpx

@@ -14,11 +14,8 @@ from __future__ import annotations
 from torch import nn
 
 from ember.engine.config import ConfigError, ModelConfig
-from ember.engine.models import deepseek_v3, qwen3_moe
+from ember.engine.models import deepseek_v3, mixtral, qwen3_moe
 from ember.engine.models.layers import Attention, DecoderLayer, RMSNorm, partial_rotary_dim
-
-_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
 
 class MiniMaxM2DecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, moe: dict | None, device, dtype) -> None:
@@ -44,14 +41,10 @@ class MiniMaxM2ForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 
     @staticmethod
     def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
-        raw = cfg.raw
-        if raw.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ConfigError(f"config.json: scoring_func {raw['scoring_func']!r} is not supported (sigmoid)")
-        moe = {"num_experts": int(raw.get("num_local_experts") or 0), "top_k": int(raw.get("num_experts_per_tok") or 0),
-               "inter": cfg.intermediate_size, "norm_topk_prob": True}
-        if not 1 <= moe["top_k"] <= moe["num_experts"]:
-            raise ConfigError("config.json: MiniMax-M2 needs 1 <= num_experts_per_tok <= num_local_experts")
-        return moe, [True] * cfg.num_hidden_layers
+        scoring = cfg.raw.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ConfigError(f"config.json: scoring_func {scoring!r} is not supported (sigmoid)")
+        return mixtral.local_experts(cfg, "MiniMax-M2")
 
     @staticmethod
     def rotary_dim(cfg: ModelConfig) -> int:
@@ -60,24 +53,16 @@ class MiniMaxM2ForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 
     @staticmethod
     def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
-        """The whole-projection q/k norm weights split as their projections' rows; ``w1`` / ``w3`` their rows,
-        ``w2`` its columns; the rest as usual."""
+        """The experts as Mixtral's; the whole-projection q/k norm weights split as their projections' rows."""
         from ember.engine import distributed
 
-        module, _, leaf = name.rpartition(".")
-        which = module.rpartition(".")[2]
-        if ".block_sparse_moe.experts." in name and which in _EXPERT_NAMES and leaf == "weight":
-            return ("shard", 1) if which == "w2" else ("shard", 0)
-        return distributed.whole_qk_norm_rule(name)
+        return mixtral.expert_split_rule(name) or distributed.whole_qk_norm_rule(name)
 
     def checkpoint_name(self, name: str) -> str | None:
         """Ember's name of a checkpoint tensor; None for the multi-token-prediction modules."""
         if ".mtp" in name or name.startswith("mtp") or deepseek_v3.prediction_layer(name, self.config):
             return None
-        name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = mixtral.expert_name(name)
         if name.endswith(".mlp.e_score_correction_bias"):
             return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-        parts = name.split(".")
-        if ".mlp.experts." in name and len(parts) > 2 and parts[-2] in _EXPERT_NAMES:
-            parts[-2] = _EXPERT_NAMES[parts[-2]]
-        return ".".join(parts)
+        return name

@@ -10,6 +10,37 @@ from ember.engine.models import qwen3_moe
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def local_experts(cfg: ModelConfig, family: str) -> tuple[dict, list[bool]]:
+    """The MoE settings of a config.json that names ``num_local_experts`` experts of ``intermediate_size``,
+    ``num_experts_per_tok`` per token, renormalised, in every layer (Mixtral, MiniMax-M2)."""
+    raw = cfg.raw
+    moe = {"num_experts": int(raw.get("num_local_experts") or 0), "top_k": int(raw.get("num_experts_per_tok") or 0),
+           "inter": cfg.intermediate_size, "norm_topk_prob": True}
+    if not 1 <= moe["top_k"] <= moe["num_experts"]:
+        raise ConfigError(f"config.json: {family} needs 1 <= num_experts_per_tok <= num_local_experts")
+    return moe, [True] * cfg.num_hidden_layers
+
+
+def expert_split_rule(name: str) -> tuple[str, int] | None:
+    """The tensor-parallel split of a ``block_sparse_moe.experts.E.w1/w3/w2`` weight (``w1`` / ``w3`` their rows,
+    the intermediate channels; ``w2`` its columns); None for any other tensor."""
+    module, _, leaf = name.rpartition(".")
+    which = module.rpartition(".")[2]
+    if ".block_sparse_moe.experts." in name and which in _EXPERT_NAMES and leaf == "weight":
+        return ("shard", 1) if which == "w2" else ("shard", 0)
+    return None
+
+
+def expert_name(name: str) -> str:
+    """A ``block_sparse_moe`` tensor under Ember's names (``mlp``; ``w1/w3/w2`` as ``gate/up/down_proj``)."""
+    if ".block_sparse_moe." not in name:
+        return name
+    parts = name.replace(".block_sparse_moe.", ".mlp.").split(".")
+    if len(parts) > 2 and parts[-2] in _EXPERT_NAMES:
+        parts[-2] = _EXPERT_NAMES[parts[-2]]
+    return ".".join(parts)
+
+
 class MixtralDecoderLayer(qwen3_moe.Qwen3MoeDecoderLayer):
     qk_norm = False
 
@@ -24,29 +55,13 @@ class MixtralForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 
     @staticmethod
     def moe_settings(cfg: ModelConfig) -> tuple[dict, list[bool]]:
-        raw = cfg.raw
-        moe = {"num_experts": int(raw.get("num_local_experts") or 0), "top_k": int(raw.get("num_experts_per_tok") or 0),
-               "inter": cfg.intermediate_size, "norm_topk_prob": True}
-        if not 1 <= moe["top_k"] <= moe["num_experts"]:
-            raise ConfigError("config.json: Mixtral needs 1 <= num_experts_per_tok <= num_local_experts")
-        return moe, [True] * cfg.num_hidden_layers
+        return local_experts(cfg, "Mixtral")
 
     @staticmethod
     def tp_split_rule(name: str, cfg: ModelConfig) -> tuple[str, int]:
-        """``w1`` / ``w3`` split their rows (intermediate channels), ``w2`` its columns; the rest as usual."""
         from ember.engine import distributed
 
-        module, _, leaf = name.rpartition(".")
-        which = module.rpartition(".")[2]
-        if ".block_sparse_moe.experts." in name and which in _EXPERT_NAMES and leaf == "weight":
-            return ("shard", 1) if which == "w2" else ("shard", 0)
-        return distributed._split_rule(name)
+        return expert_split_rule(name) or distributed._split_rule(name)
 
     def checkpoint_name(self, name: str) -> str | None:
-        if ".block_sparse_moe." not in name:
-            return name
-        name = name.replace(".block_sparse_moe.", ".mlp.")
-        parts = name.split(".")
-        if len(parts) > 2 and parts[-2] in _EXPERT_NAMES:
-            parts[-2] = _EXPERT_NAMES[parts[-2]]
-        return ".".join(parts)
+        return expert_name(name)
