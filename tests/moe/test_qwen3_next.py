@@ -329,3 +329,31 @@ def test_state_snapshots_setting_sizes_or_turns_off_hybrid_prefix_caching(tiny_n
     assert off.scheduler.snapshots is None and not off.kv.enable_prefix_caching
     with pytest.raises(ValueError, match="state_snapshots must be >= 0"):
         _engine(tiny_next_dir, num_kv_blocks=16, state_snapshots=-1)
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_embeddings_equal_transformers_through_chunks_and_a_restored_state(tiny_next_dir, kind):
+    """Pooling requests on the hybrid model: chunked prompts (linear-attention states carried between chunks) pool
+    transformers' ``last_hidden_state``; a second last-token request for the same prompt starts from the saved
+    state of its prefix (mean pooling computes the whole prompt)."""
+    from transformers import AutoModel
+
+    from ember.engine.params import SamplingParams
+
+    hf = AutoModel.from_pretrained(tiny_next_dir, dtype=torch.float32).eval()
+    prompt = prompts(1, seed=21, min_len=38, max_len=38)[0]
+    with torch.no_grad():
+        h = hf(torch.tensor([prompt])).last_hidden_state[0]
+    want = h[-1] if kind == "last" else h.mean(dim=0)
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    for round_ in range(2):
+        hits = engine.kv.prefix_hits
+        rid = engine.add_request(prompt, SamplingParams(pooling=kind))
+        got = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid and o.finished:
+                    got = torch.tensor(o.embedding)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, round_
+    assert (engine.kv.prefix_hits - hits) == (36 if kind == "last" else 0)
+    engine.scheduler.check_integrity()
