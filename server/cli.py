@@ -7,7 +7,7 @@ import typing
 from importlib import metadata
 from typing import Sequence
 
-from ember.engine.args import add_flags, from_namespace
+from ember.engine.args import SettingValueError, add_flags, from_namespace
 
 from .config import ServeConfig
 
@@ -35,13 +35,28 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     """vLLM's spellings of a `vllm serve` command line, so one carries over (docs/deployment.md lists them):
     ``--model`` and ``--tool-call-parser`` set MODEL and ``--tool-parser``; ``--enable-auto-tool-choice`` and
     ``--trust-remote-code`` are accepted and change nothing (Ember parses tool calls whenever the model family has a
-    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name)."""
+    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name); so are
+    ``--runner generate|pooling``, ``--convert embed`` and ``--task generate|embed`` (one server generates and
+    embeds); a classification, score or reward head is refused by name."""
     from .config import parse_model_arg, parse_profile_name
 
     p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
     for flag in ("--enable-auto-tool-choice", "--trust-remote-code"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag, served in (("--runner", ("auto", "generate", "pooling")), ("--convert", ("auto", "none", "embed")),
+                         ("--task", ("auto", "generate", "embed", "embedding"))):
+        p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(flag, served), help=argparse.SUPPRESS)
+
+
+def _served_kind(flag: str, served: tuple[str, ...]):
+    """The parse function of a vLLM runner/task flag: what Ember serves passes; a head it has not is refused."""
+    def parse(text: str) -> str:
+        if text not in served:
+            raise SettingValueError(f"{flag} {text}: Ember serves generation and embeddings (one server does both: "
+                                    f"{', '.join(served)}); classification, score and reward heads are not supported")
+        return text
+    return parse
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

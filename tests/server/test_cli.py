@@ -1,6 +1,8 @@
 """The `ember` console script: option parsing, the demo-model default, and a real `ember serve` process."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -31,6 +33,11 @@ def test_serve_options_map_to_the_config(capsys):
     vllm = serve_config(parser.parse_args(["serve", "--model", "org/y", "--enable-auto-tool-choice",
                                            "--tool-call-parser", "qwen3_xml", "--trust-remote-code"]))
     assert (str(vllm.model_dir), vllm.tool_parser) == ("org/y", "qwen3_coder")  # a vLLM command line carries over
+    for flags in (["--runner", "pooling"], ["--task", "embed"], ["--convert", "embed"]):  # served by any server
+        assert serve_config(parser.parse_args(["serve", "--model", "org/e", *flags])).model_dir == Path("org/e")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--convert", "classify"])
+    assert e.value.code == 2 and "classification, score and reward heads" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out
