@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Olmo3ForCausalLM": "ember.engine.models.olmo:OlmoForCausalLM",
     "GraniteForCausalLM": "ember.engine.models.granite:GraniteForCausalLM",
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "SeedOssForCausalLM": "ember.engine.models.seed_oss:SeedOssForCausalLM",
     "MistralForCausalLM": MistralForCausalLM,
     "Mistral3ForConditionalGeneration": Mistral3ForCausalLM,
     "Ministral3ForCausalLM": MistralForCausalLM,

@@ -11,7 +11,13 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_position: int) -> None:
         super().__init__(cfg, max_position)
+        qkv_bias, o_bias = self.biases(cfg)
         for layer in self.model.layers:
             window = layer.self_attn.sliding_window
-            layer.self_attn = Attention(cfg, qk_norm=False, qkv_bias=True, o_bias=False)
+            layer.self_attn = Attention(cfg, qk_norm=False, qkv_bias=qkv_bias, o_bias=o_bias)
             layer.self_attn.sliding_window = window
+
+    @staticmethod
+    def biases(cfg: ModelConfig) -> tuple[bool, bool]:
+        """Whether q/k/v and o have biases: Qwen2's q/k/v do, its o does not."""
+        return True, False
