@@ -5,20 +5,22 @@ Families: ``qwen3`` (think + Hermes JSON tool calls), ``qwen3_coder`` (think + X
 ``deepseek_r1`` (the reply starts in the thought; DeepSeek's tool calls), ``deepseek_v3`` (DeepSeek's tool-call
 section, V3 and V3.1 spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`` (think +
 Kimi's tool-call section), ``minimax_m2`` (think + `<invoke name="..">` XML tool calls typed as Qwen3-Coder's, several
-in one block), ``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
+in one block), ``seed_oss`` (`<seed:think>` + Qwen3-Coder's XML calls in `<seed:tool_call>`), ``hermes`` (JSON tool
+calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
 """
 from __future__ import annotations
 
 from .base import Profile, ReasoningSpec, Rule
 from . import (deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3_json, minimax_m2, mistral, none,
-               pythonic, qwen3, qwen3_coder)
+               pythonic, qwen3, qwen3_coder, seed_oss)
 
 __all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
            "get_profile", "detect_profile"]
 
 _PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
                                  for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, glm45,
-                                           kimi_k2, minimax_m2, llama3_json, mistral, pythonic, hermes, gpt_oss, none)}
+                                           kimi_k2, minimax_m2, seed_oss, llama3_json, mistral, pythonic, hermes,
+                                           gpt_oss, none)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
 ALIASES: dict[str, str] = {
@@ -31,7 +33,8 @@ ALIASES: dict[str, str] = {
 }
 """vLLM's parser names (its ``--tool-call-parser`` / ``--reasoning-parser`` values) that differ from ours -> our
 profile name, so a vLLM command line works unchanged. The names both share (``hermes``, ``qwen3_coder``, ``qwen3``,
-``deepseek_r1``, ``minimax_m2``) need no entry. The one alias table: the CLI check and `get_profile` both read it."""
+``deepseek_r1``, ``minimax_m2``, ``seed_oss``) need no entry. The one alias table: the CLI check and `get_profile`
+both read it."""
 
 PARSER_NAMES: tuple[str, ...] = PROFILE_NAMES + tuple(ALIASES)
 """Every name `get_profile` accepts: the profile names, then the aliases."""
@@ -51,7 +54,8 @@ def get_profile(name: str) -> Profile:
 
 
 _MODEL_TYPES = {"gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "qwen3_next": "qwen3",
-                "deepseek_v3": "deepseek_v3", "glm4_moe": "glm45", "kimi_k2": "kimi_k2", "minimax_m2": "minimax_m2"}
+                "deepseek_v3": "deepseek_v3", "glm4_moe": "glm45", "kimi_k2": "kimi_k2", "minimax_m2": "minimax_m2",
+                "seed_oss": "seed_oss"}
 
 
 def detect_profile(chat_template: str | None, model_type: str | None = None) -> str:
@@ -67,6 +71,8 @@ def detect_profile(chat_template: str | None, model_type: str | None = None) -> 
         return "deepseek_r1"
     if "<minimax:tool_call>" in t:
         return "minimax_m2"
+    if "<seed:tool_call>" in t or "<seed:think>" in t:
+        return "seed_oss"
     if "<|tool_calls_section_begin|>" in t and "<|tool_call_argument_begin|>" in t:
         return "kimi_k2"
     if "<tool_call>" in t and "<arg_key>" in t and "<arg_value>" in t:

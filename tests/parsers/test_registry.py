@@ -16,7 +16,8 @@ from ember.parsers.tools import SYNTAXES, ToolSyntax, syntax_for
 @pytest.mark.parametrize("vllm_name, ours", [("openai", "gpt_oss"), ("openai_gptoss", "gpt_oss"),
                                              ("qwen3_xml", "qwen3_coder"), ("hermes", "hermes"),
                                              ("qwen3_coder", "qwen3_coder"), ("qwen3", "qwen3"),
-                                             ("deepseek_r1", "deepseek_r1"), ("minimax_m2", "minimax_m2")])
+                                             ("deepseek_r1", "deepseek_r1"), ("minimax_m2", "minimax_m2"),
+                                             ("seed_oss", "seed_oss")])
 def test_vllm_parser_names_pick_our_profiles(vllm_name, ours):
     assert vllm_name in PARSER_NAMES
     assert canonical_name(vllm_name) == ours
