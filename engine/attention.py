@@ -103,10 +103,10 @@ class TorchBackend:
     @staticmethod
     def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, k_scale=None, v_scale=None, *, sliding_window=None,
-                        sinks=None, softcap=None) -> torch.Tensor:
+                        sinks=None, softcap=None, chunk=None) -> torch.Tensor:
         if max_seqlen_q <= 1 and q.shape[0] == seq_lens.shape[0]:
             _decode_batched(q, k_cache, v_cache, out, None, seq_lens, block_table, softmax_scale, sliding_window,
-                            sinks, max_seqlen_k, k_scale, v_scale, softcap)
+                            sinks, max_seqlen_k, k_scale, v_scale, softcap, chunk)
             return out
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
         decode = (qlens == 1).nonzero().flatten()
@@ -117,18 +117,18 @@ class TorchBackend:
                 reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
                                           seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
                                           softmax_scale, k_scale, v_scale, sliding_window=sliding_window,
-                                          sinks=sinks, softcap=softcap)
+                                          sinks=sinks, softcap=softcap, chunk=chunk)
         if decode.numel():
             _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
                             block_table[decode], softmax_scale, sliding_window, sinks, None, k_scale, v_scale,
-                            softcap)
+                            softcap, chunk)
         return out
 
 
 def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float,
                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
                     max_seqlen_k: int | None = None, k_scale: float | None = None,
-                    v_scale: float | None = None, softcap: float | None = None) -> None:
+                    v_scale: float | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
     """One-token queries ``q[rows]`` (every row when ``rows`` is None) over their sequences' cached keys."""
     nb, bs, hkv, d = k_cache.shape
     b = seq_lens.shape[0]
@@ -147,6 +147,8 @@ def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale
     valid = kpos < seq_lens.unsqueeze(1)
     if sliding_window is not None:
         valid = valid & (kpos >= seq_lens.unsqueeze(1) - sliding_window)
+    if chunk:
+        valid = valid & (kpos >= (seq_lens.unsqueeze(1) - 1) // chunk * chunk)
     if sinks is None and not softcap:
         o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=valid[:, None, None, :], scale=scale)

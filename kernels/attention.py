@@ -27,6 +27,8 @@ that overlap the window among its segments, so tiles wholly outside are never lo
 one logit per query head added to the softmax denominator only, ``exp(sink - m)`` against the running max in the 2D
 kernel and against the common max of the segments in the reduce. Soft-cap (``SOFTCAP`` constexpr, Gemma 2's
 ``attn_logit_softcapping``): each scaled score becomes ``c * tanh(s / c)`` before the mask, ``c`` a runtime argument.
+Chunked attention (``CHUNK`` constexpr, Llama 4's ``attention_chunk_size``): a query at ``pos`` sees keys
+``(pos // CHUNK) * CHUNK <= key_pos <= pos``; as with a window, tiles before the first query's chunk are skipped.
 
 Dispatch (``paged_attention``): split-KV when ``max_seqlen_q == 1`` and ``num_seqs * num_kv_heads`` is at most
 ``SPLIT_KV_MAX_PROGRAMS`` (128, about one wave of an H200's 132 SMs), the 2D kernel otherwise. Nothing depends on
@@ -155,11 +157,11 @@ def _attend_tiles(
     stride_vc0, stride_vc1, stride_vc2, stride_vc3,
     offs_d, dim_mask,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Online-softmax accumulation of tiles ``[tile_start, tile_end)`` of one sequence's KV for one KV head; with
-    ``WINDOW > 0`` a query at ``pos`` sees only keys ``pos - WINDOW < key_pos <= pos``; with ``SOFTCAP`` the scores
-    are soft-capped at ``softcap``."""
+    ``WINDOW > 0`` a query at ``pos`` sees only keys ``pos - WINDOW < key_pos <= pos``, with ``CHUNK > 0`` only
+    keys of its own chunk; with ``SOFTCAP`` the scores are soft-capped at ``softcap``."""
     offs_t = tl.arange(0, TILE)
     bt_row = block_table_ptr + seq_idx.to(tl.int64) * stride_bt
     for j in range(tile_start, tile_end):
@@ -183,6 +185,8 @@ def _attend_tiles(
         causal = kpos[None, :] < context_len + query_pos[:, None] + 1
         if WINDOW > 0:
             causal = causal & (kpos[None, :] > context_len + query_pos[:, None] - WINDOW)
+        if CHUNK > 0:
+            causal = causal & (kpos[None, :] >= (context_len + query_pos[:, None]) // CHUNK * CHUNK)
         s = tl.where(query_mask[:, None] & kmask[None, :] & causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_new = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -206,7 +210,7 @@ def _unified_attention_2d(
     stride_bt,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -237,6 +241,8 @@ def _unified_attention_2d(
     first_tile = 0
     if WINDOW > 0:  # tiles wholly before the first query's window are skipped, not masked
         first_tile = tl.maximum(context_len + local_block * BLOCK_Q - WINDOW + 1, 0) // TILE
+    if CHUNK > 0:  # and those before its chunk
+        first_tile = tl.maximum(first_tile, (context_len + local_block * BLOCK_Q) // CHUNK * CHUNK // TILE)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -245,7 +251,7 @@ def _unified_attention_2d(
         kv_head, query_pos, query_mask, context_len, prefix_len, first_tile, num_tiles, softmax_scale, k_scale,
         v_scale, softcap,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP, CHUNK,
     )
     if HAS_SINKS:  # the sink's exp joins the denominator only
         sink = tl.load(sinks_ptr + q_head, mask=query_mask, other=0.0).to(tl.float32)
@@ -269,7 +275,7 @@ def _unified_attention_3d(
     stride_bt, num_q_heads,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Decode only (every query_len <= 1): program (seq, kv_head, segment); partials go to ``segm_*[tok, head, seg]``."""
     seq_idx = tl.program_id(0)
@@ -298,6 +304,8 @@ def _unified_attention_3d(
     first_tile = 0
     if WINDOW > 0:  # the segments split only the tiles that overlap the window
         first_tile = tl.maximum(seq_len - WINDOW, 0) // TILE
+    if CHUNK > 0:  # or the query's chunk
+        first_tile = tl.maximum(first_tile, tl.maximum(seq_len - 1, 0) // CHUNK * CHUNK // TILE)
     tiles_per_segment = tl.cdiv(num_tiles - first_tile, NUM_SEGMENTS)
     tile_start = first_tile + segment * tiles_per_segment
     tile_end = tl.minimum(tile_start + tiles_per_segment, num_tiles)
@@ -309,7 +317,7 @@ def _unified_attention_3d(
         kv_head, query_pos, query_mask, context_len, prefix_len, tile_start, tile_end, softmax_scale,
         k_scale, v_scale, softcap,
         stride_kc0, stride_kc1, stride_kc2, stride_kc3, stride_vc0, stride_vc1, stride_vc2, stride_vc3,
-        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP,
+        offs_d, dim_mask, BLOCK_SIZE, TILE, PRECISION, WINDOW, SOFTCAP, CHUNK,
     )
     # a segment with no visible key keeps m = -inf, l = 0 (the reduce weighs it out)
     m_i = tl.where(l_i > 0.0, m_i, float("-inf"))
@@ -380,6 +388,7 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -389,8 +398,9 @@ def paged_attention(
     path, which needs ``max_seqlen_q <= 1``; ``None`` dispatches by batch shape. ``num_segments`` (a power of two),
     ``tile_size`` (KV tokens per inner step, a power of two >= 16) and ``block_m`` (query rows per 2D program, a power
     of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
-    unlimited), ``sinks`` ``[Hq]`` (None: none) and ``softcap`` (None: none) as in the reference; KV tiles wholly
-    outside the window are skipped. ``num_warps`` / ``num_stages`` override the launch defaults (4 warps, 3 stages).
+    unlimited), ``sinks`` ``[Hq]`` (None: none), ``softcap`` and ``chunk`` (None: none) as in the reference; KV tiles
+    wholly outside the window or the chunk are skipped. ``num_warps`` / ``num_stages`` override the launch defaults
+    (4 warps, 3 stages).
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -425,6 +435,9 @@ def paged_attention(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
     cap = float(softcap or 0.0)
+    chunk_size = int(chunk or 0)
+    if chunk_size < 0:
+        raise ValueError(f"chunk must be positive, got {chunk}")
     common_strides = (*k_cache.stride(), *v_cache.stride(), block_table.stride(0))
 
     if split_kv:
@@ -437,8 +450,8 @@ def paged_attention(
             q, k_cache, v_cache, segm_out, segm_max, segm_sum, cu_seqlens_q, seq_lens, block_table,
             float(softmax_scale), ks, vs, cap, *q.stride(), *common_strides, hq,
             GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=_block_m(group), TILE=tile,
-            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, SOFTCAP=cap > 0, num_warps=warps,
-            num_stages=stages,
+            NUM_SEGMENTS=segs, PRECISION=precision, WINDOW=window, SOFTCAP=cap > 0, CHUNK=chunk_size,
+            num_warps=warps, num_stages=stages,
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
@@ -453,7 +466,7 @@ def paged_attention(
         q, k_cache, v_cache, out, sinks_arg, cu_seqlens_q, seq_lens, block_table,
         num_seqs, float(softmax_scale), ks, vs, cap, *q.stride(), *out.stride(), *common_strides,
         GROUP=group, HEAD_SIZE=d, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q,
-        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, SOFTCAP=cap > 0, num_warps=warps,
-        num_stages=stages,
+        TILE=tile, PRECISION=precision, WINDOW=window, HAS_SINKS=has_sinks, SOFTCAP=cap > 0, CHUNK=chunk_size,
+        num_warps=warps, num_stages=stages,
     )
     return out

@@ -13,7 +13,9 @@ with ``context_len = seq_len - query_len`` (causal). This one rule covers prefil
 prefill and decode. A sliding window ``W`` keeps only keys ``pos - W < key_pos <= pos`` (the query's own position and
 the ``W - 1`` before it, as transformers' ``sliding_window``). Sinks (gpt-oss) are one logit per query head that
 joins the softmax denominator only: ``p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))``. A soft-cap ``c`` (Gemma 2's
-``attn_logit_softcapping``) bounds each scaled score before the mask: ``s = c * tanh(s / c)``.
+``attn_logit_softcapping``) bounds each scaled score before the mask: ``s = c * tanh(s / c)``. Chunked attention
+``C`` (Llama 4's ``attention_chunk_size``) keeps only keys in the query's own chunk of ``C`` positions:
+``(pos // C) * C <= key_pos <= pos``.
 """
 from __future__ import annotations
 
@@ -71,12 +73,13 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of ``q`` ``[T, Hq, D]`` over the paged cache, written into ``out`` ``[T, Hq, D]``.
 
     Computes in fp32, one sequence at a time (slow, obviously right). ``max_seqlen_*`` are accepted for signature
-    parity with the Triton kernels. ``sliding_window`` (None: unlimited), ``sinks`` ``[Hq]`` (None: none) and
-    ``softcap`` (None: none) as in the module doc.
+    parity with the Triton kernels. ``sliding_window`` (None: unlimited), ``sinks`` ``[Hq]`` (None: none),
+    ``softcap`` (None: none) and ``chunk`` (None: none) as in the module doc.
     """
     del max_seqlen_q, max_seqlen_k
     hq = q.shape[1]
@@ -108,6 +111,8 @@ def paged_attention(
         hidden = kpos > qpos
         if sliding_window is not None:
             hidden = hidden | (kpos <= qpos - sliding_window)
+        if chunk:
+            hidden = hidden | (kpos < qpos // chunk * chunk)
         scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)

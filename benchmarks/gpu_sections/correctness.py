@@ -1,10 +1,10 @@
 """Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16 under
 the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and split-KV
-incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks, soft-cap), ``reshape_and_cache`` (bf16, FP8; padding
-slots untouched), RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in place),
-the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and gpt-oss's clamped GLU) and the
-dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that raises is
-recorded with its traceback and the next one runs."""
+incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks, soft-cap, chunked), ``reshape_and_cache`` (bf16, FP8;
+padding slots untouched), RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in
+place), the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and gpt-oss's clamped GLU)
+and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
+raises is recorded with its traceback and the next one runs."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +21,7 @@ def _tol(ctx: Ctx) -> float:
 
 def _attention_case(ctx: Ctx, name: str, specs, hq: int, hkv: int, hd: int, *, cache_dtype=None, scales=(None, None),
                     seed: int = 0, window: int | None = None, sinks: bool = False, softcap: float | None = None,
-                    **kernel_kw) -> None:
+                    chunk: int | None = None, **kernel_kw) -> None:
     with ctx.case(name):
         q, kc, vc, cu, sl, bt = paged_batch(specs, hq, hkv, hd, device=ctx.device, dtype=ctx.dtype,
                                             cache_dtype=cache_dtype, seed=seed)
@@ -31,6 +31,8 @@ def _attention_case(ctx: Ctx, name: str, specs, hq: int, hkv: int, hd: int, *, c
             args["sliding_window"] = window
         if sinks:  # gpt-oss: one learned logit per query head joins each softmax
             args["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(seed)).to(ctx.device, ctx.dtype)
+        if chunk is not None:  # Llama 4: each query sees only its own chunk of positions
+            args["chunk"] = chunk
         if softcap is not None:  # Gemma 2: scores of order 10 against the cap, so the tanh shapes every row
             args["softcap"] = softcap
             q.mul_(8)
@@ -73,6 +75,10 @@ def attention_checks(ctx: Ctx) -> None:
     _attention_case(ctx, f"attention mixed window={window}+softcap hd{hd}", mixed, *g4, hd, seed=15, window=window,
                     softcap=4.0, split_kv=False)
     _attention_case(ctx, f"attention decode split-kv softcap hd{hd}", decode, *g8, hd, seed=16, softcap=4.0,
+                    split_kv=True)
+    chunk = ctx.pick(16, 1024, 1024)
+    _attention_case(ctx, f"attention mixed chunk={chunk} hd{hd}", mixed, *g4, hd, seed=17, chunk=chunk, split_kv=False)
+    _attention_case(ctx, f"attention decode split-kv chunk={chunk} hd{hd}", decode, *g8, hd, seed=18, chunk=chunk,
                     split_kv=True)
     fp8 = torch.float8_e4m3fn
     _attention_case(ctx, f"attention fp8-kv mixed hd{hd}", mixed, *g4, hd, cache_dtype=fp8, scales=(0.05, 0.3),

@@ -226,7 +226,8 @@ class Attention(nn.Module):
     ``qkv_bias`` / ``o_bias`` default to ``attention_bias`` (Qwen2 has biases on q/k/v only). ``sliding_window``
     (keys ``pos - window < key_pos <= pos``) and ``sinks`` (one learned logit per query head in the softmax
     denominator, gpt-oss) are set per layer by the model; None means full causal attention without sinks.
-    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds each scaled score to ``c * tanh(s / c)``.
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) bounds each scaled score to ``c * tanh(s / c)``; ``chunk``
+    (Llama 4's ``attention_chunk_size``) keeps each query to the keys of its own chunk of positions.
 
     With an FP8 (e4m3) KV cache, K and V are stored divided by ``k_scale`` / ``v_scale`` (the checkpoint's per-layer
     scales, 1.0 when it has none) and multiplied back when read.
@@ -259,6 +260,7 @@ class Attention(nn.Module):
         self.sliding_window: int | None = None
         self.sinks: nn.Parameter | None = None
         self.softcap: float | None = None
+        self.chunk: int | None = None
         self.k_scale = self.v_scale = 1.0
         self.q_position_scale: tuple[float, int] | None = None
         self.use_rope = True
@@ -306,6 +308,8 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         if self.softcap:
             extra["softcap"] = self.softcap
+        if self.chunk:
+            extra["chunk"] = self.chunk
         backend.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                                 meta.block_table, meta.max_seqlen_q, meta.max_seqlen_k, self.scale, *scales,
                                 **extra)
