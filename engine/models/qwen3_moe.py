@@ -5,7 +5,8 @@ other layers use the dense gated MLP of ``intermediate_size``. The router is ``s
 (``num_experts_per_tok``), renormalised when ``norm_topk_prob``, cast to the hidden dtype (as transformers does).
 Experts are stacked per layer (``w13 [E, 2I, H]`` gate rows first, ``w2 [E, H, I]``), loaded from either key form:
 per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what ``save_pretrained`` writes) or fused
-(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, transformers 5's in-memory form).
+(``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``, transformers 5's in-memory form, or
+transposed, ``[E, H, 2I]`` / ``[E, I, H]``, as Qwen3-VL-MoE and Llama 4 release them).
 NVFP4 experts (ModelOpt per-expert tensors) and block-FP8 experts (the ``-FP8`` releases, where each rank's share of
 the channels is whole scale blocks) stay packed and run through the fused-MoE kernels; the dense stacks are
 allocated only for a checkpoint whose experts are not packed.
@@ -322,6 +323,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             dest = ex.w13 if which == "w13" else ex.w2
             if dest is None:
                 raise QuantizationError(f"{source}: fused tensor {name!r} is not NVFP4 but the layer's experts are")
+            if tuple(tensor.shape) != tuple(dest.shape) and tensor.dim() == 3 \
+                    and tuple(tensor.shape) == (dest.shape[0], dest.shape[2], dest.shape[1]):
+                tensor = tensor.transpose(1, 2)  # the released layout of Qwen3-VL-MoE and Llama 4: [E, H, 2I]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")

@@ -10,10 +10,6 @@ the intermediate channels.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
-
-import torch
-
 from ember.engine.config import ModelConfig
 from ember.engine.models.layers import language_model_name
 from ember.engine.models.qwen3 import Qwen3ForCausalLM
@@ -40,19 +36,3 @@ class Qwen3VLMoeForCausalLM(Qwen3MoeForCausalLM):
         if name.endswith(".mlp.experts.down_proj"):
             return "either_dim", 2, inter, 1
         return distributed._split_rule(name)
-
-    def _upright(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Fused expert stacks in the layout of the model's own (``[E, 2I, H]`` / ``[E, H, I]``)."""
-        for name, tensor in weights:
-            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and tensor.dim() == 3:
-                layer = int(name.split(".")[2])
-                ex = self._experts(layer)
-                want = ex.w13 if name.endswith("gate_up_proj") else ex.w2
-                if want is not None and tuple(tensor.shape) != tuple(want.shape) \
-                        and tuple(tensor.shape) == (want.shape[0], want.shape[2], want.shape[1]):
-                    tensor = tensor.transpose(1, 2)
-            yield name, tensor
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self._upright(weights), source)
