@@ -129,6 +129,8 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
         fields.append(("moe_intermediate_size", int(cfg.raw.get("moe_intermediate_size") or 0)))
     for key in _LINEAR_ATTENTION_SPLIT if cfg.linear_attention_layers else ():
         fields.append((key, int(cfg.raw.get(key) or 0)))
+    if cfg.raw.get("intermediate_size_mlp"):  # Llama 4's dense layers
+        fields.append(("intermediate_size_mlp", int(cfg.raw["intermediate_size_mlp"])))
     if any(sparse) and cfg.raw.get("shared_expert_intermediate_size"):
         fields.append(("shared_expert_intermediate_size", int(cfg.raw["shared_expert_intermediate_size"])))
     for name, n in fields:
@@ -150,7 +152,7 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
     check_split(cfg, n)
     raw = dict(cfg.raw)
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                "shared_expert_intermediate_size", *_LINEAR_ATTENTION_SPLIT):
+                "shared_expert_intermediate_size", "intermediate_size_mlp", *_LINEAR_ATTENTION_SPLIT):
         if isinstance(raw.get(key), int):
             raw[key] = raw[key] // n
     kv_heads = cfg.num_key_value_heads if _is_mla(cfg) else cfg.num_key_value_heads // n

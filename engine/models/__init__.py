@@ -28,6 +28,8 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
     "Ministral3ForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": "ember.engine.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "ember.engine.models.mixtral:MixtralForCausalLM",
+    "Llama4ForCausalLM": "ember.engine.models.llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "ember.engine.models.llama4:Llama4ForCausalLM",
     "Qwen2MoeForCausalLM": "ember.engine.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "ember.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "ember.engine.models.gpt_oss:GptOssForCausalLM",

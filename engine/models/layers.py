@@ -235,9 +235,9 @@ class Attention(nn.Module):
     ``whole_qk_norm`` applies ``q_norm`` / ``k_norm`` over the whole q / k projections instead of per head (OLMo 2 /
     3, MiniMax-M2: norms as wide as the projections); under tensor parallelism each rank holds its heads' share of
     the norm weights and the mean square is summed over the ranks. ``use_rope`` False skips RoPE in this layer
-    (SmolLM3's NoPE layers). ``q_position_scale`` ``(beta, length)`` (Llama 4's and Mistral 3's attention temperature): after RoPE
-    each query is multiplied by ``1 + beta * log(1 + floor(position / length))``, 1 within the first ``length``
-    positions.
+    (SmolLM3's NoPE layers). ``q_position_scale`` ``(beta, length, offset)`` (Mistral 3's and Llama 4's attention
+    temperature): after RoPE each query is multiplied by ``1 + beta * log(1 + floor((position + offset) / length))``
+    (Mistral 3: offset 0; Llama 4: 1), 1 within the first ``length`` positions.
 
     Under tensor parallelism (``tp`` set by `ember.engine.distributed.attach`) it holds this rank's heads and sums
     the partial ``o_proj`` outputs over the ranks."""
@@ -262,7 +262,7 @@ class Attention(nn.Module):
         self.softcap: float | None = None
         self.chunk: int | None = None
         self.k_scale = self.v_scale = 1.0
-        self.q_position_scale: tuple[float, int] | None = None
+        self.q_position_scale: tuple[float, int, int] | None = None
         self.use_rope = True
         self.whole_qk_norm = False
 
@@ -280,8 +280,8 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = rope(meta.positions, q, k)
         if self.q_position_scale is not None:
-            beta, length = self.q_position_scale
-            scale = 1.0 + beta * torch.log1p(torch.floor(meta.positions / length))
+            beta, length, offset = self.q_position_scale
+            scale = 1.0 + beta * torch.log1p(torch.floor((meta.positions + offset) / length))
             q = q * scale.to(q.dtype)[:, None, None]
         out = self.attend(q, k, v, meta, kv, backend)
         out = self.o_proj(out.reshape(t, self.hq * self.d))
@@ -425,7 +425,7 @@ def _materialized(packed: Any, device: torch.device) -> Any:
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                    "model.visual.", "visual.")
+                    "model.visual.", "visual.", "vision_model.", "model.vision_model.")
 
 
 def language_model_name(name: str) -> str | None:

@@ -22,7 +22,7 @@ class MistralForCausalLM(DecoderForCausalLM):
                 raise ConfigError("config.json: llama_4_scaling_beta needs rope_parameters."
                                   "original_max_position_embeddings")
             for layer in self.model.layers:
-                layer.self_attn.q_position_scale = (float(beta), int(length))
+                layer.self_attn.q_position_scale = (float(beta), int(length), 0)
 
 
 class Mistral3ForCausalLM(MistralForCausalLM):

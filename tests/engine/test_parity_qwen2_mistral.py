@@ -119,5 +119,5 @@ def test_ministral3_scales_queries_past_its_original_context(tmp_path, demo_mode
     from ember.engine import loader
 
     model = get_model_class("Ministral3ForCausalLM")(loader.load_model_config(tmp_path), 64)
-    assert model.model.layers[0].self_attn.q_position_scale == (0.5, 8)
+    assert model.model.layers[0].self_attn.q_position_scale == (0.5, 8, 0)
     assert_prefill_logits_match_transformers(tmp_path)

@@ -1,0 +1,69 @@
+"""A tiny random Llama 4 (chunked attention of 8 positions on the RoPE layers, a NoPE layer with attention
+temperature, weightless q/k norms, interleaved rotary pairs, a top-1 routed expert fed the router-scaled token plus a
+shared expert, MoE layers interleaved with dense ones): Ember's logits and greedy tokens equal transformers' for
+prompts past the chunk, through chunked prefill and prefix hits; the multimodal checkpoint's language model serves the
+same; two tensor-parallel ranks decode what one does."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
+                                assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,
+                                prompts, save_with_tokenizer)
+
+TEXT = dict(vocab_size=1280, hidden_size=64, intermediate_size=48, intermediate_size_mlp=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+            max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+
+
+def _spread(model) -> None:
+    """Router weights large enough that the experts' choice and score vary from token to token."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("router.weight"):
+                p.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama4_dir(tmp_path_factory, demo_model_dir):
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(Llama4TextConfig(**TEXT))
+    _spread(model)
+    return save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-llama4"), demo_model_dir)
+
+
+def test_layers_follow_the_config(tiny_llama4_dir):
+    model = ember_model(tiny_llama4_dir)
+    attn = [layer.self_attn for layer in model.model.layers]
+    assert [(a.use_rope, a.chunk) for a in attn] == [(True, 8), (True, 8), (True, 8), (False, None)]
+    assert attn[3].q_position_scale == (0.5, 4, 1) and attn[0].q_norm is not None and attn[3].q_norm is None
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["GatedMLP", "Llama4MoE"] * 2
+
+
+def test_prefill_logits_match_transformers(tiny_llama4_dir):
+    assert_prefill_logits_match_transformers(tiny_llama4_dir)  # 30 tokens: past chunks of 8 and floor_scale 4
+
+
+def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_llama4_dir):
+    assert_greedy_matches_transformers_chunked_and_cached(tiny_llama4_dir)
+
+
+def test_the_multimodal_checkpoint_serves_its_language_model(tmp_path, demo_model_dir):
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    torch.manual_seed(1)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=TEXT, vision_config=vision))
+    _spread(model)
+    save_with_tokenizer(model, tmp_path / "mm", demo_model_dir)
+    assert_prefill_logits_match_transformers(tmp_path / "mm")
+
+
+def test_two_ranks_match_one(tiny_llama4_dir):
+    assert_two_ranks_match_one(tiny_llama4_dir, prompts(4, seed=12, min_len=5, max_len=40), 6)
