@@ -6,10 +6,11 @@
 
 Sections, in order of value (``benchmarks/gpu_sections/``), each writing ``DIR/<n>_<name>.json`` before the next
 starts: 1 ``kernels`` (bf16 correctness of every kernel against its torch reference), 2 ``parity`` (engine greedy
-tokens on the device == on the CPU, tiny Qwen3, Qwen3-MoE, Qwen3-Next, GLM-4.5, Gemma 3, Gemma 2, MiniMax-M2;
-CUDA-graph replay == eager), 3 ``attention`` (decode vs a copy of the same bytes, prefill vs SDPA, row kernels),
-4 ``moe`` (fused MoE / NVFP4 vs the bytes floor), 5 ``graphs`` (padded graph replay == eager on an 8-layer Qwen3-8B-shaped model), 6 ``scale`` (a KV cache past
-2^31 elements, an Engine sized by ``gpu_memory_utilization``, e2e decode tokens/s vs compiled transformers).
+tokens on the device == on the CPU, tiny Qwen3, Qwen3-MoE, Qwen3-Next, GLM-4.5, Gemma 3, Gemma 2, MiniMax-M2, Llama
+4; CUDA-graph replay == eager), 3 ``attention`` (decode vs a copy of the same bytes, prefill vs SDPA, row kernels), 4
+``moe`` (fused MoE / NVFP4 vs the bytes floor), 5 ``graphs`` (padded graph replay == eager on an 8-layer
+Qwen3-8B-shaped model), 6 ``scale`` (a KV cache past 2^31 elements, an Engine sized by ``gpu_memory_utilization``,
+e2e decode tokens/s vs compiled transformers).
 
 A hard deadline (``--budget-s``) is passed into every section, which checks it per batch / token count; a section
 out of time is recorded as ``timeout`` with what it measured, later ones as ``skipped``. A failing check, an

@@ -182,6 +182,28 @@ def tiny_minimax_m2(ctx: Ctx) -> Path:
     return ctx.cached("tiny_minimax_m2", build)
 
 
+def tiny_llama4(ctx: Ctx) -> Path:
+    """A random Llama 4 (chunks of 8 positions on three RoPE layers around a NoPE one with attention temperature,
+    weightless q/k norms, a top-1 routed expert plus a shared one every other layer) saved by transformers."""
+    def build() -> Path:
+        from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+        cfg = Llama4TextConfig(vocab_size=1280, hidden_size=64, intermediate_size=48, intermediate_size_mlp=96,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                               attention_chunk_size=8, floor_scale=4, attn_scale=0.5, max_position_embeddings=1024,
+                               initializer_range=0.1, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = Llama4ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("router.weight"):
+                    p.normal_(0.0, 0.5)
+        return _saved(model, ctx, "llama4-tiny")
+
+    return ctx.cached("tiny_llama4", build)
+
+
 def qwen3_layers_config(ctx: Ctx, layers: int) -> dict[str, Any]:
     """Qwen3-8B's shapes (toy shapes on a CPU run) with ``layers`` decoder layers."""
     return dict(QWEN3_TOY if ctx.tiny else QWEN3_8B, num_hidden_layers=layers, max_position_embeddings=40960,

@@ -2,7 +2,8 @@
 
 For the demo Qwen3, a tiny Qwen3-MoE, a tiny Qwen3-Next (its linear attention on the torch path), a tiny GLM-4.5
 (partial rotary, grouped routing), a tiny Gemma 3 (sliding windows, two RoPEs), a tiny Gemma 2 (soft-capped
-attention scores) and a tiny MiniMax-M2 (whole-projection q/k norms, sigmoid routing): the same prompts
+attention scores), a tiny MiniMax-M2 (whole-projection q/k norms, sigmoid routing) and a tiny Llama 4 (chunked
+attention, interleaved rotary): the same prompts
 (shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
 through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
 first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
@@ -180,9 +181,13 @@ def _has_kv_cache_dtype() -> bool:
 def run(ctx: Ctx) -> None:
     with ctx.case("build tiny qwen3"):
         _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
+    quick = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")  # --quick: one model per distinct device path
     for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
                         ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),
-                        ("gemma2", models.tiny_gemma2), ("minimax-m2", models.tiny_minimax_m2)):
+                        ("gemma2", models.tiny_gemma2), ("minimax-m2", models.tiny_minimax_m2),
+                        ("llama4", models.tiny_llama4)):
+        if ctx.quick and name not in quick:
+            continue
         ctx.deadline.check(f"tiny {name}")
         with ctx.case(f"build tiny {name}"):
             _model(ctx, name, build(ctx))
