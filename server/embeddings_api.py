@@ -123,11 +123,11 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -
 
 
 async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-                add_special_tokens: bool = True, dimensions: int | None = None,
-                normalize: bool | None = None) -> tuple[list[np.ndarray], int, str]:
+                add_special_tokens: bool = True,
+                dimensions: int | None = None) -> tuple[list[np.ndarray], int, str]:
     """The embeddings of ``inputs`` (in order), their total token count and the request id: each input checked
     (errors name ``params[i]``), run as an engine pooling request, cut to ``dimensions`` and normalized as the
-    model's pooling says (or as ``normalize`` says). What `/v1/embeddings` and the score routes share."""
+    model's pooling says. What `/v1/embeddings` and the score routes share."""
     st = state(request)
     rt = st.runtime
     spec = rt.pooling
@@ -146,7 +146,7 @@ async def embed(request: Request, inputs: list[str | list[int]], params: list[st
     results = await collect(request, _pooled(rt, prompts, rid))
     vectors: list[np.ndarray] = [np.empty(0)] * len(prompts)
     for r in results:
-        vectors[r["index"]] = _finish(r["pooled"], dimensions, spec.normalize if normalize is None else normalize)
+        vectors[r["index"]] = _finish(r["pooled"], dimensions, spec.normalize)
     return vectors, total, rid
 
 
