@@ -6,8 +6,7 @@ with these terminals. `<minimax:tool_call>`/`</minimax:tool_call>` are single to
 with `[e~[`."""
 from __future__ import annotations
 
-from .base import Profile, ReasoningSpec, end_of_turn_rules, reasoning_rules
-from .qwen3_coder import XML_TOOL_RULES
+from .qwen3_coder import xml_tool_profile
 
 TERMINALS = {
     "think_open": "<think>",
@@ -21,16 +20,5 @@ TERMINALS = {
     "tag_end": '">',
     "eot_end": "[e~[",
 }
-EOT = ("eot_end",)
 
-PROFILE = Profile(
-    name="minimax_m2",
-    reasoning=ReasoningSpec(open="<think>", close="</think>", start_mode="prompt_tail"),
-    tool_format="qwen3_coder",
-    terminals=TERMINALS,
-    token_id_terminals=frozenset({"think_open", "think_close", "tool_open", "tool_close", *EOT}),
-    generation_headers=("]~b]ai\n",),
-    end_of_turn=("[e~[",),
-    transitions={**reasoning_rules(tool_open_ends_reasoning=True), **XML_TOOL_RULES, **end_of_turn_rules(EOT)},
-    calls_share_block=True,
-)
+PROFILE = xml_tool_profile("minimax_m2", TERMINALS, "]~b]ai\n", calls_share_block=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from .base import (BAD_CALL, CONTENT, FN_BODY, PARAM_KEY, PARAM_SKIP, PARAM_VALUE, TOOL_BETWEEN, TOOL_NAME,
                    TOOL_PREAMBLE, Profile, ReasoningSpec, Rule, end_of_turn_rules, reasoning_rules)
-from .hermes import EOT
 
 TERMINALS = {
     "think_open": "<think>",
@@ -48,14 +47,26 @@ XML_TOOL_RULES = {
     (BAD_CALL, "tool_close"): Rule("tool_close"),
 }
 
-PROFILE = Profile(
-    name="qwen3_coder",
-    reasoning=ReasoningSpec(open="<think>", close="</think>", start_mode="prompt_tail"),
-    tool_format="qwen3_coder",
-    terminals=TERMINALS,
-    token_id_terminals=frozenset({"think_open", "think_close", "tool_open", "tool_close", *EOT}),
-    generation_headers=("<|im_start|>assistant\n",),
-    end_of_turn=("<|im_end|>", "<|endoftext|>"),
-    transitions={**reasoning_rules(tool_open_ends_reasoning=True), **XML_TOOL_RULES, **end_of_turn_rules(EOT)},
-    strip_value_newlines=True,
-)
+
+
+def xml_tool_profile(name: str, terminals: dict[str, str], generation_header: str, **options: bool) -> Profile:
+    """A family that thinks in ``think_open`` .. ``think_close`` (the prompt's tail says where the reply starts) and
+    writes Qwen3-Coder's XML calls spelled by ``terminals`` (its tags, and its end-of-turn specials under ``eot_*``
+    names); a tool-call opener inside the thought ends it. ``options``: `Profile`'s flags (value padding, shared
+    blocks)."""
+    eot = tuple(n for n in terminals if n.startswith("eot_"))
+    return Profile(
+        name=name,
+        reasoning=ReasoningSpec(open=terminals["think_open"], close=terminals["think_close"],
+                                start_mode="prompt_tail"),
+        tool_format="qwen3_coder",
+        terminals=terminals,
+        token_id_terminals=frozenset({"think_open", "think_close", "tool_open", "tool_close", *eot}),
+        generation_headers=(generation_header,),
+        end_of_turn=tuple(terminals[n] for n in eot),
+        transitions={**reasoning_rules(tool_open_ends_reasoning=True), **XML_TOOL_RULES, **end_of_turn_rules(eot)},
+        **options,
+    )
+
+
+PROFILE = xml_tool_profile("qwen3_coder", TERMINALS, "<|im_start|>assistant\n", strip_value_newlines=True)

@@ -4,9 +4,8 @@ thought), then Qwen3-Coder's XML tool calls, one per `<seed:tool_call>` block an
 `<seed:...>` delimiters are single tokens, the XML tags text. The turn ends with `<seed:eos>`."""
 from __future__ import annotations
 
-from .base import Profile, ReasoningSpec, end_of_turn_rules, reasoning_rules
 from .qwen3_coder import TERMINALS as CODER_TERMINALS
-from .qwen3_coder import XML_TOOL_RULES
+from .qwen3_coder import xml_tool_profile
 
 TERMINALS = {
     **{k: v for k, v in CODER_TERMINALS.items() if not k.startswith("eot_")},
@@ -16,15 +15,5 @@ TERMINALS = {
     "tool_close": "</seed:tool_call>",
     "eot_eos": "<seed:eos>",
 }
-EOT = ("eot_eos",)
 
-PROFILE = Profile(
-    name="seed_oss",
-    reasoning=ReasoningSpec(open="<seed:think>", close="</seed:think>", start_mode="prompt_tail"),
-    tool_format="qwen3_coder",
-    terminals=TERMINALS,
-    token_id_terminals=frozenset({"think_open", "think_close", "tool_open", "tool_close", *EOT}),
-    generation_headers=("<seed:bos>assistant\n",),
-    end_of_turn=("<seed:eos>",),
-    transitions={**reasoning_rules(tool_open_ends_reasoning=True), **XML_TOOL_RULES, **end_of_turn_rules(EOT)},
-)
+PROFILE = xml_tool_profile("seed_oss", TERMINALS, "<seed:bos>assistant\n")
