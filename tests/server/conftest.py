@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -47,6 +48,21 @@ class LiveServer:
 
     def stats(self):
         return self.runtime.engine.stats()
+
+
+@contextlib.contextmanager
+def served(config):
+    """The model of ``config`` loaded and served on a loopback port as a `LiveServer` named
+    ``config.served_model_name``; the server stopped and its engine shut down afterwards."""
+    from ember.server.app import load_runtime
+
+    runtime = load_runtime(config)
+    srv, app = _serve(runtime, config)
+    try:
+        yield LiveServer(srv.url, runtime, config.served_model_name, runtime.tokenizer, app)
+    finally:
+        srv.stop()
+        runtime.engine.shutdown()
 
 
 def _serve(runtime, config):

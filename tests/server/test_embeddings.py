@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ember.server.pooling_spec import load_pooling_spec
+from tests.server.conftest import served
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,6 @@ def test_pooling_spec_reads_sentence_transformers_files(demo_model_dir, tmp_path
 
 @pytest.fixture(scope="module")
 def mean_server(demo_model_dir, tmp_path_factory):
-    from ember.server.app import BackgroundServer, create_app, load_runtime
     from ember.server.config import ServeConfig
 
     path = _sentence_transformers_copy(demo_model_dir, tmp_path_factory.mktemp("st") / "m",
@@ -140,16 +140,13 @@ def mean_server(demo_model_dir, tmp_path_factory):
                                        config={"matryoshka_dimensions": [16, 32]})
     config = ServeConfig(model_dir=path, served_model_name="st", max_num_seqs=4, kv_cache_blocks=64,
                          in_process=True)
-    runtime = load_runtime(config)
-    srv = BackgroundServer(create_app(runtime, config, shutdown_engine=False)).start()
-    yield srv.url, runtime, path
-    srv.stop()
-    runtime.engine.shutdown()
+    with served(config) as server:
+        yield server
 
 
 def test_a_mean_pooling_matryoshka_checkpoint_is_served_as_its_files_say(mean_server, demo_hf):
-    url, runtime, _ = mean_server
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    runtime = mean_server.runtime
+    client = mean_server.openai()
     text = "pooled over every position"
     ids = runtime.tokenizer.encode(text)
     mean = _hidden(demo_hf, ids).mean(dim=0)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import shared_path, write_shared_tokenizer
 from tests.moe.test_gpt_oss import save_tiny_gpt_oss
-from tests.server.conftest import LiveServer, _serve
+from tests.server.conftest import served
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "strict": True,
            "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -20,7 +20,6 @@ CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items(
 
 @pytest.fixture(scope="module")
 def gpt_oss_server(tmp_path_factory):
-    from ember.server.app import load_runtime
     from ember.server.config import ServeConfig
 
     template = shared_path("templates", "llama.cpp", "openai-gpt-oss-120b.jinja").read_text()
@@ -29,11 +28,8 @@ def gpt_oss_server(tmp_path_factory):
                                   bos_token_id=199998, eos_token_id=200002, pad_token_id=199999)
     config = ServeConfig(model_dir=model_dir, served_model_name="tiny-gpt-oss", max_num_seqs=4, kv_cache_blocks=64,
                          chat_template=template)
-    runtime = load_runtime(config)
-    srv, app = _serve(runtime, config)
-    yield LiveServer(srv.url, runtime, "tiny-gpt-oss", runtime.tokenizer, app)
-    srv.stop()
-    runtime.engine.shutdown()
+    with served(config) as server:
+        yield server
 
 
 def test_forced_call_is_a_function_call_item_and_its_result_continues(gpt_oss_server):

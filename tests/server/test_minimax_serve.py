@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import shared_path
 from tests.moe.test_minimax_m2 import CONFIG
-from tests.server.conftest import LiveServer, _serve
+from tests.server.conftest import served
 
 SPECIALS = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>", "[e~[", "]~b]", "]~!b["]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "strict": True,
@@ -41,7 +41,6 @@ def _tokenizer(demo_model_dir, out):
 def minimax_server(tmp_path_factory, demo_model_dir):
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-    from ember.server.app import load_runtime
     from ember.server.config import ServeConfig
 
     template = shared_path("templates", "llama.cpp", "MiniMax-M2.jinja").read_text()
@@ -56,11 +55,8 @@ def minimax_server(tmp_path_factory, demo_model_dir):
         shutil.copy(tok_dir / name, root / "model" / name)
     config = ServeConfig(model_dir=root / "model", served_model_name="tiny-minimax", max_num_seqs=4,
                          kv_cache_blocks=64, chat_template=template, in_process=True)
-    runtime = load_runtime(config)
-    srv, app = _serve(runtime, config)
-    yield LiveServer(srv.url, runtime, "tiny-minimax", runtime.tokenizer, app)
-    srv.stop()
-    runtime.engine.shutdown()
+    with served(config) as server:
+        yield server
 
 
 def test_a_forced_call_is_an_openai_tool_call_and_renders_back(minimax_server):

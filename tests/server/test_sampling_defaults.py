@@ -9,14 +9,13 @@ import shutil
 import pytest
 
 from ember.server.sampling_defaults import SamplingDefaults
-from tests.server.conftest import LiveServer, _serve
+from tests.server.conftest import LiveServer, _serve, served
 
 HI = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.fixture(scope="module")
 def recommending_server(tmp_path_factory, demo_model_dir):
-    from ember.server.app import load_runtime
     from ember.server.config import ServeConfig
 
     model = tmp_path_factory.mktemp("demo-topk1") / "demo"
@@ -26,11 +25,8 @@ def recommending_server(tmp_path_factory, demo_model_dir):
                                                               "top_p": "high"}))  # a bad value is skipped
     config = ServeConfig(model_dir=model, served_model_name="demo-topk1", max_num_seqs=8, kv_cache_blocks=128,
                          in_process=True)
-    runtime = load_runtime(config)
-    srv, app = _serve(runtime, config)
-    yield LiveServer(srv.url, runtime, "demo-topk1", runtime.tokenizer, app)
-    srv.stop()
-    runtime.engine.shutdown()
+    with served(config) as server:
+        yield server
 
 
 def _chat(server, **kw) -> str:
