@@ -1,5 +1,7 @@
 """`POST /v1/embeddings`, in the OpenAI API's request and response shapes (what `client.embeddings.create` sends
-and reads, ``encoding_format: "base64"`` included), with vLLM's `truncate_prompt_tokens` and `add_special_tokens`.
+and reads, ``encoding_format: "base64"`` included), with vLLM's `truncate_prompt_tokens` and `add_special_tokens`,
+and vLLM's chat form: ``messages`` instead of ``input``, rendered by the chat template into one input (no generation
+prompt unless ``add_generation_prompt``; no special tokens beyond the template's unless ``add_special_tokens``).
 
 Each input is one engine pooling request (`ember.engine.pooling`), run next to generation in the same steps; the
 pooled vector is cut to ``dimensions`` (Matryoshka models only) and then normalized as the model's `PoolingSpec`
@@ -21,6 +23,7 @@ from pydantic import Field
 from ember.engine.client import EngineDeadError
 from ember.engine.params import SamplingParams
 
+from . import chat
 from . import protocol_openai as po
 from .admission import check_capacity, check_model, check_token_ids, collect, state
 from .errors import ApiError, bad_request
@@ -32,19 +35,50 @@ MAX_INPUTS = 2048
 
 class EmbeddingRequest(po._Lenient):
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[po.ChatMessage] | None = Field(default=None, min_length=1)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_form(self) -> None:
+        """Exactly one of ``input`` and ``messages``, with only the options that form takes (400 naming the field)."""
+        if (self.input is None) == (self.messages is None):
+            raise bad_request("send exactly one of input (texts or token IDs) and messages (a conversation)",
+                              param="input")
+        if self.messages is None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+                if getattr(self, name) not in (None, False):
+                    raise bad_request(f"{name} applies to messages only", param=name)
+        elif self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt exclude each other",
+                              param="continue_final_message")
+
+    @property
+    def single(self) -> bool:
+        """One input (a string, one token-ID list or a conversation), answered as ``data[0]``."""
+        x = self.input
+        return x is None or isinstance(x, str) or (bool(x) and isinstance(x[0], int))
 
     def inputs(self) -> list[str | list[int]]:
-        """The inputs as a list: texts, or token-ID lists."""
+        """The ``input`` inputs as a list: texts, or token-ID lists."""
         x = self.input
-        if isinstance(x, str) or (x and isinstance(x[0], int)):
-            return [x]
-        return list(x)
+        assert x is not None
+        return [x] if self.single else list(x)
+
+
+def _conversation_ids(rt: ModelRuntime, body: EmbeddingRequest) -> list[int]:
+    """``messages`` rendered by the chat template, as one prompt's token IDs."""
+    assert body.messages is not None
+    text = chat.render(rt.tokenizer, rt.chat_template, chat.openai_messages(body.messages),
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message, kwargs=body.chat_template_kwargs)
+    return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
 def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], params: list[str],
@@ -154,13 +188,18 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     st = state(request)
     rt = st.runtime
     check_model(st, body.model)
+    body.check_form()
     if body.dimensions is not None and (why := rt.pooling.check_dimensions(body.dimensions)):
         raise bad_request(why, param="dimensions")
-    inputs = body.inputs()
-    single = isinstance(body.input, str) or (bool(body.input) and isinstance(body.input[0], int))
-    params = ["input"] if single else [f"input[{i}]" for i in range(len(inputs))]
+    if body.messages is not None:
+        inputs: list[str | list[int]] = [await asyncio.to_thread(_conversation_ids, rt, body)]
+        params = ["messages"]
+    else:
+        inputs = body.inputs()
+        params = ["input"] if body.single else [f"input[{i}]" for i in range(len(inputs))]
+    add_special = body.add_special_tokens if body.add_special_tokens is not None else True
     vectors, total, rid = await embed(request, inputs, params, truncate=body.truncate_prompt_tokens,
-                                      add_special_tokens=body.add_special_tokens, dimensions=body.dimensions)
+                                      add_special_tokens=add_special, dimensions=body.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     return {"id": rid, "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,

@@ -185,3 +185,60 @@ def test_a_client_that_hangs_up_aborts_its_inputs(demo_server):
     assert s.num_steps > start.num_steps and (s.num_running, s.num_waiting) == (0, 0)
     assert s.num_free_blocks == start.num_free_blocks
     assert s.num_steps - start.num_steps < 40  # most of the 70+ steps never ran
+
+
+def test_a_conversation_is_embedded_as_the_chat_template_renders_it(demo_server, demo_hf):
+    messages = [{"role": "system", "content": "You embed."}, {"role": "user", "content": "Where is Paris?"}]
+    tok = demo_server.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    r = httpx.post(demo_server.url + "/v1/embeddings", json={"messages": messages, "encoding_format": "float"},
+                   timeout=60).json()
+    assert len(r["data"]) == 1 and r["usage"]["prompt_tokens"] == len(ids)
+    assert _close(r["data"][0]["embedding"], _unit(_hidden(demo_hf, ids)[-1]))
+    prompted = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)
+    assert len(prompted) > len(ids)
+    r2 = httpx.post(demo_server.url + "/v1/embeddings", json={"messages": messages, "add_generation_prompt": True,
+                                                               "truncate_prompt_tokens": 5}, timeout=60).json()
+    assert r2["usage"]["prompt_tokens"] == 5
+    assert _close(r2["data"][0]["embedding"], _unit(_hidden(demo_hf, prompted[-5:])[-1]))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "input": "hi"}, "input"),
+    ({}, "input"),
+    ({"input": "hi", "add_generation_prompt": True}, "add_generation_prompt"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
+      "continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
+])
+def test_bad_conversations_are_400s_naming_the_field(demo_server, body, param):
+    r = httpx.post(demo_server.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and err["message"], err
+
+
+def test_a_conversation_gets_no_special_tokens_beyond_the_templates_unless_asked(demo_server):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from ember.server.embeddings_api import EmbeddingRequest, _conversation_ids
+
+    demo = demo_server.tokenizer
+    inner = Tokenizer.from_str(demo.backend_tokenizer.to_str())  # a BOS-adding copy of the demo tokenizer
+    bos = demo.pad_token
+    inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                         special_tokens=[(bos, inner.token_to_id(bos))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos, chat_template=demo.chat_template)
+    rt = SimpleNamespace(tokenizer=tok, chat_template=None)
+    body = {"messages": [{"role": "user", "content": "Where is Paris?"}]}
+    plain = _conversation_ids(rt, EmbeddingRequest(**body))
+    assert plain == demo.encode(tok.apply_chat_template(body["messages"], tokenize=False), add_special_tokens=False)
+    assert _conversation_ids(rt, EmbeddingRequest(**body, add_special_tokens=True)) == [tok.bos_token_id, *plain]
