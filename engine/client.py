@@ -44,6 +44,8 @@ class ModelInfo:
     kv_cache_dtype: str
     load_seconds: float
     num_params: int
+    labels: tuple[str, ...] = ()  # a classifier's class names, in logit order (empty: the model generates)
+    label_activation: str = ""  # a classifier's "softmax" or "sigmoid" (`ember.engine.models.classifier.activation`)
 
     @property
     def kv_capacity_tokens(self) -> int:

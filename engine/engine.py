@@ -21,7 +21,7 @@ from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
-from ember.engine.models import get_model_class
+from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
@@ -82,6 +82,8 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
                                          source=str(loader.checkpoint_dir(model_dir) / "config.json"))
     with torch.device("meta"), _skip_init(dtype):  # allocated on `device` once the loader knows what is packed
         model = cls(cfg, max_position)
+        if classifier.causal_architecture(cfg.architecture):
+            classifier.attach_head(model, cfg)
     model = model.to(dtype)
     model.load_device = device
     weights = loader.iter_weights(model_dir) if weights is None else weights
@@ -153,6 +155,8 @@ class Engine:
                                    snapshots=StateSnapshots(self.runner.first_snapshot_slot, snapshots)
                                    if snapshots else None)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
+        self.score_head: torch.nn.Linear | None = getattr(getattr(self.runner, "model", None), "score", None)
+        """A classifier's head (`ember.engine.models.classifier`): its pooling requests end in logits."""
         self._pending: list[RequestOutput] = []
         self.last_batch_size = 0
         self.num_steps = 0
@@ -249,6 +253,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.score_head is not None and params.pooling is None:
+            raise ValueError(f"this model is a classifier ({self.model_config.architecture}): it scores prompts "
+                             f"(/classify, /score, /rerank) and does not generate")
         if len(ids) >= self.max_model_len + (params.pooling is not None):  # a pooled prompt needs no room after it
             raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}, "
                              f"which leaves no room for output")
@@ -367,13 +374,13 @@ class Engine:
 
     def _finish_pooled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Finish (``stop``) the pooling requests whose prompt this step completed, each output carrying its
-        embedding; returns ``outputs``."""
+        embedding (a classifier's logits); returns ``outputs``."""
         for chunk in sched.chunks:
             seq = chunk.seq
             kind = seq.params.pooling
             if kind is None or seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens < seq.num_tokens:
                 continue
-            embedding = pooling.result(kind, seq.pooled, seq.num_prompt_tokens)
+            embedding = pooling.result(kind, seq.pooled, seq.num_prompt_tokens, self.score_head)
             seq.pooled = None
             out = self._finish(seq, [], None, "stop")
             out.embedding = embedding

@@ -17,6 +17,7 @@ from ember.engine.config import ConfigError
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.engine import Engine
 from ember.engine.eos import end_of_turn_ids
+from ember.engine.models import classifier
 
 
 class ConstraintBackend(Protocol):
@@ -57,4 +58,6 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         eos_token_ids=end_of_turn_ids(engine.tokenizer, engine.model_dir), block_size=engine.config.block_size,
         num_kv_blocks=engine.kv.num_blocks, max_num_seqs=engine.config.max_num_seqs,
         tensor_parallel_size=engine.config.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
-        load_seconds=float(load_seconds), num_params=int(num_params))
+        load_seconds=float(load_seconds), num_params=int(num_params),
+        labels=classifier.labels(mc) if engine.score_head is not None else (),
+        label_activation=classifier.activation(mc) if engine.score_head is not None else "")

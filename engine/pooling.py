@@ -7,10 +7,11 @@ transformers calls ``last_hidden_state``) reduced to one fp32 vector, the embedd
 - ``cls``: the first position's.
 
 Which positions a step keeps for a sequence is `rows`; the engine folds each step's kept rows into
-``Sequence.pooled`` with `fold` and turns the pool into the embedding with `result` once the prompt is computed.
-The vector is not normalized: normalizing and truncating (Matryoshka ``dimensions``) belong to the caller. A pooling
-over more than the last position needs every position computed, so such a sequence is never served from the prefix
-cache (``Sequence.computes_whole_prompt``), and a recompute after preemption starts its pool again.
+``Sequence.pooled`` with `fold` and turns the pool into the embedding with `result` once the prompt is computed; a
+classifier's pool goes through its head (`ember.engine.models.classifier`). The vector is not normalized: normalizing
+and truncating (Matryoshka ``dimensions``) belong to the caller. A pooling over more than the last position needs
+every position computed, so such a sequence is never served from the prefix cache (``Sequence.computes_whole_prompt``),
+and a recompute after preemption starts its pool again.
 """
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ def fold(kind: str, pooled: torch.Tensor | None, first: int, hidden: torch.Tenso
     return pooled + part
 
 
-def result(kind: str, pooled: torch.Tensor, num_prompt_tokens: int) -> list[float]:
-    """The embedding of a finished pool."""
+def result(kind: str, pooled: torch.Tensor, num_prompt_tokens: int,
+           head: torch.nn.Linear | None = None) -> list[float]:
+    """The embedding of a finished pool; with a classifier's ``head``, its logits for that embedding (computed in the
+    head's dtype, as the model would, and returned in fp32)."""
     vec = pooled / num_prompt_tokens if kind == "mean" else pooled
+    if head is not None:
+        w = head.weight.detach()
+        vec = (vec.to(w.dtype) @ w.t()).float()
     return vec.cpu().tolist()

@@ -71,7 +71,12 @@ def check_model(st: ServerState, model: str | None) -> None:
 def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
                 param: str = "messages") -> int:
     """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
-    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
+    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream). A
+    classifier generates nothing: every generation route is a 400 naming ``model`` before any stream starts."""
+    info = st.runtime.model_info
+    if info.labels:
+        raise bad_request(f"this model is a classifier ({info.architecture}): it serves /classify, /score and "
+                          f"/rerank and does not generate", param="model")
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
-from . import embeddings_api, responses_api, score_api, tokenize_api
+from . import classify_api, embeddings_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
@@ -378,18 +378,22 @@ async def version() -> dict:
 
 
 async def invocations(request: Request, _: None = Depends(require_api_key)) -> Response:
-    """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat completion, one with `prompt`
-    a text completion, one with `input` embeddings (the same validation, answers and errors as those routes)."""
+    """SageMaker's inference route, as vLLM serves it: on a classifier every body is a classification; otherwise a
+    body with `messages` is a chat completion, one with `prompt` a text completion, one with `input` embeddings (the
+    same validation, answers and errors as those routes)."""
     try:
         raw = await request.json()
     except ValueError as e:
         raise bad_request(f"Request body is not valid JSON: {e}", code="json_invalid") from None
-    if isinstance(raw, dict) and "messages" in raw:
+    pooled: Any = None
+    if state(request).runtime.model_info.labels:
+        model, pooled = classify_api.ClassifyRequest, classify_api.classify
+    elif isinstance(raw, dict) and "messages" in raw:
         model, handler = po.ChatCompletionRequest, chat_completions
     elif isinstance(raw, dict) and "prompt" in raw:
         model, handler = po.CompletionRequest, completions
     elif isinstance(raw, dict) and "input" in raw:
-        model, handler = embeddings_api.EmbeddingRequest, embeddings_api.create_embeddings
+        model, pooled = embeddings_api.EmbeddingRequest, embeddings_api.create_embeddings
     else:
         raise bad_request("an /invocations body is a JSON object with messages (a chat completion), prompt (a "
                           "text completion) or input (embeddings)", param="messages")
@@ -397,8 +401,8 @@ async def invocations(request: Request, _: None = Depends(require_api_key)) -> R
         body = model.model_validate(raw)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
-    if handler is embeddings_api.create_embeddings:
-        return JSONResponse(await handler(body, request))
+    if pooled is not None:
+        return JSONResponse(await pooled(body, request))
     return await handler(body, request, None)
 
 
@@ -493,6 +497,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     tokenize_api.add_routes(app, [Depends(require_api_key)])
     embeddings_api.add_routes(app, [Depends(require_api_key)])
     score_api.add_routes(app, [Depends(require_api_key)])
+    classify_api.add_routes(app, [Depends(require_api_key)])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

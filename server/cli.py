@@ -37,15 +37,17 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     ``--trust-remote-code`` are accepted and change nothing (Ember parses tool calls whenever the model family has a
     syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name); so are
     ``--runner generate|pooling``, ``--convert embed`` and ``--task generate|embed`` (one server generates and
-    embeds); a classification, score or reward head is refused by name."""
+    embeds). ``--convert classify`` and ``--task classify|score`` ask for a classifier, which Ember serves from a
+    ``...ForSequenceClassification`` checkpoint (checked once it is loaded); a reward head is refused by name."""
     from .config import parse_model_arg, parse_profile_name
 
     p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
     for flag in ("--enable-auto-tool-choice", "--trust-remote-code"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag, served in (("--runner", ("auto", "generate", "pooling")), ("--convert", ("auto", "none", "embed")),
-                         ("--task", ("auto", "generate", "embed", "embedding"))):
+    for flag, served in (("--runner", ("auto", "generate", "pooling")),
+                         ("--convert", ("auto", "none", "embed", "classify")),
+                         ("--task", ("auto", "generate", "embed", "embedding", "classify", "score"))):
         p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(flag, served), help=argparse.SUPPRESS)
 
 
@@ -53,8 +55,8 @@ def _served_kind(flag: str, served: tuple[str, ...]):
     """The parse function of a vLLM runner/task flag: what Ember serves passes; a head it has not is refused."""
     def parse(text: str) -> str:
         if text not in served:
-            raise SettingValueError(f"{flag} {text}: Ember serves generation and embeddings (one server does both: "
-                                    f"{', '.join(served)}); classification, score and reward heads are not supported")
+            raise SettingValueError(f"{flag} {text}: Ember serves generation, embeddings and classifiers "
+                                    f"({', '.join(served)}); reward heads are not supported")
         return text
     return parse
 
@@ -66,6 +68,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         if config.model_dir is not None and config.model_dir != flag:
             raise SystemExit(f"ember serve: error: MODEL given twice ({config.model_dir} and --model {flag})")
         config.model_dir = flag
+    for name in ("convert", "task"):
+        value = getattr(args, f"{name}_flag", None)
+        if value in ("classify", "score"):
+            config.classifier_flag = f"--{name} {value}"
     return config
 
 

@@ -69,6 +69,8 @@ class ServeConfig(EngineArgs):
                 "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
                 "LAST, normalized",
         "type": lambda text: parse_pooler_config_flag(text)})
+    classifier_flag: str | None = None  # vLLM's `--convert classify` / `--task classify|score`, as given: the
+    # checkpoint must then be a classifier (checked once it is loaded); not a flag of its own
 
 
 def parse_chat_template(text: str) -> str:

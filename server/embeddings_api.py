@@ -33,12 +33,12 @@ MAX_INPUTS = 2048
 """Inputs one request may carry (the OpenAI API's limit)."""
 
 
-class EmbeddingRequest(po._Lenient):
+class PoolingInputs(po._Lenient):
+    """The inputs of a pooling route (embeddings, classify): ``input``, or vLLM's chat form ``messages``."""
+
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[po.ChatMessage] | None = Field(default=None, min_length=1)
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool | None = None
@@ -71,8 +71,23 @@ class EmbeddingRequest(po._Lenient):
         assert x is not None
         return [x] if self.single else list(x)
 
+    async def resolved(self, rt: ModelRuntime) -> tuple[list[str | list[int]], list[str], bool]:
+        """``(inputs, the field naming each, add_special_tokens)``: the ``input`` items, or the conversation
+        rendered into token IDs."""
+        self.check_form()
+        if self.messages is not None:
+            return [await asyncio.to_thread(_conversation_ids, rt, self)], ["messages"], False
+        inputs = self.inputs()
+        params = ["input"] if self.single else [f"input[{i}]" for i in range(len(inputs))]
+        return inputs, params, self.add_special_tokens is not False
 
-def _conversation_ids(rt: ModelRuntime, body: EmbeddingRequest) -> list[int]:
+
+class EmbeddingRequest(PoolingInputs):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+
+
+def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
     """``messages`` rendered by the chat template, as one prompt's token IDs."""
     assert body.messages is not None
     text = chat.render(rt.tokenizer, rt.chat_template, chat.openai_messages(body.messages),
@@ -156,18 +171,13 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-                add_special_tokens: bool = True,
-                dimensions: int | None = None) -> tuple[list[np.ndarray], int, str]:
-    """The embeddings of ``inputs`` (in order), their total token count and the request id: each input checked
-    (errors name ``params[i]``), run as an engine pooling request, cut to ``dimensions`` and normalized as the
-    model's pooling says. What `/v1/embeddings` and the score routes share."""
+async def pool(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
+               add_special_tokens: bool = True) -> tuple[list[list[float]], int, str]:
+    """What the engine pools for each of ``inputs`` (in order: an embedding, or a classifier's logits), their total
+    token count and the request id: each input checked (errors name ``params[i]``) and run as an engine pooling
+    request. What the embedding, classify and score routes share."""
     st = state(request)
     rt = st.runtime
-    spec = rt.pooling
-    if spec.refused:
-        raise bad_request(f"this model's embeddings are not served: {spec.refused}; start the server with "
-                          f"--pooler-config to choose a pooling", param="model")
     if not inputs:
         raise bad_request(f"{params[0] if params else 'input'} must not be empty", param="input")
     if len(inputs) > MAX_INPUTS:
@@ -176,33 +186,43 @@ async def embed(request: Request, inputs: list[str | list[int]], params: list[st
     check_capacity(st)
     total = sum(len(p) for p in prompts)
     st.metrics.prompt_tokens.inc(total)
-    rid = f"embd-{secrets.token_hex(12)}"
+    rid = secrets.token_hex(12)
     results = await collect(request, _pooled(rt, prompts, rid))
-    vectors: list[np.ndarray] = [np.empty(0)] * len(prompts)
+    out: list[list[float]] = [[] for _ in prompts]
     for r in results:
-        vectors[r["index"]] = _finish(r["pooled"], dimensions, spec.normalize)
-    return vectors, total, rid
+        out[r["index"]] = r["pooled"]
+    return out, total, rid
+
+
+async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
+                add_special_tokens: bool = True,
+                dimensions: int | None = None) -> tuple[list[np.ndarray], int, str]:
+    """The embeddings of ``inputs`` (in order), their total token count and the request id: `pool`, then each cut
+    to ``dimensions`` and normalized as the model's pooling says."""
+    rt = state(request).runtime
+    spec = rt.pooling
+    if rt.model_info.labels:
+        raise bad_request(f"this model is a classifier ({rt.model_info.architecture}): it serves /classify, /score "
+                          f"and /rerank, not embeddings", param="model")
+    if spec.refused:
+        raise bad_request(f"this model's embeddings are not served: {spec.refused}; start the server with "
+                          f"--pooler-config to choose a pooling", param="model")
+    pooled, total, rid = await pool(request, inputs, params, truncate=truncate, add_special_tokens=add_special_tokens)
+    return [_finish(p, dimensions, spec.normalize) for p in pooled], total, rid
 
 
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     st = state(request)
     rt = st.runtime
     check_model(st, body.model)
-    body.check_form()
+    inputs, params, add_special = await body.resolved(rt)
     if body.dimensions is not None and (why := rt.pooling.check_dimensions(body.dimensions)):
         raise bad_request(why, param="dimensions")
-    if body.messages is not None:
-        inputs: list[str | list[int]] = [await asyncio.to_thread(_conversation_ids, rt, body)]
-        params = ["messages"]
-    else:
-        inputs = body.inputs()
-        params = ["input"] if body.single else [f"input[{i}]" for i in range(len(inputs))]
-    add_special = body.add_special_tokens if body.add_special_tokens is not None else True
     vectors, total, rid = await embed(request, inputs, params, truncate=body.truncate_prompt_tokens,
                                       add_special_tokens=add_special, dimensions=body.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
-    return {"id": rid, "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,
+    return {"id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 
 

@@ -2,12 +2,14 @@
 `POST /v1/rerank` (Jina's and Cohere's shape: a ``query`` against ``documents``, best first), each also under the
 paths vLLM serves them (`/score`; `/rerank`, `/v2/rerank`).
 
-A score is the cosine similarity of the two texts' embeddings (`ember.server.embeddings_api.embed`, the model's
-pooling), as vLLM scores with an embedding (bi-encoder) model. Cross-encoder rerankers, which read the query and the
-document together, are not served: Ember runs decoder models only.
+With an embedding model (a bi-encoder), a score is the cosine similarity of the two texts' embeddings
+(`ember.server.embeddings_api.embed`, the model's pooling). With a one-class classification model (a cross-encoder
+such as a ``Qwen3ForSequenceClassification`` conversion of Qwen3-Reranker), the two texts are read together, encoded
+as the tokenizer encodes a text pair, and the score is the sigmoid of the class logit, as vLLM scores them.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -17,8 +19,10 @@ from pydantic import Field
 
 from . import protocol_openai as po
 from .admission import check_model, state
-from .embeddings_api import embed
+from .classify_api import activated
+from .embeddings_api import embed, pool
 from .errors import bad_request
+from .generation import ModelRuntime
 
 
 class ScoreRequest(po._Lenient):
@@ -56,16 +60,42 @@ def _pairs(body: ScoreRequest) -> tuple[list[str], list[str], list[tuple[int, in
     return left, right, [(i, i) for i in range(len(left))]
 
 
+def _cross_encoder(rt: ModelRuntime) -> bool:
+    """Whether the served model scores text pairs itself (a one-class classifier); a 400 for other classifiers."""
+    labels = rt.model_info.labels
+    if labels and len(labels) != 1:
+        raise bad_request(f"this classifier has {len(labels)} classes; scoring needs a one-class model (a "
+                          f"cross-encoder) or an embedding model", param="model")
+    return bool(labels)
+
+
+def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> list[list[int]]:
+    return [list(ids) for ids in rt.tokenizer(firsts, seconds)["input_ids"]]
+
+
+async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str], params: list[str],
+                       truncate: int | None) -> tuple[list[float], int, str]:
+    """A cross-encoder's score of each (first, second) pair, their token count and the request id."""
+    ids = await asyncio.to_thread(_pair_ids, rt, firsts, seconds)
+    logits, total, rid = await pool(request, ids, params, truncate=truncate)
+    return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
+
+
 async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     st = state(request)
     check_model(st, body.model)
     left, right, pairs = _pairs(body)
-    params = ([f"text_1[{i}]" for i in range(len(left))] if isinstance(body.text_1, list) else ["text_1"]) + \
-        ([f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"])
-    vectors, total, rid = await embed(request, left + right, params, truncate=body.truncate_prompt_tokens)
-    data = [{"index": k, "object": "score", "score": _cosine(vectors[i], vectors[len(left) + j])}
-            for k, (i, j) in enumerate(pairs)]
-    return {"id": rid.replace("embd-", "score-"), "object": "list", "created": int(time.time()),
+    p1 = [f"text_1[{i}]" for i in range(len(left))] if isinstance(body.text_1, list) else ["text_1"]
+    p2 = [f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"]
+    if _cross_encoder(st.runtime):
+        scores, total, rid = await _pair_scores(request, st.runtime, [left[i] for i, _ in pairs],
+                                                [right[j] for _, j in pairs], [p2[j] for _, j in pairs],
+                                                body.truncate_prompt_tokens)
+    else:
+        vectors, total, rid = await embed(request, left + right, p1 + p2, truncate=body.truncate_prompt_tokens)
+        scores = [_cosine(vectors[i], vectors[len(left) + j]) for i, j in pairs]
+    data = [{"index": k, "object": "score", "score": v} for k, v in enumerate(scores)]
+    return {"id": f"score-{rid}", "object": "list", "created": int(time.time()),
             "model": st.runtime.model_name, "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 
@@ -75,10 +105,14 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     check_model(st, body.model)
     if not body.documents:
         raise bad_request("documents must not be empty", param="documents")
-    params = ["query"] + [f"documents[{i}]" for i in range(len(body.documents))]
-    vectors, total, rid = await embed(request, [body.query, *body.documents], params,
-                                      truncate=body.truncate_prompt_tokens)
-    scores = [_cosine(vectors[0], v) for v in vectors[1:]]
+    params = [f"documents[{i}]" for i in range(len(body.documents))]
+    if _cross_encoder(st.runtime):
+        scores, total, rid = await _pair_scores(request, st.runtime, [body.query] * len(body.documents),
+                                                body.documents, params, body.truncate_prompt_tokens)
+    else:
+        vectors, total, rid = await embed(request, [body.query, *body.documents], ["query", *params],
+                                          truncate=body.truncate_prompt_tokens)
+        scores = [_cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[:body.top_n]
@@ -88,7 +122,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
         if body.return_documents:
             item["document"] = {"text": body.documents[i]}
         results.append(item)
-    return {"id": rid.replace("embd-", "rerank-"), "model": st.runtime.model_name, "results": results,
+    return {"id": f"rerank-{rid}", "model": st.runtime.model_name, "results": results,
             "usage": {"total_tokens": total}}
 
 

@@ -62,6 +62,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_head(runtime: Any, config: ServeConfig) -> None:
+    """StartupError when vLLM's flags asked for a classifier (``config.classifier_flag``) and the checkpoint is not
+    one: serving it as a generator would be a different model than the command line asked for."""
+    info = runtime.engine.model_info
+    if config.classifier_flag and not info.labels:
+        raise StartupError(f"{config.classifier_flag}: {info.architecture} is not a classifier; Ember serves "
+                           f"classification and scores from ...ForSequenceClassification checkpoints")
+
+
 def check_template(runtime: Any, config: ServeConfig) -> None:
     """Render the chat template over a one-message conversation (and with a tool when the profile parses tool
     calls); StartupError naming where the template came from when it fails. No template at all is only a warning:
@@ -165,6 +174,7 @@ def serve(config: ServeConfig) -> int:
         sock = bind_socket(config.host, config.port)
         try:
             runtime, config, seconds = _load(config)
+            check_head(runtime, config)
             check_template(runtime, config)
         except BaseException:
             sock.close()

@@ -50,16 +50,19 @@ def write_shared_tokenizer(family: str, out: pathlib.Path, extra: tuple[str, ...
     return out
 
 
-def save_tiny_qwen3(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int, **config) -> pathlib.Path:
+def save_tiny_qwen3(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int, head: str = "ForCausalLM",
+                    **config) -> pathlib.Path:
     """A 2-layer random Qwen3 checkpoint (GQA 4/2, head_dim 16, 1280-token vocabulary) saved into ``path`` with the
-    tokenizer files of ``tokenizer_dir`` (the demo model's); ``config`` overrides Qwen3Config fields."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    tokenizer files of ``tokenizer_dir`` (the demo model's); ``head`` picks the transformers class
+    (``Qwen3<head>``); ``config`` overrides Qwen3Config fields."""
+    import transformers
+    from transformers import Qwen3Config
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(**{**dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                                 initializer_range=0.1, tie_word_embeddings=False), **config})
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    getattr(transformers, f"Qwen3{head}")(cfg).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path

@@ -50,11 +50,16 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
 
 
 def get_model_class(architecture: str, source: str = "config.json") -> type[DecoderForCausalLM]:
+    """The class serving ``architecture``; a ``*ForSequenceClassification`` one gets its causal LM's class (the
+    engine swaps the LM head for the classifier's, `ember.engine.models.classifier`)."""
+    from ember.engine.models.classifier import causal_architecture
+
     try:
-        entry = MODEL_REGISTRY[architecture]
+        entry = MODEL_REGISTRY[causal_architecture(architecture) or architecture]
     except KeyError:
         raise ConfigError(
-            f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(sorted(MODEL_REGISTRY))})"
+            f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(sorted(MODEL_REGISTRY))}, "
+            "and the ...ForSequenceClassification form of each ...ForCausalLM)"
         ) from None
     if isinstance(entry, str):
         module, name = entry.split(":")

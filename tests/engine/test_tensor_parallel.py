@@ -96,9 +96,9 @@ def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     return [out[r] for r in ids]
 
 
-def _mean_pooled(engine: Engine, prompt: list[int]) -> torch.Tensor:
-    """The prompt's mean-pooled embedding (a chunked pooling request)."""
-    rid = engine.add_request(prompt, SamplingParams(pooling="mean"))
+def _pooled(engine: Engine, prompt: list[int], kind: str = "mean") -> torch.Tensor:
+    """The prompt's pooled embedding (a chunked pooling request; a classifier's logits)."""
+    rid = engine.add_request(prompt, SamplingParams(pooling=kind))
     while engine.has_unfinished():
         for o in engine.step():
             if o.request_id == rid and o.finished:
@@ -119,13 +119,13 @@ def test_two_ranks_generate_the_same_greedy_tokens(kind, request):
     path = request.getfixturevalue(f"{kind}_dir")
     prompts = _prompts()
     single = Engine.from_pretrained(path, **ENGINE_OPTIONS)
-    expected, pooled = _greedy(single, prompts), _mean_pooled(single, prompts[4])
+    expected, pooled = _greedy(single, prompts), _pooled(single, prompts[4])
     engine = Engine.from_pretrained(path, tensor_parallel_size=2, **ENGINE_OPTIONS)
     workers = list(engine.runner.workers)
     try:
         assert engine.runner.kv_caches[0][0].shape[2] == 1  # each rank caches 1 of the 2 KV heads
         assert _greedy(engine, prompts) == expected
-        assert torch.allclose(_mean_pooled(engine, prompts[4]), pooled, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(_pooled(engine, prompts[4]), pooled, rtol=1e-4, atol=1e-5)
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)
@@ -215,3 +215,20 @@ def test_fused_expert_keys_shard_like_per_expert_keys(moe_dir, tmp_path):
             assert t.shape == want.shape and torch.equal(t, want), name
             checked += 1
         assert checked == 4  # two sparse layers, two stacks each
+
+
+def test_two_ranks_classify_as_one_process(demo_model_dir, tmp_path):
+    from tests.conftest import save_tiny_qwen3
+
+    path = save_tiny_qwen3(tmp_path / "seq-cls", demo_model_dir, seed=3, head="ForSequenceClassification",
+                           num_labels=3, pad_token_id=0)
+    prompt = _prompts()[4]
+    want = _pooled(Engine.from_pretrained(path, **ENGINE_OPTIONS), prompt, "last")
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **ENGINE_OPTIONS)
+    workers = list(engine.runner.workers)
+    try:
+        got = _pooled(engine, prompt, "last")
+        assert got.shape == (3,) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)

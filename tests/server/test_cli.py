@@ -34,10 +34,13 @@ def test_serve_options_map_to_the_config(capsys):
                                            "--tool-call-parser", "qwen3_xml", "--trust-remote-code"]))
     assert (str(vllm.model_dir), vllm.tool_parser) == ("org/y", "qwen3_coder")  # a vLLM command line carries over
     for flags in (["--runner", "pooling"], ["--task", "embed"], ["--convert", "embed"]):  # served by any server
-        assert serve_config(parser.parse_args(["serve", "--model", "org/e", *flags])).model_dir == Path("org/e")
+        c = serve_config(parser.parse_args(["serve", "--model", "org/e", *flags]))
+        assert c.model_dir == Path("org/e") and c.classifier_flag is None
+    for flags in (["--task", "score"], ["--convert", "classify"]):  # the checkpoint must be a classifier
+        assert serve_config(parser.parse_args(["serve", *flags])).classifier_flag == " ".join(flags)
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--convert", "classify"])
-    assert e.value.code == 2 and "classification, score and reward heads" in capsys.readouterr().err
+        main(["serve", "--convert", "reward"])
+    assert e.value.code == 2 and "reward heads are not supported" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out

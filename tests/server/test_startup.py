@@ -168,3 +168,10 @@ def test_a_model_that_cannot_load_is_one_line_unless_debug(tmp_path):
     assert error_line(r).startswith(f"ember serve: error: cannot load {bad}: ")
     debug = run_ember("serve", str(bad), "--port", str(free_port()), "--log-level", "debug", "--in-process")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_asking_for_a_classifier_with_a_generative_checkpoint_stops_the_start(demo_model_dir):
+    r = run_ember("serve", str(demo_model_dir), "--task", "score", "--kv-cache-blocks", "16",
+                  "--port", str(free_port()), "--log-level", "warning", "--in-process")
+    assert r.returncode == 2
+    assert "--task score: Qwen3ForCausalLM is not a classifier" in error_line(r)
