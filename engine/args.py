@@ -83,8 +83,9 @@ class EngineArgs:
                                          choices=("triton", "torch", "reference"))
     moe_backend: str | None = _opt(None, "MoE / NVFP4 kernels; default: triton on CUDA, the torch reference on "
                                          "CPU", choices=("triton", "reference"))
-    row_ops_backend: str | None = _opt(None, "RMSNorm, rotary and SiLU-and-mul kernels; default: triton on CUDA, "
-                                             "torch on CPU", choices=("triton", "torch"))
+    row_ops_backend: str | None = _opt(None, "RMSNorm (plain and zero-centred), rotary and SiLU- / GELU-tanh-and-mul "
+                                             "kernels; default: triton on CUDA, torch on CPU",
+                                       choices=("triton", "torch"))
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
                                          "(left to the HTTP front end)")
 

@@ -1,4 +1,5 @@
-"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU-and-mul); also usable on CPU.
+"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU- and GELU-tanh-and-mul); also usable
+on CPU.
 
 Each computes in fp32 and returns the input dtype, as the Triton kernels in `norm`, `rotary` and `activation` do.
 """
@@ -7,22 +8,25 @@ from __future__ import annotations
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dimension."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension; with ``offset`` the zero-centred ``* (1 + weight)``
+    (`OffsetRMSNorm`'s math: the whole product in fp32, then cast)."""
     xf = x.float()
     var = xf.pow(2).mean(dim=-1, keepdim=True)
-    return (xf * torch.rsqrt(var + eps) * weight.float()).to(x.dtype)
+    w = weight.float()
+    return (xf * torch.rsqrt(var + eps) * (1.0 + w if offset else w)).to(x.dtype)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``: the pre-norm of the next sublayer and the new residual stream.
+    """``(rms_norm(x + residual, offset=offset), x + residual)``: the pre-norm of the next sublayer and the new
+    residual stream.
 
     The sum is rounded to the residual's dtype before normalising, as a model that stores the residual would.
     """
     new_residual = (x.float() + residual.float()).to(residual.dtype)
-    return rms_norm(new_residual, weight, eps).to(x.dtype), new_residual
+    return rms_norm(new_residual, weight, eps, offset).to(x.dtype), new_residual
 
 
 def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float, dtype: torch.dtype = torch.float32,
@@ -64,3 +68,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     xf = x.float()
     return (torch.nn.functional.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x[..., :I]) * x[..., I:]`` for ``x`` ``[..., 2I]`` (Gemma's gated MLP; GELU's tanh
+    approximation)."""
+    i = x.shape[-1] // 2
+    xf = x.float()
+    return (torch.nn.functional.gelu(xf[..., :i], approximate="tanh") * xf[..., i:]).to(x.dtype)

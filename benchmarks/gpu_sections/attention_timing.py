@@ -130,15 +130,22 @@ def row_kernels(ctx: Ctx) -> None:
     cases = [("rms_norm", lambda: norm.rms_norm(x, w, 1e-6), lambda: reference_ops.rms_norm(x, w, 1e-6), 2 * t * h),
              ("fused_add_rms_norm", lambda: norm.fused_add_rms_norm(x, r, w, 1e-6),
               lambda: reference_ops.fused_add_rms_norm(x, r, w, 1e-6), 4 * t * h),
+             ("offset_rms_norm", lambda: norm.rms_norm(x, w, 1e-6, offset=True),
+              lambda: reference_ops.rms_norm(x, w, 1e-6, offset=True), 2 * t * h),
+             ("fused_add_offset_rms_norm", lambda: norm.fused_add_rms_norm(x, r, w, 1e-6, offset=True),
+              lambda: reference_ops.fused_add_rms_norm(x, r, w, 1e-6, offset=True), 4 * t * h),
              ("rotary_neox", lambda: rotary.rotary_neox(pos, q, k, cache),
               lambda: reference_ops.rotary_neox(pos, q, k, cache), 2 * t * (hq + hkv) * hd),
-             ("silu_and_mul", lambda: activation.silu_and_mul(xx), lambda: reference_ops.silu_and_mul(xx), 3 * t * inter)]
+             ("silu_and_mul", lambda: activation.silu_and_mul(xx), lambda: reference_ops.silu_and_mul(xx),
+              3 * t * inter),
+             ("gelu_tanh_and_mul", lambda: activation.gelu_tanh_and_mul(xx),
+              lambda: reference_ops.gelu_tanh_and_mul(xx), 3 * t * inter)]
     for name, fn, ref_fn, elems in cases:
         ctx.deadline.check(f"op {name}", 1.0)
         ms, ref_ms = bench_ms(fn, rep=30), bench_ms(ref_fn, rep=30)
         row = ctx.report.row(kind="op", name=name, tokens=t, ms=ms, gbps=elems * el / ms / 1e6, torch_ms=ref_ms,
                              speedup=ref_ms / ms)
-        ctx.report.log(f"  op {name:<20} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s ({row['speedup']:.1f}x torch)")
+        ctx.report.log(f"  op {name:<25} {ms * 1e3:8.1f} us {row['gbps']:7.0f} GB/s ({row['speedup']:.1f}x torch)")
     ctx.report.save()
 
 

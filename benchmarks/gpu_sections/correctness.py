@@ -132,6 +132,14 @@ def row_kernel_checks(ctx: Ctx) -> None:
         ref_out, ref_res = reference_ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
         ctx.report.check("fused_add_rms_norm (out)", out, ref_out, tol)
         ctx.report.check("fused_add_rms_norm (residual)", res, ref_res, tol)
+    with ctx.case("offset_rms_norm"):  # zero-centred (Gemma, Qwen3-Next): the weight applies as 1 + w
+        ctx.report.check("offset_rms_norm", norm.rms_norm(x, w, 1e-6, offset=True),
+                         reference_ops.rms_norm(x, w, 1e-6, offset=True), tol)
+    with ctx.case("fused_add_offset_rms_norm"):
+        out, res = norm.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6, offset=True)
+        ref_out, ref_res = reference_ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6, offset=True)
+        ctx.report.check("fused_add_offset_rms_norm (out)", out, ref_out, tol)
+        ctx.report.check("fused_add_offset_rms_norm (residual)", res, ref_res, tol)
     with ctx.case("rotary_neox"):
         cache = reference_ops.rotary_cos_sin_cache(hd, 40960, 1e6, device=ctx.device)
         pos = torch.randint(0, 40960, (t,), generator=g, device=ctx.device)
@@ -144,6 +152,10 @@ def row_kernel_checks(ctx: Ctx) -> None:
     with ctx.case("silu_and_mul"):
         xx = rnd(t, 2 * inter)
         ctx.report.check("silu_and_mul", activation.silu_and_mul(xx), reference_ops.silu_and_mul(xx), tol)
+    with ctx.case("gelu_tanh_and_mul"):
+        xx = rnd(t, 2 * inter) * 3  # well into the tanh's saturation both ways
+        ctx.report.check("gelu_tanh_and_mul", activation.gelu_tanh_and_mul(xx), reference_ops.gelu_tanh_and_mul(xx),
+                         tol)
 
 
 def gated_delta_checks(ctx: Ctx) -> None:

@@ -58,8 +58,8 @@ def get_model_class(architecture: str, source: str = "config.json") -> type[Deco
         entry = MODEL_REGISTRY[causal_architecture(architecture) or architecture]
     except KeyError:
         raise ConfigError(
-            f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(sorted(MODEL_REGISTRY))}, "
-            "and the ...ForSequenceClassification form of each ...ForCausalLM)"
+            f"{source}: architecture {architecture!r} is not supported (supported: "
+            f"{', '.join(sorted(MODEL_REGISTRY))}, and the ...ForSequenceClassification form of each ...ForCausalLM)"
         ) from None
     if isinstance(entry, str):
         module, name = entry.split(":")

@@ -53,10 +53,16 @@ def rope_settings(cfg: ModelConfig, layer_type: str) -> tuple[float, dict | None
 
 
 class GeluTanhMLP(GatedMLP):
-    """``down(gelu_tanh(gate(x)) * up(x))`` (the torch path on every device)."""
+    """``down(gelu_tanh(gate(x)) * up(x))``; on the Triton path the activation-and-mul is one kernel
+    (`ember.kernels.activation.gelu_tanh_and_mul`)."""
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.triton:
+            from ember.kernels import activation
+
+            return self.down_proj(activation.gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

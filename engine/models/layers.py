@@ -1,10 +1,11 @@
 """Layers shared by the decoder-only models: RMSNorm, RoPE (with rope_scaling), paged-KV attention, gated MLP, and
 the decoder stack with its Hugging Face weight-name mapping (q/k/v and gate/up are fused on load).
 
-Row-wise ops: on CUDA the norms (plain and fused residual-add), the rotary embedding and SiLU-and-mul run the Triton
-kernels of `ember.kernels` (`norm`, `rotary`, `activation`); elsewhere the torch code below, which matches
-transformers. `row_ops_backend` decides (``EMBER_ROW_OPS=triton|torch`` overrides, e.g. to run the kernels under
-the Triton interpreter on a CPU) and `use_triton_row_ops` switches a built model.
+Row-wise ops: on CUDA the norms (plain and fused residual-add, `RMSNorm` and the zero-centred `OffsetRMSNorm`), the
+rotary embedding and the gated MLPs' activation-and-mul run the Triton kernels of `ember.kernels` (`norm`, `rotary`,
+`activation`); elsewhere the torch code below, which matches transformers. `row_ops_backend` decides
+(``EMBER_ROW_OPS=triton|torch`` overrides, e.g. to run the kernels under the Triton interpreter on a CPU) and
+`use_triton_row_ops` switches a built model.
 """
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def row_ops_backend(device: torch.device) -> str:
 
 
 def use_triton_row_ops(model: nn.Module, enabled: bool) -> None:
-    """Run ``model``'s norms, rotary embedding and SiLU-and-mul through the Triton kernels (or the torch code)."""
+    """Run ``model``'s norms, rotary embedding and gated-MLP activations through the Triton kernels (or the torch
+    code)."""
     for m in model.modules():
-        if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP)):
+        if isinstance(m, (RMSNorm, OffsetRMSNorm, RotaryEmbedding, GatedMLP)):
             m.triton = enabled
 
 
@@ -153,7 +155,9 @@ def _longrope_inv_freq(head_dim: int, theta: float, scaling: dict, max_position:
 
 class OffsetRMSNorm(nn.Module):
     """Zero-centred RMSNorm (Gemma, Qwen3-Next): ``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32, then cast; with a
-    ``residual``, ``(norm(x + residual), x + residual)`` like `RMSNorm`."""
+    ``residual``, ``(norm(x + residual), x + residual)`` like `RMSNorm` (one fused kernel on the Triton path)."""
+
+    triton = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -162,6 +166,12 @@ class OffsetRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.triton:
+            from ember.kernels import norm
+
+            if residual is None:
+                return norm.rms_norm(x, self.weight, self.eps, offset=True)
+            return norm.fused_add_rms_norm(x, residual, self.weight, self.eps, offset=True)
         if residual is not None:
             x = x + residual
             return self.forward(x), x

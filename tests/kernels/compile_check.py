@@ -46,7 +46,7 @@ class _Recorder:
 
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
-            (norm, ("_rms_norm_kernel",)), (activation, ("_silu_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
+            (norm, ("_rms_norm_kernel",)), (activation, ("_act_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
             (gated_delta_decode, ("_decode_kernel",)), (gated_delta_scan, ("_scan_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
@@ -86,9 +86,11 @@ def _drive(launches: list, quick: bool) -> None:
             attention.reshape_and_cache(q[:, :hkv], q[:, :hkv], kc, kc, torch.tensor([0, -1, 5]), *scales)
     for dt in () if quick else (torch.bfloat16, torch.float16):
         x = torch.randn(4, 4096, generator=g).to(dt)
-        norm.rms_norm(x, x[0], 1e-6)
-        norm.fused_add_rms_norm(x, x, x[0], 1e-6)
+        for offset in (False, True):
+            norm.rms_norm(x, x[0], 1e-6, offset=offset)
+            norm.fused_add_rms_norm(x, x, x[0], 1e-6, offset=offset)
         activation.silu_and_mul(x)
+        activation.gelu_tanh_and_mul(x)
         cache = reference_ops.rotary_cos_sin_cache(64, 32, 1e6)
         qkv = torch.randn(4, 48, 128, generator=g).to(dt)
         rotary.rotary_neox(torch.arange(4), qkv[:, :32], qkv[:, 32:40], cache)

@@ -1,9 +1,11 @@
-"""Triton RMSNorm, rotary and SiLU-and-mul against their torch references (TRITON_INTERPRET=1 on CPU)."""
+"""Triton RMSNorm (plain and zero-centred), rotary, SiLU- and GELU-tanh-and-mul against their torch references
+(TRITON_INTERPRET=1 on CPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ember.engine.models.layers import OffsetRMSNorm
 from ember.kernels import activation, norm, reference_ops, rotary
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -33,6 +35,42 @@ def test_fused_add_rms_norm_returns_normed_sum_and_new_residual(dtype):
     x0, res0 = x.clone(), res.clone()
     out, new_res = norm.fused_add_rms_norm(x, res, w, 1e-5)
     ref_out, ref_res = reference_ops.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+    assert torch.equal(new_res, ref_res)
+    assert _rel_err(out, ref_out) < 1e-3
+
+
+def _offset_norm(w: torch.Tensor, eps: float) -> OffsetRMSNorm:
+    m = OffsetRMSNorm(w.shape[0], eps).to(w.dtype)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    return m
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 200)])
+def test_offset_rms_norm_matches_offset_rmsnorm(shape, dtype):
+    g = torch.Generator().manual_seed(shape[-1] + 1)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (torch.randn(shape[-1], generator=g) * 0.5).to(dtype)
+    ref = reference_ops.rms_norm(x, w, 1e-6, offset=True)
+    assert torch.equal(ref, _offset_norm(w, 1e-6)(x))
+    out = norm.rms_norm(x, w, 1e-6, offset=True)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert _rel_err(out, ref) < 1e-3
+
+
+@DTYPES
+def test_fused_add_offset_rms_norm_returns_normed_sum_and_new_residual(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 136, generator=g).to(dtype)
+    res = torch.randn(6, 136, generator=g).to(dtype)
+    w = (torch.randn(136, generator=g) * 0.5).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    ref_out, ref_res = reference_ops.fused_add_rms_norm(x, res, w, 1e-5, offset=True)
+    mod_out, mod_res = _offset_norm(w, 1e-5)(x, res)
+    assert torch.equal(ref_out, mod_out) and torch.equal(ref_res, mod_res)
+    out, new_res = norm.fused_add_rms_norm(x, res, w, 1e-5, offset=True)
     assert torch.equal(x, x0) and torch.equal(res, res0)
     assert torch.equal(new_res, ref_res)
     assert _rel_err(out, ref_out) < 1e-3
@@ -73,3 +111,14 @@ def test_silu_and_mul_matches_reference(inter, block, dtype):
     out = activation.silu_and_mul(x, block=block)
     assert out.shape == (2, 5, inter)
     assert _rel_err(out, reference_ops.silu_and_mul(x)) < 1e-3
+
+
+@DTYPES
+@pytest.mark.parametrize("inter,block", [(96, 1024), (300, 128)])
+def test_gelu_tanh_and_mul_matches_reference(inter, block, dtype):
+    g = torch.Generator().manual_seed(inter + 1)
+    x = (torch.randn(2, 5, 2 * inter, generator=g) * 2).to(dtype)
+    x[0, 0, :4] = torch.tensor([-40.0, 40.0, -9.0, 9.0])  # the tanh saturates both ways
+    out = activation.gelu_tanh_and_mul(x, block=block)
+    assert out.shape == (2, 5, inter) and out.dtype == dtype and torch.isfinite(out).all()
+    assert _rel_err(out, reference_ops.gelu_tanh_and_mul(x)) < 1e-3
