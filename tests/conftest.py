@@ -50,6 +50,14 @@ def write_shared_tokenizer(family: str, out: pathlib.Path, extra: tuple[str, ...
     return out
 
 
+def save_with_tokenizer(model, path: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathlib.Path:
+    """``model`` (a transformers model) saved as a checkpoint folder with the tokenizer of ``tokenizer_dir``."""
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
 def save_tiny_qwen3(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int, head: str = "ForCausalLM",
                     **config) -> pathlib.Path:
     """A 2-layer random Qwen3 checkpoint (GQA 4/2, head_dim 16, 1280-token vocabulary) saved into ``path`` with the
@@ -62,10 +70,7 @@ def save_tiny_qwen3(path: pathlib.Path, tokenizer_dir: pathlib.Path, seed: int, 
     cfg = Qwen3Config(**{**dict(vocab_size=1280, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                                 initializer_range=0.1, tie_word_embeddings=False), **config})
-    getattr(transformers, f"Qwen3{head}")(cfg).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(getattr(transformers, f"Qwen3{head}")(cfg), path, tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,13 @@
 prompts submitted at staggered steps, under preemption and under chunked prefill."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
 
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
+from tests.conftest import save_with_tokenizer
 
 NEW_TOKENS = 12
 MIN_MARGIN = 1e-3
@@ -25,9 +25,7 @@ def _save_tiny(kind: str, path, tokenizer_dir) -> None:
         model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=False, **common))
     else:
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, rms_norm_eps=1e-5, **common))
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
+    save_with_tokenizer(model, path, tokenizer_dir)
 
 
 def _hf_greedy(model, prompts: list[list[int]]) -> list[tuple[list[int], float]]:

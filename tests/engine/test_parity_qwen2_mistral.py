@@ -9,6 +9,7 @@ import torch
 
 from ember.engine.engine import Engine
 from ember.engine.models import get_model_class
+from tests.conftest import save_with_tokenizer
 from tests.engine.test_parity import _good, _hf_greedy, _prompts, _run_staggered
 
 WINDOW = 8
@@ -29,9 +30,7 @@ def _save_tiny(kind: str, path, tokenizer_dir) -> None:
                     proj.bias.normal_(0.0, 0.5)
     else:
         model = MistralForCausalLM(MistralConfig(tie_word_embeddings=False, sliding_window=WINDOW, **common))
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
+    save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
+from tests.conftest import save_with_tokenizer
 
 NEW_TOKENS = 8
 ENGINE_OPTIONS = dict(max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
@@ -40,10 +41,7 @@ def _save_dense(kind: str, path, tokenizer_dir):
             for layer in model.model.layers:
                 for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                     proj.bias.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

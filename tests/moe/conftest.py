@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import save_with_tokenizer  # noqa: F401  (the MoE and model tests import it from here)
+
 VOCAB = 1280
 NEW_TOKENS = 8
 MIN_MARGIN = 1e-3
@@ -23,14 +25,6 @@ def tiny_moe_config(**over):
                max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False)
     cfg.update(over)
     return Qwen3MoeConfig(**cfg)
-
-
-def save_with_tokenizer(model, path: Path, tokenizer_dir: Path) -> Path:
-    """``model`` (a transformers model) saved as a checkpoint folder with the tokenizer of ``tokenizer_dir``."""
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 def save_tiny_moe(path: Path, tokenizer_dir: Path, seed: int = 0, **over) -> Path:

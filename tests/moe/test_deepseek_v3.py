@@ -13,7 +13,7 @@ from ember.engine import loader
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
                                 assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,
-                                prompts)
+                                prompts, save_with_tokenizer)
 
 LORA, ROPE = 32, 8
 
@@ -37,10 +37,7 @@ def save_tiny_deepseek_v3(path, tokenizer_dir, seed: int = 0, **over):
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.weight.normal_(0.0, 0.5)
                 layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

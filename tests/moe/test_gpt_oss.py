@@ -2,7 +2,6 @@
 Ember's greedy output equals transformers', through chunked prefill and prefix-cache hits."""
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from ember.engine import loader
 from ember.engine.models import get_model_class
 from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_cached,
                                 assert_prefill_logits_match_transformers, assert_two_ranks_match_one, ember_model,
-                                prompts)
+                                prompts, save_with_tokenizer)
 
 WINDOW = 8
 
@@ -45,10 +44,7 @@ def save_tiny_gpt_oss(path, tokenizer_dir, seed: int = 0, **over):
             ex.gate_up_proj.normal_(0.0, 0.6)
             ex.gate_up_proj_bias.normal_(0.0, 0.5)
             ex.down_proj_bias.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    return save_with_tokenizer(model, path, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ and its result render back through the template."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from tests.conftest import shared_path
+from tests.conftest import save_with_tokenizer, shared_path
 from tests.moe.test_minimax_m2 import CONFIG
 from tests.server.conftest import served
 
@@ -50,11 +49,9 @@ def minimax_server(tmp_path_factory, demo_model_dir):
     model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**{**CONFIG, "vocab_size": 1296, "max_position_embeddings": 2048,
                                                     "bos_token_id": None,
                                                     "eos_token_id": ids["[e~["]}))
-    model.save_pretrained(root / "model")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / name, root / "model" / name)
-    config = ServeConfig(model_dir=root / "model", served_model_name="tiny-minimax", max_num_seqs=4,
-                         kv_cache_blocks=64, chat_template=template, in_process=True)
+    path = save_with_tokenizer(model, root / "model", tok_dir)
+    config = ServeConfig(model_dir=path, served_model_name="tiny-minimax", max_num_seqs=4, kv_cache_blocks=64,
+                         chat_template=template, in_process=True)
     with served(config) as server:
         yield server
 
