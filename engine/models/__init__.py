@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 from ember.engine.config import ConfigError
+from ember.engine.models.classifier import causal_architecture
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
 from ember.engine.models.mistral import Mistral3ForCausalLM, MistralForCausalLM
@@ -52,8 +53,6 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
 def get_model_class(architecture: str, source: str = "config.json") -> type[DecoderForCausalLM]:
     """The class serving ``architecture``; a ``*ForSequenceClassification`` one gets its causal LM's class (the
     engine swaps the LM head for the classifier's, `ember.engine.models.classifier`)."""
-    from ember.engine.models.classifier import causal_architecture
-
     try:
         entry = MODEL_REGISTRY[causal_architecture(architecture) or architecture]
     except KeyError:
