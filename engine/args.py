@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ember.engine.checkpoint import parse_hf_overrides
+
 
 class SettingValueError(argparse.ArgumentTypeError, ValueError):
     """A setting's value is malformed; argparse shows the message as is (not `invalid parse_x value`)."""
@@ -44,6 +46,15 @@ def parse_memory(text: str) -> int:
     return int(value)
 
 
+def parse_hf_overrides_flag(text: str) -> str:
+    """`--hf-overrides`: a JSON object of config.json fields (checked here, returned unchanged)."""
+    try:
+        parse_hf_overrides(text)
+    except ValueError as e:
+        raise SettingValueError(str(e).removeprefix("--hf-overrides: ")) from None
+    return text
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
@@ -68,6 +79,11 @@ class EngineArgs:
     quantization: str | None = _opt(None, "quantize an unquantized checkpoint as it loads: 'fp8' keeps every "
                                           "decoder projection and expert in e4m3 with a scale per output channel "
                                           "(W8A16)", choices=("fp8",))
+    hf_overrides: str | None = _opt(None, "JSON object of config.json fields to change before the model loads, as "
+                                          "vLLM applies them, e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
+                                          "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
+                                          "causal LM served as a classifier ('classifier_from_token')",
+                                    type=parse_hf_overrides_flag, metavar="JSON")
     kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
                                        group="kv-cache-size")
     kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
@@ -98,7 +114,8 @@ class EngineArgs:
                 "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": self.dtype, "device": self.device,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
-                "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization}
+                "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
+                "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

@@ -1,9 +1,12 @@
-"""A checkpoint folder's plain facts: where it is and its tokenizer. No torch, so the HTTP front end loads the very
-tokenizer the engine loads without importing the engine's model code."""
+"""A checkpoint folder's plain facts: where it is, its config.json (with vLLM's ``--hf-overrides`` applied) and its
+tokenizer. No torch, so the HTTP front end reads the very config and tokenizer the engine reads without importing the
+engine's model code."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 class CheckpointError(ValueError):
@@ -29,3 +32,54 @@ def load_tokenizer(model_dir: str | os.PathLike):
         return AutoTokenizer.from_pretrained(str(root))
     except Exception as e:  # transformers raises many types here; name the directory
         raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+_ROPE_KEYS = ("rope_scaling", "rope_parameters")  # one setting, spelled by transformers 4 and 5
+_ROPE_KEPT = ("rope_theta", "partial_rotary_factor")  # what transformers 5's rope_parameters also holds
+
+
+def apply_hf_overrides(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` (a config.json) with vLLM's ``--hf-overrides`` applied, as vLLM applies them to the loaded config:
+    each key replaces the value, except that a dict given for a sub-config (a dict holding ``model_type``, such as
+    ``text_config``) updates that sub-config key by key. ``rope_scaling`` and ``rope_parameters`` are one setting:
+    overriding either sets both (a flat form keeps the checkpoint's ``rope_theta`` and ``partial_rotary_factor``), so
+    the override wins whichever spelling the checkpoint used. ``config`` is not modified."""
+    out = dict(config)
+    for key, value in (overrides or {}).items():
+        base = out.get(key)
+        if isinstance(value, dict) and isinstance(base, dict) and "model_type" in base:
+            out[key] = apply_hf_overrides(base, value)
+        elif key in _ROPE_KEYS and isinstance(value, dict) and ("rope_type" in value or "type" in value):
+            params = out.get("rope_parameters")
+            kept = {k: params[k] for k in _ROPE_KEPT if isinstance(params, dict) and k in params}
+            out["rope_scaling"] = out["rope_parameters"] = {**kept, **value}
+        else:
+            out[key] = value
+    return out
+
+
+def parse_hf_overrides(text: str) -> dict[str, Any]:
+    """``--hf-overrides``: a JSON object; ValueError naming the flag otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hf-overrides: not valid JSON ({e}); give an object such as "
+                         f"'{{\"rope_scaling\": {{\"rope_type\": \"yarn\", \"factor\": 4.0}}}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--hf-overrides: expected a JSON object of config.json fields, got {type(value).__name__}")
+    return value
+
+
+def read_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint's config.json with ``overrides`` (``--hf-overrides``) applied: the one view of the model's
+    configuration that the engine and the front end both read."""
+    path = checkpoint_dir(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return apply_hf_overrides(config, overrides)

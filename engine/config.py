@@ -80,6 +80,17 @@ class ModelConfig:
         return int(value)
 
     @property
+    def max_context(self) -> int:
+        """The longest context the model serves, derived as vLLM derives it: ``max_position_embeddings``, or for YaRN
+        its pretrained length times ``factor`` where that is longer (so a YaRN ``rope_scaling`` given by
+        ``--hf-overrides``, e.g. Qwen3's factor 4 over 32768, extends the context to 131072)."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type") == "yarn" and s.get("factor") and s.get("original_max_position_embeddings"):
+            extended = int(float(s["original_max_position_embeddings"]) * float(s["factor"]))
+            return max(self.max_position_embeddings, extended)
+        return self.max_position_embeddings
+
+    @property
     def linear_attention_layers(self) -> list[int]:
         """Layers that keep a per-sequence recurrent state instead of KV (Qwen3-Next's ``linear_attention``), read
         as transformers does: ``layer_types`` where given, else all but every ``full_attention_interval``-th layer."""
@@ -121,6 +132,8 @@ class ModelConfig:
         if isinstance(rope_scaling, dict):
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
+            if kind == "yarn":  # as transformers reads it: the pretrained length defaults to the config's
+                rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
             if kind in ("longrope", "su"):  # Phi-3 keeps the pretrained length at the top level
                 rope_scaling.setdefault("original_max_position_embeddings",
                                         cfg.get("original_max_position_embeddings"))
@@ -181,3 +194,4 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (half the bytes of bf16), per-layer scales
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint's projections to FP8 as they load
     state_snapshots: int | None = None  # hybrid models' saved states for prefix caching (None: max_num_seqs)
+    hf_overrides: dict[str, Any] | None = None  # config.json fields changed before loading (vLLM's --hf-overrides)

@@ -108,6 +108,7 @@ class ShardSpec:
     num_threads: int
     kv_cache_dtype: torch.dtype
     quantization: str | None
+    model_config: ModelConfig  # the whole model's, as the driver read it (with --hf-overrides applied)
 
 
 # ---- how the model is split ---------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     """This rank's model (its slices only, wired to reduce over ``tp``) and its per-rank config."""
     from ember.engine.engine import load_model
 
-    full = loader.load_model_config(model_dir)
+    full = spec.model_config
     cfg = shard_config(full, tp)
     own = getattr(spec.model_class, "tp_split_rule", None)
     rule = None if own is None else (lambda name: own(name, full))
@@ -519,7 +520,7 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")
     spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads(),
-                     kv_cache_dtype, config.quantization)
+                     kv_cache_dtype, config.quantization, mc)
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=worker_main, args=(r, n, store.port, str(model_dir), spec),

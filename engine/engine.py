@@ -6,6 +6,7 @@ the output pipeline decodes and may end a request early through `abort`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -97,7 +98,12 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     model.fp8_candidates = fp8_loading.packed_candidates(loader.weight_files(model_dir), fmt) if fmt else {}
     if fmt is not None:
         weights = fp8_loading.dequantized(weights, fmt, str(model_dir), keep)
-    model.load_weights(model.renamed(weights), source=str(model_dir))  # under the model's own names
+    stream = model.renamed(weights)  # under the model's own names
+    head = classifier.token_head(cfg)
+    if head is not None:  # a causal LM served as a classifier: its score head comes from LM-head rows
+        score = classifier.converted_head_weight(model, loader.weight_files(model_dir), model_dir, head)
+        stream = itertools.chain(stream, [("score.weight", score)])
+    model.load_weights(stream, source=str(model_dir))
     for m in model.modules():  # the model's RoPE tables (Gemma 3 has a local and a global one)
         if isinstance(m, RotaryEmbedding):
             m.build_cache(device, dtype)
@@ -111,7 +117,7 @@ class Engine:
                  bitmask_filler: BitmaskFiller | None = None) -> None:
         self.model_dir = loader.checkpoint_dir(model_dir)
         self.config = config
-        self.model_config = loader.load_model_config(self.model_dir)
+        self.model_config = loader.load_model_config(self.model_dir, config.hf_overrides)
         self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
         self.eos_token_ids: set[int] = set(end_of_turn_ids(self.tokenizer, self.model_dir))
@@ -119,10 +125,11 @@ class Engine:
         self.device = torch.device(config.device) if config.device is not None else _default_device()
         self.dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                              f"({mc.max_position_embeddings}) in {self.model_dir / 'config.json'}")
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > mc.max_context:
+            yarn = " (YaRN's pretrained length times its factor)" if mc.max_context > mc.max_position_embeddings else ""
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_context} "
+                              f"tokens{yarn} in {self.model_dir / 'config.json'}")
+        self.max_model_len = config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
         if config.tensor_parallel_size != 1:
             from ember.engine import distributed
@@ -170,7 +177,7 @@ class Engine:
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enforce_eager: bool = False,
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
-                        quantization: str | None = None) -> "Engine":
+                        quantization: str | None = None, hf_overrides: dict[str, Any] | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -178,7 +185,7 @@ class Engine:
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
-            quantization=quantization,
+            quantization=quantization, hf_overrides=hf_overrides,
         )
         return cls(model_dir, config, bitmask_filler)
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from ember.engine.checkpoint import CheckpointError, checkpoint_dir, load_tokenizer  # noqa: F401 (re-exported)
+from ember.engine.checkpoint import read_config
 from ember.engine.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -27,14 +28,16 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
-def load_model_config(model_dir: str | os.PathLike) -> ModelConfig:
+def load_model_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    """The model's `ModelConfig`: config.json with ``overrides`` (``--hf-overrides``) applied."""
     path = checkpoint_dir(model_dir) / "config.json"
+    source = f"{path} with --hf-overrides" if overrides else str(path)
     try:
-        return ModelConfig.from_dict(_read_json(path), source=str(path))
+        return ModelConfig.from_dict(read_config(model_dir, overrides), source=source)
     except (ConfigError, CheckpointError):
         raise
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def load_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
-from ember.engine.checkpoint import load_tokenizer
+from ember.engine.checkpoint import load_tokenizer, parse_hf_overrides
 from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import OutputPipeline, ParserSetup
@@ -122,7 +122,8 @@ class ModelRuntime:
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
                    sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir),
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
-                                             if config.pooler_config else None))
+                                             if config.pooler_config else None,
+                                             parse_hf_overrides(config.hf_overrides) if config.hf_overrides else None))
 
 
 @dataclass

@@ -10,7 +10,8 @@ Where it comes from, first found wins:
 - otherwise last-token pooling, normalized (vLLM's default for a decoder model).
 
 Matryoshka (the request's ``dimensions``) is allowed only where config.json says the model was trained for it
-(``is_matryoshka``, or ``matryoshka_dimensions`` listing the sizes it supports), as vLLM rules.
+(``is_matryoshka``, or ``matryoshka_dimensions`` listing the sizes it supports; either may come from
+``--hf-overrides``), as vLLM rules.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ember.engine.checkpoint import apply_hf_overrides
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +102,11 @@ def _sentence_transformers(model_dir: Path) -> tuple[str, bool, str | None] | No
     return kind, "Normalize" in types, refused
 
 
-def load_pooling_spec(model_dir: Path, pooler_config: dict[str, Any] | None) -> PoolingSpec:
-    """The spec for the model in ``model_dir`` (see the module docstring)."""
-    config = _read_json(model_dir / "config.json") or {}
+def load_pooling_spec(model_dir: Path, pooler_config: dict[str, Any] | None,
+                      hf_overrides: dict[str, Any] | None = None) -> PoolingSpec:
+    """The spec for the model in ``model_dir`` (see the module docstring); its config.json is read with
+    ``hf_overrides`` applied (vLLM's way to declare Matryoshka for a model whose config does not)."""
+    config = apply_hf_overrides(_read_json(model_dir / "config.json") or {}, hf_overrides)
     dims = config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in dims) if isinstance(dims, list) and dims else None
     matryoshka = bool(config.get("is_matryoshka")) or dims is not None

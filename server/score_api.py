@@ -4,8 +4,9 @@ paths vLLM serves them (`/score`; `/rerank`, `/v2/rerank`).
 
 With an embedding model (a bi-encoder), a score is the cosine similarity of the two texts' embeddings
 (`ember.server.embeddings_api.embed`, the model's pooling). With a one-class classification model (a cross-encoder
-such as a ``Qwen3ForSequenceClassification`` conversion of Qwen3-Reranker), the two texts are read together, encoded
-as the tokenizer encodes a text pair, and the score is the sigmoid of the class logit, as vLLM scores them.
+such as a ``Qwen3ForSequenceClassification`` conversion of Qwen3-Reranker), the two texts are read together (joined
+into one text where the config says ``use_pad_token: false``, as for a converted causal LM; else as the tokenizer
+encodes a text pair) and the score is the sigmoid of the class logit, as vLLM scores them.
 """
 from __future__ import annotations
 
@@ -70,6 +71,10 @@ def _cross_encoder(rt: ModelRuntime) -> bool:
 
 
 def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> list[list[int]]:
+    """Each pair's tokens as vLLM builds them: the two texts joined into one (a converted LM reranker) or the
+    tokenizer's pair encoding."""
+    if rt.model_info.joins_pairs:
+        return [list(ids) for ids in rt.tokenizer([a + b for a, b in zip(firsts, seconds)])["input_ids"]]
     return [list(ids) for ids in rt.tokenizer(firsts, seconds)["input_ids"]]
 
 

@@ -68,7 +68,8 @@ def check_head(runtime: Any, config: ServeConfig) -> None:
     info = runtime.engine.model_info
     if config.classifier_flag and not info.labels:
         raise StartupError(f"{config.classifier_flag}: {info.architecture} is not a classifier; Ember serves "
-                           f"classification and scores from ...ForSequenceClassification checkpoints")
+                           f"classification and scores from ...ForSequenceClassification checkpoints, or from a "
+                           f"causal LM with --hf-overrides naming that architecture and classifier_from_token")
 
 
 def check_template(runtime: Any, config: ServeConfig) -> None:

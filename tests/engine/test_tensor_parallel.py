@@ -215,14 +215,26 @@ def test_fused_expert_keys_shard_like_per_expert_keys(moe_dir, tmp_path):
         assert checked == 4  # two sparse layers, two stacks each
 
 
-def test_two_ranks_classify_as_one_process(demo_model_dir, tmp_path):
+@pytest.mark.parametrize("head", ["checkpoint", "from_tokens"])
+def test_two_ranks_classify_as_one_process(demo_model_dir, tmp_path, head):
+    """Both a checkpoint's own score head and one built from LM-head rows (``--hf-overrides``'s
+    ``classifier_from_token``, read from the files by every rank) are replicated, not split."""
     from tests.conftest import save_tiny_qwen3
 
-    path = save_tiny_qwen3(tmp_path / "seq-cls", demo_model_dir, seed=3, head="ForSequenceClassification",
-                           num_labels=3, pad_token_id=0)
+    if head == "checkpoint":
+        path = save_tiny_qwen3(tmp_path / "seq-cls", demo_model_dir, seed=3, head="ForSequenceClassification",
+                               num_labels=3, pad_token_id=0)
+        options = dict(ENGINE_OPTIONS)
+    else:
+        path = save_tiny_qwen3(tmp_path / "lm", demo_model_dir, seed=3)
+        from transformers import AutoTokenizer
+
+        tokens = AutoTokenizer.from_pretrained(path).convert_ids_to_tokens([11, 500, 900])
+        options = dict(ENGINE_OPTIONS, hf_overrides={"architectures": ["Qwen3ForSequenceClassification"],
+                                                     "classifier_from_token": tokens, "method": "no_post_processing"})
     prompt = _prompts()[4]
-    want = _pooled(Engine.from_pretrained(path, **ENGINE_OPTIONS), prompt, "last")
-    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **ENGINE_OPTIONS)
+    want = _pooled(Engine.from_pretrained(path, **options), prompt, "last")
+    engine = Engine.from_pretrained(path, tensor_parallel_size=2, **options)
     workers = list(engine.runner.workers)
     try:
         got = _pooled(engine, prompt, "last")

@@ -3,6 +3,8 @@ one-class model (a cross-encoder reranker) scores text pairs on `/v1/score` and 
 the pair, and routes a classifier cannot serve (generation, embeddings) are 400s naming ``model``."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import numpy as np
@@ -16,11 +18,11 @@ from tests.server.conftest import served
 LABELS = {"0": "negative", "1": "neutral", "2": "positive"}
 
 
-def _serve(path, name):
+def _serve(path, name, **config):
     from ember.server.config import ServeConfig
 
     return served(ServeConfig(model_dir=path, served_model_name=name, max_num_seqs=4, kv_cache_blocks=64,
-                              in_process=True))
+                              in_process=True, **config))
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,24 @@ def reranker(demo_model_dir, tmp_path_factory):
                            head="ForSequenceClassification", num_labels=1, pad_token_id=0)
     with _serve(path, "reranker") as server:
         yield server, path
+
+
+@pytest.fixture(scope="module")
+def lm_reranker(demo_model_dir, tmp_path_factory):
+    """A causal LM served as the original Qwen3-Reranker is, by vLLM's command line."""
+    path = save_tiny_qwen3(tmp_path_factory.mktemp("lm-reranker"), demo_model_dir, seed=7)
+    no_yes = _vocab_tokens(path, [61, 88])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": no_yes,
+                 "is_original_qwen3_reranker": True}
+    with _serve(path, "qwen3-reranker", hf_overrides=json.dumps(overrides),
+                classifier_flag="--task score") as server:
+        yield server, path
+
+
+def _vocab_tokens(path, ids: list[int]) -> list[str]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).convert_ids_to_tokens(ids)
 
 
 def _hf_logits(path, prompts: list[list[int]]) -> list[np.ndarray]:
@@ -116,6 +136,29 @@ def test_a_cross_encoder_scores_pairs_read_together(reranker):
     assert [x["index"] for x in rr["results"]] == order
     assert np.allclose([x["relevance_score"] for x in rr["results"]], [want[i] for i in order], rtol=1e-4)
     assert rr["results"][0]["document"] == {"text": docs[order[0]]}
+
+
+def test_a_causal_lm_reranks_as_its_yes_over_no_with_the_texts_joined(lm_reranker):
+    server, path = lm_reranker
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # the query ends inside a word, so the joined text tokenizes unlike the pair's two encodings
+    query, docs = "<Query>: hello wor", ["ld is round", "ld of bananas"]
+    want = []
+    for d in docs:  # vLLM joins a converted LM's pair into one text; the score is P(yes) over {no, yes}
+        with torch.no_grad():
+            last = lm(torch.tensor([server.tokenizer(query + d)["input_ids"]])).logits[0, -1]
+        want.append(float(torch.softmax(last[[61, 88]], 0)[1]))
+    r = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert np.allclose([got[0], got[1]], want, rtol=1e-4)
+    c = httpx.post(server.url + "/classify", json={"input": query + docs[0]}, timeout=60).json()
+    assert c["data"][0]["num_classes"] == 1 and np.isclose(c["data"][0]["probs"][0], want[0], rtol=1e-4)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
 def test_invocations_classify_on_a_classifier(sentiment):

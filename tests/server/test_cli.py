@@ -38,6 +38,13 @@ def test_serve_options_map_to_the_config(capsys):
         assert c.model_dir == Path("org/e") and c.classifier_flag is None
     for flags in (["--task", "score"], ["--convert", "classify"]):  # the checkpoint must be a classifier
         assert serve_config(parser.parse_args(["serve", *flags])).classifier_flag == " ".join(flags)
+    yarn = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
+    assert serve_config(parser.parse_args(["serve", "--hf-overrides", yarn])).engine_options()["hf_overrides"] == {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    for bad, said in (("{rope", "not valid JSON"), ("[1]", "expected a JSON object")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--hf-overrides", bad])
+        assert e.value.code == 2 and "--hf-overrides" in (err := capsys.readouterr().err) and said in err
     with pytest.raises(SystemExit) as e:
         main(["serve", "--convert", "reward"])
     assert e.value.code == 2 and "reward heads are not supported" in capsys.readouterr().err

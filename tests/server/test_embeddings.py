@@ -137,14 +137,15 @@ def mean_server(demo_model_dir, tmp_path_factory):
     path = _sentence_transformers_copy(demo_model_dir, tmp_path_factory.mktemp("st") / "m",
                                        modules=["Transformer", "Pooling", "Normalize"],
                                        pooling={"pooling_mode_mean_tokens": True},
-                                       config={"matryoshka_dimensions": [16, 32]})
+                                       config={})
+    # Matryoshka declared the way vLLM documents for a checkpoint whose config.json does not say it
     config = ServeConfig(model_dir=path, served_model_name="st", max_num_seqs=4, kv_cache_blocks=64,
-                         in_process=True)
+                         in_process=True, hf_overrides=json.dumps({"matryoshka_dimensions": [16, 32]}))
     with served(config) as server:
         yield server
 
 
-def test_a_mean_pooling_matryoshka_checkpoint_is_served_as_its_files_say(mean_server, demo_hf):
+def test_a_mean_pooling_matryoshka_checkpoint_is_served_as_its_files_and_overrides_say(mean_server, demo_hf):
     runtime = mean_server.runtime
     client = mean_server.openai()
     text = "pooled over every position"
