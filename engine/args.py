@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,30 @@ def parse_hf_overrides_flag(text: str) -> str:
     return text
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path); ValueError otherwise."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{text!r} is not valid JSON ({e})") from None
+        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+        raise ValueError(f"{text!r} is not NAME=PATH (or {{\"name\": NAME, \"path\": PATH}})")
+    return name, path
+
+
+def parse_lora_module_flag(text: str) -> str:
+    """`--lora-modules` entry: NAME=PATH or vLLM's JSON form (checked here, returned unchanged)."""
+    try:
+        parse_lora_module(text)
+    except ValueError as e:
+        raise SettingValueError(str(e)) from None
+    return text
+
+
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
@@ -84,6 +109,15 @@ class EngineArgs:
                                           "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
                                           "causal LM served as a classifier ('classifier_from_token')",
                                     type=parse_hf_overrides_flag, metavar="JSON")
+    lora_modules: tuple[str, ...] = _opt((), "LoRA adapters to serve, each NAME=PATH (a PEFT folder) or vLLM's JSON "
+                                             "{\"name\": ..., \"path\": ...}; a request selects one by its "
+                                             "'model'", action="extend", nargs="+", type=parse_lora_module_flag,
+                                         metavar="NAME=PATH")
+    enable_lora: bool = _opt(False, "vLLM's switch for LoRA serving; Ember serves the adapters of --lora-modules "
+                                    "with or without it")
+    max_loras: int = _opt(1, "LoRA adapter slots on the device (at least one per --lora-modules adapter); every "
+                             "batch may mix all of them", metavar="N")
+    max_lora_rank: int = _opt(16, "the largest LoRA rank accepted", metavar="R")
     kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
                                        group="kv-cache-size")
     kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
@@ -115,7 +149,9 @@ class EngineArgs:
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
-                "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None}
+                "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
+                "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
+                "max_lora_rank": self.max_lora_rank}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""
@@ -191,8 +227,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helptext}
         if _is_bool(f):
             kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
-        elif meta.get("action") == "append":
-            kw.update(action="append", default=None, type=_flag_type(f))
+        elif meta.get("action") in ("append", "extend"):
+            kw.update(action=meta["action"], default=None, type=_flag_type(f))
+            if "nargs" in meta:
+                kw["nargs"] = meta["nargs"]
             if "metavar" in meta:
                 kw["metavar"] = meta["metavar"]
         else:
@@ -212,7 +250,7 @@ def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
         if not hasattr(args, f.name):
             continue
         v = getattr(args, f.name)
-        if f.metadata.get("action") == "append":
+        if f.metadata.get("action") in ("append", "extend"):
             v = tuple(v) if v is not None else f.default
         values[f.name] = v
     return cls(**values)

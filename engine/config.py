@@ -195,3 +195,6 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint's projections to FP8 as they load
     state_snapshots: int | None = None  # hybrid models' saved states for prefix caching (None: max_num_seqs)
     hf_overrides: dict[str, Any] | None = None  # config.json fields changed before loading (vLLM's --hf-overrides)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) of each LoRA adapter served
+    max_loras: int = 1  # adapter slots on the device (at least one per adapter in lora_modules)
+    max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)

@@ -21,6 +21,7 @@ from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import KVCacheManager
+from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
@@ -131,6 +132,8 @@ class Engine:
                               f"tokens{yarn} in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
+        if config.lora_modules and config.tensor_parallel_size != 1:
+            raise ConfigError("LoRA adapters are served on one process only (tensor_parallel_size 1)")
         if config.tensor_parallel_size != 1:
             from ember.engine import distributed
 
@@ -143,7 +146,14 @@ class Engine:
                                quantization=config.quantization)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
                                       kv_cache_dtype=self.kv_cache_dtype)
+        self.lora: LoRAStack | None = None
         try:
+            if config.lora_modules:
+                self.lora = LoRAStack(model, max(config.max_loras, len(config.lora_modules)), config.max_lora_rank,
+                                      self.device, self.dtype)
+                for name, path in config.lora_modules:
+                    self.lora.add(name, path)
+                self.runner.lora = self.lora
             self.cuda_graphs = self._use_cuda_graphs()
             snapshots = self._num_state_snapshots()
             self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
@@ -177,7 +187,9 @@ class Engine:
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
                         tensor_parallel_size: int = 1, enforce_eager: bool = False,
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
-                        quantization: str | None = None, hf_overrides: dict[str, Any] | None = None) -> "Engine":
+                        quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
+                        lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
+                        max_lora_rank: int = 16) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -185,7 +197,8 @@ class Engine:
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
-            quantization=quantization, hf_overrides=hf_overrides,
+            quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
+            max_loras=max_loras, max_lora_rank=max_lora_rank,
         )
         return cls(model_dir, config, bitmask_filler)
 
@@ -266,9 +279,14 @@ class Engine:
         if len(ids) >= self.max_model_len + (params.pooling is not None):  # a pooled prompt needs no room after it
             raise ValueError(f"the prompt has {len(ids)} tokens; the maximum model length is {self.max_model_len}, "
                              f"which leaves no room for output")
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        self.scheduler.add(Sequence(rid, ids, params, constraint=constraint))
-        return rid
+        seq = Sequence(request_id if request_id is not None else uuid.uuid4().hex, ids, params, constraint=constraint)
+        if params.lora is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {params.lora!r} requested, but this engine serves no adapters")
+            seq.lora_slot = self.lora.slot(params.lora)
+            seq.cache_root = self.lora.cache_root(params.lora)
+        self.scheduler.add(seq)
+        return seq.request_id
 
     def abort(self, request_id: str) -> bool:
         """End the request now and free its blocks; its final output (finish_reason "abort") comes with the next

@@ -98,7 +98,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else (seq.cache_root or _ROOT_HASH)
             hashes.append(block_hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 

@@ -61,4 +61,5 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         load_seconds=float(load_seconds), num_params=int(num_params),
         labels=classifier.labels(mc) if engine.score_head is not None else (),
         label_activation=classifier.activation(mc) if engine.score_head is not None else "",
-        joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc))
+        joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc),
+        lora_adapters=tuple((name, a.path) for name, (_, a) in engine.lora.adapters.items()) if engine.lora else ())

@@ -73,6 +73,8 @@ class ModelRunner:
         """The extra state slot padding rows of a decode graph write to (recurrent models)."""
         self.first_snapshot_slot: int | None = None
         """Where the prefix-cache snapshot slots start, after the padding slot (recurrent models)."""
+        self.lora = None
+        """The engine's `ember.engine.lora.LoRAStack` when it serves adapters: `prepare` groups rows by slot."""
 
     def allocate_recurrent_state(self, num_slots: int, num_snapshots: int = 0) -> None:
         """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one), a scratch slot for
@@ -160,6 +162,8 @@ class ModelRunner:
             max_seqlen_k=max_k,
             score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
+        if self.lora is not None:
+            self.lora.set_rows([c.seq.lora_slot for c in chunks], [c.num_tokens for c in chunks])
         if self.recurrent:
             rec = d64[3 * t + s:].view(3, r)
             meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
@@ -242,6 +246,8 @@ class ModelRunner:
         """Why this runner cannot capture CUDA graphs (None: it can)."""
         if self.device.type != "cuda":
             return "no CUDA device"
+        if self.lora is not None:
+            return "LoRA adapters: each step groups its rows by adapter on the host (not captured)"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 

@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    lora: str | None = None  # the LoRA adapter (by its served name) this request runs under; None: the base model
     pooling: str | None = None
     """None: generate. ``"last"``, ``"mean"`` or ``"cls"``: an embedding request (`ember.engine.pooling`): the
     prompt is computed and its final hidden states pooled into `RequestOutput.embedding`; no token is generated and

@@ -47,6 +47,10 @@ class Sequence:
     """Content hashes of this sequence's full blocks (a prefix of them, extended lazily by the KV cache manager)."""
     num_registered_blocks: int = 0
     """Leading entries of ``block_ids`` that are in the prefix cache (hit at admission or registered since)."""
+    lora_slot: int = -1
+    """The LoRA adapter slot this sequence runs under (`ember.engine.lora`); -1: the base model."""
+    cache_root: bytes | None = None
+    """The root of this sequence's prefix-cache hashes (None: the base model's); an adapter has its own."""
     state_slot: int = -1
     """The slot of the per-sequence recurrent state (hybrid models) while running; -1 otherwise."""
     output_snapshot: bytes | None = None

@@ -62,10 +62,27 @@ async def require_api_key(request: Request) -> None:
                        code="invalid_api_key")
 
 
-def check_model(st: ServerState, model: str | None) -> None:
-    if model is not None and model != st.runtime.model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{st.runtime.model_name}'",
-                       param="model", code="model_not_found")
+def check_model(st: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names, or None for the base model (also when ``model`` is absent); a
+    404 naming what this server serves otherwise."""
+    return resolve_model(st.runtime, model)
+
+
+def resolve_model(rt: Any, model: str | None) -> str | None:
+    """`check_model` for a runtime (`ember.server.generation.ModelRuntime`)."""
+    if model is None or model == rt.model_name:
+        return None
+    adapters = [name for name, _ in rt.model_info.lora_adapters]
+    if model in adapters:
+        return model
+    served = ", ".join(f"'{n}'" for n in [rt.model_name, *adapters])
+    raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
+                   code="model_not_found")
+
+
+def model_label(st: ServerState, lora: str | None) -> str:
+    """The ``model`` a response carries: the adapter's name under an adapter, else the served model's."""
+    return lora or st.runtime.model_name
 
 
 def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,

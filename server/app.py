@@ -30,8 +30,8 @@ from . import protocol_openai as po
 from . import classify_api, embeddings_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
-                        check_model, check_token_ids, collect, logit_bias_ids, new_request, noted_steps,
-                        require_api_key, state, stop_ids, stream_error)
+                        check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
+                        noted_steps, require_api_key, state, stop_ids, stream_error)
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
@@ -111,7 +111,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     arrival = time.monotonic()
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     if body.n > st.config.max_n:
         raise bad_request(f"n may be at most {st.config.max_n}", param="n")
     messages = chat.openai_messages(body.messages)
@@ -135,7 +135,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body),
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body), lora=lora,
         defaults=rt.sampling_defaults)
     choices = []
     for i in range(body.n):
@@ -156,10 +156,10 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request(choices, stop, "chatcmpl", arrival)
     include_usage, continuous_usage = _usage_options(body)
-    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name, logprobs=body.logprobs,
-                     top_logprobs=body.top_logprobs or 0, return_token_ids=body.return_token_ids,
-                     include_usage=include_usage, continuous_usage=continuous_usage,
-                     prompt_logprobs=body.prompt_logprobs)
+    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
+                     logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+                     return_token_ids=body.return_token_ids, include_usage=include_usage,
+                     continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs)
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
@@ -177,7 +177,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     arrival = time.monotonic()
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
@@ -203,7 +203,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
             stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top),
-            defaults=rt.sampling_defaults)
+            lora=lora, defaults=rt.sampling_defaults)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
@@ -218,7 +218,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     st.metrics.prompt_tokens.inc(prompt_total)
     req = new_request(choices, stop, "cmpl", arrival)
     include_usage, continuous_usage = _usage_options(body)
-    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=rt.model_name,
+    meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
                      continuous_usage=continuous_usage, prompt_logprobs=scored_top)
@@ -278,7 +278,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     arrival = time.monotonic()
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
     max_tokens = allowed_tokens(st, len(prompt_ids), body.max_tokens)
     tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
@@ -290,7 +290,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=None, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=None, logprobs=None, logit_bias=None,
-                             defaults=rt.sampling_defaults)
+                             lora=lora, defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
     budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
@@ -305,7 +305,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
-    enc = MessageEncoder(req.request_id.replace("-", "_"), rt.model_name, len(prompt_ids))
+    enc = MessageEncoder(req.request_id.replace("-", "_"), model_label(st, lora), len(prompt_ids))
     run = Run()
 
     if body.stream:
@@ -342,22 +342,30 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
 
 # --------------------------------------------------------------------------------------------------------- the rest
 
+def _model_card(st: ServerState, lora: str | None) -> dict:
+    """One `/v1/models` entry; a LoRA adapter's names the served model as its ``parent`` and its folder as
+    ``root``, as vLLM lists adapters."""
+    rt = st.runtime
+    card = {"id": model_label(st, lora), "object": "model", "created": st.started, "owned_by": "ember",
+            "root": rt.model_info.model_dir, "parent": None, "max_model_len": rt.max_model_len}
+    if lora is not None:
+        card.update(root=dict(rt.model_info.lora_adapters)[lora], parent=rt.model_name)
+    return card
+
+
 async def list_models(request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
-    name = st.runtime.model_name
+    names = [st.runtime.model_name, *(n for n, _ in st.runtime.model_info.lora_adapters)]
     if "anthropic-version" in request.headers:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
-        return {"data": [{"type": "model", "id": name, "display_name": name, "created_at": created}],
-                "has_more": False, "first_id": name, "last_id": name}
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": st.started, "owned_by": "ember",
-                                        "max_model_len": st.runtime.max_model_len}]}
+        return {"data": [{"type": "model", "id": n, "display_name": n, "created_at": created} for n in names],
+                "has_more": False, "first_id": names[0], "last_id": names[-1]}
+    return {"object": "list", "data": [_model_card(st, None if i == 0 else n) for i, n in enumerate(names)]}
 
 
 async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
-    check_model(st, model_id)
-    return {"id": st.runtime.model_name, "object": "model", "created": st.started, "owned_by": "ember",
-            "max_model_len": st.runtime.max_model_len}
+    return _model_card(st, check_model(st, model_id))
 
 
 async def health(request: Request) -> Response:

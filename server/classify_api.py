@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from fastapi import Request
 
-from .admission import check_model, state
+from .admission import check_model, model_label, state
 from .embeddings_api import PoolingInputs, pool
 from .errors import bad_request
 from .generation import ModelRuntime
@@ -46,11 +46,11 @@ def activated(logits: list[float], sigmoid: bool) -> np.ndarray:
 async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     labels = require_classifier(rt)
     inputs, params, add_special = await body.resolved(rt)
     logits, total, rid = await pool(request, inputs, params, truncate=body.truncate_prompt_tokens,
-                                    add_special_tokens=add_special)
+                                    add_special_tokens=add_special, lora=lora)
     use = body.use_activation if body.use_activation is not None else body.activation is not False
     sigmoid = rt.model_info.label_activation == "sigmoid"
     data = []
@@ -58,7 +58,7 @@ async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
         probs = activated(row, sigmoid) if use else np.asarray(row, dtype=np.float64)
         data.append({"index": i, "label": labels[int(np.argmax(row))], "probs": probs.tolist(),
                      "num_classes": len(labels)})
-    return {"id": f"classify-{rid}", "object": "list", "created": int(time.time()), "model": rt.model_name,
+    return {"id": f"classify-{rid}", "object": "list", "created": int(time.time()), "model": model_label(st, lora),
             "data": data, "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0}}
 
 

@@ -35,7 +35,8 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     """vLLM's spellings of a `vllm serve` command line, so one carries over (docs/deployment.md lists them):
     ``--model`` and ``--tool-call-parser`` set MODEL and ``--tool-parser``; ``--enable-auto-tool-choice`` and
     ``--trust-remote-code`` are accepted and change nothing (Ember parses tool calls whenever the model family has a
-    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name); so are
+    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name), as is
+    ``--max-cpu-loras`` (every LoRA adapter stays on the device); so are
     ``--runner generate|pooling``, ``--convert embed`` and ``--task generate|embed`` (one server generates and
     embeds). ``--convert classify`` and ``--task classify|score`` ask for a classifier, which Ember serves from a
     ``...ForSequenceClassification`` checkpoint (checked once it is loaded); a reward head is refused by name."""
@@ -45,6 +46,7 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
     for flag in ("--enable-auto-tool-choice", "--trust-remote-code"):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--max-cpu-loras", type=int, help=argparse.SUPPRESS)  # every adapter stays on the device
     for flag, served in (("--runner", ("auto", "generate", "pooling")),
                          ("--convert", ("auto", "none", "embed", "classify")),
                          ("--task", ("auto", "generate", "embed", "embedding", "classify", "score"))):

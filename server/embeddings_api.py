@@ -25,7 +25,7 @@ from ember.engine.params import SamplingParams
 
 from . import chat
 from . import protocol_openai as po
-from .admission import check_capacity, check_model, check_token_ids, collect, state
+from .admission import check_capacity, check_model, check_token_ids, collect, model_label, state
 from .errors import ApiError, bad_request
 from .generation import ModelRuntime
 
@@ -142,10 +142,11 @@ def _finish(pooled: list[float], dimensions: int | None, normalize: bool) -> np.
     return vec
 
 
-async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -> AsyncIterator[dict]:
+async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str,
+                  lora: str | None) -> AsyncIterator[dict]:
     """``{"index", "pooled"}`` for each prompt as it finishes, the prompts running as concurrent engine requests.
     Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
-    params = SamplingParams(pooling=rt.pooling.kind)
+    params = SamplingParams(pooling=rt.pooling.kind, lora=lora)
 
     async def one(i: int) -> dict:
         async with aclosing(rt.engine.generate(prompts[i], params, request_id=f"{request_id}-{i}")) as gen:
@@ -172,10 +173,10 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str) -
 
 
 async def pool(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-               add_special_tokens: bool = True) -> tuple[list[list[float]], int, str]:
+               add_special_tokens: bool = True, lora: str | None = None) -> tuple[list[list[float]], int, str]:
     """What the engine pools for each of ``inputs`` (in order: an embedding, or a classifier's logits), their total
     token count and the request id: each input checked (errors name ``params[i]``) and run as an engine pooling
-    request. What the embedding, classify and score routes share."""
+    request (under LoRA adapter ``lora`` when given). What the embedding, classify and score routes share."""
     st = state(request)
     rt = st.runtime
     if not inputs:
@@ -187,7 +188,7 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
     total = sum(len(p) for p in prompts)
     st.metrics.prompt_tokens.inc(total)
     rid = secrets.token_hex(12)
-    results = await collect(request, _pooled(rt, prompts, rid))
+    results = await collect(request, _pooled(rt, prompts, rid, lora))
     out: list[list[float]] = [[] for _ in prompts]
     for r in results:
         out[r["index"]] = r["pooled"]
@@ -195,8 +196,8 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
 
 
 async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-                add_special_tokens: bool = True,
-                dimensions: int | None = None) -> tuple[list[np.ndarray], int, str]:
+                add_special_tokens: bool = True, dimensions: int | None = None,
+                lora: str | None = None) -> tuple[list[np.ndarray], int, str]:
     """The embeddings of ``inputs`` (in order), their total token count and the request id: `pool`, then each cut
     to ``dimensions`` and normalized as the model's pooling says."""
     rt = state(request).runtime
@@ -207,22 +208,24 @@ async def embed(request: Request, inputs: list[str | list[int]], params: list[st
     if spec.refused:
         raise bad_request(f"this model's embeddings are not served: {spec.refused}; start the server with "
                           f"--pooler-config to choose a pooling", param="model")
-    pooled, total, rid = await pool(request, inputs, params, truncate=truncate, add_special_tokens=add_special_tokens)
+    pooled, total, rid = await pool(request, inputs, params, truncate=truncate, add_special_tokens=add_special_tokens,
+                                    lora=lora)
     return [_finish(p, dimensions, spec.normalize) for p in pooled], total, rid
 
 
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     inputs, params, add_special = await body.resolved(rt)
     if body.dimensions is not None and (why := rt.pooling.check_dimensions(body.dimensions)):
         raise bad_request(why, param="dimensions")
     vectors, total, rid = await embed(request, inputs, params, truncate=body.truncate_prompt_tokens,
-                                      add_special_tokens=add_special, dimensions=body.dimensions)
+                                      add_special_tokens=add_special, dimensions=body.dimensions, lora=lora)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
-    return {"id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": rt.model_name, "data": data,
+    return {"id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": model_label(st, lora),
+            "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 
 

@@ -21,7 +21,7 @@ from ember.engine.params import SamplingParams
 from . import chat
 from . import protocol_responses as pr
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
-                        check_model, collect, new_request, noted_steps, state)
+                        check_model, collect, model_label, new_request, noted_steps, state)
 from .errors import ApiError
 from .generation import ChoiceSpec, make_pipeline, sampling_params
 from .background_responses import follow
@@ -81,7 +81,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     arrival = time.monotonic()
     st = state(request)
     rt = st.runtime
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     body.check()
     items = input_items(body.input)
     history = _previous(st, body.previous_response_id) + responses_messages(items)
@@ -100,7 +100,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     params = sampling_params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
-                             logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos,
+                             logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos, lora=lora,
                              defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
@@ -114,7 +114,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
     response_id = req.request_id.replace("-", "_")
     store = body.store and st.responses.capacity > 0
-    enc = ResponseEncoder(_head(body, response_id, rt.model_name, store, params), rt.token_bytes.token_bytes,
+    enc = ResponseEncoder(_head(body, response_id, model_label(st, lora), store, params), rt.token_bytes.token_bytes,
                           len(prompt_ids), top_logprobs)
     run = Run()
     single_call = not body.parallel_tool_calls

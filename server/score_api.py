@@ -19,7 +19,7 @@ from fastapi import Request
 from pydantic import Field
 
 from . import protocol_openai as po
-from .admission import check_model, state
+from .admission import check_model, model_label, state
 from .classify_api import activated
 from .embeddings_api import embed, pool
 from .errors import bad_request
@@ -79,44 +79,45 @@ def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> list[l
 
 
 async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str], params: list[str],
-                       truncate: int | None) -> tuple[list[float], int, str]:
+                       truncate: int | None, lora: str | None) -> tuple[list[float], int, str]:
     """A cross-encoder's score of each (first, second) pair, their token count and the request id."""
     ids = await asyncio.to_thread(_pair_ids, rt, firsts, seconds)
-    logits, total, rid = await pool(request, ids, params, truncate=truncate)
+    logits, total, rid = await pool(request, ids, params, truncate=truncate, lora=lora)
     return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
 
 
 async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     st = state(request)
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     left, right, pairs = _pairs(body)
     p1 = [f"text_1[{i}]" for i in range(len(left))] if isinstance(body.text_1, list) else ["text_1"]
     p2 = [f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"]
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [left[i] for i, _ in pairs],
                                                 [right[j] for _, j in pairs], [p2[j] for _, j in pairs],
-                                                body.truncate_prompt_tokens)
+                                                body.truncate_prompt_tokens, lora)
     else:
-        vectors, total, rid = await embed(request, left + right, p1 + p2, truncate=body.truncate_prompt_tokens)
+        vectors, total, rid = await embed(request, left + right, p1 + p2, truncate=body.truncate_prompt_tokens,
+                                          lora=lora)
         scores = [_cosine(vectors[i], vectors[len(left) + j]) for i, j in pairs]
     data = [{"index": k, "object": "score", "score": v} for k, v in enumerate(scores)]
     return {"id": f"score-{rid}", "object": "list", "created": int(time.time()),
-            "model": st.runtime.model_name, "data": data,
+            "model": model_label(st, lora), "data": data,
             "usage": {"prompt_tokens": total, "total_tokens": total}}
 
 
 async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     st = state(request)
-    check_model(st, body.model)
+    lora = check_model(st, body.model)
     if not body.documents:
         raise bad_request("documents must not be empty", param="documents")
     params = [f"documents[{i}]" for i in range(len(body.documents))]
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [body.query] * len(body.documents),
-                                                body.documents, params, body.truncate_prompt_tokens)
+                                                body.documents, params, body.truncate_prompt_tokens, lora)
     else:
         vectors, total, rid = await embed(request, [body.query, *body.documents], ["query", *params],
-                                          truncate=body.truncate_prompt_tokens)
+                                          truncate=body.truncate_prompt_tokens, lora=lora)
         scores = [_cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
@@ -127,7 +128,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
         if body.return_documents:
             item["document"] = {"text": body.documents[i]}
         results.append(item)
-    return {"id": f"rerank-{rid}", "model": st.runtime.model_name, "results": results,
+    return {"id": f"rerank-{rid}", "model": model_label(st, lora), "results": results,
             "usage": {"total_tokens": total}}
 
 

@@ -14,7 +14,8 @@ from pydantic import model_validator
 
 from . import chat
 from . import protocol_openai as po
-from .errors import ApiError, bad_request
+from .admission import resolve_model
+from .errors import bad_request
 
 
 class TokenizeRequest(po._Lenient):
@@ -46,9 +47,7 @@ class DetokenizeRequest(po._Lenient):
 
 def _runtime(request: Request, model: str | None) -> Any:
     rt = request.app.state.ember.runtime
-    if model is not None and model != rt.model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{rt.model_name}'",
-                       param="model", code="model_not_found")
+    resolve_model(rt, model)  # an adapter shares the served model's tokenizer and template
     return rt
 
 

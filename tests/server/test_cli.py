@@ -41,6 +41,13 @@ def test_serve_options_map_to_the_config(capsys):
     yarn = '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'
     assert serve_config(parser.parse_args(["serve", "--hf-overrides", yarn])).engine_options()["hf_overrides"] == {
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    lora = serve_config(parser.parse_args(["serve", "--enable-lora", "--lora-modules", "sql=/a", "chat=/b",
+                                           "--lora-modules", '{"name": "x", "path": "/c"}', "--max-lora-rank", "64",
+                                           "--max-cpu-loras", "4"])).engine_options()
+    assert (lora["lora_modules"], lora["max_lora_rank"]) == ((("sql", "/a"), ("chat", "/b"), ("x", "/c")), 64)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--lora-modules", "no-path"])
+    assert e.value.code == 2 and "is not NAME=PATH" in capsys.readouterr().err
     for bad, said in (("{rope", "not valid JSON"), ("[1]", "expected a JSON object")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--hf-overrides", bad])

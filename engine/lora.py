@@ -1,0 +1,225 @@
+"""LoRA adapters served beside the base model (vLLM's ``--enable-lora --lora-modules name=path``).
+
+An adapter is a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``) and
+``adapter_model.safetensors`` (or ``.bin``) with ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` per target
+projection. Ember applies LoRA to the attention projections (``q/k/v/o_proj``) and the dense MLP's
+(``gate/up/down_proj``); an adapter that targets anything else (embeddings, the LM head, MoE experts), trains extra
+modules (``modules_to_save``), biases or DoRA is refused by name rather than served partly.
+
+Every adapter lives on the device in its own slot, and one batch mixes any of them with base-model requests: each
+wrapped projection adds ``(x[rows] @ A_s^T) @ B_s^T`` for the token rows of the sequences using slot ``s``
+(`LoRARows`, set by the model runner each step from host-side data, so grouping never reads the device). Fused
+projections (``qkv_proj``, ``gate_up_proj``) hold their parts' ``A`` stacked and ``B`` block-diagonal, so one pair
+of matmuls serves all parts; the scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ember.engine.config import ConfigError
+from ember.engine.nvfp4_loading import fused_target
+
+PREFIX = "base_model.model."
+
+
+@dataclass
+class Adapter:
+    """One adapter read from disk: per Ember projection, ``(part, A [r, in], B * scaling [out_part, r])``."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+
+def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from ``adapter_config.json``; ConfigError naming the field Ember cannot serve."""
+    path = folder / "adapter_config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"LoRA adapter {name!r}: {path} not found (a PEFT adapter folder is expected)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"LoRA adapter {name!r}: {path} is not valid JSON ({e})") from None
+    where = f"LoRA adapter {name!r} ({path})"
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"{where}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ConfigError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
+    for key, what in (("use_dora", "DoRA"), ("modules_to_save", "fully trained modules (modules_to_save)"),
+                      ("rank_pattern", "per-module ranks (rank_pattern)"),
+                      ("alpha_pattern", "per-module alphas (alpha_pattern)"), ("fan_in_fan_out", "fan_in_fan_out")):
+        if cfg.get(key):
+            raise ConfigError(f"{where}: {what} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ConfigError(f"{where}: bias {cfg['bias']!r} is not supported (only 'none')")
+    alpha = float(cfg.get("lora_alpha", rank))
+    return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+
+
+def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    st, pt = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
+    if st.exists():
+        return load_file(str(st))
+    if pt.exists():
+        return torch.load(str(pt), map_location="cpu", weights_only=True)
+    raise ConfigError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {folder}")
+
+
+def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoRALinear"],
+                 max_rank: int) -> Adapter:
+    """Adapter ``name`` from the PEFT folder ``path``, its tensors mapped onto ``model``'s projections (``targets``:
+    the wrapped ones by module name); ConfigError naming the file, tensor or field that cannot be served."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"LoRA adapter {name!r}: {folder} is not a directory")
+    rank, scaling = _read_config(folder, name, max_rank)
+    tensors = _read_tensors(folder, name)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        module, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise ConfigError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A / lora_B weight (embedding "
+                              f"adapters, biases and trained modules are not supported)")
+        pairs.setdefault(module, {})[kind[0]] = t
+    adapter = Adapter(name, str(folder), rank)
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ConfigError(f"LoRA adapter {name!r}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+        ember = model.checkpoint_name(module + ".weight")
+        target, part = fused_target(ember.removesuffix(".weight")) if ember else (module, 0)
+        wrapped = targets.get(target)
+        if wrapped is None:
+            raise ConfigError(f"LoRA adapter {name!r}: it targets {module}, which Ember does not apply LoRA to "
+                              f"(the attention q/k/v/o and dense MLP gate/up/down projections only)")
+        a, b = ab["A"], ab["B"]
+        out = wrapped.part_sizes[part]
+        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (out, rank):
+            raise ConfigError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
+                              f"{tuple(b.shape)}; this model needs ({rank}, {wrapped.in_features}) and ({out}, {rank})")
+        adapter.weights.setdefault(target, []).append((part, a.float(), b.float() * scaling))
+    if not adapter.weights:
+        raise ConfigError(f"LoRA adapter {name!r}: {folder} holds no lora_A / lora_B weights")
+    return adapter
+
+
+@dataclass
+class LoRARows:
+    """This step's token rows per adapter slot (``(slot, rows)`` with ``rows`` a device index tensor); empty when
+    no scheduled sequence uses an adapter. Shared by every `LoRALinear` of one model."""
+
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """A projection plus the low-rank update of each adapter slot, applied to that slot's rows only."""
+
+    def __init__(self, base: nn.Module, in_features: int, part_sizes: list[int], slots: int, rank: int,
+                 rows: LoRARows, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.part_sizes, self.rank, self.rows = in_features, part_sizes, rank, rows
+        width = len(part_sizes) * rank
+        self.register_buffer("lora_a", torch.zeros(slots, width, in_features, device=device, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(slots, sum(part_sizes), width, device=device, dtype=dtype),
+                             persistent=False)
+
+    def load(self, slot: int, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Fill ``slot`` with an adapter's parts (zeros where it has none)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for part, a, b in parts:
+            r, lo = a.shape[0], sum(self.part_sizes[:part])
+            cols = slice(part * self.rank, part * self.rank + r)
+            self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
+            self.lora_b[slot, lo:lo + self.part_sizes[part], cols] = b.to(self.lora_b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)  # a fresh tensor: the updates land in it in place
+        for slot, rows in self.rows.groups:
+            y.index_add_(0, rows, (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T)
+        return y
+
+
+def _projections(model: nn.Module) -> dict[str, tuple[nn.Module, int, list[int]]]:
+    """Every projection LoRA may target: name -> (module, input width, output parts)."""
+    from ember.engine.models.layers import Attention, GatedMLP
+
+    hidden = model.config.hidden_size
+    found: dict[str, tuple[nn.Module, int, list[int]]] = {}
+    for name, m in model.named_modules():
+        if type(m) is Attention:  # subclasses (Qwen3-Next's gated q) lay their projections out differently
+            q, kv = m.hq * m.d, m.hkv * m.d
+            found[f"{name}.qkv_proj"] = (m.qkv_proj, hidden, [q, kv, kv])
+            found[f"{name}.o_proj"] = (m.o_proj, q, [hidden])
+        elif isinstance(m, GatedMLP):
+            found[f"{name}.gate_up_proj"] = (m.gate_up_proj, hidden, [m.inter, m.inter])
+            found[f"{name}.down_proj"] = (m.down_proj, m.inter, [hidden])
+    return found
+
+
+class LoRAStack:
+    """The adapters an engine serves: wraps the model's projections once, then loads adapters into slots."""
+
+    def __init__(self, model: nn.Module, slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model, self.slots, self.max_rank, self.device = model, slots, max_rank, device
+        self.rows = LoRARows()
+        self.targets: dict[str, LoRALinear] = {}
+        for name, (module, width, parts) in _projections(model).items():
+            wrapped = LoRALinear(module, width, parts, slots, max_rank, self.rows, device, dtype)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, wrapped)
+            self.targets[name] = wrapped
+        if not self.targets:
+            raise ConfigError(f"{type(model).__name__} has no projection Ember applies LoRA to")
+        self.adapters: dict[str, tuple[int, Adapter]] = {}
+
+    def add(self, name: str, path: str) -> int:
+        """Load adapter ``name`` from ``path`` into the next free slot; its slot."""
+        if name in self.adapters:
+            raise ConfigError(f"LoRA adapter {name!r} is given twice")
+        if len(self.adapters) >= self.slots:
+            raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use")
+        adapter = read_adapter(name, path, self.model, self.targets, self.max_rank)
+        slot = len(self.adapters)
+        for target, wrapped in self.targets.items():
+            wrapped.load(slot, adapter.weights.get(target, []))
+        self.adapters[name] = (slot, adapter)
+        return slot
+
+    def slot(self, name: str) -> int:
+        """The slot of a loaded adapter; ValueError naming the adapters that are loaded otherwise."""
+        if name not in self.adapters:
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {', '.join(self.adapters) or 'none'})")
+        return self.adapters[name][0]
+
+    @staticmethod
+    def cache_root(name: str) -> bytes:
+        """The prefix-cache root of an adapter's sequences: KV computed under one adapter is never reused by
+        another, nor by the base model."""
+        return hashlib.sha256(b"ember-lora\0" + name.encode()).digest()
+
+    def set_rows(self, slots: list[int], counts: list[int]) -> None:
+        """Group this step's token rows by slot: the i-th scheduled chunk has ``counts[i]`` rows and uses
+        ``slots[i]`` (-1: the base model)."""
+        by_slot: dict[int, list[int]] = {}
+        row = 0
+        for s, n in zip(slots, counts):
+            if s >= 0:
+                by_slot.setdefault(s, []).extend(range(row, row + n))
+            row += n
+        self.rows.groups = [(s, torch.tensor(r, dtype=torch.int64).to(self.device, non_blocking=True))
+                            for s, r in by_slot.items()]

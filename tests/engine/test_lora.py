@@ -1,0 +1,118 @@
+"""LoRA adapters (PEFT folders) served beside the base model: a request under an adapter computes what the
+checkpoint with that adapter merged into its weights computes, in the same batches as base-model requests and other
+adapters, and its KV is never reused by a request under another adapter."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ember.engine.config import ConfigError
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+from tests.conftest import save_tiny_qwen3
+from tests.lora_adapters import ALL, ATTENTION, merged_copy, save_adapter
+
+OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=64, dtype="float32",
+               device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, demo_model_dir):
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_qwen3(root / "base", demo_model_dir, seed=21)
+    sql = save_adapter(root / "sql", seed=1, rank=8, alpha=16, modules=ALL)
+    chat = save_adapter(root / "chat", seed=2, rank=4, alpha=4, modules=ATTENTION, rslora=True)
+    return {"base": base, "sql": root / "sql", "chat": root / "chat",
+            "merged_sql": merged_copy(base, sql, 16 / 8, root / "merged-sql"),
+            "merged_chat": merged_copy(base, chat, 4 / 2, root / "merged-chat")}  # rsLoRA: alpha / sqrt(r)
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(prompt, params, request_id=rid)
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.error is None
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+def _greedy(lora: str | None = None, n: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, lora=lora)
+
+
+def test_adapters_and_the_base_model_share_batches_and_each_decodes_its_merged_model(lora_setup):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1270, (n,), generator=g).tolist() for n in (23, 5, 17)]
+    engine = Engine.from_pretrained(lora_setup["base"], lora_modules=(("sql", str(lora_setup["sql"])),
+                                                                      ("chat", str(lora_setup["chat"]))), **OPTIONS)
+    mixed = _run(engine, {f"{who}-{i}": (p, _greedy(None if who == "base" else who))
+                          for i, p in enumerate(prompts) for who in ("base", "sql", "chat")})
+    for who, ref in (("base", lora_setup["base"]), ("sql", lora_setup["merged_sql"]),
+                     ("chat", lora_setup["merged_chat"])):
+        want = _run(Engine.from_pretrained(ref, **OPTIONS), {str(i): (p, _greedy()) for i, p in enumerate(prompts)})
+        assert [mixed[f"{who}-{i}"] for i in range(3)] == [want[str(i)] for i in range(3)], who
+    assert mixed["sql-0"] != mixed["base-0"] and mixed["chat-0"] != mixed["base-0"]
+
+
+def test_an_adapters_logprobs_equal_transformers_on_the_merged_checkpoint(lora_setup):
+    from transformers import AutoModelForCausalLM
+
+    prompt = list(range(30, 60))
+    engine = Engine.from_pretrained(lora_setup["base"], lora_modules=(("sql", str(lora_setup["sql"])),), **OPTIONS)
+    engine.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0, lora="sql"), request_id="s")
+    scored = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            scored += o.prompt_logprobs or []
+    hf = AutoModelForCausalLM.from_pretrained(lora_setup["merged_sql"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+    assert float((torch.tensor([t.logprob for t in scored]) - want).abs().max()) < 1e-4
+
+
+def test_kv_cached_under_one_adapter_is_not_reused_by_another(lora_setup):
+    engine = Engine.from_pretrained(lora_setup["base"], lora_modules=(("sql", str(lora_setup["sql"])),), **OPTIONS)
+    prompt = list(range(100, 150))  # three full blocks
+    cached = {}
+    for rid, lora in (("a", "sql"), ("b", None), ("c", "sql"), ("d", None)):
+        engine.add_request(prompt, _greedy(lora, 1), request_id=rid)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    cached[rid] = o.num_cached_tokens
+    assert cached == {"a": 0, "b": 0, "c": 48, "d": 48}
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'.*loaded: sql"):
+        engine.add_request([1, 2], _greedy("nope"))
+    with pytest.raises(ValueError, match="serves no adapters"):
+        Engine.from_pretrained(lora_setup["base"], **OPTIONS).add_request([1, 2], _greedy("sql"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"r": 32}, "rank 32 exceeds --max-lora-rank 16"),
+    ({"use_dora": True}, "DoRA is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "all"}, "bias 'all' is not supported"),
+])
+def test_an_adapter_ember_cannot_serve_fails_naming_the_field(lora_setup, tmp_path, change, message):
+    folder = tmp_path / "bad"
+    save_adapter(folder, seed=4, rank=4, alpha=8, modules=ATTENTION, **change)
+    with pytest.raises(ConfigError, match=message):
+        Engine.from_pretrained(lora_setup["base"], lora_modules=(("bad", str(folder)),), **OPTIONS)
+
+
+def test_an_adapter_for_a_module_ember_does_not_adapt_is_refused_by_name(lora_setup, tmp_path):
+    folder = tmp_path / "embed"
+    save_adapter(folder, seed=5, rank=4, alpha=8, modules=ATTENTION)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    tensors["base_model.model.lm_head.lora_A.weight"] = torch.randn(4, 64)
+    tensors["base_model.model.lm_head.lora_B.weight"] = torch.randn(1280, 4)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="targets lm_head, which Ember does not apply LoRA to"):
+        Engine.from_pretrained(lora_setup["base"], lora_modules=(("embed", str(folder)),), **OPTIONS)
+    with pytest.raises(ConfigError, match="one process only"):
+        Engine.from_pretrained(lora_setup["base"], lora_modules=(("x", str(folder)),), tensor_parallel_size=2,
+                               **OPTIONS)

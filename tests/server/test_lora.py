@@ -1,0 +1,88 @@
+"""LoRA adapters over HTTP, as vLLM serves them (``--lora-modules NAME=PATH``): a request whose ``model`` names an
+adapter runs under it on every route, its response carries the adapter's name, `/v1/models` lists the adapters with
+the served model as their parent, and an unknown name is a 404 that lists what is served."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+from tests.conftest import save_tiny_qwen3
+from tests.lora_adapters import ALL, merged_copy, save_adapter
+from tests.server.conftest import served
+
+
+@pytest.fixture(scope="module")
+def lora_server(demo_model_dir, tmp_path_factory):
+    from ember.server.config import ServeConfig
+
+    root = tmp_path_factory.mktemp("lora-server")
+    base = save_tiny_qwen3(root / "base", demo_model_dir, seed=31)
+    tensors = save_adapter(root / "sql", seed=7, rank=8, alpha=16, modules=ALL)
+    merged = merged_copy(base, tensors, 2.0, root / "merged")
+    config = ServeConfig(model_dir=base, served_model_name="tiny", max_num_seqs=4, kv_cache_blocks=64,
+                         in_process=True, enable_lora=True, lora_modules=(f"sql={root / 'sql'}",))
+    with served(config) as server:
+        yield server, merged, root / "sql"
+
+
+def _greedy_tokens(path, prompt: list[int], n: int) -> list[int]:
+    engine = Engine.from_pretrained(path, max_num_seqs=2, max_model_len=128, num_kv_blocks=32, dtype="float32",
+                                    device="cpu")
+    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), request_id="r")
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out
+
+
+def test_a_request_naming_the_adapter_generates_as_the_merged_model(lora_server):
+    server, merged, _ = lora_server
+    prompt = server.tokenizer.encode("the quick brown fox")
+    client = server.openai()
+    want = server.tokenizer.decode(_greedy_tokens(merged, prompt, 10))
+    got = client.completions.create(model="sql", prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.model == "sql" and got.choices[0].text == want
+    base = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert base.model == "tiny" and base.choices[0].text != want
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.model == "sql"
+    stream = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, stream=True)
+    assert {c.model for c in stream} == {"sql"}
+    message = server.anthropic().messages.create(model="sql", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert message.model == "sql"
+
+
+def test_models_lists_the_adapters_and_an_unknown_name_is_a_404(lora_server):
+    server, _, folder = lora_server
+    listed = {m.id: m for m in server.openai().models.list().data}
+    assert set(listed) == {"tiny", "sql"}
+    assert listed["sql"].model_extra["parent"] == "tiny" and listed["sql"].model_extra["root"] == str(folder)
+    assert httpx.get(server.url + "/v1/models/sql", timeout=30).json()["parent"] == "tiny"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'tiny', 'sql'" in r.text
+
+
+def test_embeddings_under_an_adapter_are_the_merged_models(lora_server):
+    server, merged, _ = lora_server
+    text = "pooled under the adapter"
+    body = httpx.post(server.url + "/v1/embeddings", json={"model": "sql", "input": text}, timeout=30).json()
+    base = httpx.post(server.url + "/v1/embeddings", json={"input": text}, timeout=30).json()
+    engine = Engine.from_pretrained(merged, max_num_seqs=2, max_model_len=128, num_kv_blocks=32, dtype="float32",
+                                    device="cpu")
+    engine.add_request(server.tokenizer.encode(text), SamplingParams(pooling="last"), request_id="e")
+    want = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            want = o.embedding if o.finished else want
+    want = np.asarray(want) / np.linalg.norm(want)
+    assert body["model"] == "sql" and np.allclose(body["data"][0]["embedding"], want, atol=1e-5)
+    assert not np.allclose(base["data"][0]["embedding"], want, atol=1e-3)
