@@ -113,8 +113,8 @@ class EngineArgs:
                                              "{\"name\": ..., \"path\": ...}; a request selects one by its "
                                              "'model'", action="extend", nargs="+", type=parse_lora_module_flag,
                                          metavar="NAME=PATH")
-    enable_lora: bool = _opt(False, "vLLM's switch for LoRA serving; Ember serves the adapters of --lora-modules "
-                                    "with or without it")
+    enable_lora: bool = _opt(False, "prepare the model for LoRA adapters loaded at runtime (vLLM's switch; the "
+                                    "adapters of --lora-modules are served with or without it)")
     max_loras: int = _opt(1, "LoRA adapter slots on the device (at least one per --lora-modules adapter); every "
                              "batch may mix all of them", metavar="N")
     max_lora_rank: int = _opt(16, "the largest LoRA rank accepted", metavar="R")
@@ -151,7 +151,7 @@ class EngineArgs:
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
                 "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
-                "max_lora_rank": self.max_lora_rank}
+                "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

@@ -19,7 +19,7 @@ import uuid
 from collections import defaultdict, deque
 from typing import Any, AsyncIterator
 
-from ember.engine.client import EngineDeadError, ModelInfo, OutputStream
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, apply_lora_update
 from ember.engine.engine import Engine, EngineStats
 from ember.engine.params import RequestOutput, SamplingParams
 
@@ -30,11 +30,11 @@ class EngineShutdown(EngineDeadError):
     """The engine stopped while a request was in flight or was being added."""
 
 
-def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+def _resolve(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
     if fut.done():
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(exc)
 
@@ -113,6 +113,13 @@ class AsyncEngine:
         """Abort a request (thread-safe); its iterator then ends with finish_reason "abort"."""
         self._submit(("abort", request_id))
 
+    async def update_lora(self, name: str, path: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._submit(("lora", name, path, loop, done))
+        adapters = await done
+        self.model_info = dataclasses.replace(self.model_info, lora_adapters=adapters)
+
     def stats(self) -> EngineStats:
         return dataclasses.replace(self.engine.stats(), step_ms=self._clock.mean_ms)
 
@@ -140,6 +147,8 @@ class AsyncEngine:
                 if cmd[0] == "add":
                     stream, fut = cmd[5], cmd[6]
                     stream.loop.call_soon_threadsafe(_resolve, fut, EngineShutdown("the engine is shut down"))
+                elif cmd[0] == "lora":
+                    cmd[3].call_soon_threadsafe(_resolve, cmd[4], EngineShutdown("the engine is shut down"))
                 return
             self._commands.append(cmd)
             self._cond.notify()
@@ -175,6 +184,14 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, fut, None)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+        elif cmd[0] == "lora":
+            _, name, path, loop, fut = cmd
+            try:
+                adapters = apply_lora_update(self.engine, name, path)
+            except ValueError as e:
+                loop.call_soon_threadsafe(_resolve, fut, e)
+                return
+            loop.call_soon_threadsafe(_resolve, fut, None, adapters)
 
     def _run(self) -> None:
         while True:

@@ -72,6 +72,11 @@ class EngineClient(Protocol):
         """End a request now (thread-safe, idempotent)."""
         ...
 
+    async def update_lora(self, name: str, path: str | None) -> None:
+        """Load LoRA adapter ``name`` from ``path`` (``path`` None: unload it) between two engine steps, then list
+        the adapters in ``model_info``; ValueError naming why the engine refused."""
+        ...
+
     def stats(self) -> "EngineStats":
         """The engine's latest counters (cheap; never waits on the engine loop)."""
         ...
@@ -83,6 +88,16 @@ class EngineClient(Protocol):
     def shutdown(self) -> None:
         """Stop the engine; requests in flight end with `EngineDeadError`."""
         ...
+
+
+def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[str, str], ...]:
+    """What every `EngineClient.update_lora` runs next to the engine (between steps): load or unload, then the
+    adapters now served."""
+    if path is None:
+        engine.unload_lora(name)
+    else:
+        engine.load_lora(name, path)
+    return engine.lora.listed()
 
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:

@@ -198,3 +198,4 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) of each LoRA adapter served
     max_loras: int = 1  # adapter slots on the device (at least one per adapter in lora_modules)
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)
+    enable_lora: bool = False  # wrap the projections for adapters even with none at start (runtime loading)

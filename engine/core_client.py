@@ -51,6 +51,7 @@ class ProcessEngineClient:
         self._send_lock = threading.Lock()
         self._streams: dict[str, OutputStream] = {}
         self._streams_lock = threading.Lock()
+        self._lora_calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._stats: EngineStats | None = None
         self._dead: str | None = None
         self._stopping = False
@@ -132,6 +133,23 @@ class ProcessEngineClient:
                 self._send(["abort", [request_id]])
             except EngineDeadError:
                 pass
+
+    async def update_lora(self, name: str, path: str | None) -> None:
+        import dataclasses
+
+        loop = asyncio.get_running_loop()
+        token, done = uuid.uuid4().hex, loop.create_future()
+        with self._streams_lock:
+            if self._dead is not None:
+                raise EngineDeadError(self._dead)
+            self._lora_calls[token] = (loop, done)
+        try:
+            self._send(["lora", token, name, path])
+            adapters = await done
+        finally:
+            with self._streams_lock:
+                self._lora_calls.pop(token, None)
+        self.model_info = dataclasses.replace(self.model_info, lora_adapters=tuple(map(tuple, adapters)))
 
     def stats(self) -> EngineStats:
         """The counters the engine sent with its latest step."""
@@ -229,14 +247,27 @@ class ProcessEngineClient:
                 stream = self._streams.get(msg[1])
             if stream is not None:
                 _call(stream, stream.fail, ValueError(msg[2]))
+        elif kind == "lora":
+            with self._streams_lock:
+                call = self._lora_calls.get(msg[1])
+            if call is not None:
+                loop, fut = call
+                error = None if msg[2] is None else ValueError(msg[2])
+                loop.call_soon_threadsafe(_settle, fut, error, msg[3])
         elif kind == "fatal":
             log.error("engine process: %s", msg[1])
 
     def _fail_all(self, reason: str) -> None:
         with self._streams_lock:
             streams = list(self._streams.values())
+            calls = list(self._lora_calls.values())
         for s in streams:
             _call(s, s.fail, EngineDeadError(reason))
+        for loop, fut in calls:
+            try:
+                loop.call_soon_threadsafe(_settle, fut, EngineDeadError(reason), None)
+            except RuntimeError:  # that event loop is closed
+                pass
 
     def _kill(self) -> None:
         if self.process.is_alive():
@@ -253,6 +284,14 @@ class ProcessEngineClient:
                 os.unlink(addr.removeprefix("ipc://"))
             except OSError:
                 pass
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None, result: Any) -> None:
+    if not fut.done():
+        if error is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(error)
 
 
 def _call(stream: OutputStream, fn: Callable[..., None], *args: Any) -> None:

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ember.engine import wire
+from ember.engine.client import apply_lora_update
 
 log = logging.getLogger("ember.engine.core")
 
@@ -139,6 +140,12 @@ class _Core:
             for rid in msg[1]:
                 if self.building.pop(rid, None) is None:
                     self.engine.abort(rid)
+        elif kind == "lora":
+            _, token, name, path = msg
+            try:
+                self.events.send(wire.pack(["lora", token, None, apply_lora_update(self.engine, name, path)]))
+            except ValueError as e:
+                self.events.send(wire.pack(["lora", token, str(e), None]))
         elif kind == "shutdown":
             self.stopping = True
 

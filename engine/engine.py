@@ -148,7 +148,7 @@ class Engine:
                                       kv_cache_dtype=self.kv_cache_dtype)
         self.lora: LoRAStack | None = None
         try:
-            if config.lora_modules:
+            if config.lora_modules or config.enable_lora:
                 self.lora = LoRAStack(model, max(config.max_loras, len(config.lora_modules)), config.max_lora_rank,
                                       self.device, self.dtype)
                 for name, path in config.lora_modules:
@@ -189,7 +189,7 @@ class Engine:
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
-                        max_lora_rank: int = 16) -> "Engine":
+                        max_lora_rank: int = 16, enable_lora: bool = False) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -198,7 +198,7 @@ class Engine:
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
-            max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora,
         )
         return cls(model_dir, config, bitmask_filler)
 
@@ -287,6 +287,22 @@ class Engine:
             seq.cache_root = self.lora.cache_root(params.lora)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve one more LoRA adapter (vLLM's runtime loading); ValueError naming why it cannot be."""
+        if self.lora is None:
+            raise ValueError("this engine was started without LoRA support (start it with --enable-lora)")
+        self.lora.add(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; ValueError while a request still runs under it."""
+        if self.lora is None:
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: none)")
+        slot = self.lora.slot(name)
+        users = sum(1 for s in [*self.scheduler.running, *self.scheduler.waiting] if s.lora_slot == slot)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} running request(s); retry once they end")
+        self.lora.remove(name)
 
     def abort(self, request_id: str) -> bool:
         """End the request now and free its blocks; its final output (finish_reason "abort") comes with the next

@@ -62,4 +62,4 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         labels=classifier.labels(mc) if engine.score_head is not None else (),
         label_activation=classifier.activation(mc) if engine.score_head is not None else "",
         joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc),
-        lora_adapters=tuple((name, a.path) for name, (_, a) in engine.lora.adapters.items()) if engine.lora else ())
+        lora_adapters=engine.lora.listed() if engine.lora else ())

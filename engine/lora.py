@@ -186,19 +186,33 @@ class LoRAStack:
         if not self.targets:
             raise ConfigError(f"{type(model).__name__} has no projection Ember applies LoRA to")
         self.adapters: dict[str, tuple[int, Adapter]] = {}
+        self._roots: dict[str, bytes] = {}
+        self._loads = 0
 
     def add(self, name: str, path: str) -> int:
-        """Load adapter ``name`` from ``path`` into the next free slot; its slot."""
+        """Load adapter ``name`` from ``path`` into a free slot; its slot."""
         if name in self.adapters:
-            raise ConfigError(f"LoRA adapter {name!r} is given twice")
-        if len(self.adapters) >= self.slots:
-            raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use")
+            raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+        used = {slot for slot, _ in self.adapters.values()}
+        free = [s for s in range(self.slots) if s not in used]
+        if not free:
+            raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
         adapter = read_adapter(name, path, self.model, self.targets, self.max_rank)
-        slot = len(self.adapters)
         for target, wrapped in self.targets.items():
-            wrapped.load(slot, adapter.weights.get(target, []))
-        self.adapters[name] = (slot, adapter)
-        return slot
+            wrapped.load(free[0], adapter.weights.get(target, []))
+        self.adapters[name] = (free[0], adapter)
+        self._loads += 1
+        self._roots[name] = hashlib.sha256(f"ember-lora\0{self._loads}\0{name}".encode()).digest()
+        return free[0]
+
+    def remove(self, name: str) -> None:
+        """Forget adapter ``name`` (its slot is reused by the next load)."""
+        self.slot(name)
+        del self.adapters[name], self._roots[name]
+
+    def listed(self) -> tuple[tuple[str, str], ...]:
+        """(name, folder) of every loaded adapter, in load order."""
+        return tuple((name, a.path) for name, (_, a) in self.adapters.items())
 
     def slot(self, name: str) -> int:
         """The slot of a loaded adapter; ValueError naming the adapters that are loaded otherwise."""
@@ -206,11 +220,10 @@ class LoRAStack:
             raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {', '.join(self.adapters) or 'none'})")
         return self.adapters[name][0]
 
-    @staticmethod
-    def cache_root(name: str) -> bytes:
-        """The prefix-cache root of an adapter's sequences: KV computed under one adapter is never reused by
-        another, nor by the base model."""
-        return hashlib.sha256(b"ember-lora\0" + name.encode()).digest()
+    def cache_root(self, name: str) -> bytes:
+        """The prefix-cache root of the sequences under a loaded adapter: KV computed under one adapter is never
+        reused by another, by the base model, or by an adapter loaded later under the same name."""
+        return self._roots[name]
 
     def set_rows(self, slots: list[int], counts: list[int]) -> None:
         """Group this step's token rows by slot: the i-th scheduled chunk has ``counts[i]`` rows and uses

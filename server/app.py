@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
-from . import classify_api, embeddings_api, responses_api, score_api, tokenize_api
+from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
@@ -506,6 +506,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     embeddings_api.add_routes(app, [Depends(require_api_key)])
     score_api.add_routes(app, [Depends(require_api_key)])
     classify_api.add_routes(app, [Depends(require_api_key)])
+    lora_api.add_routes(app, [Depends(require_api_key)])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

@@ -69,6 +69,9 @@ class ServeConfig(EngineArgs):
                 "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
                 "LAST, normalized",
         "type": lambda text: parse_pooler_config_flag(text)})
+    runtime_lora_updating: bool = field(default=False, metadata={
+        "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); vLLM's "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on"})
     classifier_flag: str | None = None  # vLLM's `--convert classify` / `--task classify|score`, as given: the
     # checkpoint must then be a classifier (checked once it is loaded); not a flag of its own
 

@@ -78,7 +78,7 @@ def live(demo_model_dir, tmp_path_factory):
 
     model_dir = tmp_path_factory.mktemp("docs") / "demo"
     model_dir.symlink_to(demo_model_dir, target_is_directory=True)
-    config = ServeConfig(model_dir=model_dir, max_num_seqs=4)
+    config = ServeConfig(model_dir=model_dir, max_num_seqs=4, runtime_lora_updating=True)  # every route served
     app = create_app(load_runtime(config), config)
     server = BackgroundServer(app).start()
     yield server, app

@@ -116,3 +116,56 @@ def test_an_adapter_for_a_module_ember_does_not_adapt_is_refused_by_name(lora_se
     with pytest.raises(ConfigError, match="one process only"):
         Engine.from_pretrained(lora_setup["base"], lora_modules=(("x", str(folder)),), tensor_parallel_size=2,
                                **OPTIONS)
+
+
+def test_adapters_load_and_unload_between_steps(lora_setup):
+    """A freed slot is refilled whole: an attention-only adapter loaded where an all-projection one was decodes
+    its own merged model, not a mix of the two."""
+    engine = Engine.from_pretrained(lora_setup["base"], enable_lora=True, max_loras=1, **OPTIONS)
+    prompt = list(range(60, 100))
+    engine.load_lora("sql", str(lora_setup["sql"]))
+    with pytest.raises(ConfigError, match="all 1 adapter slots are in use"):
+        engine.load_lora("chat", str(lora_setup["chat"]))
+    engine.add_request(prompt, _greedy("sql", 2), request_id="running")
+    with pytest.raises(ValueError, match="in use by 1 running request"):
+        engine.unload_lora("sql")
+    while engine.has_unfinished():
+        engine.step()
+    engine.unload_lora("sql")
+    engine.load_lora("chat", str(lora_setup["chat"]))
+    got = _run(engine, {"c": (prompt, _greedy("chat"))})["c"]
+    want = _run(Engine.from_pretrained(lora_setup["merged_chat"], **OPTIONS), {"c": (prompt, _greedy())})["c"]
+    assert got == want
+    engine.unload_lora("chat")
+    engine.load_lora("chat", str(lora_setup["sql"]))  # the same name, other weights: no stale KV reused
+    engine.add_request(prompt, _greedy("chat", 1), request_id="again")
+    cached = []
+    while engine.has_unfinished():
+        cached += [o.num_cached_tokens for o in engine.step() if o.finished]
+    assert cached == [0]
+    with pytest.raises(ValueError, match="started without LoRA support"):
+        Engine.from_pretrained(lora_setup["base"], **OPTIONS).load_lora("sql", str(lora_setup["sql"]))
+
+
+def test_the_in_process_engine_client_loads_and_unloads_adapters(lora_setup):
+    import asyncio
+
+    from ember.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_pretrained(lora_setup["base"], enable_lora=True, max_loras=2, **OPTIONS)
+    path = str(lora_setup["sql"])
+
+    async def go() -> None:
+        await engine.update_lora("sql", path)
+        assert engine.model_info.lora_adapters == (("sql", path),)
+        with pytest.raises(ValueError, match="already loaded"):
+            await engine.update_lora("sql", path)
+        async for out in engine.generate([5, 6, 7], _greedy("sql", 2)):
+            assert out.error is None
+        await engine.update_lora("sql", None)
+        assert engine.model_info.lora_adapters == ()
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.shutdown()

@@ -86,3 +86,44 @@ def test_embeddings_under_an_adapter_are_the_merged_models(lora_server):
     want = np.asarray(want) / np.linalg.norm(want)
     assert body["model"] == "sql" and np.allclose(body["data"][0]["embedding"], want, atol=1e-5)
     assert not np.allclose(base["data"][0]["embedding"], want, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def updating_server(demo_model_dir, tmp_path_factory):
+    """Runtime loading through the engine in its own process (the `ember serve` default)."""
+    from ember.server.config import ServeConfig
+
+    root = tmp_path_factory.mktemp("lora-updating")
+    base = save_tiny_qwen3(root / "base", demo_model_dir, seed=31)
+    tensors = save_adapter(root / "sql", seed=7, rank=8, alpha=16, modules=ALL)
+    config = ServeConfig(model_dir=base, served_model_name="tiny", max_num_seqs=4, kv_cache_blocks=64,
+                         enable_lora=True, max_loras=1, runtime_lora_updating=True)
+    with served(config) as server:
+        yield server, merged_copy(base, tensors, 2.0, root / "merged"), root / "sql"
+
+
+def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
+    server, merged, folder = updating_server
+    load, unload = server.url + "/v1/load_lora_adapter", server.url + "/v1/unload_lora_adapter"
+    r = httpx.post(load, json={"lora_name": "sql", "lora_path": str(folder)}, timeout=60)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
+    assert [m.id for m in server.openai().models.list().data] == ["tiny", "sql"]
+    prompt = server.tokenizer.encode("the quick brown fox")
+    got = server.openai().completions.create(model="sql", prompt=prompt, max_tokens=8, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert got.choices[0].text == server.tokenizer.decode(_greedy_tokens(merged, prompt, 8))
+    again = httpx.post(load, json={"lora_name": "sql", "lora_path": str(folder)}, timeout=60)
+    assert again.status_code == 400 and "already been loaded" in again.text
+    full = httpx.post(load, json={"lora_name": "other", "lora_path": str(folder)}, timeout=60)
+    assert full.status_code == 400 and full.json()["error"]["param"] == "lora_path" and "slots" in full.text
+    r = httpx.post(unload, json={"lora_name": "sql"}, timeout=60)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
+    missing = httpx.post(load, json={"lora_name": "gone", "lora_path": str(folder / "nope")}, timeout=60)
+    assert missing.status_code == 400 and "not a directory" in missing.text
+    assert httpx.post(unload, json={"lora_name": "sql"}, timeout=60).status_code == 404
+    r = httpx.post(server.url + "/v1/completions", json={"model": "sql", "prompt": "hi"}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    # without --runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING) the routes are not served
+    off, _, _ = lora_server
+    assert httpx.post(off.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"},
+                      timeout=60).status_code == 404
