@@ -136,6 +136,9 @@ class EngineArgs:
     row_ops_backend: str | None = _opt(None, "RMSNorm (plain and zero-centred), rotary and SiLU- / GELU-tanh-and-mul "
                                              "kernels; default: triton on CUDA, torch on CPU",
                                        choices=("triton", "torch"))
+    seed: int | None = _opt(None, "seed torch's generator as the engine starts, so unseeded sampling repeats from "
+                                  "run to run for the same requests in the same order (vLLM's --seed); a request's "
+                                  "own seed is unaffected", metavar="N")
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
                                          "(left to the HTTP front end)")
 
@@ -151,7 +154,7 @@ class EngineArgs:
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
                 "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
-                "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora}
+                "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

@@ -118,6 +118,8 @@ class Engine:
                  bitmask_filler: BitmaskFiller | None = None) -> None:
         self.model_dir = loader.checkpoint_dir(model_dir)
         self.config = config
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
         self.model_config = loader.load_model_config(self.model_dir, config.hf_overrides)
         self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
         self.tokenizer = loader.load_tokenizer(self.model_dir)
@@ -189,7 +191,7 @@ class Engine:
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
-                        max_lora_rank: int = 16, enable_lora: bool = False) -> "Engine":
+                        max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -198,7 +200,7 @@ class Engine:
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
-            max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed,
         )
         return cls(model_dir, config, bitmask_filler)
 

@@ -120,10 +120,11 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         tool_choice: Any = {"type": "function", "function": {"name": body.tool_choice.function.name}}
     else:
         tool_choice = body.tool_choice or ("auto" if tools else "none")
+    template_kwargs = rt.template_kwargs(_template_kwargs(body))
     prompt_ids = await asyncio.to_thread(
         chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        kwargs=_template_kwargs(body))
+        kwargs=template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
@@ -145,7 +146,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         if i:
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
         choices.append(ChoiceSpec(prompt_ids, params, pipe))
-    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+    thinking_off = (template_kwargs or {}).get("enable_thinking") is False
     constraints = await build_constraints(
         st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
@@ -267,6 +268,7 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
         kwargs["enable_thinking"] = body.thinking.type != "disabled"
     else:
         kwargs["enable_thinking"] = False
+    kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own enable_thinking
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
     ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
                                   add_generation_prompt=not continue_final, continue_final_message=continue_final,

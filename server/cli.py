@@ -35,8 +35,9 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     """vLLM's spellings of a `vllm serve` command line, so one carries over (docs/deployment.md lists them):
     ``--model`` and ``--tool-call-parser`` set MODEL and ``--tool-parser``; ``--enable-auto-tool-choice`` and
     ``--trust-remote-code`` are accepted and change nothing (Ember parses tool calls whenever the model family has a
-    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name), as is
-    ``--max-cpu-loras`` (every LoRA adapter stays on the device); so are
+    syntax, and runs no code from a checkpoint: an architecture it does not implement is refused by name), as are
+    the flags of ``_NO_EFFECT_SWITCHES`` / ``_NO_EFFECT_VALUES`` (each says why) and ``_SERVED_CHOICES`` with a value
+    Ember serves; ``--disable-frontend-multiprocessing`` is ``--in-process``; so are
     ``--runner generate|pooling``, ``--convert embed`` and ``--task generate|embed`` (one server generates and
     embeds). ``--convert classify`` and ``--task classify|score`` ask for a classifier, which Ember serves from a
     ``...ForSequenceClassification`` checkpoint (checked once it is loaded); a reward head is refused by name."""
@@ -44,13 +45,45 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
-    for flag in ("--enable-auto-tool-choice", "--trust-remote-code"):
+    for flag in ("--enable-auto-tool-choice", "--trust-remote-code", *_NO_EFFECT_SWITCHES):
         p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--max-cpu-loras", type=int, help=argparse.SUPPRESS)  # every adapter stays on the device
+    for flag, kind in _NO_EFFECT_VALUES.items():
+        p.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+    for flag, served in _SERVED_CHOICES.items():
+        p.add_argument(flag, type=_one_of(flag, served), help=argparse.SUPPRESS)
+    p.add_argument("--disable-frontend-multiprocessing", dest="in_process", action="store_true",
+                   help=argparse.SUPPRESS)  # vLLM's spelling of --in-process
     for flag, served in (("--runner", ("auto", "generate", "pooling")),
                          ("--convert", ("auto", "none", "embed", "classify")),
                          ("--task", ("auto", "generate", "embed", "embedding", "classify", "score"))):
         p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(flag, served), help=argparse.SUPPRESS)
+
+
+_NO_EFFECT_SWITCHES = (
+    "--disable-log-requests",  # Ember does not log request contents
+    "--disable-log-stats",  # nor periodic engine stats (GET /metrics serves them)
+    "--disable-custom-all-reduce",  # tensor parallelism reduces with NCCL's all-reduce only
+    "--enable-prompt-tokens-details",  # usage always carries prompt_tokens_details.cached_tokens
+)
+_NO_EFFECT_VALUES = {
+    "--max-log-len": int,  # request contents are not logged
+    "--swap-space": float,  # a preempted sequence is recomputed, never swapped to CPU memory
+    "--max-seq-len-to-capture": int,  # decode graphs are captured per batch size and serve any context
+    "--max-cpu-loras": int,  # every LoRA adapter stays on the device
+}
+_SERVED_CHOICES = {  # vLLM flags whose other values Ember does not serve
+    "--load-format": ("auto", "safetensors"),
+    "--tokenizer-mode": ("auto", "hf"),
+    "--distributed-executor-backend": ("mp", "uni"),
+}
+
+
+def _one_of(flag: str, served: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in served:
+            raise SettingValueError(f"{flag} {text}: Ember serves only {' or '.join(served)}")
+        return text
+    return parse
 
 
 def _served_kind(flag: str, served: tuple[str, ...]):

@@ -1,6 +1,7 @@
 """Options of `ember serve`, as one plain dataclass shared by the CLI, the app factory and tests."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,11 +70,47 @@ class ServeConfig(EngineArgs):
                 "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
                 "LAST, normalized",
         "type": lambda text: parse_pooler_config_flag(text)})
+    override_generation_config: str | None = field(default=None, metadata={
+        "help": "JSON object of sampling defaults set over --generation-config's, e.g. '{\"temperature\": 0.5}' "
+                "(temperature, top_p, top_k, min_p, repetition_penalty); a request's own values still win",
+        "type": lambda text: parse_override_generation_config(text), "metavar": "JSON"})
+    default_chat_template_kwargs: str | None = field(default=None, metadata={
+        "help": "JSON object of chat-template variables every request gets unless its chat_template_kwargs set "
+                "them, e.g. '{\"enable_thinking\": false}'",
+        "type": lambda text: parse_json_object_flag(text), "metavar": "JSON"})
+    uvicorn_log_level: str | None = field(default=None, metadata={
+        "help": "uvicorn's log level (its access log and server messages); default: --log-level",
+        "choices": ("critical", "error", "warning", "info", "debug", "trace")})
+    disable_uvicorn_access_log: bool = field(default=False, metadata={
+        "help": "do not log one line per HTTP request"})
     runtime_lora_updating: bool = field(default=False, metadata={
         "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); vLLM's "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on"})
     classifier_flag: str | None = None  # vLLM's `--convert classify` / `--task classify|score`, as given: the
     # checkpoint must then be a classifier (checked once it is loaded); not a flag of its own
+
+
+def parse_json_object_flag(text: str) -> str:
+    """A flag whose value is a JSON object (checked here, returned unchanged)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SettingValueError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SettingValueError(f"expected a JSON object, got {type(value).__name__}")
+    return text
+
+
+def parse_override_generation_config(text: str) -> str:
+    """`--override-generation-config`: a JSON object of the sampling defaults Ember applies (checked here)."""
+    from .sampling_defaults import SamplingDefaults
+
+    parse_json_object_flag(text)
+    try:
+        SamplingDefaults.from_generation_config(json.loads(text), "the JSON", strict=True)
+    except ValueError as e:
+        raise SettingValueError(str(e)) from None
+    return text
 
 
 def parse_chat_template(text: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import secrets
 import time
@@ -94,10 +95,18 @@ class ModelRuntime:
     grammar: Any = None  # ember.server.structured.Structured (front-end validation), when available
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # for settings a request leaves unset
     pooling: PoolingSpec = PoolingSpec()  # how /v1/embeddings pools
+    template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
 
     @property
     def model_info(self) -> ModelInfo:
         return self.engine.model_info
+
+    def template_kwargs(self, given: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request's chat-template variables over the server's defaults (``--default-chat-template-kwargs``):
+        what the request sets wins."""
+        if not self.template_defaults:
+            return given
+        return {**self.template_defaults, **(given or {})}
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,
@@ -120,10 +129,16 @@ class ModelRuntime:
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
-                   sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir),
+                   sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir,
+                                                           _json(config.override_generation_config)),
+                   template_defaults=_json(config.default_chat_template_kwargs) or {},
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
                                              parse_hf_overrides(config.hf_overrides) if config.hf_overrides else None))
+
+
+def _json(text: str | None) -> dict[str, Any] | None:
+    return json.loads(text) if text else None
 
 
 @dataclass

@@ -90,8 +90,9 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    template_kwargs = rt.template_kwargs(_template_kwargs(body))
     prompt_ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
-                                         kwargs=_template_kwargs(body), field="input")
+                                         kwargs=template_kwargs, field="input")
     max_tokens = allowed_tokens(st, len(prompt_ids), body.max_output_tokens, param="input")
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser
@@ -104,7 +105,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
                              defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
-    thinking_off = (body.chat_template_kwargs or {}).get("enable_thinking") is False
+    thinking_off = (template_kwargs or {}).get("enable_thinking") is False
     [constraint] = await build_constraints(
         st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,

@@ -2,13 +2,14 @@
 and ``repetition_penalty``, which a request that leaves one unset takes (vLLM's ``--generation-config auto``; Qwen3,
 for instance, asks for temperature 0.6, top_p 0.95 and top_k 20). ``--generation-config vllm`` ignores them (each
 unset setting is then neutral: temperature 1, no truncation, no penalty); a folder reads its generation_config.json
-instead of the model's."""
+instead of the model's. ``--override-generation-config`` (vLLM's flag) sets some of them over whichever of those
+applies."""
 from __future__ import annotations
 
 import json
 import logging
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,14 @@ class SamplingDefaults:
     repetition_penalty: float | None = None
 
     @classmethod
-    def from_generation_config(cls, raw: dict[str, Any], source: str) -> "SamplingDefaults":
-        """The usable settings of a generation_config.json (a value out of its range is logged and skipped)."""
+    def from_generation_config(cls, raw: dict[str, Any], source: str, strict: bool = False) -> "SamplingDefaults":
+        """The usable settings of a generation_config.json (a value out of its range is logged and skipped; with
+        ``strict``, ValueError naming it, as for a key that is not one of these settings)."""
+        if strict:
+            unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+            if unknown:
+                raise ValueError(f"{source}: {', '.join(unknown)} not supported (only "
+                                 f"{', '.join(f.name for f in fields(cls))})")
         ranges = {"temperature": (0.0, 100.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 31), "min_p": (0.0, 1.0),
                   "repetition_penalty": (1e-9, 100.0)}
         values: dict[str, Any] = {}
@@ -42,14 +49,27 @@ class SamplingDefaults:
             if f.name == "top_k":
                 ok = ok and float(v).is_integer()
             if not ok:
+                if strict:
+                    raise ValueError(f"{source}: {f.name} = {v!r} is not a usable value")
                 log.warning("%s: %s = %r is not a usable default; ignored", source, f.name, v)
                 continue
             values[f.name] = int(v) if f.name == "top_k" else float(v)
         return cls(**values)
 
     @classmethod
-    def load(cls, setting: str, model_dir: str | Path) -> "SamplingDefaults":
-        """``setting`` is ``--generation-config``: ``auto`` (the model's), ``vllm`` / ``none``, or a folder."""
+    def load(cls, setting: str, model_dir: str | Path, override: dict[str, Any] | None = None) -> "SamplingDefaults":
+        """``setting`` is ``--generation-config``: ``auto`` (the model's), ``vllm`` / ``none``, or a folder;
+        ``override`` (``--override-generation-config``) sets values over it."""
+        defaults = cls._from_setting(setting, model_dir)
+        if override:
+            given = cls.from_generation_config(override, "--override-generation-config", strict=True)
+            defaults = replace(defaults, **{f.name: getattr(given, f.name) for f in fields(cls)
+                                            if getattr(given, f.name) is not None})
+            log.info("sampling defaults after --override-generation-config: %s", defaults)
+        return defaults
+
+    @classmethod
+    def _from_setting(cls, setting: str, model_dir: str | Path) -> "SamplingDefaults":
         if setting in IGNORE:
             return cls()
         path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"

@@ -192,7 +192,8 @@ def serve(config: ServeConfig) -> int:
     for line in summary_lines(runtime, config, config.model_dir, seconds):
         log.info("%s", line)
     app = create_app(runtime, config, exit_on_engine_death=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
+                                           access_log=not config.disable_uvicorn_access_log))
     _freeze_heap()
     server.run(sockets=[sock])
     return 1 if app.state.ember.engine_dead else 0

@@ -84,6 +84,17 @@ def test_different_seeds_give_different_samples(demo_model_dir):
     assert len({tuple(_tokens(outs[r])) for r in ids}) == 3
 
 
+def test_the_engine_seed_repeats_unseeded_sampling_from_run_to_run(demo_model_dir):
+    def sample(seed: int) -> list[int]:
+        eng = Engine.from_pretrained(demo_model_dir, max_num_seqs=4, max_model_len=256, num_kv_blocks=32, seed=seed)
+        rid = eng.add_request(_ids(12, 4), SamplingParams(max_tokens=16, temperature=1.5, ignore_eos=True))
+        return _tokens(_drain(eng)[rid])
+
+    first = sample(7)
+    torch.rand(5)  # what happened to torch's generator before start does not matter
+    assert sample(7) == first and sample(8) != first
+
+
 def test_abort_frees_all_blocks(demo_model_dir):
     eng = _engine(demo_model_dir)
     start = eng.kv.num_free_blocks

@@ -48,6 +48,23 @@ def test_serve_options_map_to_the_config(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--lora-modules", "no-path"])
     assert e.value.code == 2 and "is not NAME=PATH" in capsys.readouterr().err
+    docker = serve_config(parser.parse_args([  # a vLLM deployment's command line carries over as is
+        "serve", "--model", "org/z", "--seed", "0", "--disable-log-requests", "--disable-log-stats", "--max-log-len",
+        "100", "--swap-space", "4", "--disable-custom-all-reduce", "--max-seq-len-to-capture", "8192",
+        "--enable-prompt-tokens-details", "--load-format", "safetensors", "--tokenizer-mode", "auto",
+        "--distributed-executor-backend", "mp", "--disable-frontend-multiprocessing", "--uvicorn-log-level",
+        "warning", "--disable-uvicorn-access-log", "--override-generation-config", '{"temperature": 0.5}',
+        "--default-chat-template-kwargs", '{"enable_thinking": false}']))
+    assert (docker.seed, docker.in_process, docker.uvicorn_log_level, docker.disable_uvicorn_access_log) == (
+        0, True, "warning", True)
+    for flags, said in ((["--load-format", "gguf"], "Ember serves only auto or safetensors"),
+                        (["--distributed-executor-backend", "ray"], "Ember serves only mp or uni"),
+                        (["--override-generation-config", '{"temprature": 1}'], "temprature not supported"),
+                        (["--override-generation-config", '{"top_p": 2}'], "top_p = 2 is not a usable value"),
+                        (["--default-chat-template-kwargs", "[1]"], "expected a JSON object")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *flags])
+        assert e.value.code == 2 and said in capsys.readouterr().err
     for bad, said in (("{rope", "not valid JSON"), ("[1]", "expected a JSON object")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--hf-overrides", bad])

@@ -225,7 +225,7 @@ def test_bad_conversations_are_400s_naming_the_field(demo_server, body, param):
 
 
 def test_a_conversation_gets_no_special_tokens_beyond_the_templates_unless_asked(demo_server):
-    from types import SimpleNamespace
+    import dataclasses
 
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
@@ -238,7 +238,7 @@ def test_a_conversation_gets_no_special_tokens_beyond_the_templates_unless_asked
     inner.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
                                                          special_tokens=[(bos, inner.token_to_id(bos))])
     tok = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token=bos, chat_template=demo.chat_template)
-    rt = SimpleNamespace(tokenizer=tok, chat_template=None)
+    rt = dataclasses.replace(demo_server.runtime, tokenizer=tok, chat_template=None)
     body = {"messages": [{"role": "user", "content": "Where is Paris?"}]}
     plain = _conversation_ids(rt, EmbeddingRequest(**body))
     assert plain == demo.encode(tok.apply_chat_template(body["messages"], tokenize=False), add_special_tokens=False)

@@ -74,3 +74,37 @@ def test_the_flag_takes_auto_vllm_or_a_folder_with_the_file(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
     assert SamplingDefaults.load(parse_generation_config(str(tmp_path)), "elsewhere") == SamplingDefaults(
         temperature=0.6, top_p=0.95, top_k=20)
+
+
+def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir, tmp_path):
+    """vLLM's `--override-generation-config` sets sampling defaults over the model's (a request's own value still
+    wins); `--default-chat-template-kwargs` gives every request template variables it does not set itself."""
+    import httpx
+
+    from ember.server.config import ServeConfig
+
+    model = tmp_path / "demo"
+    shutil.copytree(demo_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "top_p": 0.9}))
+    config = ServeConfig(model_dir=model, served_model_name="demo", max_num_seqs=8, kv_cache_blocks=128,
+                         in_process=True, override_generation_config='{"temperature": 0, "top_k": 50}',
+                         default_chat_template_kwargs='{"enable_thinking": false}')
+    with served(config) as server:
+        assert server.runtime.sampling_defaults == SamplingDefaults(temperature=0.0, top_p=0.9, top_k=50)
+        greedy = _chat(server)
+        assert all(_chat(server, seed=s) == greedy for s in range(3))  # temperature 0 by default
+        assert any(_chat(server, temperature=1.5, seed=s) != greedy for s in range(4))
+
+        def prompt(**kw) -> str:
+            r = httpx.post(server.url + "/tokenize", json={"messages": HI, **kw}, timeout=30).json()
+            return server.tokenizer.decode(r["tokens"])
+
+        assert prompt().endswith("<think>\n\n</think>\n\n")
+        assert "</think>" not in prompt(chat_template_kwargs={"enable_thinking": True})
+        chat = server.openai().chat.completions.create(model="demo", messages=HI, max_tokens=4,
+                                                       extra_body={"return_token_ids": True})
+        assert server.tokenizer.decode(chat.prompt_token_ids).endswith("</think>\n\n")
+    assert SamplingDefaults.load("vllm", model, {"top_p": 0.5}) == SamplingDefaults(top_p=0.5)
+    with pytest.raises(ValueError, match="max_new_tokens not supported"):
+        SamplingDefaults.load("auto", model, {"max_new_tokens": 5})
