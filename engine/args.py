@@ -99,11 +99,13 @@ class EngineArgs:
     state_snapshots: int | None = _opt(None, "hybrid models (Qwen3-Next, Qwen3.5): recurrent states saved at prompt "
                                              "boundaries and inside replies for prefix caching; default: "
                                              "max_num_seqs", metavar="N")
-    kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3)",
-                               choices=("auto", "fp8"))
-    quantization: str | None = _opt(None, "quantize an unquantized checkpoint as it loads: 'fp8' keeps every "
-                                          "decoder projection and expert in e4m3 with a scale per output channel "
-                                          "(W8A16)", choices=("fp8",))
+    kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3; vLLM's "
+                                       "'fp8_e4m3' too)", choices=("auto", "fp8", "fp8_e4m3"))
+    quantization: str | None = _opt(None, "'fp8' quantizes an unquantized checkpoint as it loads (every decoder "
+                                          "projection and expert in e4m3 with a scale per output channel, W8A16); "
+                                          "on a quantized checkpoint the name must be its own quantization, as in "
+                                          "vLLM (fp8, modelopt, modelopt_fp4, compressed-tensors, mxfp4)",
+                                    choices=("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4"))
     hf_overrides: str | None = _opt(None, "JSON object of config.json fields to change before the model loads, as "
                                           "vLLM applies them, e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
                                           "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
@@ -126,8 +128,9 @@ class EngineArgs:
                                               "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
     tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N")
     enforce_eager: bool = _opt(False, "decode without CUDA graphs (on CUDA they are captured for decode batches)")
-    dtype: str | None = _opt(None, "weight/activation dtype (float32, float16, bfloat16); default: bfloat16 on "
-                                   "CUDA, float32 on CPU")
+    dtype: str | None = _opt(None, "weight/activation dtype: float32, float16 or bfloat16 (also vLLM's float, "
+                                   "half, auto); default (and auto): bfloat16 on CUDA, float32 on CPU",
+                             choices=("auto", "float32", "float", "float16", "half", "bfloat16"))
     device: str | None = _opt(None, "torch device for rank 0 (cuda, cuda:1, cpu); default: cuda when available")
     attention_backend: str | None = _opt(None, "attention implementation; default: triton on CUDA, torch on CPU",
                                          choices=("triton", "torch", "reference"))
@@ -148,7 +151,7 @@ class EngineArgs:
                 "max_model_len": self.max_model_len, "block_size": self.block_size,
                 "num_kv_blocks": self.kv_cache_blocks, "kv_cache_memory": self.kv_cache_memory,
                 "enable_prefix_caching": self.enable_prefix_caching, "state_snapshots": self.state_snapshots,
-                "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": self.dtype, "device": self.device,
+                "enable_chunked_prefill": self.enable_chunked_prefill, "dtype": None if self.dtype == "auto" else self.dtype, "device": self.device,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,

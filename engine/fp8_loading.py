@@ -54,8 +54,9 @@ class FP8Format:
 
 
 ON_LOAD = FP8Format("channel", (1, fp8_block.CHANNEL), ".weight_scale", "--quantization fp8", on_load=True)
-QUANTIZATIONS = ("fp8",)
-"""What ``--quantization`` can apply to an unquantized checkpoint as it loads."""
+QUANTIZATIONS = ("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4")
+"""vLLM's ``--quantization`` names Ember serves: each must name the checkpoint's own quantization, except ``fp8``,
+which also quantizes an unquantized checkpoint as it loads."""
 
 
 def resolve_format(raw_config: dict[str, Any], model_dir: str | os.PathLike, quantization: str | None
@@ -68,15 +69,39 @@ def resolve_format(raw_config: dict[str, Any], model_dir: str | os.PathLike, qua
         return fmt
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    declared = declared_quantization(raw_config, model_dir)
+    if declared is None:
+        if quantization == "fp8":
+            return ON_LOAD
+        raise ConfigError(f"--quantization {quantization}: the checkpoint is not quantized (only fp8 quantizes one "
+                          "as it loads)")
+    method, source = declared
+    if method != quantization:
+        raise ConfigError(f"--quantization {quantization}: the checkpoint is quantized with {method} ({source}); "
+                          f"give --quantization {method} or leave it unset")
+    return fmt  # as vLLM does: the name confirms the checkpoint's own quantization
+
+
+def declared_quantization(raw_config: dict[str, Any], model_dir: str | os.PathLike) -> tuple[str, str] | None:
+    """(vLLM's ``--quantization`` name, where it is declared) of the checkpoint's quantization, or None for an
+    unquantized checkpoint: config.json's ``quantization_config`` (``quant_method``; ModelOpt's ``quant_algo``
+    FP8 -> ``modelopt``, NVFP4 -> ``modelopt_fp4``) or ModelOpt's ``hf_quant_config.json``."""
+    modelopt = {"FP8": "modelopt", "NVFP4": "modelopt_fp4"}
     qc = raw_config.get("quantization_config")
-    declared = fmt.source if fmt is not None else (
-        f"{Path(model_dir) / 'config.json'}:quantization_config ({qc.get('quant_method')})" if isinstance(qc, dict)
-        else str(Path(model_dir) / "hf_quant_config.json") if (Path(model_dir) / "hf_quant_config.json").exists()
-        else None)
-    if declared is not None:
-        raise ConfigError(f"--quantization {quantization}: the checkpoint is quantized already ({declared}); "
-                          "leave --quantization unset to load it as it is")
-    return ON_LOAD
+    if isinstance(qc, dict):
+        method = qc.get("quant_method")
+        source = f"{Path(model_dir) / 'config.json'}:quantization_config"
+        if method in (None, "modelopt") and qc.get("quant_algo") in modelopt:
+            return modelopt[qc["quant_algo"]], source
+        return str(method), source
+    legacy = Path(model_dir) / "hf_quant_config.json"
+    if legacy.exists():
+        try:
+            algo = (json.loads(legacy.read_text(encoding="utf-8")).get("quantization") or {}).get("quant_algo")
+        except (json.JSONDecodeError, AttributeError):
+            algo = None
+        return modelopt.get(algo, f"modelopt ({algo})"), str(legacy)
+    return None
 
 
 def _quantizable_on_load(module: str) -> bool:

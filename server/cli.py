@@ -70,6 +70,7 @@ _NO_EFFECT_VALUES = {
     "--swap-space": float,  # a preempted sequence is recomputed, never swapped to CPU memory
     "--max-seq-len-to-capture": int,  # decode graphs are captured per batch size and serve any context
     "--max-cpu-loras": int,  # every LoRA adapter stays on the device
+    "--limit-mm-per-prompt": str,  # text only: a request with images is refused, whatever the limit
 }
 _SERVED_CHOICES = {  # vLLM flags whose other values Ember does not serve
     "--load-format": ("auto", "safetensors"),

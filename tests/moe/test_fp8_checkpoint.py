@@ -339,7 +339,7 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(tiny_m
     """``--quantization fp8`` on a full-precision checkpoint: every decoder projection and expert is quantized per
     output channel as it loads (what compressed-tensors' per-channel checkpoints hold), so greedy tokens equal
     transformers' on exactly those weights dequantized; two ranks quantize whole rows before taking their slices,
-    so they decode what one process does. A checkpoint that is quantized already is refused."""
+    so they decode what one process does. On a quantized checkpoint the flag must name its quantization."""
     from ember.engine.config import ConfigError
     from ember.engine.engine import Engine
     from ember.engine.fp8_loading import FP8Linear
@@ -359,5 +359,32 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(tiny_m
         assert isinstance(o, FP8Linear) and o.weight.shape == (64, 32)
 
     assert_two_ranks_match_one(tiny_moe_dir, ps[:3], 6, check, quantization="fp8")
-    with pytest.raises(ConfigError, match="quantized already"):
+    # on a quantized checkpoint the name must be its own quantization, as vLLM rules
+    with pytest.raises(ConfigError, match="quantized with compressed-tensors .*give --quantization compressed"):
         Engine.from_pretrained(tmp_path / "fp8", device="cpu", num_kv_blocks=8, quantization="fp8")
+    named = Engine.from_pretrained(tmp_path / "fp8", dtype=torch.float32, device="cpu", num_kv_blocks=64,
+                                   max_num_seqs=16, quantization="compressed-tensors")
+    assert run_greedy(named, ps, 8) == expected
+
+
+def test_a_quantization_flag_names_the_checkpoints_own_method(tmp_path):
+    """vLLM's rule for ``--quantization`` on a quantized checkpoint: the name must be the checkpoint's method (then
+    it is loaded as it is); ``fp8`` on an unquantized checkpoint quantizes it as it loads; anything else is refused
+    naming both."""
+    from ember.engine.config import ConfigError
+    from ember.engine.fp8_loading import ON_LOAD, resolve_format
+
+    nvfp4 = {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}
+    assert resolve_format(nvfp4, tmp_path, "modelopt_fp4") is None  # the NVFP4 loader takes it from here
+    with pytest.raises(ConfigError, match="quantized with modelopt_fp4 .*give --quantization modelopt_fp4"):
+        resolve_format(nvfp4, tmp_path, "fp8")
+    assert resolve_format({"quantization_config": {"quant_method": "mxfp4"}}, tmp_path, "mxfp4") is None
+    block = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert resolve_format(block, tmp_path, "fp8").granularity == "block"
+    assert resolve_format({}, tmp_path, "fp8") is ON_LOAD
+    with pytest.raises(ConfigError, match="the checkpoint is not quantized"):
+        resolve_format({}, tmp_path, "modelopt")
+    legacy = tmp_path / "modelopt"
+    legacy.mkdir()
+    (legacy / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    assert resolve_format({}, legacy, "modelopt").source == str(legacy / "hf_quant_config.json")

@@ -54,9 +54,11 @@ def test_serve_options_map_to_the_config(capsys):
         "--enable-prompt-tokens-details", "--load-format", "safetensors", "--tokenizer-mode", "auto",
         "--distributed-executor-backend", "mp", "--disable-frontend-multiprocessing", "--uvicorn-log-level",
         "warning", "--disable-uvicorn-access-log", "--override-generation-config", '{"temperature": 0.5}',
-        "--default-chat-template-kwargs", '{"enable_thinking": false}']))
+        "--default-chat-template-kwargs", '{"enable_thinking": false}', "--dtype", "auto", "--kv-cache-dtype",
+        "fp8_e4m3", "--quantization", "modelopt_fp4", "--limit-mm-per-prompt", '{"image": 0}']))
     assert (docker.seed, docker.in_process, docker.uvicorn_log_level, docker.disable_uvicorn_access_log) == (
         0, True, "warning", True)
+    assert docker.engine_options()["dtype"] is None and docker.kv_cache_dtype == "fp8_e4m3"
     for flags, said in ((["--load-format", "gguf"], "Ember serves only auto or safetensors"),
                         (["--distributed-executor-backend", "ray"], "Ember serves only mp or uni"),
                         (["--override-generation-config", '{"temprature": 1}'], "temprature not supported"),
