@@ -68,6 +68,8 @@ class AttentionMetadata:
     recurrent: RecurrentMetadata | None = None
     """Set for models with recurrent-state layers (`RecurrentMetadata`)."""
     score_indices: torch.Tensor | None = None
+    lora_rows: list[tuple[int, torch.Tensor]] | None = None
+    """The step's token rows per LoRA adapter slot (`ember.engine.lora.LoRARows`), when the engine serves adapters."""
 
     @property
     def num_seqs(self) -> int:

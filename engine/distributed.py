@@ -418,6 +418,8 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
 def _host(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_host(v) for v in x)
     if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
         return dataclasses.replace(x, **{f.name: _host(getattr(x, f.name)) for f in dataclasses.fields(x)})
     return x
@@ -426,6 +428,8 @@ def _host(x: Any) -> Any:
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to(v, device) for v in x)
     if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
         return dataclasses.replace(x, **{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x)})
     return x
@@ -443,6 +447,7 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
         try:
             model, cfg = _load_shard(model_dir, spec, tp, device)
             runner = ModelRunner(model, cfg, spec.block_size, device, spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+            runner.shard = (rank, world_size)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             log.error("tensor-parallel rank %d failed to load:\n%s", rank, traceback.format_exc())
@@ -491,6 +496,19 @@ class DriverRunner(ModelRunner):
         self._send("forward", input_ids, meta)
         return super().forward(input_ids, meta)
 
+    def enable_lora(self, slots: int, max_rank: int) -> None:
+        self._send("enable_lora", slots, max_rank)
+        super().enable_lora(slots, max_rank)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Rank 0 reads and checks the adapter first, so a refused one reaches no worker."""
+        super().load_lora(name, path)
+        self._send("load_lora", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self._send("unload_lora", name)
+        super().unload_lora(name)
+
     def shutdown(self) -> None:
         """Tell the workers to exit and wait for them; idempotent."""
         if not self.workers:
@@ -538,6 +556,7 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         model, cfg = _load_shard(str(model_dir), spec, tp, rank_device(device, 0))
         runner = DriverRunner(model, cfg, spec.block_size, device, dtype, kv_cache_dtype=kv_cache_dtype, tp=tp,
                               workers=workers)
+        runner.shard = (0, n)
     except Exception as e:
         failure = e
     errors = tp.gather(None if failure is None else f"{type(failure).__name__}: {failure}")

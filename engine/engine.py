@@ -134,8 +134,6 @@ class Engine:
                               f"tokens{yarn} in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
-        if config.lora_modules and config.tensor_parallel_size != 1:
-            raise ConfigError("LoRA adapters are served on one process only (tensor_parallel_size 1)")
         if config.tensor_parallel_size != 1:
             from ember.engine import distributed
 
@@ -151,11 +149,10 @@ class Engine:
         self.lora: LoRAStack | None = None
         try:
             if config.lora_modules or config.enable_lora:
-                self.lora = LoRAStack(model, max(config.max_loras, len(config.lora_modules)), config.max_lora_rank,
-                                      self.device, self.dtype)
+                self.runner.enable_lora(max(config.max_loras, len(config.lora_modules)), config.max_lora_rank)
                 for name, path in config.lora_modules:
-                    self.lora.add(name, path)
-                self.runner.lora = self.lora
+                    self.runner.load_lora(name, path)
+                self.lora = self.runner.lora
             self.cuda_graphs = self._use_cuda_graphs()
             snapshots = self._num_state_snapshots()
             self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
@@ -294,7 +291,7 @@ class Engine:
         """Serve one more LoRA adapter (vLLM's runtime loading); ValueError naming why it cannot be."""
         if self.lora is None:
             raise ValueError("this engine was started without LoRA support (start it with --enable-lora)")
-        self.lora.add(name, path)
+        self.runner.load_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; ValueError while a request still runs under it."""
@@ -304,7 +301,7 @@ class Engine:
         users = sum(1 for s in [*self.scheduler.running, *self.scheduler.waiting] if s.lora_slot == slot)
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} running request(s); retry once they end")
-        self.lora.remove(name)
+        self.runner.unload_lora(name)
 
     def abort(self, request_id: str) -> bool:
         """End the request now and free its blocks; its final output (finish_reason "abort") comes with the next

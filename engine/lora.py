@@ -11,6 +11,8 @@ wrapped projection adds ``(x[rows] @ A_s^T) @ B_s^T`` for the token rows of the 
 (`LoRARows`, set by the model runner each step from host-side data, so grouping never reads the device). Fused
 projections (``qkv_proj``, ``gate_up_proj``) hold their parts' ``A`` stacked and ``B`` block-diagonal, so one pair
 of matmuls serves all parts; the scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
+Under tensor parallelism each rank holds its share of the adapter (`COLUMN_PARALLEL`), and the step's rows reach
+every rank in `AttentionMetadata.lora_rows`.
 """
 from __future__ import annotations
 
@@ -77,10 +79,30 @@ def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
     raise ConfigError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {folder}")
 
 
+COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+"""Projections whose output rows a tensor-parallel rank holds a contiguous share of (their ``lora_B`` rows split);
+``o_proj`` and ``down_proj`` hold a share of their input columns (their ``lora_A`` columns split, and the partial
+updates are summed by the layer's all-reduce with the rest of the output)."""
+
+
+def _rank_share(a: torch.Tensor, b: torch.Tensor, leaf: str, shard: tuple[int, int],
+                where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rank, world = shard
+    if world == 1:
+        return a, b
+    t, dim = (b, 0) if leaf in COLUMN_PARALLEL else (a, 1)
+    if t.shape[dim] % world:
+        raise ConfigError(f"{where}: tensor_parallel_size {world} does not divide its {t.shape[dim]} "
+                          f"{'output rows' if dim == 0 else 'input columns'}")
+    piece = t.chunk(world, dim)[rank]
+    return (a, piece) if dim == 0 else (piece, b)
+
+
 def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoRALinear"],
-                 max_rank: int) -> Adapter:
+                 max_rank: int, shard: tuple[int, int] = (0, 1)) -> Adapter:
     """Adapter ``name`` from the PEFT folder ``path``, its tensors mapped onto ``model``'s projections (``targets``:
-    the wrapped ones by module name); ConfigError naming the file, tensor or field that cannot be served."""
+    the wrapped ones by module name), this tensor-parallel rank's share of them when ``shard`` is ``(rank, world)``;
+    ConfigError naming the file, tensor or field that cannot be served."""
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError(f"LoRA adapter {name!r}: {folder} is not a directory")
@@ -103,7 +125,7 @@ def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoR
         if wrapped is None:
             raise ConfigError(f"LoRA adapter {name!r}: it targets {module}, which Ember does not apply LoRA to "
                               f"(the attention q/k/v/o and dense MLP gate/up/down projections only)")
-        a, b = ab["A"], ab["B"]
+        a, b = _rank_share(ab["A"], ab["B"], module.rpartition(".")[2], shard, f"LoRA adapter {name!r}: {module}")
         out = wrapped.part_sizes[part]
         if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (out, rank):
             raise ConfigError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
@@ -174,8 +196,8 @@ class LoRAStack:
     """The adapters an engine serves: wraps the model's projections once, then loads adapters into slots."""
 
     def __init__(self, model: nn.Module, slots: int, max_rank: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        self.model, self.slots, self.max_rank, self.device = model, slots, max_rank, device
+                 dtype: torch.dtype, shard: tuple[int, int] = (0, 1)) -> None:
+        self.model, self.slots, self.max_rank, self.device, self.shard = model, slots, max_rank, device, shard
         self.rows = LoRARows()
         self.targets: dict[str, LoRALinear] = {}
         for name, (module, width, parts) in _projections(model).items():
@@ -197,7 +219,7 @@ class LoRAStack:
         free = [s for s in range(self.slots) if s not in used]
         if not free:
             raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
-        adapter = read_adapter(name, path, self.model, self.targets, self.max_rank)
+        adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)
         for target, wrapped in self.targets.items():
             wrapped.load(free[0], adapter.weights.get(target, []))
         self.adapters[name] = (free[0], adapter)
@@ -225,14 +247,14 @@ class LoRAStack:
         reused by another, by the base model, or by an adapter loaded later under the same name."""
         return self._roots[name]
 
-    def set_rows(self, slots: list[int], counts: list[int]) -> None:
-        """Group this step's token rows by slot: the i-th scheduled chunk has ``counts[i]`` rows and uses
-        ``slots[i]`` (-1: the base model)."""
+    def group_rows(self, slots: list[int], counts: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """This step's token rows by slot (for `LoRARows.groups`): the i-th scheduled chunk has ``counts[i]`` rows
+        and uses ``slots[i]`` (-1: the base model)."""
         by_slot: dict[int, list[int]] = {}
         row = 0
         for s, n in zip(slots, counts):
             if s >= 0:
                 by_slot.setdefault(s, []).extend(range(row, row + n))
             row += n
-        self.rows.groups = [(s, torch.tensor(r, dtype=torch.int64).to(self.device, non_blocking=True))
-                            for s, r in by_slot.items()]
+        return [(s, torch.tensor(r, dtype=torch.int64).to(self.device, non_blocking=True))
+                for s, r in by_slot.items()]

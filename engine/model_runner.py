@@ -22,6 +22,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from ember.engine.lora import LoRAStack
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend, is_triton_backend
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
@@ -73,8 +74,10 @@ class ModelRunner:
         """The extra state slot padding rows of a decode graph write to (recurrent models)."""
         self.first_snapshot_slot: int | None = None
         """Where the prefix-cache snapshot slots start, after the padding slot (recurrent models)."""
-        self.lora = None
-        """The engine's `ember.engine.lora.LoRAStack` when it serves adapters: `prepare` groups rows by slot."""
+        self.lora: LoRAStack | None = None
+        """The adapters this runner's model serves (`enable_lora`): `prepare` groups each step's rows by slot."""
+        self.shard = (0, 1)
+        """(rank, world size) of this runner's model under tensor parallelism."""
 
     def allocate_recurrent_state(self, num_slots: int, num_snapshots: int = 0) -> None:
         """Zeroed recurrent state for ``num_slots`` sequences (one per possible running one), a scratch slot for
@@ -163,7 +166,7 @@ class ModelRunner:
             score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
         if self.lora is not None:
-            self.lora.set_rows([c.seq.lora_slot for c in chunks], [c.num_tokens for c in chunks])
+            meta.lora_rows = self.lora.group_rows([c.seq.lora_slot for c in chunks], [c.num_tokens for c in chunks])
         if self.recurrent:
             rec = d64[3 * t + s:].view(3, r)
             meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
@@ -207,6 +210,8 @@ class ModelRunner:
         self.last_num_tokens = meta.num_tokens
         self.scoring_hidden = None
         saves = meta.recurrent.saves if meta.recurrent is not None else None
+        if self.lora is not None:
+            self.lora.rows.groups = meta.lora_rows or []
         if self.graphs is not None and self._graph_step(meta):
             self.num_graph_steps += 1
             logits = self.graphs.run(input_ids, meta)
@@ -222,6 +227,18 @@ class ModelRunner:
         if saves:  # prefix-cache snapshots of the states this step left (outside any graph)
             self.model.save_states(saves)
         return logits
+
+    def enable_lora(self, slots: int, max_rank: int) -> None:
+        """Wrap the model's projections for ``slots`` LoRA adapters of rank up to ``max_rank``."""
+        self.lora = LoRAStack(self.model, slots, max_rank, self.device, self.dtype, self.shard)
+
+    @torch.inference_mode()
+    def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter into a free slot (this rank's share of it under tensor parallelism)."""
+        self.lora.add(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.lora.remove(name)
 
     @torch.inference_mode()
     def scoring_logits(self, lo: int, hi: int) -> torch.Tensor:

@@ -80,12 +80,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 1270, (n,), generator=g).tolist() for n in (3, 9, 17, 40, 58, 75)]
 
 
-def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy tokens, one new request per step (mixed prefill and decode batches, long prompts chunked)."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+def _greedy(engine: Engine, prompts: list[list[int]], loras: list[str | None] | None = None) -> list[list[int]]:
+    """Greedy tokens, one new request per step (mixed prefill and decode batches, long prompts chunked), the i-th
+    under LoRA adapter ``loras[i]`` when given."""
     pending, ids, out = list(prompts), [], {}
+    loras = list(loras or [None] * len(prompts))
     while pending or engine.has_unfinished():
         if pending:
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, lora=loras.pop(0))
             ids.append(engine.add_request(pending.pop(0), params))
             out[ids[-1]] = []
         for o in engine.step():
@@ -239,6 +241,32 @@ def test_two_ranks_classify_as_one_process(demo_model_dir, tmp_path, head):
     try:
         got = _pooled(engine, prompt, "last")
         assert got.shape == (3,) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)
+
+
+def test_two_ranks_serve_lora_adapters_as_one_process(qwen3_dir, tmp_path):
+    """Each rank holds its share of every adapter (lora_B rows of the column-parallel projections, lora_A columns
+    of o_proj / down_proj), loaded at start or at runtime, and the batch's rows per adapter reach every rank."""
+    from tests.lora_adapters import ALL, ATTENTION, save_adapter
+
+    save_adapter(tmp_path / "all", seed=1, rank=8, alpha=16, modules=ALL)
+    save_adapter(tmp_path / "attn", seed=2, rank=4, alpha=8, modules=ATTENTION)
+    prompts = _prompts()
+    loras = ["all", None, "attn", "all", "attn", None]
+
+    def run(engine: Engine) -> list[list[int]]:
+        engine.load_lora("attn", str(tmp_path / "attn"))  # at runtime: reaches every rank
+        return _greedy(engine, prompts, loras)
+
+    options = dict(ENGINE_OPTIONS, lora_modules=(("all", str(tmp_path / "all")),), max_loras=2)
+    expected = run(Engine.from_pretrained(qwen3_dir, **options))
+    assert expected[0] != _greedy(Engine.from_pretrained(qwen3_dir, **ENGINE_OPTIONS), prompts[:1])[0]
+    engine = Engine.from_pretrained(qwen3_dir, tensor_parallel_size=2, **options)
+    workers = list(engine.runner.workers)
+    try:
+        assert run(engine) == expected
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)
