@@ -11,15 +11,16 @@ after one warm-up run; "vs base" is the row's tokens/s over the base row's.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_sections.models import write_lora_adapter  # noqa: E402
 
 
 def _model(folder: Path, hidden: int, layers: int) -> Path:
@@ -35,28 +36,6 @@ def _model(folder: Path, hidden: int, layers: int) -> Path:
     Qwen3ForCausalLM(cfg).save_pretrained(folder / "model")
     AutoTokenizer.from_pretrained(folder / "demo").save_pretrained(folder / "model")
     return folder / "model"
-
-
-def _adapter(folder: Path, model: Path, rank: int, seed: int) -> Path:
-    cfg = json.loads((model / "config.json").read_text())
-    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    sizes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-             "up_proj": (h, inter), "down_proj": (inter, h)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for part, names in PROJECTIONS.items():
-            for name in names:
-                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-                n_in, n_out = sizes[name]
-                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.01
-                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                            "bias": "none"}))
-    return folder
 
 
 def _run(engine, loras: list[str | None], tokens: int) -> float:
@@ -88,7 +67,8 @@ def main() -> None:
         root = Path(tmp)
         model = _model(root, args.hidden, args.layers)
         names = [f"a{i}" for i in range(args.adapters)]
-        modules = tuple((n, str(_adapter(root / n, model, args.rank, i))) for i, n in enumerate(names))
+        modules = tuple((n, str(write_lora_adapter(root / n, model, args.rank, i, scale=0.01)))
+                        for i, n in enumerate(names))
         options = dict(max_num_seqs=args.batch, max_num_batched_tokens=args.batch * 32, max_model_len=256,
                        num_kv_blocks=args.batch * 16 + 16, dtype="float32", device="cpu",
                        enable_prefix_caching=False)

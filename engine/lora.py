@@ -207,7 +207,7 @@ class LoRAStack:
             self.targets[name] = wrapped
         if not self.targets:
             raise ConfigError(f"{type(model).__name__} has no projection Ember applies LoRA to")
-        self.adapters: dict[str, tuple[int, Adapter]] = {}
+        self.adapters: dict[str, tuple[int, str]] = {}  # name -> (slot, folder); the weights live in the slots
         self._roots: dict[str, bytes] = {}
         self._loads = 0
 
@@ -222,7 +222,7 @@ class LoRAStack:
         adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)
         for target, wrapped in self.targets.items():
             wrapped.load(free[0], adapter.weights.get(target, []))
-        self.adapters[name] = (free[0], adapter)
+        self.adapters[name] = (free[0], adapter.path)
         self._loads += 1
         self._roots[name] = hashlib.sha256(f"ember-lora\0{self._loads}\0{name}".encode()).digest()
         return free[0]
@@ -234,7 +234,7 @@ class LoRAStack:
 
     def listed(self) -> tuple[tuple[str, str], ...]:
         """(name, folder) of every loaded adapter, in load order."""
-        return tuple((name, a.path) for name, (_, a) in self.adapters.items())
+        return tuple((name, path) for name, (_, path) in self.adapters.items())
 
     def slot(self, name: str) -> int:
         """The slot of a loaded adapter; ValueError naming the adapters that are loaded otherwise."""

@@ -1,6 +1,7 @@
-"""Checkpoints and models the engine sections run: the demo Qwen3 (tiny), tiny random Qwen3-MoE, Qwen3-Next, GLM-4.5
-and Gemma 3, and a random Qwen3-8B-shaped model cut to a few layers (bf16), each written once per run as a real
-checkpoint folder (``save_pretrained`` + the demo tokenizer) so the engine loads it through its own loader."""
+"""Checkpoints and models the engine sections run: the demo Qwen3 (tiny) and a LoRA adapter of it, tiny random
+Qwen3-MoE, Qwen3-Next, GLM-4.5 and Gemma 3, and a random Qwen3-8B-shaped model cut to a few layers (bf16), each
+written once per run as a real checkpoint folder (``save_pretrained`` + the demo tokenizer) so the engine loads it
+through its own loader."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,37 @@ def tiny_qwen3(ctx: Ctx) -> Path:
     from ember.engine import demo
 
     return ctx.cached("tiny_qwen3", lambda: demo.build(ctx.tmp / "qwen3-tiny"))
+
+
+def write_lora_adapter(folder: Path, model: Path, rank: int, seed: int, scale: float = 0.05) -> Path:
+    """A random PEFT LoRA adapter (rank ``rank``, ``lora_alpha`` 2 x rank) on all seven attention and MLP
+    projections of every layer of the Qwen3 checkpoint ``model``, written into ``folder``."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model / "config.json").read_text())
+    h, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    sizes = {"self_attn": {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)},
+             "mlp": {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for part, projections in sizes.items():
+            for name, (n_in, n_out) in projections.items():
+                key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * scale
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * scale
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                            "bias": "none"}))
+    return folder
+
+
+def tiny_lora(ctx: Ctx) -> Path:
+    """A rank-8 adapter of the demo Qwen3 (`tiny_qwen3`) whose updates change its greedy tokens."""
+    return ctx.cached("tiny_lora", lambda: write_lora_adapter(ctx.tmp / "qwen3-tiny-lora", tiny_qwen3(ctx), 8, 1,
+                                                             scale=0.3))
 
 
 def _saved(model: Any, ctx: Ctx, name: str) -> Path:

@@ -3,7 +3,7 @@
 For the demo Qwen3, a tiny Qwen3-MoE, a tiny Qwen3-Next (its linear attention on the torch path), a tiny GLM-4.5
 (partial rotary, grouped routing), a tiny Gemma 3 (sliding windows, two RoPEs), a tiny Gemma 2 (soft-capped
 attention scores), a tiny MiniMax-M2 (whole-projection q/k norms, sigmoid routing) and a tiny Llama 4 (chunked
-attention, interleaved rotary): the same prompts
+attention, interleaved rotary), and the demo Qwen3 with a LoRA adapter: the same prompts
 (shared prefixes for prefix-cache hits, a small token budget for chunked prefill and mixed prefill + decode steps)
 through ``Engine`` on the CPU (torch path, fp32) and on the device (fp32, eager): the greedy tokens must be equal, or
 first differ only where the reference's top-2 logprobs are a near-tie (fp32 matmuls round differently on another device;
@@ -71,16 +71,18 @@ class Run:
 
 
 def greedy(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[int]], new_tokens: int,
-           **engine_kw: Any) -> Run:
-    """Greedy tokens of every prompt, all in flight together, with their top-2 margins and the engine's counters."""
+           loras: list[str | None] | None = None, **engine_kw: Any) -> Run:
+    """Greedy tokens of every prompt, all in flight together (the i-th under LoRA adapter ``loras[i]``), with their
+    top-2 margins and the engine's counters."""
     from ember.engine.engine import Engine
     from ember.engine.params import SamplingParams
 
     eng = Engine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=8, max_num_batched_tokens=32,
                                  max_model_len=256, num_kv_blocks=128, **engine_kw)
     try:
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-        ids = [eng.add_request(p, params) for p in ps]
+        loras = loras or [None] * len(ps)
+        ids = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=2,
+                                                 lora=lora)) for p, lora in zip(ps, loras)]
         got: dict[str, list[int]] = {r: [] for r in ids}
         margins: dict[str, list[float]] = {r: [] for r in ids}
         steps = 0
@@ -170,6 +172,30 @@ def _model(ctx: Ctx, name: str, path: Path, fp8_kv: bool = False) -> None:
             rep.log(f"  {name}: bf16 agrees with fp32 on {same}/{n * new} tokens (information)")
 
 
+def _lora(ctx: Ctx) -> None:
+    """The demo Qwen3 with a LoRA adapter on every projection, every other request under it: the device's tokens
+    must be the CPU's (the rows of each adapter are gathered and scattered on the device)."""
+    rep = ctx.report
+    path, adapter = models.tiny_qwen3(ctx), models.tiny_lora(ctx)
+    n, new = ctx.pick((2, 3), (6, 8), (8, 12))
+    ps = prompts(n, 1280)
+    loras = ["tiny" if i % 2 == 0 else None for i in range(n)]
+    kw = dict(loras=loras, lora_modules=(("tiny", str(adapter)),))
+    with env(EMBER_ATTENTION=None, EMBER_MOE=None):
+        want = greedy(path, torch.device("cpu"), torch.float32, ps, new, **kw)
+    base = greedy(path, torch.device("cpu"), torch.float32, ps[:1], new)
+    rep.add_check("qwen3 + lora: the adapter changes the cpu reference's tokens", base.tokens[0] != want.tokens[0])
+    kernels_on_cpu = {} if ctx.cuda else {"EMBER_ATTENTION": "triton", "EMBER_MOE": "triton"}
+    with env(**kernels_on_cpu):
+        got = greedy(path, ctx.device, torch.float32, ps, new, enforce_eager=True, **kw)
+    rep.row(model="qwen3 + lora", run="device fp32 eager", **got.info)
+    check_agree(ctx, "qwen3 + lora: device fp32 eager == cpu", got, want)
+    if ctx.cuda and not ctx.quick:
+        bf16 = greedy(path, ctx.device, torch.bfloat16, ps, new, **kw)
+        same = sum(a == b for x, y in zip(bf16.tokens, want.tokens) for a, b in zip(x, y))
+        rep.row(model="qwen3 + lora", run="device bf16", token_agreement_with_fp32=same / (n * new), **bf16.info)
+
+
 def _has_kv_cache_dtype() -> bool:
     import inspect
 
@@ -181,6 +207,8 @@ def _has_kv_cache_dtype() -> bool:
 def run(ctx: Ctx) -> None:
     with ctx.case("build tiny qwen3"):
         _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
+    with ctx.case("qwen3 + lora"):
+        _lora(ctx)
     quick = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")  # --quick: one model per distinct device path
     for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
                         ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),

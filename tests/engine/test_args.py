@@ -23,7 +23,7 @@ def test_every_engine_setting_is_a_flag_with_its_default_in_the_help():
         assert flag in text, flag
     for piece in ("--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS", "(default: 2048)", "--block-size",
                   "--enable-chunked-prefill, --no-enable-chunked-prefill",
-                  "--enable-prefix-caching, --no-enable-prefix-caching", "--kv-cache-dtype {auto,fp8}",
+                  "--enable-prefix-caching, --no-enable-prefix-caching", "--kv-cache-dtype {auto,fp8,fp8_e4m3}",
                   "(default: auto)", "(default: 0.9)"):
         assert piece in text, piece
     assert text.count("default:") >= len(dataclasses.fields(EngineArgs))  # each flag says its default
