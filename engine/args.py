@@ -106,6 +106,8 @@ class EngineArgs:
                                           "on a quantized checkpoint the name must be its own quantization, as in "
                                           "vLLM (fp8, modelopt, modelopt_fp4, compressed-tensors, mxfp4)",
                                     choices=("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4"))
+    tokenizer: str | None = _opt(None, "the tokenizer's folder (or Hugging Face id, fetched like the model's), when "
+                                       "it is not the model's; its chat template is then the default", metavar="PATH")
     hf_overrides: str | None = _opt(None, "JSON object of config.json fields to change before the model loads, as "
                                           "vLLM applies them, e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
                                           "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
@@ -158,7 +160,8 @@ class EngineArgs:
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
                 "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
-                "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed}
+                "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed,
+                "tokenizer": self.tokenizer}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

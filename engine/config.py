@@ -200,3 +200,4 @@ class EngineConfig:
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)
     enable_lora: bool = False  # wrap the projections for adapters even with none at start (runtime loading)
     seed: int | None = None  # torch's generator seeded at start (vLLM's --seed): unseeded draws repeat run to run
+    tokenizer: str | None = None  # the tokenizer's folder, when it is not the model's

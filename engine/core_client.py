@@ -33,7 +33,8 @@ class ProcessEngineClient:
     """The engine core in a spawned child process, reached over ZMQ (an `EngineClient`)."""
 
     def __init__(self, model_dir: str | os.PathLike, args: EngineArgs | None = None,
-                 constraint_factory: Callable[[str], Any] | None = None, *, startup_timeout: float | None = None,
+                 constraint_factory: Callable[[str, str | None], Any] | None = None, *,
+                 startup_timeout: float | None = None,
                  log_level: str = "WARNING") -> None:
         import dataclasses
 

@@ -65,7 +65,7 @@ class _Core:
 
         args = EngineArgs(**args_fields)
         args.apply_threads()
-        self.constraints = constraint_factory(model_dir) if constraint_factory is not None else None
+        self.constraints = constraint_factory(model_dir, args.tokenizer) if constraint_factory is not None else None
         self.engine, info = build_engine(model_dir, args, self.constraints)
         self.events = events
         self.clock = StepClock()

@@ -109,6 +109,7 @@ class ShardSpec:
     kv_cache_dtype: torch.dtype
     quantization: str | None
     model_config: ModelConfig  # the whole model's, as the driver read it (with --hf-overrides applied)
+    tokenizer_dir: str  # where the tokenizer is (a classifier made from LM-head rows resolves its tokens there)
 
 
 # ---- how the model is split ---------------------------------------------------------------------------------------
@@ -411,7 +412,7 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     fmt = fp8_loading.resolve_format(full.raw, model_dir, spec.quantization)
     model = load_model(model_dir, cfg, spec.max_position, device, spec.dtype,
                        weights=iter_shard_weights(model_dir, tp, rule, fmt), model_class=spec.model_class,
-                       quantization=spec.quantization)
+                       quantization=spec.quantization, tokenizer_dir=spec.tokenizer_dir)
     return attach(model, tp), cfg
 
 
@@ -538,7 +539,7 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")
     spec = ShardSpec(model_class, max_position, config.block_size, dtype, device.type, torch.get_num_threads(),
-                     kv_cache_dtype, config.quantization, mc)
+                     kv_cache_dtype, config.quantization, mc, str(config.tokenizer or model_dir))
     store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=_COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=worker_main, args=(r, n, store.port, str(model_dir), spec),

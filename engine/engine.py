@@ -76,10 +76,12 @@ def _skip_init(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int, device: torch.device,
                dtype: torch.dtype, weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-               model_class: type | None = None, quantization: str | None = None):
+               model_class: type | None = None, quantization: str | None = None,
+               tokenizer_dir: str | os.PathLike | None = None):
     """Instantiate the architecture named in config.json (or ``model_class``) on ``device`` and fill it from the
     safetensors files (or ``weights``, e.g. one tensor-parallel rank's slices); ``quantization="fp8"`` quantizes an
-    unquantized checkpoint's projections to FP8 as they load."""
+    unquantized checkpoint's projections to FP8 as they load. ``tokenizer_dir`` (default: ``model_dir``) resolves
+    the tokens of a classifier made from LM-head rows."""
     cls = model_class or get_model_class(cfg.architecture,
                                          source=str(loader.checkpoint_dir(model_dir) / "config.json"))
     with torch.device("meta"), _skip_init(dtype):  # allocated on `device` once the loader knows what is packed
@@ -102,7 +104,8 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
     stream = model.renamed(weights)  # under the model's own names
     head = classifier.token_head(cfg)
     if head is not None:  # a causal LM served as a classifier: its score head comes from LM-head rows
-        score = classifier.converted_head_weight(model, loader.weight_files(model_dir), model_dir, head)
+        score = classifier.converted_head_weight(model, loader.weight_files(model_dir), tokenizer_dir or model_dir,
+                                                 head)
         stream = itertools.chain(stream, [("score.weight", score)])
     model.load_weights(stream, source=str(model_dir))
     for m in model.modules():  # the model's RoPE tables (Gemma 3 has a local and a global one)
@@ -122,7 +125,8 @@ class Engine:
             torch.manual_seed(config.seed)
         self.model_config = loader.load_model_config(self.model_dir, config.hf_overrides)
         self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
-        self.tokenizer = loader.load_tokenizer(self.model_dir)
+        self.tokenizer_dir = loader.checkpoint_dir(config.tokenizer or self.model_dir)
+        self.tokenizer = loader.load_tokenizer(self.tokenizer_dir)
         self.eos_token_ids: set[int] = set(end_of_turn_ids(self.tokenizer, self.model_dir))
         mc = self.model_config
         self.device = torch.device(config.device) if config.device is not None else _default_device()
@@ -143,7 +147,7 @@ class Engine:
                                                    self.dtype, self.kv_cache_dtype)
         else:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype,
-                               quantization=config.quantization)
+                               quantization=config.quantization, tokenizer_dir=self.tokenizer_dir)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
                                       kv_cache_dtype=self.kv_cache_dtype)
         self.lora: LoRAStack | None = None
@@ -188,7 +192,8 @@ class Engine:
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
-                        max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None) -> "Engine":
+                        max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None,
+                        tokenizer: str | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -197,7 +202,7 @@ class Engine:
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
-            max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed, tokenizer=tokenizer,
         )
         return cls(model_dir, config, bitmask_filler)
 

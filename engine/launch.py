@@ -52,7 +52,7 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
     model = getattr(engine.runner, "model", None)
     num_params = sum(p.numel() for p in model.parameters()) if model is not None else 0
     return ModelInfo(
-        model_dir=str(engine.model_dir), tokenizer_path=str(engine.model_dir), model_type=mc.model_type or None,
+        model_dir=str(engine.model_dir), tokenizer_path=str(engine.tokenizer_dir), model_type=mc.model_type or None,
         architecture=mc.architecture, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
         vocab_size=engine.vocab_size, max_model_len=engine.max_model_len,
         eos_token_ids=end_of_turn_ids(engine.tokenizer, engine.model_dir), block_size=engine.config.block_size,

@@ -553,7 +553,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     if config.in_process:
         from ember.engine.async_engine import AsyncEngine
 
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(config.tokenizer or model_dir)
         grammar = _structured(model_dir, tokenizer)
         engine: Any = AsyncEngine.from_args(str(model_dir), args, grammar)
     else:

@@ -18,6 +18,9 @@ ALLOW_PATTERNS: tuple[str, ...] = (
     "*.safetensors", "*.json", "tokenizer.model", "*.tiktoken", "merges.txt", "vocab.txt", "*.jinja",
 )
 
+TOKENIZER_PATTERNS: tuple[str, ...] = tuple(p for p in ALLOW_PATTERNS if p != "*.safetensors")
+"""What `--tokenizer` fetches from the hub: everything the engine reads but the weights."""
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
@@ -60,9 +63,10 @@ def _cache_dir(download_dir: Path | None) -> str:
     return str(download_dir) if download_dir is not None else constants.HF_HUB_CACHE
 
 
-def download(ref: ModelRef, download_dir: Path | None = None) -> Path:
+def download(ref: ModelRef, download_dir: Path | None = None,
+             patterns: tuple[str, ...] = ALLOW_PATTERNS) -> Path:
     """The snapshot folder of `ref.repo_id` at `ref.revision` (default branch when None), downloading the engine's
-    files unless the cache already has them (or `HF_HUB_OFFLINE=1` forbids the network)."""
+    files (``patterns``) unless the cache already has them (or `HF_HUB_OFFLINE=1` forbids the network)."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -73,7 +77,7 @@ def download(ref: ModelRef, download_dir: Path | None = None) -> Path:
         f" --cache-dir {download_dir}" if download_dir is not None else "") + "` or pass a local checkpoint directory"
     try:
         folder = snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=download_dir,
-                                   allow_patterns=list(ALLOW_PATTERNS), token=os.environ.get("HF_TOKEN") or None)
+                                   allow_patterns=list(patterns), token=os.environ.get("HF_TOKEN") or None)
     except hf.GatedRepoError:
         raise ModelSourceError(f"model {name} is gated on the Hugging Face hub: accept its licence on "
                                f"huggingface.co/{ref.repo_id} and set HF_TOKEN") from None
@@ -105,6 +109,20 @@ def resolve_model(value: str | os.PathLike | None, *, revision: str | None = Non
         what = ref.repo_id or str(value)
         raise ModelSourceError(f"{what}: no config.json in {folder}; MODEL must be a Hugging Face transformers "
                                f"checkpoint (config.json, *.safetensors, tokenizer files)")
+    return folder
+
+
+def resolve_tokenizer(value: str, model: str | os.PathLike | None, model_dir: Path, *,
+                      download_dir: Path | None = None) -> Path:
+    """The folder of `--tokenizer`: the model's own when it names the model, a local folder, or a Hugging Face id
+    (its tokenizer files only are fetched); ModelSourceError when it holds no tokenizer."""
+    if model is not None and value == os.fspath(model):
+        return model_dir
+    ref = parse_model_ref(value)
+    folder = ref.path if ref.path is not None else download(ref, download_dir, TOKENIZER_PATTERNS)
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise ModelSourceError(f"--tokenizer {value}: no tokenizer files (tokenizer.json, tokenizer_config.json) in "
+                               f"{folder}")
     return folder
 
 

@@ -133,17 +133,20 @@ def _one_line(e: BaseException) -> str:
 def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
     """Resolve and load the model; the config comes back with the checkpoint directory and served name filled in."""
     from .app import load_runtime
-    from .model_source import ModelSourceError, resolve_model, served_name
+    from .model_source import ModelSourceError, resolve_model, resolve_tokenizer, served_name
 
     try:
         model_dir = resolve_model(config.model_dir, revision=config.revision, download_dir=config.download_dir)
+        if model_dir is None:
+            from ember.engine import demo
+
+            model_dir = demo.ensure()
+        if config.tokenizer is not None:
+            config = dataclasses.replace(config, tokenizer=str(resolve_tokenizer(
+                config.tokenizer, config.model_dir, model_dir, download_dir=config.download_dir)))
     except ModelSourceError as e:
         raise StartupError(str(e)) from None
-    if model_dir is None:
-        from ember.engine import demo
-
-        model_dir = demo.ensure()
-    elif config.served_model_name is None:
+    if config.model_dir is not None and config.served_model_name is None:
         config = dataclasses.replace(config, served_model_name=served_name(config.model_dir, model_dir))
     config = dataclasses.replace(config, model_dir=model_dir)
     log.info("loading %s", model_dir)

@@ -70,11 +70,14 @@ class Structured:
                               param=answer_field(response_format) if response_format else "tools") from None
 
 
-def engine_constraints(model_dir: str) -> Structured | None:
+def engine_constraints(model_dir: str, tokenizer_dir: str | None = None) -> Structured | None:
     """The engine process's `ConstraintBackend` (a top-level function, so it crosses to the spawned process by
-    name); None when llguidance cannot read this tokenizer (the front end then refuses structured output)."""
+    name), over the tokenizer of ``tokenizer_dir`` (default: the model's); None when llguidance cannot read this
+    tokenizer (the front end then refuses structured output)."""
     try:
-        return Structured.from_pretrained(model_dir)
+        from ember.engine.checkpoint import load_tokenizer
+
+        return Structured.from_pretrained(model_dir, load_tokenizer(tokenizer_dir or model_dir))
     except Exception as e:
         log.warning("structured output disabled in the engine: %s", e)
         return None

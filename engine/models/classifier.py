@@ -105,24 +105,25 @@ def attach_head(model: nn.Module, cfg: ModelConfig) -> None:
     model.score = nn.Linear(cfg.hidden_size, len(labels(cfg)), bias=False, device=ref.device, dtype=ref.dtype)
 
 
-def _token_ids(model_dir: str | Path, head: TokenHead) -> list[int]:
+def _token_ids(tokenizer_dir: str | Path, head: TokenHead) -> list[int]:
     from ember.engine.checkpoint import load_tokenizer
 
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(tokenizer_dir)
     ids = []
     for t in head.tokens:
         i = tok.convert_tokens_to_ids(t)
         if not isinstance(i, int) or tok.convert_ids_to_tokens(i) != t:
-            raise ConfigError(f"classifier_from_token: {t!r} is not one token of {model_dir}'s vocabulary")
+            raise ConfigError(f"classifier_from_token: {t!r} is not one token of {tokenizer_dir}'s vocabulary")
         ids.append(i)
     return ids
 
 
-def converted_head_weight(model: nn.Module, files: list[Path], model_dir: str | Path, head: TokenHead) -> torch.Tensor:
+def converted_head_weight(model: nn.Module, files: list[Path], tokenizer_dir: str | Path,
+                          head: TokenHead) -> torch.Tensor:
     """The ``score`` weight of a converted causal LM, computed in fp32 from the LM head's rows of ``head``'s tokens
-    (the input embedding's when the checkpoint ties them), read straight from the safetensors ``files`` so every
-    tensor-parallel rank builds the same replicated head."""
-    ids = _token_ids(model_dir, head)
+    (their IDs in the tokenizer of ``tokenizer_dir``; the input embedding's rows when the checkpoint ties them), read
+    straight from the safetensors ``files`` so every tensor-parallel rank builds the same replicated head."""
+    ids = _token_ids(tokenizer_dir, head)
     wanted = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -136,8 +137,8 @@ def converted_head_weight(model: nn.Module, files: list[Path], model_dir: str | 
             rows = torch.cat([table[i:i + 1] for i in ids]).float()
             break
     else:
-        raise ConfigError(f"{model_dir}: classifier_from_token needs the LM head's rows, but no {wanted!r} tensor "
-                          f"was found")
+        raise ConfigError(f"classifier_from_token needs the LM head's rows, but no {wanted!r} tensor was found in "
+                          f"{', '.join(str(f) for f in files)}")
     if head.method == "from_2_way_softmax":
         return rows[1:2] - rows[0:1]
     return rows
