@@ -70,6 +70,8 @@ class AttentionMetadata:
     score_indices: torch.Tensor | None = None
     lora_rows: list[tuple[int, torch.Tensor]] | None = None
     """The step's token rows per LoRA adapter slot (`ember.engine.lora.LoRARows`), when the engine serves adapters."""
+    lora_row_slots: torch.Tensor | None = None
+    """int64 [T]: each token row's LoRA slot (-1: the base model), for decode steps a graph may replay."""
 
     @property
     def num_seqs(self) -> int:

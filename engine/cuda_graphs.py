@@ -8,7 +8,9 @@ static input buffers every captured graph reads (sized for the largest batch):
 - ``query_start_loc`` int32 ``[N+1]`` (fixed ``0..N``: one token per sequence), ``seq_lens`` int32 ``[N]``;
 - ``block_table`` int32 ``[N, max_blocks_per_seq]``; ``logits_indices`` int64 ``[N]`` (fixed ``0..N-1``);
 - for models with recurrent state (``state_pad_slot`` given): ``state_slots`` int64 ``[N]`` and ``state_keep``
-  float32 ``[N]``, the token indices fixed ``0..N-1``; padding rows use the scratch slot ``state_pad_slot``.
+  float32 ``[N]``, the token indices fixed ``0..N-1``; padding rows use the scratch slot ``state_pad_slot``;
+- with LoRA adapters (``lora``): ``lora_row_slots`` int64 ``[N]``, each row's adapter slot (-1 for the base model
+  and for padding rows), from which the graphed forward masks every slot's update (`ember.engine.lora.LoRARows`).
 
 A batch of ``n`` sequences is copied into the first ``n`` rows (the buffers are never rebound: the graphs hold their
 addresses) and replayed with the graph of the smallest captured size ``>= n``; rows ``n..size-1`` are padding: slot ``-1`` (the KV write skips them), ``seq_len 0`` (attention reads
@@ -66,6 +68,7 @@ class DecodeGraphRunner:
         device: torch.device | str,
         sizes: list[int] | None = None,
         state_pad_slot: int | None = None,
+        lora: bool = False,
     ) -> None:
         self.forward = forward
         self.device = torch.device(device)
@@ -84,6 +87,7 @@ class DecodeGraphRunner:
         if state_pad_slot is not None:
             self.state_slots = torch.full((n,), state_pad_slot, dtype=torch.int64, device=dev)
             self.state_keep = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.lora_row_slots = torch.full((n,), -1, dtype=torch.int64, device=dev) if lora else None
         self.use_graphs = self.device.type == "cuda"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -116,6 +120,7 @@ class DecodeGraphRunner:
             max_seqlen_k=self.max_seqlen_k,
             recurrent=None if self.state_pad_slot is None else RecurrentMetadata(
                 self.logits_indices[:size], self.state_slots[:size], self.state_keep[:size], []),
+            lora_row_slots=None if self.lora_row_slots is None else self.lora_row_slots[:size],
         )
 
     def capture(self, warmup: int = 2) -> None:
@@ -149,6 +154,8 @@ class DecodeGraphRunner:
         if self.state_pad_slot is not None:
             self.state_slots[start:] = self.state_pad_slot
             self.state_keep[start:] = 0.0
+        if self.lora_row_slots is not None:
+            self.lora_row_slots[start:] = -1
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The forward's output for a decode batch (``max_seqlen_q == 1``, one token per sequence), rows ``[:n]``."""
@@ -170,6 +177,10 @@ class DecodeGraphRunner:
                 raise ValueError("a decode batch of a recurrent model needs one state slot per sequence")
             self.state_slots[:n].copy_(rec.decode_slots, non_blocking=True)
             self.state_keep[:n].copy_(rec.decode_keep, non_blocking=True)
+        if self.lora_row_slots is not None:
+            if meta.lora_row_slots is None or meta.lora_row_slots.shape[0] != n:
+                raise ValueError("a decode batch under LoRA needs one adapter slot per sequence")
+            self.lora_row_slots[:n].copy_(meta.lora_row_slots, non_blocking=True)
         self._reset_padding(n)
         if self.use_graphs and size in self._graphs:
             self._graphs[size].replay()

@@ -12,7 +12,8 @@ wrapped projection adds ``(x[rows] @ A_s^T) @ B_s^T`` for the token rows of the 
 projections (``qkv_proj``, ``gate_up_proj``) hold their parts' ``A`` stacked and ``B`` block-diagonal, so one pair
 of matmuls serves all parts; the scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
 Under tensor parallelism each rank holds its share of the adapter (`COLUMN_PARALLEL`), and the step's rows reach
-every rank in `AttentionMetadata.lora_rows`.
+every rank in `AttentionMetadata.lora_rows`. A decode step a CUDA graph replays uses the static-shape form instead:
+every slot's update over the whole batch, masked to that slot's rows (`LoRARows.masks`).
 """
 from __future__ import annotations
 
@@ -138,10 +139,22 @@ def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoR
 
 @dataclass
 class LoRARows:
-    """This step's token rows per adapter slot (``(slot, rows)`` with ``rows`` a device index tensor); empty when
-    no scheduled sequence uses an adapter. Shared by every `LoRALinear` of one model."""
+    """Which token rows each adapter slot updates this step, shared by every `LoRALinear` of one model: ``groups``
+    (``(slot, rows)``, ``rows`` a device index tensor; empty when no sequence uses an adapter) for an eager step, or,
+    for a decode step a CUDA graph may replay, ``masks`` ``[slots, T, 1]`` (1 where the row's sequence uses the
+    slot), computed on the device from the step's per-row slots so every shape is static."""
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    masks: torch.Tensor | None = None
+
+    def use_slots(self, row_slots: torch.Tensor, slots: int, dtype: torch.dtype) -> None:
+        """Switch to the masked form for the rows' slots (int64 ``[T]``, -1: none)."""
+        wanted = torch.arange(slots, device=row_slots.device)
+        self.masks = (row_slots.unsqueeze(0) == wanted.unsqueeze(1)).to(dtype).unsqueeze(-1)
+        self.groups = []
+
+    def use_groups(self, groups: list[tuple[int, torch.Tensor]] | None) -> None:
+        self.groups, self.masks = groups or [], None
 
 
 class LoRALinear(nn.Module):
@@ -170,6 +183,11 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # a fresh tensor: the updates land in it in place
+        masks = self.rows.masks
+        if masks is not None:  # static shapes (a decode graph): every slot, rows of other slots masked to zero
+            for slot in range(masks.shape[0]):
+                y.add_(((x @ self.lora_a[slot].T) * masks[slot]) @ self.lora_b[slot].T)
+            return y
         for slot, rows in self.rows.groups:
             y.index_add_(0, rows, (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T)
         return y
@@ -258,3 +276,7 @@ class LoRAStack:
             row += n
         return [(s, torch.tensor(r, dtype=torch.int64).to(self.device, non_blocking=True))
                 for s, r in by_slot.items()]
+
+    def row_slots(self, slots: list[int]) -> torch.Tensor:
+        """int64 ``[n]`` on the device: the slot of each row of a decode step (one row per sequence)."""
+        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)

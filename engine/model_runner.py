@@ -166,7 +166,10 @@ class ModelRunner:
             score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
         if self.lora is not None:
-            meta.lora_rows = self.lora.group_rows([c.seq.lora_slot for c in chunks], [c.num_tokens for c in chunks])
+            slots = [c.seq.lora_slot for c in chunks]
+            meta.lora_rows = self.lora.group_rows(slots, [c.num_tokens for c in chunks])
+            if self.graphs is not None and t == b:  # a decode step: a graph may replay it
+                meta.lora_row_slots = self.lora.row_slots(slots)
         if self.recurrent:
             rec = d64[3 * t + s:].view(3, r)
             meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
@@ -211,7 +214,7 @@ class ModelRunner:
         self.scoring_hidden = None
         saves = meta.recurrent.saves if meta.recurrent is not None else None
         if self.lora is not None:
-            self.lora.rows.groups = meta.lora_rows or []
+            self.lora.rows.use_groups(meta.lora_rows)
         if self.graphs is not None and self._graph_step(meta):
             self.num_graph_steps += 1
             logits = self.graphs.run(input_ids, meta)
@@ -257,14 +260,14 @@ class ModelRunner:
 
     def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The graphed forward: fp32 logits of every row of a decode batch."""
+        if self.lora is not None:
+            self.lora.rows.use_slots(meta.lora_row_slots, self.lora.slots, self.dtype)
         return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches, self.backend)).float()
 
     def graph_blocker(self) -> str | None:
         """Why this runner cannot capture CUDA graphs (None: it can)."""
         if self.device.type != "cuda":
             return "no CUDA device"
-        if self.lora is not None:
-            return "LoRA adapters: each step groups its rows by adapter on the host (not captured)"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 
@@ -292,7 +295,7 @@ class ModelRunner:
         runner = DecodeGraphRunner(self._decode_logits, max_num_seqs=max_num_seqs,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_seqlen_k=max_model_len, device=self.device,
-                                   state_pad_slot=self.state_pad_slot)
+                                   state_pad_slot=self.state_pad_slot, lora=self.lora is not None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free_before = torch.cuda.mem_get_info(self.device)[0]

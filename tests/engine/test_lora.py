@@ -174,3 +174,17 @@ def test_the_in_process_engine_client_loads_and_unloads_adapters(lora_setup):
         asyncio.run(go())
     finally:
         engine.shutdown()
+
+
+def test_decode_graphs_mask_each_adapters_rows_as_the_eager_path_groups_them(lora_setup):
+    """The static-shape form a CUDA graph captures (every slot's update, masked to its rows; on a CPU the same
+    forward runs over the graph runner's padded buffers) decodes what the eager grouped form does."""
+    modules = (("sql", str(lora_setup["sql"])), ("chat", str(lora_setup["chat"])))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 1270, (n,), generator=g).tolist() for n in (6, 11, 4, 9, 13)]
+    work = {str(i): (p, _greedy([None, "sql", "chat"][i % 3], 10)) for i, p in enumerate(prompts)}
+    want = _run(Engine.from_pretrained(lora_setup["base"], lora_modules=modules, **OPTIONS), work)
+    engine = Engine.from_pretrained(lora_setup["base"], lora_modules=modules, max_loras=3, **OPTIONS)
+    engine.runner.capture_decode_graphs(4, engine.max_model_len)
+    assert _run(engine, work) == want
+    assert engine.runner.num_graph_steps > 0  # decode steps of up to 4 sequences went through the graph runner
