@@ -141,6 +141,8 @@ class EngineArgs:
     row_ops_backend: str | None = _opt(None, "RMSNorm (plain and zero-centred), rotary and SiLU- / GELU-tanh-and-mul "
                                              "kernels; default: triton on CUDA, torch on CPU",
                                        choices=("triton", "torch"))
+    max_logprobs: int = _opt(20, "the most alternatives per token a request's logprobs, top_logprobs or "
+                                 "prompt_logprobs may ask for; -1: the whole vocabulary", metavar="N")
     seed: int | None = _opt(None, "seed torch's generator as the engine starts, so unseeded sampling repeats from "
                                   "run to run for the same requests in the same order (vLLM's --seed); a request's "
                                   "own seed is unaffected", metavar="N")
@@ -161,7 +163,7 @@ class EngineArgs:
                 "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
                 "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed,
-                "tokenizer": self.tokenizer}
+                "tokenizer": self.tokenizer, "max_logprobs": self.max_logprobs}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

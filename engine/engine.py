@@ -193,7 +193,7 @@ class Engine:
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
                         max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None,
-                        tokenizer: str | None = None) -> "Engine":
+                        tokenizer: str | None = None, max_logprobs: int = 20) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -203,6 +203,7 @@ class Engine:
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
             max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed, tokenizer=tokenizer,
+            max_logprobs=max_logprobs,
         )
         return cls(model_dir, config, bitmask_filler)
 
@@ -272,7 +273,7 @@ class Engine:
                     request_id: str | None = None, constraint: Constraint | None = None) -> str:
         """Queue a request; ValueError (naming the problem) when it is invalid or can never fit."""
         params = params if params is not None else SamplingParams()
-        validate_params(params, self.vocab_size)
+        validate_params(params, self.vocab_size, self.config.max_logprobs)
         ids = [int(t) for t in prompt_ids]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:

@@ -41,7 +41,7 @@ class SamplerOutput:
     """Rows that could not sample (their constraint failed or allowed no token), with the reason."""
 
 
-def validate_params(p: SamplingParams, vocab_size: int) -> None:
+def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) -> None:
     """ValueError naming the field when a setting is out of range."""
     if p.pooling is not None and p.pooling not in POOLING_TYPES:
         raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)} (or None), got {p.pooling!r}")
@@ -65,10 +65,11 @@ def validate_params(p: SamplingParams, vocab_size: int) -> None:
         v = getattr(p, name)
         if not -2 <= v <= 2:
             raise ValueError(f"{name} must be in [-2, 2], got {v}")
-    if p.logprobs is not None and not 0 <= p.logprobs <= 20:
-        raise ValueError(f"logprobs must be in [0, 20], got {p.logprobs}")
-    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= 20:
-        raise ValueError(f"prompt_logprobs must be in [0, 20], got {p.prompt_logprobs}")
+    most = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, name)
+        if v is not None and not 0 <= v <= most:
+            raise ValueError(f"{name} must be in [0, {most}] (max_logprobs), got {v}")
     for tok in list((p.logit_bias or {}).keys()) + list(p.stop_token_ids):
         if not 0 <= int(tok) < vocab_size:
             raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary "

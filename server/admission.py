@@ -80,6 +80,16 @@ def resolve_model(rt: Any, model: str | None) -> str | None:
                    code="model_not_found")
 
 
+def check_logprobs(st: ServerState, **asked: int | None) -> None:
+    """A 400 naming the field when a request asks for more alternatives per token than ``--max-logprobs``."""
+    most = st.config.max_logprobs
+    if most < 0:
+        return
+    for name, value in asked.items():
+        if value is not None and value > most:
+            raise bad_request(f"{name} may be at most {most} (the server's --max-logprobs), got {value}", param=name)
+
+
 def model_label(st: ServerState, lora: str | None) -> str:
     """The ``model`` a response carries: the adapter's name under an adapter, else the served model's."""
     return lora or st.runtime.model_name

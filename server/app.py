@@ -30,7 +30,7 @@ from . import protocol_openai as po
 from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
-                        check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
+                        check_logprobs, check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
                         noted_steps, require_api_key, state, stop_ids, stream_error)
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
@@ -112,6 +112,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_logprobs(st, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
     if body.n > st.config.max_n:
         raise bad_request(f"n may be at most {st.config.max_n}", param="n")
     messages = chat.openai_messages(body.messages)
@@ -179,6 +180,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_logprobs(st, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")

@@ -88,7 +88,7 @@ class ResponsesRequest(_Lenient):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None

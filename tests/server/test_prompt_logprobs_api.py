@@ -93,3 +93,44 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(demo_server, demo_hf):
         client.completions.create(model=demo_server.model, prompt=text, max_tokens=1,
                                   extra_body={"prompt_logprobs": 21})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_max_logprobs_bounds_every_logprobs_field(demo_server, demo_model_dir):
+    """vLLM's --max-logprobs: 20 by default (a larger request is a 400 naming its field on every route), raised to
+    give more alternatives per token, or -1 for the whole vocabulary."""
+    import dataclasses
+
+    import httpx
+
+    from tests.server.conftest import _serve
+
+    messages = [{"role": "user", "content": "hi"}]
+    for route, body, field in (
+            ("/v1/chat/completions", {"messages": messages, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": messages, "prompt_logprobs": 21}, "prompt_logprobs"),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+            ("/v1/responses", {"input": "hi", "top_logprobs": 21}, "top_logprobs")):
+        r = httpx.post(demo_server.url + route, json={"model": demo_server.model, "max_tokens": 2, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (route, r.text)
+        assert "--max-logprobs" in r.text
+    wide_config = dataclasses.replace(demo_server.app.state.ember.config, max_logprobs=-1)
+    srv, _ = _serve(demo_server.runtime, wide_config)  # the front end's bound (the engine's is its own setting)
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": messages, "max_tokens": 1, "logprobs": True, "top_logprobs": 21})
+        assert r.status_code == 400 and "max_logprobs" in r.text  # the demo engine still holds 20
+    finally:
+        srv.stop()
+
+
+def test_an_engine_with_more_logprobs_returns_them(demo_model_dir):
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    engine = Engine.from_pretrained(demo_model_dir, max_logprobs=50, num_kv_blocks=16, max_model_len=128)
+    rid = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1, logprobs=40, prompt_logprobs=30))
+    outs = [o for o in engine.step() if o.request_id == rid]
+    assert len(outs[0].logprobs[0].top) == 40 and len(outs[0].prompt_logprobs[0].top) == 30
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\]"):
+        Engine.from_pretrained(demo_model_dir, num_kv_blocks=16, max_model_len=128).add_request(
+            [5], SamplingParams(logprobs=21))
