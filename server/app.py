@@ -81,12 +81,13 @@ def _prompt_logprobs(body: po._SamplingFields) -> int | None:
     return body.prompt_logprobs
 
 
-def _usage_options(body: po._SamplingFields) -> tuple[bool, bool]:
+def _usage_options(body: po._SamplingFields, force: bool = False) -> tuple[bool, bool]:
     """(a last chunk with the usage, every chunk with its choice's usage so far): `stream_options`'
-    `include_usage` and vLLM's `continuous_usage_stats`, which needs it."""
+    `include_usage` (always, with ``force``: vLLM's --enable-force-include-usage) and vLLM's
+    `continuous_usage_stats`, which needs it."""
     opts = body.stream_options
-    include = bool(body.stream and opts and opts.include_usage)
-    return include, include and bool(opts.continuous_usage_stats)
+    include = bool(body.stream and (force or (opts and opts.include_usage)))
+    return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 def _most(*tops: int | None) -> int | None:
@@ -157,7 +158,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request(choices, stop, "chatcmpl", arrival)
-    include_usage, continuous_usage = _usage_options(body)
+    include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
@@ -220,7 +221,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     check_capacity(st)
     st.metrics.prompt_tokens.inc(prompt_total)
     req = new_request(choices, stop, "cmpl", arrival)
-    include_usage, continuous_usage = _usage_options(body)
+    include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,

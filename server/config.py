@@ -78,6 +78,9 @@ class ServeConfig(EngineArgs):
         "help": "JSON object of chat-template variables every request gets unless its chat_template_kwargs set "
                 "them, e.g. '{\"enable_thinking\": false}'",
         "type": lambda text: parse_json_object_flag(text), "metavar": "JSON"})
+    enable_force_include_usage: bool = field(default=False, metadata={
+        "help": "end every streamed chat or text completion with a usage chunk, as if it asked for "
+                "stream_options.include_usage"})
     uvicorn_log_level: str | None = field(default=None, metadata={
         "help": "uvicorn's log level (its access log and server messages); default: --log-level",
         "choices": ("critical", "error", "warning", "info", "debug", "trace")})

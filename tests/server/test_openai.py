@@ -332,6 +332,27 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(dem
     assert all(ch.usage is None for ch in plain[:-1])
 
 
+def test_force_include_usage_ends_every_stream_with_usage(demo_server):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage still ends with a usage chunk."""
+    import dataclasses
+
+    from tests.server.conftest import LiveServer, _serve
+
+    asked_none = dict(model=demo_server.model, max_tokens=3, stream=True)
+    quiet = list(demo_server.openai().chat.completions.create(messages=HI, **asked_none))
+    assert all(ch.usage is None for ch in quiet)
+    config = dataclasses.replace(demo_server.app.state.ember.config, enable_force_include_usage=True)
+    srv, app = _serve(demo_server.runtime, config)
+    try:
+        client = LiveServer(srv.url, demo_server.runtime, demo_server.model, demo_server.tokenizer, app).openai()
+        *_, last = client.chat.completions.create(messages=HI, **asked_none)
+        assert last.choices == [] and last.usage.prompt_tokens == _prompt_len(demo_server, HI)
+        *_, last = client.completions.create(prompt="Once", **asked_none)
+        assert last.choices == [] and last.usage.completion_tokens >= 1
+    finally:
+        srv.stop()
+
+
 def test_sagemaker_and_vllm_utility_routes(demo_server, keyed_server):
     """`/invocations` (SageMaker, as vLLM serves it) answers what chat or completions answer for the same body and
     refuses what they refuse; `/ping` is the health check; `/version` names the version."""
