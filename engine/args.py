@@ -14,9 +14,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
-from ember.engine.checkpoint import parse_hf_overrides
 
 
 class SettingValueError(argparse.ArgumentTypeError, ValueError):
@@ -47,13 +46,27 @@ def parse_memory(text: str) -> int:
     return int(value)
 
 
-def parse_hf_overrides_flag(text: str) -> str:
-    """`--hf-overrides`: a JSON object of config.json fields (checked here, returned unchanged)."""
+def checked_by(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """A flag's type function that keeps the text as given once ``parse`` accepts it (its ValueError is the flag's
+    error message)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as e:
+            raise SettingValueError(str(e)) from None
+        return text
+    return check
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object; ValueError saying what is wrong otherwise."""
     try:
-        parse_hf_overrides(text)
-    except ValueError as e:
-        raise SettingValueError(str(e).removeprefix("--hf-overrides: ")) from None
-    return text
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -69,15 +82,6 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     if not name or not path or not isinstance(name, str) or not isinstance(path, str):
         raise ValueError(f"{text!r} is not NAME=PATH (or {{\"name\": NAME, \"path\": PATH}})")
     return name, path
-
-
-def parse_lora_module_flag(text: str) -> str:
-    """`--lora-modules` entry: NAME=PATH or vLLM's JSON form (checked here, returned unchanged)."""
-    try:
-        parse_lora_module(text)
-    except ValueError as e:
-        raise SettingValueError(str(e)) from None
-    return text
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -112,10 +116,10 @@ class EngineArgs:
                                           "vLLM applies them, e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
                                           "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
                                           "causal LM served as a classifier ('classifier_from_token')",
-                                    type=parse_hf_overrides_flag, metavar="JSON")
+                                    type=checked_by(parse_json_object), metavar="JSON")
     lora_modules: tuple[str, ...] = _opt((), "LoRA adapters to serve, each NAME=PATH (a PEFT folder) or vLLM's JSON "
                                              "{\"name\": ..., \"path\": ...}; a request selects one by its "
-                                             "'model'", action="extend", nargs="+", type=parse_lora_module_flag,
+                                             "'model'", action="extend", nargs="+", type=checked_by(parse_lora_module),
                                          metavar="NAME=PATH")
     enable_lora: bool = _opt(False, "prepare the model for LoRA adapters loaded at runtime (vLLM's switch; the "
                                     "adapters of --lora-modules are served with or without it)")
@@ -160,7 +164,7 @@ class EngineArgs:
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
-                "hf_overrides": parse_hf_overrides(self.hf_overrides) if self.hf_overrides else None,
+                "hf_overrides": parse_json_object(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
                 "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed,
                 "tokenizer": self.tokenizer, "max_logprobs": self.max_logprobs}

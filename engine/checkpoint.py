@@ -58,28 +58,21 @@ def apply_hf_overrides(config: dict[str, Any], overrides: dict[str, Any] | None)
     return out
 
 
-def parse_hf_overrides(text: str) -> dict[str, Any]:
-    """``--hf-overrides``: a JSON object; ValueError naming the flag otherwise."""
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; CheckpointError naming it when it is missing or not JSON."""
     try:
-        value = json.loads(text)
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"--hf-overrides: not valid JSON ({e}); give an object such as "
-                         f"'{{\"rope_scaling\": {{\"rope_type\": \"yarn\", \"factor\": 4.0}}}}'") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--hf-overrides: expected a JSON object of config.json fields, got {type(value).__name__}")
-    return value
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
 def read_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint's config.json with ``overrides`` (``--hf-overrides``) applied: the one view of the model's
     configuration that the engine and the front end both read."""
     path = checkpoint_dir(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    config = read_json(path)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return apply_hf_overrides(config, overrides)

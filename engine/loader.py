@@ -2,7 +2,6 @@
 generation config. Every failure names the file (and tensor) that is missing or wrong."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -13,19 +12,10 @@ import torch
 from safetensors import safe_open
 
 from ember.engine.checkpoint import CheckpointError, checkpoint_dir, load_tokenizer  # noqa: F401 (re-exported)
-from ember.engine.checkpoint import read_config
+from ember.engine.checkpoint import read_config, read_json
 from ember.engine.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
 def load_model_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | None = None) -> ModelConfig:
@@ -43,7 +33,7 @@ def load_model_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | 
 def load_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     """generation_config.json, or {} when the checkpoint has none."""
     path = checkpoint_dir(model_dir) / "generation_config.json"
-    return _read_json(path) if path.exists() else {}
+    return read_json(path) if path.exists() else {}
 
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
@@ -51,7 +41,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     root = checkpoint_dir(model_dir)
     index = root / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map'")
         files = [root / name for name in sorted(set(weight_map.values()))]

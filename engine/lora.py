@@ -18,7 +18,6 @@ every slot's update over the whole batch, masked to that slot's rows (`LoRARows.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from ember.engine.checkpoint import CheckpointError, read_json
 from ember.engine.config import ConfigError
 from ember.engine.nvfp4_loading import fused_target
 
@@ -47,11 +47,9 @@ def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) from ``adapter_config.json``; ConfigError naming the field Ember cannot serve."""
     path = folder / "adapter_config.json"
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"LoRA adapter {name!r}: {path} not found (a PEFT adapter folder is expected)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"LoRA adapter {name!r}: {path} is not valid JSON ({e})") from None
+        cfg = read_json(path)
+    except CheckpointError as e:
+        raise ConfigError(f"LoRA adapter {name!r}: {e} (a PEFT adapter folder is expected)") from None
     where = f"LoRA adapter {name!r} ({path})"
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")

@@ -1,11 +1,11 @@
 """Options of `ember serve`, as one plain dataclass shared by the CLI, the app factory and tests."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ember.engine.args import EngineArgs, SettingValueError
+from ember.engine.args import EngineArgs, SettingValueError, checked_by, parse_json_object
 
 
 @dataclass
@@ -69,15 +69,15 @@ class ServeConfig(EngineArgs):
         "help": "how /v1/embeddings pools the hidden states, as JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
                 "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
                 "LAST, normalized",
-        "type": lambda text: parse_pooler_config_flag(text)})
+        "type": checked_by(lambda text: _pooler_config(text))})
     override_generation_config: str | None = field(default=None, metadata={
         "help": "JSON object of sampling defaults set over --generation-config's, e.g. '{\"temperature\": 0.5}' "
                 "(temperature, top_p, top_k, min_p, repetition_penalty); a request's own values still win",
-        "type": lambda text: parse_override_generation_config(text), "metavar": "JSON"})
+        "type": checked_by(lambda text: parse_override_generation_config(text)), "metavar": "JSON"})
     default_chat_template_kwargs: str | None = field(default=None, metadata={
         "help": "JSON object of chat-template variables every request gets unless its chat_template_kwargs set "
                 "them, e.g. '{\"enable_thinking\": false}'",
-        "type": lambda text: parse_json_object_flag(text), "metavar": "JSON"})
+        "type": checked_by(parse_json_object), "metavar": "JSON"})
     enable_force_include_usage: bool = field(default=False, metadata={
         "help": "end every streamed chat or text completion with a usage chunk, as if it asked for "
                 "stream_options.include_usage"})
@@ -93,27 +93,13 @@ class ServeConfig(EngineArgs):
     # checkpoint must then be a classifier (checked once it is loaded); not a flag of its own
 
 
-def parse_json_object_flag(text: str) -> str:
-    """A flag whose value is a JSON object (checked here, returned unchanged)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SettingValueError(f"not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise SettingValueError(f"expected a JSON object, got {type(value).__name__}")
-    return text
-
-
-def parse_override_generation_config(text: str) -> str:
-    """`--override-generation-config`: a JSON object of the sampling defaults Ember applies (checked here)."""
+def parse_override_generation_config(text: str) -> dict[str, Any]:
+    """`--override-generation-config`: a JSON object of the sampling defaults Ember applies."""
     from .sampling_defaults import SamplingDefaults
 
-    parse_json_object_flag(text)
-    try:
-        SamplingDefaults.from_generation_config(json.loads(text), "the JSON", strict=True)
-    except ValueError as e:
-        raise SettingValueError(str(e)) from None
-    return text
+    value = parse_json_object(text)
+    SamplingDefaults.from_generation_config(value, "the JSON", strict=True)
+    return value
 
 
 def parse_chat_template(text: str) -> str:
@@ -138,15 +124,10 @@ def parse_generation_config(text: str) -> str:
     return str(p)
 
 
-def parse_pooler_config_flag(text: str) -> str:
-    """`--pooler-config`: JSON that `ember.server.pooling_spec.parse_pooler_config` accepts; returned unchanged."""
+def _pooler_config(text: str) -> Any:
     from .pooling_spec import parse_pooler_config
 
-    try:
-        parse_pooler_config(text)
-    except ValueError as e:
-        raise SettingValueError(str(e)) from None
-    return text
+    return parse_pooler_config(text)
 
 
 def parse_profile_name(text: str) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import secrets
 import time
@@ -19,7 +18,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
-from ember.engine.checkpoint import load_tokenizer, parse_hf_overrides
+from ember.engine.args import parse_json_object
+from ember.engine.checkpoint import load_tokenizer
 from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import OutputPipeline, ParserSetup
@@ -134,11 +134,11 @@ class ModelRuntime:
                    template_defaults=_json(config.default_chat_template_kwargs) or {},
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
-                                             parse_hf_overrides(config.hf_overrides) if config.hf_overrides else None))
+                                             _json(config.hf_overrides)))
 
 
 def _json(text: str | None) -> dict[str, Any] | None:
-    return json.loads(text) if text else None
+    return parse_json_object(text) if text else None
 
 
 @dataclass
