@@ -306,7 +306,7 @@ class Engine:
         slot = self.lora.slot(name)
         users = sum(1 for s in [*self.scheduler.running, *self.scheduler.waiting] if s.lora_slot == slot)
         if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {users} running request(s); retry once they end")
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s); retry once they end")
         self.runner.unload_lora(name)
 
     def abort(self, request_id: str) -> bool:

@@ -22,10 +22,10 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from ember.engine.lora import LoRAStack
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend, is_triton_backend
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
+from ember.engine.lora import LoRAStack
 from ember.engine.models.layers import DecoderForCausalLM, row_ops_backend, use_triton_row_ops
 from ember.engine.scheduler import SchedulerOutput
 from ember.engine.staging import Staging

@@ -133,7 +133,7 @@ def test_adapters_load_and_unload_between_steps(lora_setup):
     with pytest.raises(ConfigError, match="all 1 adapter slots are in use"):
         engine.load_lora("chat", str(lora_setup["chat"]))
     engine.add_request(prompt, _greedy("sql", 2), request_id="running")
-    with pytest.raises(ValueError, match="in use by 1 running request"):
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
         engine.unload_lora("sql")
     while engine.has_unfinished():
         engine.step()
