@@ -251,6 +251,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 kw["metavar"] = meta["metavar"]
         else:
             kw["type"] = _flag_type(f)
+            if "nargs" in meta:
+                kw["nargs"] = meta["nargs"]
             if "choices" in meta:
                 kw["choices"] = list(meta["choices"])
             if "metavar" in meta:

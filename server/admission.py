@@ -70,12 +70,12 @@ def check_model(st: ServerState, model: str | None) -> str | None:
 
 def resolve_model(rt: Any, model: str | None) -> str | None:
     """`check_model` for a runtime (`ember.server.generation.ModelRuntime`)."""
-    if model is None or model == rt.model_name:
+    if model is None or model == rt.model_name or model in rt.model_aliases:
         return None
     adapters = [name for name, _ in rt.model_info.lora_adapters]
     if model in adapters:
         return model
-    served = ", ".join(f"'{n}'" for n in [rt.model_name, *adapters])
+    served = ", ".join(f"'{n}'" for n in [rt.model_name, *rt.model_aliases, *adapters])
     raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
                    code="model_not_found")
 

@@ -347,11 +347,11 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
 
 # --------------------------------------------------------------------------------------------------------- the rest
 
-def _model_card(st: ServerState, lora: str | None) -> dict:
-    """One `/v1/models` entry; a LoRA adapter's names the served model as its ``parent`` and its folder as
-    ``root``, as vLLM lists adapters."""
+def _model_card(st: ServerState, lora: str | None, name: str | None = None) -> dict:
+    """One `/v1/models` entry (the served model under ``name``, one of its names); a LoRA adapter's names the
+    served model as its ``parent`` and its folder as ``root``, as vLLM lists adapters."""
     rt = st.runtime
-    card = {"id": model_label(st, lora), "object": "model", "created": st.started, "owned_by": "ember",
+    card = {"id": name or model_label(st, lora), "object": "model", "created": st.started, "owned_by": "ember",
             "root": rt.model_info.model_dir, "parent": None, "max_model_len": rt.max_model_len}
     if lora is not None:
         card.update(root=dict(rt.model_info.lora_adapters)[lora], parent=rt.model_name)
@@ -360,17 +360,21 @@ def _model_card(st: ServerState, lora: str | None) -> dict:
 
 async def list_models(request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
-    names = [st.runtime.model_name, *(n for n, _ in st.runtime.model_info.lora_adapters)]
+    rt = st.runtime
+    adapters = [n for n, _ in rt.model_info.lora_adapters]
+    names = [rt.model_name, *rt.model_aliases, *adapters]
     if "anthropic-version" in request.headers:
         created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
         return {"data": [{"type": "model", "id": n, "display_name": n, "created_at": created} for n in names],
                 "has_more": False, "first_id": names[0], "last_id": names[-1]}
-    return {"object": "list", "data": [_model_card(st, None if i == 0 else n) for i, n in enumerate(names)]}
+    cards = [_model_card(st, None, name) for name in [rt.model_name, *rt.model_aliases]]
+    return {"object": "list", "data": cards + [_model_card(st, n) for n in adapters]}
 
 
 async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
-    return _model_card(st, check_model(st, model_id))
+    lora = check_model(st, model_id)
+    return _model_card(st, lora, None if lora else model_id)
 
 
 async def health(request: Request) -> Response:

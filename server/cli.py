@@ -99,6 +99,9 @@ def _served_kind(flag: str, served: tuple[str, ...]):
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     config = from_namespace(ServeConfig, args)
+    if isinstance(config.served_model_name, list):  # --served-model-name NAME [NAME ...]
+        config.served_model_name, *aliases = config.served_model_name
+        config.served_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != config.served_model_name))
     flag = getattr(args, "model_flag", None)  # vLLM's --model MODEL
     if flag is not None:
         if config.model_dir is not None and config.model_dir != flag:

@@ -28,7 +28,10 @@ class ServeConfig(EngineArgs):
                 "default: none (no key needed)",
         "action": "append"})
     served_model_name: str | None = field(default=None, metadata={
-        "help": "the model name clients send (default: the Hugging Face id, or the directory's name)"})
+        "help": "the model name clients send, and more names that also reach the model (vLLM's several names; "
+                "responses carry the first); default: the Hugging Face id, or the directory's name",
+        "nargs": "+", "metavar": "NAME"})
+    served_model_aliases: tuple[str, ...] = ()  # the names after the first of --served-model-name (set by the CLI)
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "parser profile for reasoning, or 'none'; default: detected from the chat template and model type",
         "type": lambda text: parse_profile_name(text)})

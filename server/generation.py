@@ -96,6 +96,7 @@ class ModelRuntime:
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # for settings a request leaves unset
     pooling: PoolingSpec = PoolingSpec()  # how /v1/embeddings pools
     template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
+    model_aliases: tuple[str, ...] = ()  # more names requests may give the served model (--served-model-name)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -132,6 +133,7 @@ class ModelRuntime:
                    sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir,
                                                            _json(config.override_generation_config)),
                    template_defaults=_json(config.default_chat_template_kwargs) or {},
+                   model_aliases=tuple(config.served_model_aliases),
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
                                              _json(config.hf_overrides)))

@@ -22,8 +22,8 @@ def lora_server(demo_model_dir, tmp_path_factory):
     base = save_tiny_qwen3(root / "base", demo_model_dir, seed=31)
     tensors = save_adapter(root / "sql", seed=7, rank=8, alpha=16, modules=ALL)
     merged = merged_copy(base, tensors, 2.0, root / "merged")
-    config = ServeConfig(model_dir=base, served_model_name="tiny", max_num_seqs=4, kv_cache_blocks=64,
-                         in_process=True, enable_lora=True, lora_modules=(f"sql={root / 'sql'}",))
+    config = ServeConfig(model_dir=base, served_model_name="tiny", served_model_aliases=("gpt-4o",), max_num_seqs=4,
+                         kv_cache_blocks=64, in_process=True, enable_lora=True, lora_modules=(f"sql={root / 'sql'}",))
     with served(config) as server:
         yield server, merged, root / "sql"
 
@@ -63,12 +63,15 @@ def test_a_request_naming_the_adapter_generates_as_the_merged_model(lora_server)
 def test_models_lists_the_adapters_and_an_unknown_name_is_a_404(lora_server):
     server, _, folder = lora_server
     listed = {m.id: m for m in server.openai().models.list().data}
-    assert set(listed) == {"tiny", "sql"}
+    assert list(listed) == ["tiny", "gpt-4o", "sql"]  # the served names (vLLM's several), then the adapters
+    alias = server.openai().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+    assert alias.model == "tiny"  # another name of the served model: the response carries the first
     assert listed["sql"].model_extra["parent"] == "tiny" and listed["sql"].model_extra["root"] == str(folder)
     assert httpx.get(server.url + "/v1/models/sql", timeout=30).json()["parent"] == "tiny"
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'tiny', 'sql'" in r.text
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'tiny', 'gpt-4o', 'sql'" in r.text
 
 
 def test_embeddings_under_an_adapter_are_the_merged_models(lora_server):
