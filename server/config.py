@@ -89,6 +89,14 @@ class ServeConfig(EngineArgs):
         "choices": ("critical", "error", "warning", "info", "debug", "trace")})
     disable_uvicorn_access_log: bool = field(default=False, metadata={
         "help": "do not log one line per HTTP request"})
+    ssl_keyfile: Path | None = field(default=None, metadata={
+        "help": "serve HTTPS with this private key (PEM; its certificate is given too)", "metavar": "PATH",
+        "type": lambda text: parse_existing_file(text)})
+    ssl_certfile: Path | None = field(default=None, metadata={
+        "help": "serve HTTPS with this certificate chain (PEM; its private key is given too)", "metavar": "PATH",
+        "type": lambda text: parse_existing_file(text)})
+    root_path: str = field(default="", metadata={
+        "help": "the path prefix a proxy serves this server under (ASGI root_path), for the generated docs' links"})
     runtime_lora_updating: bool = field(default=False, metadata={
         "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); vLLM's "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on"})
@@ -103,6 +111,13 @@ def parse_override_generation_config(text: str) -> dict[str, Any]:
     value = parse_json_object(text)
     SamplingDefaults.from_generation_config(value, "the JSON", strict=True)
     return value
+
+
+def parse_existing_file(text: str) -> Path:
+    p = Path(text).expanduser()
+    if not p.is_file():
+        raise SettingValueError(f"{text}: no such file")
+    return p
 
 
 def parse_chat_template(text: str) -> str:

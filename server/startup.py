@@ -98,9 +98,25 @@ def check_template(runtime: Any, config: ServeConfig) -> None:
             raise StartupError(f"{source} fails to render {what}: {reason}") from None
 
 
-def url_of(host: str, port: int) -> str:
+def check_tls(config: ServeConfig) -> None:
+    """StartupError, before the model loads, unless --ssl-keyfile and --ssl-certfile are both absent or both given
+    and load as a key and its certificate."""
+    key, cert = config.ssl_keyfile, config.ssl_certfile
+    if key is None and cert is None:
+        return
+    if key is None or cert is None:
+        raise StartupError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
+    except (ssl.SSLError, OSError) as e:
+        raise StartupError(f"--ssl-certfile {cert} / --ssl-keyfile {key}: cannot load them ({e})") from None
+
+
+def url_of(host: str, port: int, tls: bool = False) -> str:
     shown = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, f"[{host}]" if ":" in host else host)
-    return f"http://{shown}:{port}"
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 def summary_lines(runtime: Any, config: ServeConfig, model_dir: Path, load_seconds: float) -> list[str]:
@@ -111,7 +127,7 @@ def summary_lines(runtime: Any, config: ServeConfig, model_dir: Path, load_secon
     full = min(tokens // info.max_model_len, info.max_num_seqs)
     setup = runtime.parser
     delimiters = ", ".join(f"{k}={v}" for k, v in sorted(setup.delimiter_ids.items())) or "none"
-    url = url_of(config.host, config.port)
+    url = url_of(config.host, config.port, tls=config.ssl_certfile is not None)
     fits = (f"{full} sequences of full length fit at once" if full else
             "not one sequence of full length fits (lower --max-model-len or give the KV cache more memory)")
     return [
@@ -175,6 +191,7 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime = None
     try:
+        check_tls(config)
         sock = bind_socket(config.host, config.port)
         try:
             runtime, config, seconds = _load(config)
@@ -195,8 +212,11 @@ def serve(config: ServeConfig) -> int:
     for line in summary_lines(runtime, config, config.model_dir, seconds):
         log.info("%s", line)
     app = create_app(runtime, config, exit_on_engine_death=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
-                                           access_log=not config.disable_uvicorn_access_log))
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
+        access_log=not config.disable_uvicorn_access_log, root_path=config.root_path,
+        ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
+        ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None))
     _freeze_heap()
     server.run(sockets=[sock])
     return 1 if app.state.ember.engine_dead else 0

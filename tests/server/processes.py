@@ -33,19 +33,21 @@ class ServeProcess:
 
 
 @contextmanager
-def serving(args: list[str], log: Path, env: dict | None = None, timeout: float = 180) -> Iterator[ServeProcess]:
-    """`ember serve ARGS` until the block ends (terminated then); yields once /health answers 200."""
+def serving(args: list[str], log: Path, env: dict | None = None, timeout: float = 180,
+            verify: str | None = None) -> Iterator[ServeProcess]:
+    """`ember serve ARGS` until the block ends (terminated then); yields once /health answers 200 (over HTTPS,
+    checked against the CA file ``verify``, when given)."""
     port = free_port()
     with open(log, "w") as err:
         proc = subprocess.Popen([*ember_cmd(), "serve", *args, "--port", str(port)], stdout=subprocess.DEVNULL,
                                 stderr=err, env={**os.environ, **(env or {})})
-    served = ServeProcess(f"http://127.0.0.1:{port}", proc, log)
+    served = ServeProcess(f"{'https' if verify else 'http'}://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + timeout
         while True:
             assert proc.poll() is None, served.log_tail()
             try:
-                if httpx.get(served.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(served.url + "/health", timeout=2, verify=verify or True).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -1,6 +1,8 @@
 """The `ember` console script: option parsing, the demo-model default, and a real `ember serve` process."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -126,6 +128,28 @@ def test_ember_serve_a_converted_llama2c_model(tmp_path):
             "model": "stories", "prompt": [1], "max_tokens": 256, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].removeprefix(" ") == expected
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_ember_serve_over_https_under_a_root_path(tmp_path, demo_model_dir, capsys):
+    """`--ssl-keyfile/--ssl-certfile` serve HTTPS (the client checks the certificate); `--root-path` is what the
+    generated docs link under; a key without its certificate stops the start before the model loads."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    args = [str(demo_model_dir), "--served-model-name", "demo", "--max-num-seqs", "2", "--kv-cache-blocks", "32",
+            "--log-level", "warning", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/ember"]
+    with serving(args, tmp_path / "serve.log", verify=str(cert)) as served:
+        assert served.url.startswith("https://")
+        r = httpx.post(served.url + "/v1/completions", verify=str(cert), timeout=60,
+                       json={"model": "demo", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert "/ember/openapi.json" in httpx.get(served.url + "/docs", verify=str(cert), timeout=30).text
+        with pytest.raises(httpx.HTTPError):  # not plain HTTP
+            httpx.get(served.url.replace("https://", "http://") + "/health", timeout=5)
+    assert main(["serve", str(demo_model_dir), "--ssl-keyfile", str(key)]) != 0
+    assert "--ssl-keyfile and --ssl-certfile go together" in capsys.readouterr().err
 
 
 def test_parser_flags_pick_the_profile(demo_model_dir):
