@@ -44,7 +44,7 @@ from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             sse_event, sse_line, usage, usage_chunk)
+                             sse_event, sse_line, token_names, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 
 log = logging.getLogger("ember.server")
@@ -56,7 +56,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
                     single_call: bool) -> AsyncIterator[str]:
     """The chat stream's SSE text: the role chunks, one item per step (all of its chunks), then the tail (errors,
     usage, ``[DONE]``). What `noted_steps` does is inlined: this runs once per streamed step of every stream."""
-    tb = st.runtime.token_bytes.token_bytes
+    tb = token_names(st.runtime.token_bytes.token_bytes, meta)
     encs = [ChatChoiceEncoder(meta, i, tb, len(c.prompt_ids)) for i, c in enumerate(req.choices)]
     prompt_ids = req.choices[0].prompt_ids
     yield "".join(sse_line(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
@@ -88,6 +88,12 @@ def _usage_options(body: po._SamplingFields, force: bool = False) -> tuple[bool,
     opts = body.stream_options
     include = bool(body.stream and (force or (opts and opts.include_usage)))
     return include, include and bool(opts and opts.continuous_usage_stats)
+
+
+def _tokens_as_ids(st: ServerState, body: po._SamplingFields) -> bool:
+    """vLLM's ``return_tokens_as_token_ids``: the request's field, else the server's flag."""
+    asked = body.return_tokens_as_token_ids
+    return st.config.return_tokens_as_token_ids if asked is None else asked
 
 
 def _most(*tops: int | None) -> int | None:
@@ -162,15 +168,16 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
-                     continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs)
+                     continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs,
+                     tokens_as_ids=_tokens_as_ids(st, body))
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
                                    st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await collect(request, noted_steps(st, req, run, not body.parallel_tool_calls))
     run.raise_for_errors()
-    return JSONResponse(chat_body(meta, collected, rt.token_bytes.token_bytes, n=len(req.choices),
-                                  prompt_token_ids=prompt_ids,
+    tb = token_names(rt.token_bytes.token_bytes, meta)
+    return JSONResponse(chat_body(meta, collected, tb, n=len(req.choices), prompt_token_ids=prompt_ids,
                                   usage_body=_chat_usage(len(prompt_ids), run)))
 
 
@@ -225,7 +232,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
-                     continuous_usage=continuous_usage, prompt_logprobs=scored_top)
+                     continuous_usage=continuous_usage, prompt_logprobs=scored_top,
+                     tokens_as_ids=_tokens_as_ids(st, body))
     run = Run()
 
     def completion_usage() -> dict:
@@ -234,7 +242,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
 
     async def groups() -> AsyncIterator[list[dict]]:
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
-        tb = rt.token_bytes.token_bytes
+        tb = token_names(rt.token_bytes.token_bytes, meta)
         encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], prompt_tokens=len(c.prompt_ids))
                 for i, c in enumerate(choices)]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]

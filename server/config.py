@@ -81,6 +81,9 @@ class ServeConfig(EngineArgs):
         "help": "JSON object of chat-template variables every request gets unless its chat_template_kwargs set "
                 "them, e.g. '{\"enable_thinking\": false}'",
         "type": checked_by(parse_json_object), "metavar": "JSON"})
+    return_tokens_as_token_ids: bool = field(default=False, metadata={
+        "help": "name each token in logprobs 'token_id:N' (its bytes unchanged), so a token that is not valid "
+                "UTF-8 on its own stays identifiable; a request's return_tokens_as_token_ids overrides it"})
     enable_force_include_usage: bool = field(default=False, metadata={
         "help": "end every streamed chat or text completion with a usage chunk, as if it asked for "
                 "stream_options.include_usage"})

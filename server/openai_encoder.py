@@ -57,6 +57,7 @@ class ChunkMeta:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:N`
 
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
@@ -107,8 +108,28 @@ def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
     return deltas
 
 
+class TokenIdNames:
+    """A `TokenBytesFn` whose tokens are named ``token_id:N`` in logprobs (vLLM's ``return_tokens_as_token_ids``:
+    a token that is not valid UTF-8 on its own stays identifiable); their ``bytes`` are unchanged."""
+
+    __slots__ = ("tb",)
+
+    def __init__(self, tb: TokenBytesFn) -> None:
+        self.tb = tb
+
+    def __call__(self, token_id: int) -> bytes:
+        return self.tb(token_id)
+
+
+def token_names(tb: TokenBytesFn, meta: "ChunkMeta") -> TokenBytesFn:
+    """``tb``, naming tokens by ID when the request asked for it."""
+    return TokenIdNames(tb) if meta.tokens_as_ids else tb
+
+
 def _token_str(tb: TokenBytesFn, token_id: int) -> tuple[str, list[int]]:
     b = tb(token_id)
+    if isinstance(tb, TokenIdNames):
+        return f"token_id:{token_id}", list(b)
     return b.decode("utf-8", errors="replace"), list(b)
 
 
@@ -126,6 +147,8 @@ def vllm_prompt_logprobs(tb: TokenBytesFn, prompt_ids: Sequence[int], scored: Se
     """vLLM's `prompt_logprobs`: per prompt token, None for the first (nothing precedes it), else a map from token ID
     (a string key) to ``{"logprob", "rank", "decoded_token"}`` holding the prompt's token and the ``top_n`` best."""
     out: list[dict[str, dict[str, Any]] | None] = [None] if prompt_ids else []
+    if isinstance(tb, TokenIdNames):  # decoded_token stays the text, as in vLLM
+        tb = tb.tb
     for info in scored[:max(0, len(prompt_ids) - 1)]:
         entry = {str(info.token_id): {"logprob": info.logprob, "rank": info.rank,
                                       "decoded_token": _token_str(tb, info.token_id)[0]}}
@@ -330,13 +353,13 @@ class CompletionChoiceEncoder:
                      top: Sequence[tuple[int, float]] | None, offset: int) -> str:
         """Append one token to a legacy ``logprobs`` object (``top`` None: no alternatives, as for the prompt's
         first token); returns the token's text."""
-        s, _ = _token_str(self.tb, token_id)
+        s, raw = _token_str(self.tb, token_id)
         lp["tokens"].append(s)
         lp["token_logprobs"].append(logprob)
         lp["top_logprobs"].append(None if top is None else {
             _token_str(self.tb, tid)[0]: v for tid, v in top[:self.meta.top_logprobs]})
         lp["text_offset"].append(offset)
-        return s
+        return bytes(raw).decode("utf-8", errors="replace")
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -173,6 +173,7 @@ class _SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (default: the flag)
     prompt_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (checked per route)
     user: str | None = None
     response_format: ResponseFormat | None = None

@@ -380,3 +380,35 @@ def test_sagemaker_and_vllm_utility_routes(demo_server, keyed_server):
     assert httpx.get(url + "/ping", timeout=30).json()["status"] == "ok"
     assert httpx.post(url + "/ping", timeout=30).status_code == 200
     assert httpx.get(url + "/version", timeout=30).json()["version"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(demo_server):
+    """vLLM's `return_tokens_as_token_ids` (request field, or the server's flag): every token in logprobs reads
+    `token_id:N`, its bytes unchanged, so tokens that are not valid UTF-8 alone stay identifiable."""
+    import dataclasses
+
+    from tests.server.conftest import LiveServer, _serve
+
+    client = demo_server.openai()
+    ask = dict(model=demo_server.model, messages=HI, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    plain = client.chat.completions.create(**ask, extra_body={"return_token_ids": True})
+    named = client.chat.completions.create(**ask, extra_body={"return_token_ids": True,
+                                                             "return_tokens_as_token_ids": True})
+    ids = named.choices[0].model_extra["token_ids"]
+    content = named.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{i}" for i in ids][:len(content)]
+    assert [c.bytes for c in content] == [c.bytes for c in plain.choices[0].logprobs.content]
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
+    text_ask = dict(model=demo_server.model, prompt="Once upon", max_tokens=4, temperature=0, logprobs=1,
+                    echo=True)
+    config = dataclasses.replace(demo_server.app.state.ember.config, return_tokens_as_token_ids=True)
+    srv, app = _serve(demo_server.runtime, config)
+    try:
+        flagged = LiveServer(srv.url, demo_server.runtime, demo_server.model, demo_server.tokenizer, app).openai()
+        by_id = flagged.completions.create(**text_ask).choices[0].logprobs
+        assert all(t.startswith("token_id:") for t in by_id.tokens)
+        as_text = flagged.completions.create(**text_ask, extra_body={"return_tokens_as_token_ids": False})
+        assert as_text.choices[0].logprobs.text_offset == by_id.text_offset  # offsets count the text, not the names
+        assert not any(t.startswith("token_id:") for t in as_text.choices[0].logprobs.tokens)
+    finally:
+        srv.stop()
