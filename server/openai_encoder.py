@@ -366,12 +366,13 @@ class CompletionChoiceEncoder:
         choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.meta.logprobs and tokens:
             lp = _legacy_logprobs()
-            for t in tokens:
-                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offset)
+            for t in tokens:  # each token's offset: the echo, then the texts of the tokens before it (vLLM's rule)
+                self.offset += len(self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offset))
             choice["logprobs"] = lp
         if self.meta.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
-        self.offset += len(text)
+        if not tokens:  # the echoed prompt
+            self.offset += len(text)
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
                                  "model": self.meta.model, "choices": [choice]}
         if self.meta.include_usage:

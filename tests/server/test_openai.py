@@ -410,5 +410,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(demo_server):
         as_text = flagged.completions.create(**text_ask, extra_body={"return_tokens_as_token_ids": False})
         assert as_text.choices[0].logprobs.text_offset == by_id.text_offset  # offsets count the text, not the names
         assert not any(t.startswith("token_id:") for t in as_text.choices[0].logprobs.tokens)
+        streamed = [o for ch in flagged.completions.create(**text_ask, stream=True) if ch.choices
+                    and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+        assert streamed == by_id.text_offset  # however the steps were coalesced into chunks
     finally:
         srv.stop()
