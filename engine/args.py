@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 
-
 class SettingValueError(argparse.ArgumentTypeError, ValueError):
     """A setting's value is malformed; argparse shows the message as is (not `invalid parse_x value`)."""
 
@@ -73,10 +72,10 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path); ValueError otherwise."""
     if text.lstrip().startswith("{"):
         try:
-            spec = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{text!r} is not valid JSON ({e})") from None
-        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (None, None)
+            spec = parse_json_object(text)
+        except ValueError as e:
+            raise ValueError(f"{text!r}: {e}") from None
+        name, path = spec.get("name"), spec.get("path")
     else:
         name, _, path = text.partition("=")
     if not name or not path or not isinstance(name, str) or not isinstance(path, str):

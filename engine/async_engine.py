@@ -19,7 +19,7 @@ import uuid
 from collections import defaultdict, deque
 from typing import Any, AsyncIterator
 
-from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, apply_lora_update
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, apply_lora_update, settle
 from ember.engine.engine import Engine, EngineStats
 from ember.engine.params import RequestOutput, SamplingParams
 
@@ -28,15 +28,6 @@ log = logging.getLogger(__name__)
 
 class EngineShutdown(EngineDeadError):
     """The engine stopped while a request was in flight or was being added."""
-
-
-def _resolve(fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)
 
 
 class StepClock:
@@ -146,9 +137,9 @@ class AsyncEngine:
             if self._stopped:
                 if cmd[0] == "add":
                     stream, fut = cmd[5], cmd[6]
-                    stream.loop.call_soon_threadsafe(_resolve, fut, EngineShutdown("the engine is shut down"))
+                    stream.loop.call_soon_threadsafe(settle, fut, EngineShutdown("the engine is shut down"))
                 elif cmd[0] == "lora":
-                    cmd[3].call_soon_threadsafe(_resolve, cmd[4], EngineShutdown("the engine is shut down"))
+                    cmd[3].call_soon_threadsafe(settle, cmd[4], EngineShutdown("the engine is shut down"))
                 return
             self._commands.append(cmd)
             self._cond.notify()
@@ -178,10 +169,10 @@ class AsyncEngine:
                     constraint = self._constraints.build(constraint)
                 self.engine.add_request(prompt, params, request_id=rid, constraint=constraint)
             except Exception as e:
-                stream.loop.call_soon_threadsafe(_resolve, fut, e)
+                stream.loop.call_soon_threadsafe(settle, fut, e)
                 return
             self._streams[rid] = stream
-            stream.loop.call_soon_threadsafe(_resolve, fut, None)
+            stream.loop.call_soon_threadsafe(settle, fut, None)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
         elif cmd[0] == "lora":
@@ -189,9 +180,9 @@ class AsyncEngine:
             try:
                 adapters = apply_lora_update(self.engine, name, path)
             except ValueError as e:
-                loop.call_soon_threadsafe(_resolve, fut, e)
+                loop.call_soon_threadsafe(settle, fut, e)
                 return
-            loop.call_soon_threadsafe(_resolve, fut, None, adapters)
+            loop.call_soon_threadsafe(settle, fut, None, adapters)
 
     def _run(self) -> None:
         while True:
@@ -229,7 +220,7 @@ class AsyncEngine:
             self._commands.clear()
         for cmd in leftover:
             if cmd[0] == "add":
-                cmd[5].loop.call_soon_threadsafe(_resolve, cmd[6], EngineShutdown("the engine is shut down"))
+                cmd[5].loop.call_soon_threadsafe(settle, cmd[6], EngineShutdown("the engine is shut down"))
         for stream in self._streams.values():
             try:
                 stream.loop.call_soon_threadsafe(stream.fail, EngineShutdown("the engine shut down"))

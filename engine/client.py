@@ -90,6 +90,16 @@ class EngineClient(Protocol):
         ...
 
 
+def settle(fut: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+    """Finish ``fut`` (on its loop) with ``error`` or ``result``, unless it is done already (a cancelled caller)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
 def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[str, str], ...]:
     """What every `EngineClient.update_lora` runs next to the engine (between steps): load or unload, then the
     adapters now served."""

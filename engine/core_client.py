@@ -22,7 +22,7 @@ import zmq
 
 from ember.engine import core_process, wire
 from ember.engine.args import EngineArgs
-from ember.engine.client import EngineDeadError, ModelInfo, OutputStream
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, settle
 from ember.engine.engine import EngineStats
 from ember.engine.params import RequestOutput, SamplingParams
 
@@ -254,7 +254,7 @@ class ProcessEngineClient:
             if call is not None:
                 loop, fut = call
                 error = None if msg[2] is None else ValueError(msg[2])
-                loop.call_soon_threadsafe(_settle, fut, error, msg[3])
+                loop.call_soon_threadsafe(settle, fut, error, msg[3])
         elif kind == "fatal":
             log.error("engine process: %s", msg[1])
 
@@ -266,7 +266,7 @@ class ProcessEngineClient:
             _call(s, s.fail, EngineDeadError(reason))
         for loop, fut in calls:
             try:
-                loop.call_soon_threadsafe(_settle, fut, EngineDeadError(reason), None)
+                loop.call_soon_threadsafe(settle, fut, EngineDeadError(reason), None)
             except RuntimeError:  # that event loop is closed
                 pass
 
@@ -285,14 +285,6 @@ class ProcessEngineClient:
                 os.unlink(addr.removeprefix("ipc://"))
             except OSError:
                 pass
-
-
-def _settle(fut: asyncio.Future, error: BaseException | None, result: Any) -> None:
-    if not fut.done():
-        if error is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(error)
 
 
 def _call(stream: OutputStream, fn: Callable[..., None], *args: Any) -> None:

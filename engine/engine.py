@@ -150,13 +150,11 @@ class Engine:
                                quantization=config.quantization, tokenizer_dir=self.tokenizer_dir)
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
                                       kv_cache_dtype=self.kv_cache_dtype)
-        self.lora: LoRAStack | None = None
         try:
             if config.lora_modules or config.enable_lora:
                 self.runner.enable_lora(max(config.max_loras, len(config.lora_modules)), config.max_lora_rank)
                 for name, path in config.lora_modules:
                     self.runner.load_lora(name, path)
-                self.lora = self.runner.lora
             self.cuda_graphs = self._use_cuda_graphs()
             snapshots = self._num_state_snapshots()
             self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
@@ -292,6 +290,11 @@ class Engine:
             seq.cache_root = self.lora.cache_root(params.lora)
         self.scheduler.add(seq)
         return seq.request_id
+
+    @property
+    def lora(self) -> LoRAStack | None:
+        """The adapters this engine serves (rank 0's under tensor parallelism), None without LoRA support."""
+        return self.runner.lora
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve one more LoRA adapter (vLLM's runtime loading); ValueError naming why it cannot be."""

@@ -96,12 +96,18 @@ def declared_quantization(raw_config: dict[str, Any], model_dir: str | os.PathLi
         return str(method), source
     legacy = Path(model_dir) / "hf_quant_config.json"
     if legacy.exists():
-        try:
-            algo = (json.loads(legacy.read_text(encoding="utf-8")).get("quantization") or {}).get("quant_algo")
-        except (json.JSONDecodeError, AttributeError):
-            algo = None
+        algo = _legacy_quant_algo(legacy)
         return modelopt.get(algo, f"modelopt ({algo})"), str(legacy)
     return None
+
+
+def _legacy_quant_algo(legacy: Path) -> str | None:
+    """ModelOpt's ``hf_quant_config.json`` ``quantization.quant_algo``; None when the file is malformed (the NVFP4
+    reader names it)."""
+    try:
+        return (json.loads(legacy.read_text(encoding="utf-8")).get("quantization") or {}).get("quant_algo")
+    except (json.JSONDecodeError, AttributeError):
+        return None
 
 
 def _quantizable_on_load(module: str) -> bool:
@@ -171,13 +177,8 @@ def fp8_format(raw_config: dict[str, Any], model_dir: str | os.PathLike | None =
         if method in (None, "modelopt") and qc.get("quant_algo") == "FP8":
             return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", src)
     legacy = root / "hf_quant_config.json" if root is not None else None
-    if legacy is not None and legacy.exists():
-        try:
-            algo = (json.loads(legacy.read_text(encoding="utf-8")).get("quantization") or {}).get("quant_algo")
-        except (json.JSONDecodeError, AttributeError):
-            return None  # the NVFP4 reader names the malformed file
-        if algo == "FP8":
-            return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", str(legacy))
+    if legacy is not None and legacy.exists() and _legacy_quant_algo(legacy) == "FP8":
+        return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", str(legacy))
     return None
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ember.engine.checkpoint import apply_hf_overrides
+from ember.engine.checkpoint import read_config
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def load_pooling_spec(model_dir: Path, pooler_config: dict[str, Any] | None,
                       hf_overrides: dict[str, Any] | None = None) -> PoolingSpec:
     """The spec for the model in ``model_dir`` (see the module docstring); its config.json is read with
     ``hf_overrides`` applied (vLLM's way to declare Matryoshka for a model whose config does not)."""
-    config = apply_hf_overrides(_read_json(model_dir / "config.json") or {}, hf_overrides)
+    config = read_config(model_dir, hf_overrides)
     dims = config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in dims) if isinstance(dims, list) and dims else None
     matryoshka = bool(config.get("is_matryoshka")) or dims is not None
