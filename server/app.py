@@ -130,9 +130,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         tool_choice = body.tool_choice or ("auto" if tools else "none")
     template_kwargs = rt.template_kwargs(_template_kwargs(body))
     prompt_ids = await asyncio.to_thread(
-        chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
-        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-        kwargs=template_kwargs)
+        rt.prompt_ids, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, kwargs=template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
@@ -281,9 +280,8 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
         kwargs["enable_thinking"] = False
     kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own enable_thinking
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
-    ids = await asyncio.to_thread(chat.prompt_ids, rt.tokenizer, rt.chat_template, messages, tools=tools,
-                                  add_generation_prompt=not continue_final, continue_final_message=continue_final,
-                                  kwargs=kwargs)
+    ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, add_generation_prompt=not continue_final,
+                                  continue_final_message=continue_final, kwargs=kwargs)
     return ids, tools, kwargs
 
 

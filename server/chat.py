@@ -1,9 +1,10 @@
 """Chat prompts: request messages (OpenAI or Anthropic) -> the plain dicts a Jinja chat template reads -> prompt text.
 
-Templates read `message.content` as a string, the assistant's earlier reasoning as `message.reasoning_content` (Qwen3,
-DeepSeek, GLM, ...) or `message.thinking` (gpt-oss, LFM2), and `message.tool_calls[i].function`
-with `arguments` as a mapping (Hermes-style templates `tojson` it; Qwen3's accepts either), so content parts are
-joined into one string and JSON arguments are parsed back into objects.
+Templates read `message.content` as a string or a list of text parts (`content_format` decides which: builders here
+give a string where the client sent one, else the list of its parts' texts), the assistant's earlier reasoning as
+`message.reasoning_content` (Qwen3, DeepSeek, GLM, ...) or `message.thinking` (gpt-oss, LFM2), and
+`message.tool_calls[i].function` with `arguments` as a mapping (Hermes-style templates `tojson` it; Qwen3's accepts
+either), so JSON arguments are parsed back into objects.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from . import content_format as cf
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from .errors import bad_request
@@ -35,14 +37,17 @@ def load_chat_template(value: str | None) -> str | None:
         raise ValueError(f"--chat-template {value}: cannot read the file ({e.strerror or e})") from None
 
 
-def _join_text(parts: Iterable[Any], field: str) -> str:
+Content = str | list[str]  # as the client sent it: one string, or its text parts' texts
+
+
+def _texts(parts: Iterable[Any], field: str) -> list[str]:
     out = []
     for i, part in enumerate(parts):
         if getattr(part, "type", None) != "text":
             raise bad_request(f"content part type {part.type!r} is not supported by this text-only model",
                               param=f"{field}[{i}].type")
         out.append(part.text)
-    return "".join(out)
+    return out
 
 
 def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
@@ -67,13 +72,13 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
-        content: str
+        content: Content
         if m.content is None:
-            content = ""
+            content = []
         elif isinstance(m.content, str):
             content = m.content
         else:
-            content = _join_text(m.content, f"messages[{i}].content")
+            content = _texts(m.content, f"messages[{i}].content")
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
@@ -139,12 +144,12 @@ def anthropic_tools(tools: Sequence[pa.ToolDef] | None) -> list[dict[str, Any]] 
     return out
 
 
-def _tool_result_text(block: pa.ToolResultBlock, field: str) -> str:
+def _tool_result_text(block: pa.ToolResultBlock, field: str) -> Content:
     if block.content is None:
-        return ""
+        return []
     if isinstance(block.content, str):
         return block.content
-    return _join_text(block.content, f"{field}.content")
+    return _texts(block.content, f"{field}.content")
 
 
 def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
@@ -153,7 +158,7 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
     `reasoning_content`, `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages."""
     out: list[dict[str, Any]] = []
     if system is not None:
-        text = system if isinstance(system, str) else _join_text(system, "system")
+        text: Content = system if isinstance(system, str) else _texts(system, "system")
         out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         field = f"messages[{i}].content"
@@ -174,7 +179,7 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                 else:
                     raise bad_request(f"content block type {b.type!r} is not allowed in an assistant message",
                                       param=f"{field}[{j}].type")
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
             if thinking:
                 set_reasoning(msg, "".join(thinking))
             if calls:
@@ -187,7 +192,7 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                 pending_text.append(b.text)
             elif b.type == "tool_result":
                 if pending_text:
-                    out.append({"role": "user", "content": "".join(pending_text)})
+                    out.append({"role": "user", "content": pending_text})
                     pending_text = []
                 content = _tool_result_text(b, f"{field}[{j}]")
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
@@ -195,15 +200,16 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                 raise bad_request(f"content block type {b.type!r} is not supported in a user message by this "
                                   "text-only model", param=f"{field}[{j}].type")
         if pending_text or not m.content:
-            out.append({"role": "user", "content": "".join(pending_text)})
+            out.append({"role": "user", "content": pending_text})
     return out
 
 
 def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], *,
            tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None, field: str = "messages") -> str:
-    """The prompt text; a template that fails on these messages is the request's fault (400 naming ``field``, the
-    request field the messages came from)."""
+           continue_final_message: bool = False, kwargs: dict[str, Any] | None = None, field: str = "messages",
+           content_format: cf.ContentFormat = "string") -> str:
+    """The prompt text, each message's content given to the template in ``content_format``; a template that fails
+    on these messages is the request's fault (400 naming ``field``, the request field the messages came from)."""
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
     bad = sorted(set(kwargs or {}) - set(extra))
     if bad:
@@ -213,8 +219,9 @@ def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]],
                           "--chat-template")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **extra)
+            cf.apply(messages, content_format), tools=tools, chat_template=template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tokenize=False,
+            **extra)
     except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template, type errors on odd input
         raise bad_request(f"the chat template could not render these messages: {e}", param=field) from None
     if not isinstance(text, str):
@@ -225,8 +232,3 @@ def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]],
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Prompt text -> token IDs; the template already wrote any BOS, so no special tokens are added."""
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def prompt_ids(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-    """`render` then `encode`: the prompt's token IDs."""
-    return encode(tokenizer, render(tokenizer, template, messages, **options))

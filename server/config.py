@@ -42,6 +42,11 @@ class ServeConfig(EngineArgs):
         "help": "a Jinja chat template file (or its text, when it contains '{', '}' or a newline); default: the "
                 "model's own",
         "type": lambda text: parse_chat_template(text)})
+    chat_template_content_format: str = field(default="auto", metadata={
+        "help": "how the chat template receives message content: 'string' (text parts joined with newlines), "
+                "'openai' (every content a list of {type: text, text} parts) or 'auto' (a string, unless the "
+                "template loops over message content: then as the client sent it)",
+        "choices": ("auto", "string", "openai")})
     max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = field(default="info", metadata={"help": "log level",

@@ -90,10 +90,9 @@ class EmbeddingRequest(PoolingInputs):
 def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
     """``messages`` rendered by the chat template, as one prompt's token IDs."""
     assert body.messages is not None
-    text = chat.render(rt.tokenizer, rt.chat_template, chat.openai_messages(body.messages),
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       kwargs=rt.template_kwargs(body.chat_template_kwargs))
+    text = rt.render(chat.openai_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                     continue_final_message=body.continue_final_message,
+                     kwargs=rt.template_kwargs(body.chat_template_kwargs))
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 

@@ -26,6 +26,8 @@ from ember.parsers.pipeline import OutputPipeline, ParserSetup
 from ember.parsers.profiles import Profile, detect_profile, get_profile
 from ember.parsers.tokens import TokenBytes
 
+from . import chat
+from . import content_format as cf
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
 from .metrics import Metrics
@@ -97,6 +99,7 @@ class ModelRuntime:
     pooling: PoolingSpec = PoolingSpec()  # how /v1/embeddings pools
     template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
     model_aliases: tuple[str, ...] = ()  # more names requests may give the served model (--served-model-name)
+    content_format: cf.ContentFormat = "string"  # how the template receives message content
 
     @property
     def model_info(self) -> ModelInfo:
@@ -108,6 +111,15 @@ class ModelRuntime:
         if not self.template_defaults:
             return given
         return {**self.template_defaults, **(given or {})}
+
+    def render(self, messages: list[dict[str, Any]], **options: Any) -> str:
+        """`chat.render` with this model's tokenizer, template and content format."""
+        return chat.render(self.tokenizer, self.chat_template, messages, content_format=self.content_format,
+                           **options)
+
+    def prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        """The chat prompt's token IDs (`render`, then `chat.encode`)."""
+        return chat.encode(self.tokenizer, self.render(messages, **options))
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,
@@ -134,6 +146,7 @@ class ModelRuntime:
                                                            _json(config.override_generation_config)),
                    template_defaults=_json(config.default_chat_template_kwargs) or {},
                    model_aliases=tuple(config.served_model_aliases),
+                   content_format=cf.resolve(config.chat_template_content_format, template),
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
                                              _json(config.hf_overrides)))

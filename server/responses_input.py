@@ -3,7 +3,8 @@
 Items are checked one by one, each error naming `input[i]...`. The mapping:
 - a string input is one user message;
 - `message` items (`type` may be left out) keep their role (`developer` becomes `system`); text parts
-  (`input_text`, `output_text`, `text`, `refusal`) are joined; images, files and audio are refused (text-only);
+  (`input_text`, `output_text`, `text`, `refusal`) are kept as parts (`content_format` joins them where the template
+  reads a string); images, files and audio are refused (text-only);
 - `function_call` items become the assistant's `tool_calls` (consecutive calls, and an assistant message right before
   them, form one assistant turn);
 - `function_call_output` items become `tool` messages carrying the call's `tool_call_id` and `name`;
@@ -17,7 +18,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Sequence
 
-from .chat import arguments_object, set_reasoning
+from .chat import Content, arguments_object, set_reasoning
 from .errors import ApiError, bad_request
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
@@ -62,8 +63,8 @@ def _str_field(item: dict[str, Any], key: str, where: str) -> str:
     return v
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or a list of text parts joined."""
+def _text(content: Any, where: str) -> Content:
+    """A message's content: a string, or its text parts' texts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -79,7 +80,7 @@ def _text(content: Any, where: str) -> str:
                               param=f"{where}[{j}].type")
         key = "refusal" if kind == "refusal" else "text"
         out.append(_str_field(part, key, f"{where}[{j}]"))
-    return "".join(out)
+    return out
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
@@ -106,7 +107,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False) -> lis
     call_names: dict[str, str] = {}
     turn: dict[str, Any] | None = None  # the assistant turn function calls may still join
 
-    def assistant(content: str) -> dict[str, Any]:
+    def assistant(content: Content) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if reasoning:
             set_reasoning(msg, "".join(reasoning))

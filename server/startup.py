@@ -76,7 +76,6 @@ def check_template(runtime: Any, config: ServeConfig) -> None:
     """Render the chat template over a one-message conversation (and with a tool when the profile parses tool
     calls); StartupError naming where the template came from when it fails. No template at all is only a warning:
     /v1/completions still works."""
-    from . import chat
     from .errors import ApiError
 
     source = (f"--chat-template {config.chat_template}" if config.chat_template is not None and
@@ -91,8 +90,7 @@ def check_template(runtime: Any, config: ServeConfig) -> None:
         probes.append(("a conversation with a tool", [_PROBE_TOOL]))
     for what, tools in probes:
         try:
-            chat.render(runtime.tokenizer, runtime.chat_template, [{"role": "user", "content": "Hello!"}],
-                        tools=tools, add_generation_prompt=True)
+            runtime.render([{"role": "user", "content": "Hello!"}], tools=tools, add_generation_prompt=True)
         except ApiError as e:
             reason = e.message.removeprefix("the chat template could not render these messages: ")
             raise StartupError(f"{source} fails to render {what}: {reason}") from None

@@ -55,10 +55,10 @@ def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(rt.tokenizer.encode(body.prompt, add_special_tokens=special))
-    text = chat.render(rt.tokenizer, rt.chat_template, chat.openai_messages(body.messages or []),
-                       tools=chat.openai_tools(body.tools), add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message,
-                       kwargs=rt.template_kwargs(body.chat_template_kwargs))
+    text = rt.render(chat.openai_messages(body.messages or []), tools=chat.openai_tools(body.tools),
+                     add_generation_prompt=body.add_generation_prompt,
+                     continue_final_message=body.continue_final_message,
+                     kwargs=rt.template_kwargs(body.chat_template_kwargs))
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 

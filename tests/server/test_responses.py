@@ -140,8 +140,8 @@ def test_previous_response_id_continues_with_a_function_result(any_server):
     # the same conversation sent whole, as input items, renders the same prompt
     whole = client.responses.create(model=server.model, tools=[WEATHER], max_output_tokens=1,
                                     extra_body=NO_THINK, input=[
-                                        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
-                                                                     {"type": "input_text", "text": "Paris?"}]},
+                                        {"role": "user",
+                                         "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
                                         *[o.model_dump(exclude_none=True) for o in first.output],
                                         {"type": "function_call_output", "call_id": call.call_id, "output": "18C"}])
     assert whole.usage.input_tokens == chat.usage.prompt_tokens
