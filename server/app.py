@@ -113,6 +113,14 @@ def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
     return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
 
 
+def _reply_role(st: ServerState, body: po.ChatCompletionRequest) -> str:
+    """The reply message's role, as vLLM names it: ``--response-role`` after a generation prompt, else (the model
+    continues the conversation as it stands) the last message's role."""
+    if body.add_generation_prompt or not body.messages:
+        return st.config.response_role
+    return body.messages[-1].role
+
+
 async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                            _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
@@ -168,7 +176,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
                      continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs,
-                     tokens_as_ids=_tokens_as_ids(st, body))
+                     tokens_as_ids=_tokens_as_ids(st, body), role=_reply_role(st, body))
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),

@@ -47,6 +47,9 @@ class ServeConfig(EngineArgs):
                 "'openai' (every content a list of {type: text, text} parts) or 'auto' (a string, unless the "
                 "template loops over message content: then as the client sent it)",
         "choices": ("auto", "string", "openai")})
+    response_role: str = field(default="assistant", metadata={
+        "help": "the role chat completions give the reply when the request adds a generation prompt (its "
+                "default); without one, the reply takes the last message's role, as in vLLM"})
     max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = field(default="info", metadata={"help": "log level",

@@ -58,6 +58,7 @@ class ChunkMeta:
     continuous_usage: bool = False  # vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:N`
+    role: str = "assistant"  # the chat message's role (`--response-role`, or the last message's; see app)
 
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
@@ -211,7 +212,7 @@ class ChatChoiceEncoder:
         """The role chunk that opens the choice (with `prompt_token_ids` when asked for)."""
         extra = {"prompt_token_ids": list(prompt_token_ids)} if (self.meta.return_token_ids
                                                                   and prompt_token_ids is not None) else None
-        return self._chunk({"role": "assistant", "content": ""}, extra=extra)
+        return self._chunk({"role": self.meta.role, "content": ""}, extra=extra)
 
     def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
         self.completed_calls += sum(isinstance(e, ToolCallEnd) for e in step.events)
@@ -310,7 +311,7 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
         out = fold(events[idx])
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in out.tool_calls]
-        msg: dict[str, Any] = {"role": "assistant", "content": out.content if (out.content or not calls) else None}
+        msg: dict[str, Any] = {"role": meta.role, "content": out.content if (out.content or not calls) else None}
         if out.reasoning:
             msg["reasoning_content"] = out.reasoning
             msg["reasoning"] = out.reasoning

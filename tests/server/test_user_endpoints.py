@@ -8,6 +8,7 @@ import json
 import secrets
 
 import httpx
+import openai
 import pytest
 
 from tests.server.conftest import _serve
@@ -94,8 +95,6 @@ def test_a_silent_stream_gets_keepalive_comments(demo_runtime):
         data = [e for e in events if e != ": keep-alive"]
         assert all(e.startswith("data: ") for e in data) and data[-1] == "data: [DONE]"
         assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] is not None
-        import openai
-
         sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         chunks = list(sdk.chat.completions.create(model="ember-demo", stream=True, **{
             k: v for k, v in body.items() if k != "stream"}))
@@ -166,3 +165,28 @@ def test_new_routes_are_counted_in_metrics(demo_server, path):
     assert _post(demo_server, path, body).status_code == 200
     text = httpx.get(demo_server.url + "/metrics", timeout=10).text
     assert f'ember_requests_total{{endpoint="{path}",status="200"}}' in text
+
+
+def test_response_role_names_the_reply_and_a_continuation_keeps_the_last_role(demo_runtime):
+    """`--response-role` is the reply's role after a generation prompt (streamed and whole); without a generation
+    prompt the model continues the last message, whose role the reply keeps (vLLM's rule)."""
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, response_role="narrator"))
+    hi = [{"role": "user", "content": "Hi"}]
+
+    def roles(messages=hi, **extra) -> tuple[str, str]:
+        whole = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                           json={"messages": messages, "max_tokens": 2, **extra})
+        assert whole.status_code == 200, whole.text
+        sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        first = next(iter(sdk.chat.completions.create(model="ember-demo", messages=messages, max_tokens=2,
+                                                      stream=True, extra_body=extra)))
+        return whole.json()["choices"][0]["message"]["role"], first.choices[0].delta.role
+
+    try:
+        assert roles() == ("narrator", "narrator")
+        assert roles(add_generation_prompt=False) == ("user", "user")
+        assert roles(messages=[*hi, {"role": "assistant", "content": "Hello"}], add_generation_prompt=False,
+                     continue_final_message=True) == ("assistant", "assistant")
+    finally:
+        srv.stop()
