@@ -60,13 +60,12 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
 
 
 _NO_EFFECT_SWITCHES = (
-    "--disable-log-requests",  # Ember does not log request contents
+    "--disable-log-requests",  # requests are logged only with --enable-log-requests
     "--disable-log-stats",  # nor periodic engine stats (GET /metrics serves them)
     "--disable-custom-all-reduce",  # tensor parallelism reduces with NCCL's all-reduce only
     "--enable-prompt-tokens-details",  # usage always carries prompt_tokens_details.cached_tokens
 )
 _NO_EFFECT_VALUES = {
-    "--max-log-len": int,  # request contents are not logged
     "--swap-space": float,  # a preempted sequence is recomputed, never swapped to CPU memory
     "--max-seq-len-to-capture": int,  # decode graphs are captured per batch size and serve any context
     "--max-cpu-loras": int,  # every LoRA adapter stays on the device

@@ -50,6 +50,11 @@ class ServeConfig(EngineArgs):
     response_role: str = field(default="assistant", metadata={
         "help": "the role chat completions give the reply when the request adds a generation prompt (its "
                 "default); without one, the reply takes the last message's role, as in vLLM"})
+    enable_log_requests: bool = field(default=False, metadata={
+        "help": "log one line per request as it reaches the engine (its prompt text and token IDs, and the sampling "
+                "settings that differ from their defaults) and one as it ends (reason, token counts, seconds)"})
+    max_log_len: int | None = field(default=None, metadata={
+        "help": "cut a logged prompt to this many characters and token IDs; default: whole", "metavar": "N"})
     max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = field(default="info", metadata={"help": "log level",

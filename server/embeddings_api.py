@@ -149,13 +149,25 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str,
     params = SamplingParams(pooling=rt.pooling.kind, lora=lora)
 
     async def one(i: int) -> dict:
-        async with aclosing(rt.engine.generate(prompts[i], params, request_id=f"{request_id}-{i}")) as gen:
-            async for out in gen:
-                if out.finished:
-                    if out.embedding is None:
-                        raise ApiError(500, f"embedding failed: {out.error or out.finish_reason}")
-                    return {"index": i, "pooled": out.embedding}
-        raise ApiError(500, "embedding failed: the engine ended the request without a result")
+        rid, arrival, reason = f"{request_id}-{i}", time.monotonic(), "cancelled"
+        if rt.request_log is not None:
+            rt.request_log.received(rid, prompts[i], params, rt.tokenizer.decode)
+        try:
+            async with aclosing(rt.engine.generate(prompts[i], params, request_id=rid)) as gen:
+                async for out in gen:
+                    if out.finished:
+                        reason = out.finish_reason or "stop"
+                        if out.embedding is None:
+                            raise ApiError(500, f"embedding failed: {out.error or out.finish_reason}")
+                        reason = "pooled"
+                        return {"index": i, "pooled": out.embedding}
+            raise ApiError(500, "embedding failed: the engine ended the request without a result")
+        except ValueError:
+            reason = "rejected"
+            raise
+        finally:
+            if rt.request_log is not None:
+                rt.request_log.finished(rid, reason, len(prompts[i]), 0, arrival)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
     try:

@@ -32,6 +32,7 @@ from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
 from .metrics import Metrics
 from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
+from .request_log import RequestLog
 from .sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("ember.server")
@@ -100,6 +101,7 @@ class ModelRuntime:
     template_defaults: dict[str, Any] = field(default_factory=dict)  # --default-chat-template-kwargs
     model_aliases: tuple[str, ...] = ()  # more names requests may give the served model (--served-model-name)
     content_format: cf.ContentFormat = "string"  # how the template receives message content
+    request_log: RequestLog | None = None  # --enable-log-requests
 
     @property
     def model_info(self) -> ModelInfo:
@@ -147,6 +149,7 @@ class ModelRuntime:
                    template_defaults=_json(config.default_chat_template_kwargs) or {},
                    model_aliases=tuple(config.served_model_aliases),
                    content_format=cf.resolve(config.chat_template_content_format, template),
+                   request_log=RequestLog(config.max_log_len) if config.enable_log_requests else None,
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
                                              _json(config.hf_overrides)))
@@ -202,6 +205,8 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     last_t: float | None = None
     ntok = 0
     end: ChoiceEnd | None = None
+    if rt.request_log is not None:
+        rt.request_log.received(rid, spec.prompt_ids, spec.params, rt.tokenizer.decode)
     try:
         gen = rt.engine.generate(spec.prompt_ids, spec.params, request_id=rid, constraint=spec.constraint)
         async with aclosing(gen):
@@ -267,6 +272,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
         yield ChoiceStep(index, [], [], end)
     finally:
+        if rt.request_log is not None:
+            rt.request_log.finished(rid, end.reason if end else "cancelled", len(spec.prompt_ids), ntok, req.arrival,
+                                    cached_tokens=end.cached_tokens if end else None, error=end.error if end else None)
         if metrics is not None:
             metrics.generation_tokens.inc(ntok)
             metrics.finished.labels(end.reason if end else "cancelled").inc()
