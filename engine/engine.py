@@ -20,7 +20,7 @@ from ember.engine import fp8_loading, loader, pooling
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
-from ember.engine.kv_cache import KVCacheManager
+from ember.engine.kv_cache import ROOT_HASH, KVCacheManager, salted_root
 from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
@@ -288,6 +288,8 @@ class Engine:
                 raise ValueError(f"LoRA adapter {params.lora!r} requested, but this engine serves no adapters")
             seq.lora_slot = self.lora.slot(params.lora)
             seq.cache_root = self.lora.cache_root(params.lora)
+        if params.cache_salt:
+            seq.cache_root = salted_root(seq.cache_root or ROOT_HASH, params.cache_salt)
         self.scheduler.add(seq)
         return seq.request_id
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from ember.engine.sequence import Sequence
 
-_ROOT_HASH = b"ember-prefix-cache-v1"
+ROOT_HASH = b"ember-prefix-cache-v1"  # the parent of a sequence's first block, without adapter or salt
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,6 +29,12 @@ def cdiv(a: int, b: int) -> int:
 def block_hash(parent: bytes, token_ids: Iterable[int]) -> bytes:
     """The prefix-cache key of a full block: sha256 over the parent's key and the block's token IDs (int64 LE)."""
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def salted_root(root: bytes, salt: str) -> bytes:
+    """The prefix-cache root of requests carrying ``salt`` (vLLM's ``cache_salt``): their blocks hash apart from
+    every other root's, so only requests with the same salt share cached KV."""
+    return hashlib.sha256(root + b"\x00cache_salt\x00" + salt.encode()).digest()
 
 
 class _Block:
@@ -98,7 +104,7 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else (seq.cache_root or _ROOT_HASH)
+            parent = hashes[-1] if hashes else (seq.cache_root or ROOT_HASH)
             hashes.append(block_hash(parent, seq.token_ids_slice(i * bs, (i + 1) * bs)))
         return hashes
 

@@ -32,6 +32,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     lora: str | None = None  # the LoRA adapter (by its served name) this request runs under; None: the base model
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these tokens
+    bad_words_ids: list[list[int]] | None = None
+    """vLLM's ``bad_words``, tokenized: a sequence's last token is banned wherever the output so far ends with the
+    tokens before it (a one-token sequence is banned everywhere)."""
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     pooling: str | None = None
     """None: generate. ``"last"``, ``"mean"`` or ``"cls"``: an embedding request (`ember.engine.pooling`): the
     prompt is computed and its final hidden states pooled into `RequestOutput.embedding`; no token is generated and

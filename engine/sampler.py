@@ -70,10 +70,25 @@ def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) 
         v = getattr(p, name)
         if v is not None and not 0 <= v <= most:
             raise ValueError(f"{name} must be in [0, {most}] (max_logprobs), got {v}")
-    for tok in list((p.logit_bias or {}).keys()) + list(p.stop_token_ids):
+    if p.allowed_token_ids is not None and not p.allowed_token_ids:
+        raise ValueError("allowed_token_ids must not be empty")
+    if p.bad_words_ids is not None and not all(p.bad_words_ids):
+        raise ValueError("bad_words_ids must not hold an empty sequence")
+    for tok in [*(p.logit_bias or {}), *p.stop_token_ids, *(p.allowed_token_ids or ()),
+                *(t for w in p.bad_words_ids or () for t in w)]:
         if not 0 <= int(tok) < vocab_size:
-            raise ValueError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary "
-                             f"(0..{vocab_size - 1})")
+            raise ValueError(f"token id {tok} in logit_bias/stop_token_ids/allowed_token_ids/bad_words is outside "
+                             f"the vocabulary (0..{vocab_size - 1})")
+
+
+def _completing_bad_words(output: list[int], words: Seq[Seq[int]]) -> set[int]:
+    """The last token of each bad word whose other tokens end ``output``."""
+    out = set()
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (len(output) >= k and output[-k:] == list(w[:k])):
+            out.add(int(w[-1]))
+    return out
 
 
 class _Uploads:
@@ -144,11 +159,19 @@ class Sampler:
             for tok, b in (p.logit_bias or {}).items():
                 bias_rows.append(i), bias_cols.append(int(tok)), bias_vals.append(float(b))
         ban_rows, ban_cols = [], []
+        allow_rows, allow_at, allow_cols = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params)):
+            banned = set()
             if s.num_output_tokens < p.min_tokens:
-                for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids):
-                    if 0 <= tok < v:
-                        ban_rows.append(i), ban_cols.append(tok)
+                banned |= {t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids) if 0 <= t < v}
+            if p.bad_words_ids:
+                banned |= _completing_bad_words(s.output_token_ids, p.bad_words_ids)
+            for tok in banned:
+                ban_rows.append(i), ban_cols.append(tok)
+            if p.allowed_token_ids:
+                allow_at += [len(allow_rows)] * len(p.allowed_token_ids)
+                allow_cols += p.allowed_token_ids
+                allow_rows.append(i)
         pen_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                     or p.frequency_penalty != 0.0]
         pen_seqs = [seqs[i] for i in pen_rows]
@@ -156,7 +179,8 @@ class Sampler:
         con_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         for name, values in (("bias_rows", bias_rows), ("bias_cols", bias_cols), ("ban_rows", ban_rows),
-                             ("ban_cols", ban_cols), ("pen_rows", pen_rows), ("con_rows", con_rows)):
+                             ("ban_cols", ban_cols), ("pen_rows", pen_rows), ("con_rows", con_rows),
+                             ("allow_rows", allow_rows), ("allow_at", allow_at), ("allow_cols", allow_cols)):
             if values:
                 up.add(name, values)
         if pen_rows:
@@ -181,6 +205,10 @@ class Sampler:
         cfg = fdev["settings"].view(n, 7) if settings else None
         if bias_rows:
             logits.index_put_((dev["bias_rows"], dev["bias_cols"]), fdev["bias_vals"], accumulate=True)
+        if allow_rows:
+            keep = torch.zeros(len(allow_rows), v, dtype=torch.bool, device=logits.device)
+            keep[dev["allow_at"], dev["allow_cols"]] = True
+            logits[dev["allow_rows"]] = logits[dev["allow_rows"]].masked_fill(~keep, float("-inf"))
         if ban_rows:
             logits.index_put_((dev["ban_rows"], dev["ban_cols"]), self._neg_inf)
         if pen_rows:

@@ -154,6 +154,45 @@ def check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
             raise bad_request(f"token ID {t} is outside the vocabulary [0, {vocab})", param=param)
 
 
+def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
+    """vLLM's extra sampling fields of a chat or text completion as `SamplingParams` settings: `allowed_token_ids`
+    (checked against the vocabulary), `bad_words` (each tokenized alone and after a space, as a word is spelled
+    inside text), `cache_salt`. Beam search and priorities are not served: asking for them is a 400 naming the
+    field."""
+    if body.use_beam_search:
+        raise bad_request("beam search is not supported", param="use_beam_search")
+    if body.priority:
+        raise bad_request("requests are scheduled first come, first served; priority is not supported",
+                          param="priority")
+    allowed = None
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:
+            raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+        check_token_ids(st, body.allowed_token_ids, "allowed_token_ids")
+        allowed = sorted(set(body.allowed_token_ids))
+    bad = None
+    if body.bad_words:
+        tok = st.runtime.tokenizer
+        spelled = {tuple(tok.encode(text, add_special_tokens=False))
+                   for word in body.bad_words for text in (word.strip(), " " + word.strip())}
+        bad = [list(ids) for ids in sorted(spelled) if ids]
+    return {"allowed_token_ids": allowed, "bad_words_ids": bad or None, "cache_salt": body.cache_salt}
+
+
+def truncate_prompt(st: ServerState, ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last ``keep`` prompt tokens (-1: the model's maximum length); more
+    than that maximum is a 400 naming the field."""
+    if keep is None:
+        return ids
+    limit = st.runtime.max_model_len
+    if keep == -1:
+        keep = limit
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the model's maximum length ({limit})",
+                          param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
 async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,
                        tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool,
                        thinking_budget: int | None, thinking: bool) -> list[Any]:

@@ -31,7 +31,8 @@ from . import classify_api, embeddings_api, lora_api, responses_api, score_api, 
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
                         check_logprobs, check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
-                        noted_steps, require_api_key, state, stop_ids, stream_error)
+                        noted_steps, require_api_key, state, stop_ids, stream_error, truncate_prompt,
+                        vllm_sampling_extras)
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
@@ -128,6 +129,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     rt = st.runtime
     lora = check_model(st, body.model)
     check_logprobs(st, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
+    extras = vllm_sampling_extras(st, body)
     if body.n > st.config.max_n:
         raise bad_request(f"n may be at most {st.config.max_n}", param="n")
     messages = chat.openai_messages(body.messages)
@@ -140,6 +142,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     prompt_ids = await asyncio.to_thread(
         rt.prompt_ids, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, kwargs=template_kwargs)
+    prompt_ids = truncate_prompt(st, prompt_ids, body.truncate_prompt_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
@@ -152,7 +155,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
         min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body), lora=lora,
-        defaults=rt.sampling_defaults)
+        defaults=rt.sampling_defaults, **extras)
     choices = []
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
@@ -196,6 +199,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     rt = st.runtime
     lora = check_model(st, body.model)
     check_logprobs(st, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+    extras = vllm_sampling_extras(st, body)
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
@@ -205,13 +209,14 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     for p_i, p in enumerate(prompts):
         if isinstance(p, str):
             ids = list(rt.tokenizer.encode(p, add_special_tokens=True))
-            text = p
         else:
             ids = list(p)
             check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
-            text = rt.token_bytes.decode(ids)
         if not ids:
             raise bad_request("prompt is empty", param="prompt")
+        kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
+        text = p if isinstance(p, str) and len(kept) == len(ids) else rt.token_bytes.decode(kept)
+        ids = kept
         max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
         prompt_total += len(ids)
         base = sampling_params(
@@ -221,7 +226,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             logprobs=body.logprobs, logit_bias=logit_bias_ids(st, body.logit_bias),
             stop_token_ids=stop_ids(st, body.stop_token_ids), min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top),
-            lora=lora, defaults=rt.sampling_defaults)
+            lora=lora, defaults=rt.sampling_defaults, **extras)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None)

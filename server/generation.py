@@ -326,9 +326,9 @@ def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float 
                     repetition_penalty: float | None, logprobs: int | None, logit_bias: dict[int, float] | None,
                     stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
                     prompt_logprobs: int | None = None, lora: str | None = None,
-                    defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+                    defaults: SamplingDefaults = SamplingDefaults(), **extras: Any) -> SamplingParams:
     """A request's engine parameters: a setting it leaves unset (None) takes the model's default (``defaults``), else
-    its neutral value."""
+    its neutral value; ``extras`` are further `SamplingParams` fields (`admission.vllm_sampling_extras`)."""
     def pick(value: Any, default: Any, neutral: Any) -> Any:
         return value if value is not None else default if default is not None else neutral
 
@@ -340,7 +340,8 @@ def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float 
         frequency_penalty=frequency_penalty,
         repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty, 1.0),
         seed=None if seed is None else seed % (2**63), logprobs=logprobs, logit_bias=logit_bias,
-        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs, lora=lora)
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs, lora=lora,
+        **extras)
 
 
 def seeded(params: SamplingParams, index: int) -> SamplingParams:

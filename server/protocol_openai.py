@@ -2,7 +2,9 @@
 
 Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
 `return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
-`max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send).
+`max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send,
+`allowed_token_ids`, `bad_words`, `cache_salt`, `truncate_prompt_tokens`; `use_beam_search` and `priority` are refused
+unless they ask for nothing).
 Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
 """
 from __future__ import annotations
@@ -183,6 +185,20 @@ class _SamplingFields(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    use_beam_search: bool = False
+    priority: int = 0
+    skip_special_tokens: bool = True  # accepted and ignored: delimiters are parsed by token ID whatever it says
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's maximum length) or at least 1")
+        return v
 
     @field_validator("stop")
     @classmethod

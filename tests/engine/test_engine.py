@@ -223,3 +223,53 @@ def test_stats_report_cache_state(demo_model_dir):
     s = eng.stats()
     assert s.num_running == 2 and s.num_free_blocks == 64 - 6 and s.kv_usage == pytest.approx(6 / 64)
     assert s.last_batch_size == 2
+
+
+def test_allowed_token_ids_confine_every_sampled_token(demo_model_dir):
+    eng = _engine(demo_model_dir)
+    allowed = [17, 400, 901]
+    greedy = eng.add_request(_ids(12, 30), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                          allowed_token_ids=allowed))
+    sampled = eng.add_request(_ids(12, 31), SamplingParams(max_tokens=8, temperature=1.5, seed=1, ignore_eos=True,
+                                                           allowed_token_ids=allowed))
+    free = eng.add_request(_ids(12, 30), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    done = _drain(eng)
+    assert set(_tokens(done[greedy])) <= set(allowed) and set(_tokens(done[sampled])) <= set(allowed)
+    assert not set(_tokens(done[free])) <= set(allowed)  # the row beside them is untouched
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request(_ids(4, 1), SamplingParams(allowed_token_ids=[10**7]))
+    with pytest.raises(ValueError, match="must not be empty"):
+        eng.add_request(_ids(4, 1), SamplingParams(allowed_token_ids=[]))
+
+
+def test_bad_words_ban_the_token_that_would_complete_them(demo_model_dir):
+    eng = _engine(demo_model_dir)
+    prompt = _ids(12, 32)
+    r = eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    free = _tokens(_drain(eng)[r])
+    # ban a one-token word the free run produced, and the pair (free[2], free[3]) as a two-token word
+    pair = [free[2], free[3]]
+    r = eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                               bad_words_ids=[[free[0]]]))
+    assert free[0] not in _tokens(_drain(eng)[r])
+    r = eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                               bad_words_ids=[pair]))
+    got = _tokens(_drain(eng)[r])
+    assert got[:3] == free[:3] and got[3] != free[3]  # the first token of the word alone stays allowed
+    assert all(got[i:i + 2] != pair for i in range(len(got) - 1))
+
+
+def test_cache_salt_shares_prefix_blocks_only_within_a_salt(demo_model_dir):
+    eng = _engine(demo_model_dir)
+    prompt = _ids(64, 33)
+    greedy = dict(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def cached(**kw) -> int:
+        r = eng.add_request(prompt, SamplingParams(**greedy, **kw))
+        return _drain(eng)[r][-1].num_cached_tokens
+
+    assert cached(cache_salt="alice") == 0
+    assert cached(cache_salt="alice") == 48  # the last prompt block is recomputed to produce logits
+    assert cached(cache_salt="bob") == 0
+    assert cached() == 0  # the unsalted root differs from every salt
+    assert cached() == 48

@@ -1,0 +1,77 @@
+"""vLLM's extra sampling fields on chat and text completions: allowed_token_ids, bad_words, cache_salt and
+truncate_prompt_tokens act; use_beam_search and priority are refused by name rather than ignored."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+
+def _post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_allowed_token_ids_confine_the_reply(demo_server):
+    allowed = [300, 301, 302, 303]
+    chat = demo_server.openai().chat.completions.create(
+        model="ember-demo", messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=1.0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True})
+    assert chat.choices[0].token_ids and set(chat.choices[0].token_ids) <= set(allowed)
+    r = _post(demo_server, "/v1/completions", prompt="Once", max_tokens=6, allowed_token_ids=allowed,
+              return_token_ids=True, ignore_eos=True)
+    assert set(r.json()["choices"][0]["token_ids"]) <= set(allowed)
+    bad = _post(demo_server, "/v1/completions", prompt="Once", allowed_token_ids=[10**8])
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_never_appear(demo_server):
+    tok = demo_server.tokenizer
+    greedy = dict(prompt="Once upon a time", max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True)
+    free = _post(demo_server, "/v1/completions", **greedy).json()["choices"][0]["token_ids"]
+    # a generated token that is a word of its own: its text encodes back to it alone
+    word = next(tok.decode([t]).strip() for t in free if tok.encode(tok.decode([t]).strip(),
+                                                                     add_special_tokens=False) == [t])
+    [word_id] = tok.encode(word, add_special_tokens=False)
+    banned = _post(demo_server, "/v1/completions", bad_words=[word], **greedy).json()["choices"][0]["token_ids"]
+    assert word_id in free and word_id not in banned
+
+
+def test_cache_salt_keeps_cached_prefixes_apart(demo_server):
+    client = demo_server.openai()
+    long = "Once upon a time there was a little robot who loved to read. " * 6
+
+    def cached(salt: str) -> int:
+        c = client.chat.completions.create(model="ember-demo", messages=[{"role": "user", "content": long}],
+                                           max_tokens=1, extra_body={"cache_salt": salt})
+        return c.usage.prompt_tokens_details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    empty = _post(demo_server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], cache_salt="")
+    assert empty.status_code == 400 and "cache_salt" in str(empty.json()["error"]["param"])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(demo_server):
+    ids = list(range(300, 340))
+    r = _post(demo_server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=5, echo=True,
+              return_token_ids=True)
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == 5 and body["choices"][0]["prompt_token_ids"] == ids[-5:]
+    chat = _post(demo_server, "/v1/chat/completions", messages=[{"role": "user", "content": "Hello there"}],
+                 max_tokens=1, truncate_prompt_tokens=3)
+    assert chat.json()["usage"]["prompt_tokens"] == 3
+    whole = _post(demo_server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=-1)
+    assert whole.json()["usage"]["prompt_tokens"] == len(ids)
+    for value in (0, 10**7):
+        bad = _post(demo_server, "/v1/completions", prompt=ids, truncate_prompt_tokens=value)
+        assert bad.status_code == 400 and "truncate_prompt_tokens" in str(bad.json()["error"]["param"])
+
+
+@pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("priority", 3)])
+def test_unserved_settings_are_refused_by_name(demo_server, field, value):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(demo_server, path, **body, **{field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    ok = _post(demo_server, "/v1/completions", prompt="hi", max_tokens=1, use_beam_search=False, priority=0)
+    assert ok.status_code == 200
