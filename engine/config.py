@@ -40,6 +40,15 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
         raise ConfigError(f"unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+ENCODER_ARCHITECTURES = frozenset({
+    "BertModel", "BertForSequenceClassification", "RobertaModel", "RobertaForSequenceClassification",
+    "XLMRobertaModel", "XLMRobertaForSequenceClassification",
+})
+"""Bidirectional encoders (`ember.engine.models.bert`): they embed and score prompts and generate nothing."""
+
+_ENCODER_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts the model code needs, normalised across transformers v4/v5 config spellings.
@@ -84,11 +93,26 @@ class ModelConfig:
         """The longest context the model serves, derived as vLLM derives it: ``max_position_embeddings``, or for YaRN
         its pretrained length times ``factor`` where that is longer (so a YaRN ``rope_scaling`` given by
         ``--hf-overrides``, e.g. Qwen3's factor 4 over 32768, extends the context to 131072)."""
+        if self.position_offset:
+            return self.max_position_embeddings - self.position_offset
         s = self.rope_scaling or {}
         if s.get("rope_type") == "yarn" and s.get("factor") and s.get("original_max_position_embeddings"):
             extended = int(float(s["original_max_position_embeddings"]) * float(s["factor"]))
             return max(self.max_position_embeddings, extended)
         return self.max_position_embeddings
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (`ENCODER_ARCHITECTURES`): no KV cache, no generation."""
+        return self.architecture in ENCODER_ARCHITECTURES
+
+    @property
+    def position_offset(self) -> int:
+        """Where RoBERTa-family encoders start counting positions: after the padding index (``pad_token_id + 1``),
+        so their usable length is ``max_position_embeddings`` minus it; 0 for every other model."""
+        if self.is_encoder and self.model_type in ("roberta", "xlm-roberta"):
+            return int(self.raw.get("pad_token_id", 1)) + 1
+        return 0
 
     @property
     def linear_attention_layers(self) -> list[int]:
@@ -103,7 +127,9 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a paged KV cache."""
+        """Layers with a paged KV cache (none in an encoder: each prompt is computed whole, in one step)."""
+        if self.is_encoder:
+            return 0
         return self.num_hidden_layers - len(self.linear_attention_layers)
 
     @classmethod
@@ -141,8 +167,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only silu)")
+        encoder = archs[0] in ENCODER_ARCHITECTURES
+        if act not in (_ENCODER_ACTS if encoder else ("silu", "swish")):
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only "
+                              f"{', '.join(_ENCODER_ACTS) if encoder else 'silu'})")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3) caches one latent "head": kv_lora_rank + rope dims
@@ -159,7 +187,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("layer_norm_eps" if encoder else "rms_norm_eps", 1e-12 if encoder else 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),

@@ -86,8 +86,10 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
                                          source=str(loader.checkpoint_dir(model_dir) / "config.json"))
     with torch.device("meta"), _skip_init(dtype):  # allocated on `device` once the loader knows what is packed
         model = cls(cfg, max_position)
-        if classifier.causal_architecture(cfg.architecture):
+        if classifier.causal_architecture(cfg.architecture) and not cfg.is_encoder:
             classifier.attach_head(model, cfg)
+    if cfg.is_encoder and model.reads_token_types:  # token types are read at the tokenizer's separator
+        model.sep_token_id = loader.load_tokenizer(tokenizer_dir or model_dir).sep_token_id
     model = model.to(dtype)
     model.load_device = device
     weights = loader.iter_weights(model_dir) if weights is None else weights
@@ -138,6 +140,9 @@ class Engine:
                               f"tokens{yarn} in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
+        if mc.is_encoder and (config.tensor_parallel_size != 1 or config.lora_modules or config.enable_lora):
+            raise ConfigError(f"{mc.architecture} is an encoder: Ember serves it in one process without LoRA "
+                              f"adapters (tensor_parallel_size 1, no lora_modules)")
         if config.tensor_parallel_size != 1:
             from ember.engine import distributed
 
@@ -167,13 +172,17 @@ class Engine:
             raise
         # a hybrid model without saved states cannot resume from cached KV blocks
         prefix_caching = config.enable_prefix_caching and (snapshots > 0 or not mc.linear_attention_layers)
+        # an encoder computes each prompt whole, in one step: never chunked, never resumed from cached blocks
+        prefix_caching = prefix_caching and not mc.is_encoder
+        step_tokens = max(config.max_num_batched_tokens, self.max_model_len) if mc.is_encoder else \
+            config.max_num_batched_tokens
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, step_tokens, self.max_model_len,
+                                   enable_chunked_prefill=config.enable_chunked_prefill and not mc.is_encoder,
                                    snapshots=StateSnapshots(self.runner.first_snapshot_slot, snapshots)
                                    if snapshots else None)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
-        self.score_head: torch.nn.Linear | None = getattr(getattr(self.runner, "model", None), "score", None)
+        self.score_head: torch.nn.Module | None = getattr(getattr(self.runner, "model", None), "score", None)
         """A classifier's head (`ember.engine.models.classifier`): its pooling requests end in logits."""
         self._pending: list[RequestOutput] = []
         self.last_batch_size = 0
@@ -236,13 +245,15 @@ class Engine:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
             return c.num_kv_blocks
         per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.kv_cache_dtype)  # this rank's KV heads
+        one_seq = -(-self.max_model_len // c.block_size)
+        if per_block == 0:  # an encoder keeps no KV: its blocks only count positions for the scheduler
+            return c.max_num_seqs * one_seq
         if c.kv_cache_memory is not None:
             n = c.kv_cache_memory // per_block
             if n < 1:
                 raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
                                  f"({per_block} bytes each)")
             return int(n)
-        one_seq = -(-self.max_model_len // c.block_size)
         if self.device.type == "cuda":
             if not 0.0 < c.gpu_memory_utilization <= 1.0:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
@@ -276,6 +287,9 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.model_config.is_encoder and params.pooling is None:
+            raise ValueError(f"this model is an encoder ({self.model_config.architecture}): it embeds and scores "
+                             f"prompts and does not generate")
         if self.score_head is not None and params.pooling is None:
             raise ValueError(f"this model is a classifier ({self.model_config.architecture}): it scores prompts "
                              f"(/classify, /score, /rerank) and does not generate")

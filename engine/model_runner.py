@@ -268,6 +268,8 @@ class ModelRunner:
         """Why this runner cannot capture CUDA graphs (None: it can)."""
         if self.device.type != "cuda":
             return "no CUDA device"
+        if getattr(self.model, "is_encoder", False):
+            return "an encoder computes whole prompts and never decodes"
         from ember.engine.models.qwen3_moe import SparseMoeBlock
         from ember.engine.nvfp4_loading import use_triton as use_triton_moe
 

@@ -41,11 +41,14 @@ def fold(kind: str, pooled: torch.Tensor | None, first: int, hidden: torch.Tenso
 
 
 def result(kind: str, pooled: torch.Tensor, num_prompt_tokens: int,
-           head: torch.nn.Linear | None = None) -> list[float]:
-    """The embedding of a finished pool; with a classifier's ``head``, its logits for that embedding (computed in the
-    head's dtype, as the model would, and returned in fp32)."""
+           head: torch.nn.Module | None = None) -> list[float]:
+    """The embedding of a finished pool; with a classifier's ``head`` (a module from hidden state to logits), its
+    logits for that embedding (computed in the head's dtype, as the model would, and returned in fp32)."""
     vec = pooled / num_prompt_tokens if kind == "mean" else pooled
     if head is not None:
-        w = head.weight.detach()
-        vec = (vec.to(w.dtype) @ w.t()).float()
+        import torch
+
+        dtype = getattr(head, "dtype", None) or next(head.parameters()).dtype
+        with torch.inference_mode():
+            vec = head(vec.to(dtype)).float()
     return vec.cpu().tolist()

@@ -95,15 +95,22 @@ def model_label(st: ServerState, lora: str | None) -> str:
     return lora or st.runtime.model_name
 
 
-def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
-                param: str = "messages") -> int:
-    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
-    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream). A
-    classifier generates nothing: every generation route is a 400 naming ``model`` before any stream starts."""
+def check_generates(st: ServerState) -> None:
+    """A classifier or an encoder generates nothing: every generation route calls this first, so such a request is
+    a 400 naming ``model`` before its prompt is rendered or any stream starts."""
     info = st.runtime.model_info
     if info.labels:
         raise bad_request(f"this model is a classifier ({info.architecture}): it serves /classify, /score and "
                           f"/rerank and does not generate", param="model")
+    if not info.generates:
+        raise bad_request(f"this model is an encoder ({info.architecture}): it serves /v1/embeddings, /v1/score "
+                          f"and /v1/rerank and does not generate", param="model")
+
+
+def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
+                param: str = "messages") -> int:
+    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
+    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "

@@ -30,9 +30,9 @@ from . import protocol_openai as po
 from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
-                        check_logprobs, check_model, check_token_ids, collect, logit_bias_ids, model_label, new_request,
-                        noted_steps, require_api_key, state, stop_ids, stream_error, truncate_prompt,
-                        vllm_sampling_extras)
+                        check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
+                        model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
+                        truncate_prompt, vllm_sampling_extras)
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
@@ -128,6 +128,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_generates(st)
     check_logprobs(st, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
     extras = vllm_sampling_extras(st, body)
     if body.n > st.config.max_n:
@@ -198,6 +199,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_generates(st)
     check_logprobs(st, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     extras = vllm_sampling_extras(st, body)
     prompts = body.prompts()
@@ -303,6 +305,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_generates(st)
     prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
     max_tokens = allowed_tokens(st, len(prompt_ids), body.max_tokens)
     tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")

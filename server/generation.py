@@ -152,7 +152,7 @@ class ModelRuntime:
                    request_log=RequestLog(config.max_log_len) if config.enable_log_requests else None,
                    pooling=load_pooling_spec(Path(info.model_dir), parse_pooler_config(config.pooler_config)
                                              if config.pooler_config else None,
-                                             _json(config.hf_overrides)))
+                                             _json(config.hf_overrides), encoder=info.encoder))
 
 
 def _json(text: str | None) -> dict[str, Any] | None:

@@ -7,7 +7,8 @@ Where it comes from, first found wins:
   ``Normalize`` module after it means unit length. A module that changes the vector further (``Dense``, ...) or a
   mode Ember does not compute makes the spec ``refused``: serving a different vector than the model's authors
   would be silently wrong, so `/v1/embeddings` answers 400 with the reason;
-- otherwise last-token pooling, normalized (vLLM's default for a decoder model).
+- otherwise last-token pooling, normalized (vLLM's default for a decoder model), or the first ([CLS]) position's
+  for an encoder (BERT, XLM-RoBERTa), as vLLM pools one.
 
 Matryoshka (the request's ``dimensions``) is allowed only where config.json says the model was trained for it
 (``is_matryoshka``, or ``matryoshka_dimensions`` listing the sizes it supports; either may come from
@@ -103,9 +104,10 @@ def _sentence_transformers(model_dir: Path) -> tuple[str, bool, str | None] | No
 
 
 def load_pooling_spec(model_dir: Path, pooler_config: dict[str, Any] | None,
-                      hf_overrides: dict[str, Any] | None = None) -> PoolingSpec:
-    """The spec for the model in ``model_dir`` (see the module docstring); its config.json is read with
-    ``hf_overrides`` applied (vLLM's way to declare Matryoshka for a model whose config does not)."""
+                      hf_overrides: dict[str, Any] | None = None, encoder: bool = False) -> PoolingSpec:
+    """The spec for the model in ``model_dir`` (see the module docstring; ``encoder``: `ModelInfo.encoder`); its
+    config.json is read with ``hf_overrides`` applied (vLLM's way to declare Matryoshka for a model whose config
+    does not)."""
     config = read_config(model_dir, hf_overrides)
     dims = config.get("matryoshka_dimensions")
     dims = tuple(int(d) for d in dims) if isinstance(dims, list) and dims else None
@@ -114,14 +116,15 @@ def load_pooling_spec(model_dir: Path, pooler_config: dict[str, Any] | None,
     common = dict(matryoshka=matryoshka, matryoshka_dimensions=dims,
                   hidden_size=hidden if isinstance(hidden, int) else None)
     st = _sentence_transformers(model_dir)
+    default = "cls" if encoder else "last"
     if pooler_config:
-        kind = str(pooler_config.get("pooling_type") or (st[0] if st else "last")).lower()
+        kind = str(pooler_config.get("pooling_type") or (st[0] if st else default)).lower()
         normalize = pooler_config.get("normalize", st[1] if st else True)
         spec = PoolingSpec(kind, normalize, source="--pooler-config", **common)
     elif st is not None:
         spec = PoolingSpec(st[0], st[1], source="sentence-transformers modules.json", refused=st[2], **common)
     else:
-        spec = PoolingSpec(**common)
+        spec = PoolingSpec(default, **common)
     if spec.refused:
         log.warning("/v1/embeddings is refused for this model: %s (pass --pooler-config to choose a pooling)",
                     spec.refused)

@@ -21,7 +21,8 @@ from ember.engine.params import SamplingParams
 from . import chat
 from . import protocol_responses as pr
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
-                        check_logprobs, check_model, collect, model_label, new_request, noted_steps, state)
+                        check_generates, check_logprobs, check_model, collect, model_label, new_request, noted_steps,
+                        state)
 from .errors import ApiError
 from .generation import ChoiceSpec, make_pipeline, sampling_params
 from .background_responses import follow
@@ -82,6 +83,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     st = state(request)
     rt = st.runtime
     lora = check_model(st, body.model)
+    check_generates(st)
     check_logprobs(st, top_logprobs=body.top_logprobs)
     body.check()
     items = input_items(body.input)

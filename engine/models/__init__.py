@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from ember.engine.config import ConfigError
+from ember.engine.config import ENCODER_ARCHITECTURES, ConfigError
 from ember.engine.models.classifier import causal_architecture
 from ember.engine.models.layers import DecoderForCausalLM
 from ember.engine.models.llama import LlamaForCausalLM, SmolLM3ForCausalLM
@@ -52,13 +52,19 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM] | str] = {
 
 def get_model_class(architecture: str, source: str = "config.json") -> type[DecoderForCausalLM]:
     """The class serving ``architecture``; a ``*ForSequenceClassification`` one gets its causal LM's class (the
-    engine swaps the LM head for the classifier's, `ember.engine.models.classifier`)."""
+    engine swaps the LM head for the classifier's, `ember.engine.models.classifier`); an encoder
+    (`ember.engine.config.ENCODER_ARCHITECTURES`) gets `ember.engine.models.bert.BertEncoderModel`."""
+    if architecture in ENCODER_ARCHITECTURES:
+        from ember.engine.models.bert import BertEncoderModel
+
+        return BertEncoderModel  # type: ignore[return-value]
     try:
         entry = MODEL_REGISTRY[causal_architecture(architecture) or architecture]
     except KeyError:
         raise ConfigError(
             f"{source}: architecture {architecture!r} is not supported (supported: "
-            f"{', '.join(sorted(MODEL_REGISTRY))}, and the ...ForSequenceClassification form of each ...ForCausalLM)"
+            f"{', '.join(sorted(MODEL_REGISTRY | dict.fromkeys(ENCODER_ARCHITECTURES)))}, and the "
+            f"...ForSequenceClassification form of each ...ForCausalLM)"
         ) from None
     if isinstance(entry, str):
         module, name = entry.split(":")

@@ -1,0 +1,89 @@
+"""Encoder checkpoints served over HTTP: a sentence-transformers BERT embeds as its modules.json says (else by its
+[CLS] position, normalized), a BERT cross-encoder reranks by transformers' scores of the tokenizer's pair encoding,
+and every generation route is a 400 naming ``model``."""
+from __future__ import annotations
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.encoders import reference, save_tiny_encoder
+from tests.server.conftest import served
+
+
+def _serve(path, name):
+    from ember.server.config import ServeConfig
+
+    return served(ServeConfig(model_dir=path, served_model_name=name, max_num_seqs=4, kv_cache_blocks=64,
+                              in_process=True))
+
+
+@pytest.fixture(scope="module")
+def embedder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bge-like")
+    model, tok = save_tiny_encoder(path, "BertModel", seed=11, sentence_transformers="mean")
+    with _serve(path, "bge-like") as server:
+        yield server, model, tok
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("minilm-reranker")
+    model, tok = save_tiny_encoder(path, "BertForSequenceClassification", seed=12, num_labels=1)
+    with _serve(path, "reranker") as server:
+        yield server, model, tok
+
+
+def _unit(v: torch.Tensor) -> np.ndarray:
+    v = v.numpy().astype(np.float64)
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_follow_the_sentence_transformers_pooling(embedder):
+    server, model, tok = embedder
+    texts = ["the cat sat on the mat", "hello world", "paris is the capital of france"]
+    got = server.openai().embeddings.create(model="bge-like", input=texts)
+    for item, text in zip(got.data, texts):
+        assert np.allclose(item.embedding, _unit(reference(model, tok, text).mean(0)), atol=1e-5)
+    assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+
+
+def test_without_modules_json_an_encoder_embeds_its_cls_position(tmp_path):
+    model, tok = save_tiny_encoder(tmp_path, "XLMRobertaModel", seed=13)
+    with _serve(tmp_path, "xlmr") as server:
+        r = httpx.post(server.url + "/v1/embeddings", json={"input": "the weather is cold today"}, timeout=60)
+    assert r.status_code == 200, r.text
+    expected = _unit(reference(model, tok, "the weather is cold today")[0])
+    assert np.allclose(r.json()["data"][0]["embedding"], expected, atol=1e-5)
+
+
+def test_a_cross_encoder_reranks_by_the_pair_encoding(cross_encoder):
+    server, model, tok = cross_encoder
+    query = "what is the capital of france"
+    docs = ["the cat sat on the mat", "paris is the capital of france", "a dog ran in the park"]
+    r = httpx.post(server.url + "/v1/rerank", json={"model": "reranker", "query": query, "documents": docs},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    expected = [float(torch.sigmoid(reference(model, tok, query, d))[0]) for d in docs]
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(3), key=lambda i: -expected[i])
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-5)
+    s = httpx.post(server.url + "/v1/score", json={"model": "reranker", "text_1": query, "text_2": docs}, timeout=60)
+    assert [d["score"] for d in s.json()["data"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_generation_routes_are_refused_naming_model(embedder):
+    server, _, _ = embedder
+    with pytest.raises(openai.BadRequestError) as e:
+        server.openai().chat.completions.create(model="bge-like", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["param"] == "model" and "encoder" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        server.openai().completions.create(model="bge-like", prompt="hi")
+    with pytest.raises(anthropic.BadRequestError):
+        server.anthropic().messages.create(model="bge-like", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    r = httpx.post(server.url + "/v1/responses", json={"model": "bge-like", "input": "hi"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
