@@ -149,6 +149,9 @@ class EngineArgs:
     seed: int | None = _opt(None, "seed torch's generator as the engine starts, so unseeded sampling repeats from "
                                   "run to run for the same requests in the same order (vLLM's --seed); a request's "
                                   "own seed is unaffected", metavar="N")
+    scheduling_policy: str = _opt("fcfs", "'fcfs' serves requests in arrival order; 'priority' orders them by "
+                                          "their request's priority (lower first), then arrival, and preempts the "
+                                          "lowest first when the KV cache runs out", choices=("fcfs", "priority"))
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
                                          "(left to the HTTP front end)")
 
@@ -166,7 +169,8 @@ class EngineArgs:
                 "hf_overrides": parse_json_object(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
                 "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed,
-                "tokenizer": self.tokenizer, "max_logprobs": self.max_logprobs}
+                "tokenizer": self.tokenizer, "max_logprobs": self.max_logprobs,
+                "scheduling_policy": self.scheduling_policy}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""

@@ -230,3 +230,4 @@ class EngineConfig:
     seed: int | None = None  # torch's generator seeded at start (vLLM's --seed): unseeded draws repeat run to run
     tokenizer: str | None = None  # the tokenizer's folder, when it is not the model's
     max_logprobs: int = 20  # the most alternatives per token a request may ask for (-1: the vocabulary)
+    scheduling_policy: str = "fcfs"  # "priority": requests ordered by (priority, arrival) instead of arrival

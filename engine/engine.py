@@ -179,6 +179,7 @@ class Engine:
         self.kv = KVCacheManager(num_blocks, config.block_size, prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, step_tokens, self.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill and not mc.is_encoder,
+                                   policy=config.scheduling_policy,
                                    snapshots=StateSnapshots(self.runner.first_snapshot_slot, snapshots)
                                    if snapshots else None)
         self.sampler = Sampler(self.vocab_size, self.device, bitmask_filler)
@@ -200,7 +201,8 @@ class Engine:
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
                         max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None,
-                        tokenizer: str | None = None, max_logprobs: int = 20) -> "Engine":
+                        tokenizer: str | None = None, max_logprobs: int = 20,
+                        scheduling_policy: str = "fcfs") -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -210,7 +212,7 @@ class Engine:
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
             max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed, tokenizer=tokenizer,
-            max_logprobs=max_logprobs,
+            max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
         )
         return cls(model_dir, config, bitmask_filler)
 

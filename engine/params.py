@@ -37,6 +37,7 @@ class SamplingParams:
     """vLLM's ``bad_words``, tokenized: a sequence's last token is banned wherever the output so far ends with the
     tokens before it (a one-token sequence is banned everywhere)."""
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    priority: int = 0  # vLLM's, under the priority scheduling policy: lower values are admitted first
     pooling: str | None = None
     """None: generate. ``"last"``, ``"mean"`` or ``"cls"``: an embedding request (`ember.engine.pooling`): the
     prompt is computed and its final hidden states pooled into `RequestOutput.embedding`; no token is generated and

@@ -8,6 +8,10 @@ preempted halfway. When a running sequence needs a block and none is free, the n
 by recompute (blocks freed, back to the front of the queue, outputs kept). The oldest request is never preempted for
 a newer one, so every request that fits the cache completes.
 
+Under the ``priority`` policy (vLLM's) "oldest" reads "first by ``(SamplingParams.priority, arrival)``": the waiting
+queue and the running list are kept in that order, so a lower priority value is admitted first and a running
+sequence of the highest value (the newest among equals) is the one preempted.
+
 Each running sequence also holds one of ``max_num_seqs`` state slots (``Sequence.state_slot``), where models with
 recurrent layers keep its state; it is taken at admission and given back on finish or preemption. With prefix caching
 such models also keep `StateSnapshots`: a prefix hit counts only as far as a saved state reaches (restored into the
@@ -58,7 +62,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """Running sequences oldest first, then newly admitted ones in FIFO order. Only the last chunk can be a
-    partial prefill (``samples`` False), so decodes always come before prefill work."""
+    partial prefill (``samples`` False), so decodes always come before prefill work. (Under the priority policy the
+    order is the policy's, and a higher-priority prefill may use the budget before lower-priority decodes.)"""
     preempted: list[Sequence] = field(default_factory=list)
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     """``(snapshot slot, sequence slot)``: recurrent states to restore before this step computes (prefix hits)."""
@@ -80,7 +85,10 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, watermark: float = 0.01,
-                 snapshots: StateSnapshots | None = None) -> None:
+                 snapshots: StateSnapshots | None = None, policy: str = "fcfs") -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {policy!r}")
+        self.by_priority = policy == "priority"
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)):
             if value < 1:
@@ -92,8 +100,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.watermark_blocks = max(1, int(watermark * kv.num_blocks)) if watermark > 0 else 0
         """Blocks left free when admitting next to running sequences, so they can grow without thrashing."""
-        self.waiting: deque[Sequence] = deque()  # sorted by arrival: preempted ones return to the front
-        self.running: list[Sequence] = []  # sorted by arrival
+        self.waiting: deque[Sequence] = deque()  # sorted by `_order`: preempted ones return to the front
+        self.running: list[Sequence] = []  # sorted by `_order`
         self._by_id: dict[str, Sequence] = {}
         self.snapshots = snapshots
         """For models with recurrent state and prefix caching: the saved states a prefix hit needs too."""
@@ -122,6 +130,9 @@ class Scheduler:
         """Queue a new request; ValueError when it could never be served."""
         if seq.request_id in self._by_id:
             raise ValueError(f"request_id {seq.request_id!r} is already in the engine")
+        if seq.params.priority and not self.by_priority:
+            raise ValueError(f"priority {seq.params.priority} needs the priority scheduling policy (the engine "
+                             f"serves requests first come, first served)")
         n_prompt = seq.num_prompt_tokens
         if n_prompt == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -142,7 +153,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.arrival = self._next_arrival
         self._next_arrival += 1
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=self._order)
+        else:
+            self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -174,8 +188,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # Running sequences oldest first. At most one of them is mid-prefill, and it is the newest: a chunk stops
-        # short only when it uses up the budget, after which nothing newer is admitted. So decodes come first.
+        # Running sequences oldest first (in `_order`). At most one of them is mid-prefill, and under FCFS it is the
+        # newest: a chunk stops short only when it uses up the budget, after which nothing newer is admitted. So
+        # decodes come first.
         allocate, max_len, running = self.kv.allocate_slots, self.max_model_len, SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget <= 0:
@@ -235,7 +250,7 @@ class Scheduler:
             if restore is not None:
                 out.state_restores.append((restore, seq.state_slot))
                 self.snapshots.num_restores += 1
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            bisect.insort(self.running, seq, key=self._order)
             out.chunks.append(self._chunk(seq, n))
             budget -= n
             if self._save_at_boundary(seq, num_computed, n, out):
@@ -313,6 +328,10 @@ class Scheduler:
             out.state_saves.append((seq.state_slot, slot))
             seq.output_snapshot = key
 
+    def _order(self, seq: Sequence) -> tuple[int, int]:
+        """Where ``seq`` stands in the waiting queue and the running list: by arrival, or by priority first."""
+        return (seq.params.priority if self.by_priority else 0, seq.arrival)
+
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         return ScheduledChunk(seq=seq, start=start, num_tokens=n,
@@ -330,4 +349,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:  # ahead of every waiting request it outranks
+            bisect.insort(self.waiting, seq, key=self._order)
+        else:
+            self.waiting.appendleft(seq)

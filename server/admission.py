@@ -164,13 +164,13 @@ def check_token_ids(st: ServerState, ids: list[int], param: str) -> None:
 def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
     """vLLM's extra sampling fields of a chat or text completion as `SamplingParams` settings: `allowed_token_ids`
     (checked against the vocabulary), `bad_words` (each tokenized alone and after a space, as a word is spelled
-    inside text), `cache_salt`. Beam search and priorities are not served: asking for them is a 400 naming the
-    field."""
+    inside text), `cache_salt`, `priority` (under ``--scheduling-policy priority``; otherwise a non-zero one is a
+    400, as in vLLM). Beam search is not served: asking for it is a 400 naming the field."""
     if body.use_beam_search:
         raise bad_request("beam search is not supported", param="use_beam_search")
-    if body.priority:
-        raise bad_request("requests are scheduled first come, first served; priority is not supported",
-                          param="priority")
+    if body.priority and st.config.scheduling_policy != "priority":
+        raise bad_request("requests are scheduled first come, first served: priority needs the server started "
+                          "with --scheduling-policy priority", param="priority")
     allowed = None
     if body.allowed_token_ids is not None:
         if not body.allowed_token_ids:
@@ -183,7 +183,8 @@ def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
         spelled = {tuple(tok.encode(text, add_special_tokens=False))
                    for word in body.bad_words for text in (word.strip(), " " + word.strip())}
         bad = [list(ids) for ids in sorted(spelled) if ids]
-    return {"allowed_token_ids": allowed, "bad_words_ids": bad or None, "cache_salt": body.cache_salt}
+    return {"allowed_token_ids": allowed, "bad_words_ids": bad or None, "cache_salt": body.cache_salt,
+            "priority": body.priority}
 
 
 def truncate_prompt(st: ServerState, ids: list[int], keep: int | None) -> list[int]:

@@ -25,9 +25,10 @@ def expected_outputs(s: Sequence) -> list[int]:
     return [token(s.request_id, s.num_prompt_tokens + k) for k in range(s.params.max_tokens)]
 
 
-def make(rid: str, prompt_len: int, max_tokens: int = 8, base: int | None = None) -> Sequence:
+def make(rid: str, prompt_len: int, max_tokens: int = 8, base: int | None = None, priority: int = 0) -> Sequence:
     start = zlib.crc32(rid.encode()) % 10_000 if base is None else base
-    return Sequence(rid, list(range(start, start + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    return Sequence(rid, list(range(start, start + prompt_len)), SamplingParams(max_tokens=max_tokens,
+                                                                              priority=priority))
 
 
 def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -73,9 +74,9 @@ def run_all(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
 
 
 def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=512, chunked=True,
-                  prefix=True) -> Scheduler:
+                  prefix=True, policy="fcfs") -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked, policy=policy)
 
 
 def test_every_request_completes_with_its_exact_outputs():
@@ -302,14 +303,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.n = 0
         self.live: list[Sequence] = []
 
-    @initialize(chunked=st.booleans(), prefix=st.booleans(), budget=st.integers(8, 48))
-    def configure(self, chunked, prefix, budget):
+    @initialize(chunked=st.booleans(), prefix=st.booleans(), budget=st.integers(8, 48),
+                policy=st.sampled_from(["fcfs", "priority"]))
+    def configure(self, chunked, prefix, budget, policy):
         self.sched = new_scheduler(num_blocks=20, block_size=4, max_num_seqs=4, budget=budget, max_model_len=80,
-                                   chunked=chunked, prefix=prefix)
+                                   chunked=chunked, prefix=prefix, policy=policy)
 
-    @rule(prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24), shared=st.booleans())
-    def add(self, prompt_len, max_tokens, shared):
-        s = make(f"q{self.n}", prompt_len, max_tokens, base=0 if shared else None)
+    @rule(prompt_len=st.integers(1, 40), max_tokens=st.integers(1, 24), shared=st.booleans(),
+          priority=st.integers(0, 3))
+    def add(self, prompt_len, max_tokens, shared, priority):
+        s = make(f"q{self.n}", prompt_len, max_tokens, base=0 if shared else None,
+                 priority=priority if self.sched.by_priority else 0)
         self.n += 1
         too_long = not self.sched.enable_chunked_prefill and prompt_len > self.sched.max_num_batched_tokens
         if -(-(prompt_len + max_tokens) // 4) > 20 or too_long:
@@ -359,3 +363,37 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+def test_the_priority_policy_admits_lower_values_first():
+    sched = new_scheduler(max_num_seqs=1, policy="priority")
+    seqs = {p: make(f"p{p}", 5, max_tokens=3, priority=p) for p in (2, 0, 1)}  # added in this order
+    for s in seqs.values():
+        sched.add(s)
+    order = []
+    while sched.has_unfinished():
+        out = step(sched)
+        order += [c.seq.params.priority for c in out.chunks if c.seq.params.priority not in order]
+    assert order == [0, 1, 2]
+    for s in seqs.values():
+        assert s.output_token_ids == expected_outputs(s)
+
+
+def test_the_priority_policy_preempts_the_lowest_priority_even_when_it_is_older():
+    sched = new_scheduler(num_blocks=6, block_size=4, budget=64, max_num_seqs=4, policy="priority")
+    low, high = make("low", 8, max_tokens=14, priority=5), make("high", 8, max_tokens=14, priority=0)
+    sched.add(low)
+    step(sched)
+    sched.add(high)
+    outs = run_all(sched)
+    victims = [p for o in outs for p in o.preempted]
+    assert victims and all(v is low for v in victims) and high.num_preemptions == 0
+    for s in (low, high):
+        assert s.output_token_ids == expected_outputs(s)
+
+
+def test_first_come_first_served_refuses_a_priority():
+    with pytest.raises(ValueError, match="priority scheduling policy"):
+        new_scheduler().add(make("p", 4, priority=1))
+    with pytest.raises(ValueError, match="fcfs or priority"):
+        new_scheduler(policy="lifo")

@@ -75,3 +75,40 @@ def test_unserved_settings_are_refused_by_name(demo_server, field, value):
         assert r.status_code == 400 and r.json()["error"]["param"] == field
     ok = _post(demo_server, "/v1/completions", prompt="hi", max_tokens=1, use_beam_search=False, priority=0)
     assert ok.status_code == 200
+
+
+def test_priority_is_served_under_the_priority_policy(demo_runtime):
+    """With --scheduling-policy priority a request's priority reaches the engine's queue: one running slot, a
+    low-priority request queued first and a high-priority one after it; the high one is admitted first."""
+    import threading
+    import time
+
+    from ember.server.config import ServeConfig
+    from tests.server.conftest import served
+
+    config = ServeConfig(model_dir=demo_runtime[1].model_dir, served_model_name="prio", max_num_seqs=1,
+                         kv_cache_blocks=64, in_process=True, scheduling_policy="priority")
+    with served(config) as srv:
+        stats = srv.runtime.engine.stats
+        done: list[str] = []
+
+        def ask(name: str, priority: int, max_tokens: int) -> None:
+            r = _post(srv, "/v1/completions", prompt=name, max_tokens=max_tokens, ignore_eos=True, priority=priority)
+            assert r.status_code == 200, r.text
+            done.append(name)
+
+        def until(condition) -> None:
+            while not condition():
+                time.sleep(0.002)
+
+        threads = [threading.Thread(target=ask, args=("first", 0, 400))]
+        threads[0].start()
+        until(lambda: stats().num_running == 1)
+        for name, priority, waiting in (("low", 9, 1), ("high", -3, 2)):
+            threads.append(threading.Thread(target=ask, args=(name, priority, 4)))
+            threads[-1].start()
+            until(lambda: stats().num_waiting == waiting or done)
+        assert not done, "the first request ended before both others queued behind it"
+        for t in threads:
+            t.join(timeout=60)
+        assert done == ["first", "high", "low"]
