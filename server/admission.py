@@ -181,7 +181,7 @@ def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
     if body.bad_words:
         tok = st.runtime.tokenizer
         spelled = {tuple(tok.encode(text, add_special_tokens=False))
-                   for word in body.bad_words for text in (word.strip(), " " + word.strip())}
+                   for word in body.bad_words if word.strip() for text in (word.strip(), " " + word.strip())}
         bad = [list(ids) for ids in sorted(spelled) if ids]
     return {"allowed_token_ids": allowed, "bad_words_ids": bad or None, "cache_salt": body.cache_salt,
             "priority": body.priority}

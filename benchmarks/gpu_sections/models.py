@@ -72,6 +72,23 @@ def _with_tokenizer(path: Path, ctx: Ctx) -> Path:
     return path
 
 
+def tiny_encoder(ctx: Ctx, architecture: str) -> Path:
+    """A random 2-layer BERT or XLM-RoBERTa ``architecture`` (hidden 64, 4 heads; a classifier has 3 labels) with the
+    demo tokenizer (no separator token, so BERT's token types stay 0)."""
+    def build() -> Path:
+        import transformers
+
+        family = "XLMRoberta" if architecture.startswith("XLMRoberta") else "Bert"
+        extra = {"pad_token_id": 1, "type_vocab_size": 1} if family == "XLMRoberta" else {}
+        cfg = getattr(transformers, f"{family}Config")(
+            vocab_size=1280, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=258 if family == "XLMRoberta" else 256, num_labels=3, **extra)
+        torch.manual_seed(0)
+        return _saved(getattr(transformers, architecture)(cfg).eval(), ctx, f"{architecture}-tiny")
+
+    return ctx.cached(f"tiny_{architecture}", build)
+
+
 def tiny_qwen3_moe(ctx: Ctx) -> Path:
     """A random Qwen3-MoE (3 layers, one dense; 8 experts, top-2) saved by transformers; routers drawn wide so
     top-k has no near-ties."""

@@ -200,6 +200,44 @@ def _lora(ctx: Ctx) -> None:
         rep.row(model="qwen3 + lora", run="device bf16", token_agreement_with_fp32=same / (n * new), **bf16.info)
 
 
+def pooled(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[int]], kind: str) -> torch.Tensor:
+    """Every prompt's pooled output (an embedding, or a classifier's logits), all in flight together: ``[n, D]``."""
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    eng = Engine.from_pretrained(path, device=device, dtype=dtype, max_num_seqs=8, num_kv_blocks=128)
+    try:
+        ids = [eng.add_request(p, SamplingParams(pooling=kind)) for p in ps]
+        out: dict[str, list[float]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.error:
+                    raise RuntimeError(f"request failed: {o.error}")
+                if o.finished:
+                    out[o.request_id] = o.embedding
+        return torch.tensor([out[r] for r in ids])
+    finally:
+        eng.shutdown()
+
+
+def _encoders(ctx: Ctx) -> None:
+    """BERT / XLM-RoBERTa embeddings and classifier logits on the device against the CPU's: fp32 within 1e-4, bf16
+    within 3e-2 (bidirectional attention over whole prompts, one SDPA per prompt)."""
+    rep = ctx.report
+    ps = prompts(ctx.pick(2, 6, 8), 1280)
+    for arch, kind in (("BertModel", "mean"), ("XLMRobertaModel", "cls"), ("BertForSequenceClassification", "cls"),
+                       ("XLMRobertaForSequenceClassification", "cls")):
+        if ctx.quick and arch not in ("XLMRobertaModel", "BertForSequenceClassification"):
+            continue
+        with ctx.case(f"{arch}: device == cpu"):
+            path = models.tiny_encoder(ctx, arch)
+            want = pooled(path, torch.device("cpu"), torch.float32, ps, kind)
+            rep.check(f"{arch}: device fp32 == cpu", pooled(path, ctx.device, torch.float32, ps, kind), want, 1e-4)
+            if ctx.cuda:
+                rep.check(f"{arch}: device bf16 ~ cpu fp32", pooled(path, ctx.device, torch.bfloat16, ps, kind),
+                          want, 3e-2)
+
+
 def _has_kv_cache_dtype() -> bool:
     import inspect
 
@@ -213,6 +251,8 @@ def run(ctx: Ctx) -> None:
         _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
     with ctx.case("qwen3 + lora"):
         _lora(ctx)
+    with ctx.case("encoders"):
+        _encoders(ctx)
     quick = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")  # --quick: one model per distinct device path
     for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
                         ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),

@@ -31,8 +31,9 @@ def test_a_checkpoint_without_a_tokenizer_is_served_with_the_one_given(weights_o
         messages = [{"role": "user", "content": "name a colour"}]
         schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "required": ["c"],
                   "additionalProperties": False}
-        r = server.openai().chat.completions.create(
+        r = server.openai().chat.completions.create(  # no thought: a random one could outrun max_tokens
             model="demo", messages=messages, max_tokens=64,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
         assert json.loads(r.choices[0].message.content)["c"] in ("red", "blue")  # the engine's grammar ran
         ids = httpx.post(server.url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
