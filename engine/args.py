@@ -152,6 +152,11 @@ class EngineArgs:
     scheduling_policy: str = _opt("fcfs", "'fcfs' serves requests in arrival order; 'priority' orders them by "
                                           "their request's priority (lower first), then arrival, and preempts the "
                                           "lowest first when the KV cache runs out", choices=("fcfs", "priority"))
+    speculative_config: str | None = _opt(None, "JSON object of vLLM's speculative decoding settings; Ember "
+                                                "speculates by n-gram prompt lookup for greedy requests: "
+                                                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                                "\"prompt_lookup_max\": 3}'",
+                                          type=checked_by(lambda text: _speculative(text)), metavar="JSON")
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
                                          "(left to the HTTP front end)")
 
@@ -170,7 +175,8 @@ class EngineArgs:
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,
                 "max_lora_rank": self.max_lora_rank, "enable_lora": self.enable_lora, "seed": self.seed,
                 "tokenizer": self.tokenizer, "max_logprobs": self.max_logprobs,
-                "scheduling_policy": self.scheduling_policy}
+                "scheduling_policy": self.scheduling_policy,
+                "speculative_config": parse_json_object(self.speculative_config) if self.speculative_config else None}
 
     def apply_environment(self) -> None:
         """Select the kernel backends for this process (the engine modules read them where they build layers)."""
@@ -185,6 +191,15 @@ class EngineArgs:
         import torch
 
         torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+
+
+def _speculative(text: str) -> dict[str, Any]:
+    """`--speculative-config`: the JSON object, checked as the engine reads it."""
+    from ember.engine.speculative import parse_speculative_config
+
+    value = parse_json_object(text)
+    parse_speculative_config(value)
+    return value
 
 
 def engine_args_of(config: Any) -> EngineArgs:

@@ -231,3 +231,4 @@ class EngineConfig:
     tokenizer: str | None = None  # the tokenizer's folder, when it is not the model's
     max_logprobs: int = 20  # the most alternatives per token a request may ask for (-1: the vocabulary)
     scheduling_policy: str = "fcfs"  # "priority": requests ordered by (priority, arrival) instead of arrival
+    speculative_config: dict[str, Any] | None = None  # vLLM's JSON; "ngram" prompt lookup (`ember.engine.speculative`)

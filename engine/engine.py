@@ -30,6 +30,7 @@ from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.speculative import NgramIndex, parse_speculative_config, speculates
 from ember.engine.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class EngineStats:
     last_batch_size: int
     num_steps: int = 0  # steps that ran a forward
     step_ms: float = 0.0  # mean wall time of the recent steps (set by the loop that drives the engine)
+    spec_draft_tokens: int = 0  # speculative tokens computed (`ember.engine.speculative`)
+    spec_accepted_tokens: int = 0  # of those, the ones kept
 
 
 def _default_device() -> torch.device:
@@ -140,6 +143,11 @@ class Engine:
                               f"tokens{yarn} in {self.model_dir / 'config.json'}")
         self.max_model_len = config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
+        self.speculative = parse_speculative_config(config.speculative_config) if config.speculative_config else None
+        if self.speculative is not None and mc.linear_attention_layers:
+            raise ConfigError(f"{mc.architecture} keeps recurrent state, which cannot undo rejected speculative "
+                              f"tokens: serve it without speculative_config")
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
         if mc.is_encoder and (config.tensor_parallel_size != 1 or config.lora_modules or config.enable_lora):
             raise ConfigError(f"{mc.architecture} is an encoder: Ember serves it in one process without LoRA "
                               f"adapters (tensor_parallel_size 1, no lora_modules)")
@@ -202,7 +210,8 @@ class Engine:
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
                         max_lora_rank: int = 16, enable_lora: bool = False, seed: int | None = None,
                         tokenizer: str | None = None, max_logprobs: int = 20,
-                        scheduling_policy: str = "fcfs") -> "Engine":
+                        scheduling_policy: str = "fcfs",
+                        speculative_config: dict[str, Any] | None = None) -> "Engine":
         config = EngineConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -212,7 +221,7 @@ class Engine:
             enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
             max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed, tokenizer=tokenizer,
-            max_logprobs=max_logprobs, scheduling_policy=scheduling_policy,
+            max_logprobs=max_logprobs, scheduling_policy=scheduling_policy, speculative_config=speculative_config,
         )
         return cls(model_dir, config, bitmask_filler)
 
@@ -306,6 +315,8 @@ class Engine:
             seq.cache_root = self.lora.cache_root(params.lora)
         if params.cache_salt:
             seq.cache_root = salted_root(seq.cache_root or ROOT_HASH, params.cache_salt)
+        if self.speculative is not None and speculates(params, constraint is not None):
+            seq.ngram = NgramIndex(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -351,6 +362,7 @@ class Engine:
             prefix_cache_hit_rate=(self.kv.prefix_hits / q) if q else 0.0, prefix_cache_hits=self.kv.prefix_hits,
             prefix_cache_queries=q, num_preemptions=self.scheduler.num_preemptions,
             last_batch_size=self.last_batch_size, num_steps=self.num_steps,
+            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
         )
 
     # ---- steps -------------------------------------------------------------------------------------------------
@@ -380,18 +392,26 @@ class Engine:
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         logits = self.runner.execute(sched)
         self.last_batch_size = self.runner.last_batch_size
-        sampling = [c.seq for c in sched.chunks if c.samples]
+        chunks = [c for c in sched.chunks if c.samples]
         outputs: list[RequestOutput] = []
         if self.runner.scoring_hidden is not None:
             self._keep_rows(sched)
-        if not sampling:
+        if not chunks:
             self.scheduler.update(sched, {})
             return self._finish_pooled(sched, outputs)
-        result = self.sampler(logits, sampling, self.eos_token_ids)
-        sampled: dict[str, int] = {}
-        for i, seq in enumerate(sampling):
+        # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated
+        result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids)
+        sampled: dict[str, int | list[int]] = {}
+        spec_ends: dict[str, tuple[FinishReason | None, int | None]] = {}
+        starts = list(itertools.accumulate((1 + len(c.draft) for c in chunks), initial=0))
+        for c, i, end in zip(chunks, starts, starts[1:]):
+            seq = c.seq
             if i in result.errors:
                 outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
+                continue
+            if c.draft:
+                sampled[seq.request_id], spec_ends[seq.request_id] = self._verify(seq, c.draft,
+                                                                                  result.token_ids[i:end])
                 continue
             tok = result.token_ids[i]
             if seq.constraint is not None:
@@ -406,17 +426,53 @@ class Engine:
             sampled[seq.request_id] = tok
         self.scheduler.update(sched, sampled)
         self._finish_pooled(sched, outputs)
-        for i, seq in enumerate(sampling):
+        for c, i in zip(chunks, starts):
+            seq = c.seq
             if seq.request_id not in sampled or seq.status is not SequenceStatus.RUNNING:
                 continue
-            tok = sampled[seq.request_id]
-            lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
-            reason, stop_tok = self._stop_reason(seq, tok)
-            if reason is None:
-                outputs.append(self._output(seq, [tok], lp))
+            if c.draft:
+                kept, (reason, stop_tok) = sampled[seq.request_id], spec_ends[seq.request_id]
+                lp = None
             else:
-                outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
+                tok = sampled[seq.request_id]
+                kept = [tok]
+                lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
+                reason, stop_tok = self._stop_reason(seq, tok)
+            if reason is None:
+                outputs.append(self._output(seq, kept, lp))
+            else:
+                outputs.append(self._finish(seq, kept, lp, reason, stop_token_id=stop_tok))
+        if self.speculative is not None:
+            self._propose(chunks)
         return outputs
+
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], greedy: list[int]
+                ) -> tuple[list[int], tuple[FinishReason | None, int | None]]:
+        """The tokens a speculative chunk emits: its drafts up to the first that differs from the model's greedy
+        token there, then the model's token; cut at the first that ends the request (with why)."""
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+            accepted += 1
+        self.spec_draft_tokens += len(draft)
+        self.spec_accepted_tokens += accepted
+        tokens = list(draft[:accepted]) + [greedy[accepted]]
+        for m, tok in enumerate(tokens, 1):
+            why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
+            if why[0] is not None:
+                return tokens[:m], why
+        return tokens, (None, None)
+
+    def _propose(self, chunks: list) -> None:
+        """Draft tokens for the next step of each speculating sequence that sampled this step and still runs."""
+        spec = self.speculative
+        for c in chunks:
+            seq, p = c.seq, c.seq.params
+            if seq.ngram is None or seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens < p.min_tokens:
+                continue
+            room = self.max_model_len - seq.num_tokens
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            seq.draft = seq.ngram.propose(seq.token_ids_slice, seq.num_tokens, min(spec.num_speculative_tokens, room))
 
     def _keep_rows(self, sched: SchedulerOutput) -> None:
         """Take this step's kept hidden rows (in chunk order) into their sequences: a pooling request folds them
@@ -454,10 +510,14 @@ class Engine:
             outputs.append(out)
         return outputs
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> tuple[FinishReason | None, int | None]:
+    def _stop_reason(self, seq: Sequence, tok: int, num_output: int | None = None, num_tokens: int | None = None
+                     ) -> tuple[FinishReason | None, int | None]:
+        """Why ``tok`` ends ``seq`` (None: it does not), with ``seq``'s output and total lengths once ``tok`` is
+        appended (default: ``seq``'s own, for a token already appended)."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens and (tok in p.stop_token_ids
-                                                      or (not p.ignore_eos and tok in self.eos_token_ids)):
+        num_output = seq.num_output_tokens if num_output is None else num_output
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+        if num_output >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop", tok
         if seq.constraint is not None:
             try:
@@ -466,9 +526,9 @@ class Engine:
             except Exception:
                 log.exception("constraint.is_terminated failed for %s", seq.request_id)
                 return "stop", None
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_output >= p.max_tokens:
             return "length", None
-        if seq.num_tokens >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             return "length", None
         return None, None
 

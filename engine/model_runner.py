@@ -110,7 +110,7 @@ class ModelRunner:
         t = sum(c.num_tokens for c in chunks)
         tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
         width = max(len(tb) for tb in tables)
-        s = sum(1 for c in chunks if c.samples)
+        s = sum(1 + len(c.draft) for c in chunks if c.samples)  # a speculative chunk samples every position
         scored = [c.prompt_rows for c in chunks]
         s += sum(q for _, q in scored)  # prompt-logprob rows follow the sampling rows
         r = sum(1 for c in chunks if c.num_tokens == 1) if self.recurrent else 0
@@ -135,7 +135,7 @@ class ModelRunner:
                 pos[row] = start
                 slots[row] = blocks[start // bs] * bs + start % bs
             else:
-                ids[row:row + n] = seq.token_ids_slice(start, end)
+                ids[row:row + n] = seq.token_ids_slice(start, end) + list(chunk.draft)
                 p = np.arange(start, end)
                 pos[row:row + n] = p
                 slots[row:row + n] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
@@ -144,7 +144,10 @@ class ModelRunner:
             lens[i] = end
             table[i, :len(blocks)] = blocks
             table[i, len(blocks):] = 0
-            if chunk.samples:
+            if chunk.draft:
+                li[j:j + n] = np.arange(row - n, row)
+                j += n
+            elif chunk.samples:
                 li[j] = row - 1
                 j += 1
             lo, q = scored[i]

@@ -41,6 +41,9 @@ class ScheduledChunk:
     samples: bool
     """True when the chunk reaches ``seq.num_tokens`` of a generating sequence: a new token is sampled from its last
     position (a pooling request's last chunk samples nothing: the engine finishes it)."""
+    draft: tuple[int, ...] = ()
+    """Speculative tokens computed after the sequence's last token (``num_tokens`` is one more than their count):
+    every position of the chunk is sampled, and the engine keeps the drafts up to the first it disagrees with."""
 
     @functools.cached_property
     def prompt_rows(self) -> tuple[int, int]:
@@ -198,6 +201,12 @@ class Scheduler:
             if seq.status is not running:  # preempted earlier in this loop
                 continue
             start, num_tokens = seq.num_computed_tokens, seq.num_tokens
+            if seq.draft and start == num_tokens - 1:  # a speculative decode, when its blocks are free
+                k = min(len(seq.draft), budget - 1, max_len - num_tokens)
+                if k > 0 and allocate(seq, 1 + k):
+                    out.chunks.append(ScheduledChunk(seq, start, 1 + k, True, tuple(seq.draft[:k])))
+                    budget -= 1 + k
+                    continue
             n = self._cap(seq, start, min(num_tokens if num_tokens < max_len else max_len, start + budget) - start)
             if n <= 0:  # waiting for the engine to append its sampled token, or at max_model_len
                 continue
@@ -257,8 +266,10 @@ class Scheduler:
                 break
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record a step's results: computed positions advance, sampling chunks get ``sampled[request_id]``.
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> None:
+        """Record a step's results: computed positions advance, sampling chunks get ``sampled[request_id]``: one
+        token, or for a speculative chunk the tokens kept (its kept drafts' positions then count as computed, the
+        rejected ones' do not).
 
         Sequences finished or aborted since ``schedule`` are skipped.
         """
@@ -270,8 +281,15 @@ class Scheduler:
             if seq.num_computed_tokens != chunk.start:
                 raise RuntimeError(f"request {seq.request_id!r}: update for a chunk at {chunk.start} but "
                                    f"{seq.num_computed_tokens} tokens are computed (update called twice?)")
-            seq.num_computed_tokens += chunk.num_tokens
-            if chunk.samples:
+            seq.draft = []
+            if chunk.draft:
+                kept = sampled[seq.request_id]
+                assert isinstance(kept, list) and 1 <= len(kept) <= chunk.num_tokens, kept
+                seq.num_computed_tokens += len(kept)
+                seq.output_token_ids.extend(kept)
+            else:
+                seq.num_computed_tokens += chunk.num_tokens
+            if chunk.samples and not chunk.draft:
                 try:
                     seq.append_token(sampled[seq.request_id])
                 except KeyError:

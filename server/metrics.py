@@ -84,8 +84,14 @@ class Metrics:
                                       registry=r).labels(model_name)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                                    m, registry=r).labels(model_name)
-        self._seen_queries = 0
-        self._seen_hits = 0
+        spec_drafts = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m,
+                              registry=r).labels(model_name)
+        spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", m,
+                                registry=r).labels(model_name)
+        self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
+                        "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted}
+        """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
+        self._seen = dict.fromkeys(self._totals, 0)
 
     def render(self) -> bytes:
         s = self._stats()
@@ -98,8 +104,8 @@ class Metrics:
         self.v_running.set(running)
         self.v_waiting.set(waiting)
         self.v_kv_usage.set(usage)
-        queries, hits = getattr(s, "prefix_cache_queries", 0), getattr(s, "prefix_cache_hits", 0)
-        self.prefix_queries.inc(max(0, queries - self._seen_queries))  # the engine's totals, as counters
-        self.prefix_hits.inc(max(0, hits - self._seen_hits))
-        self._seen_queries, self._seen_hits = max(queries, self._seen_queries), max(hits, self._seen_hits)
+        for name, counter in self._totals.items():
+            total = getattr(s, name, 0)
+            counter.inc(max(0, total - self._seen[name]))
+            self._seen[name] = max(total, self._seen[name])
         return generate_latest(self.registry)

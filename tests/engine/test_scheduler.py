@@ -40,12 +40,25 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
     for c in out.chunks:
         assert c.seq.status is SequenceStatus.RUNNING
         assert c.start == c.seq.num_computed_tokens and c.num_tokens >= 1
-        assert c.samples == (c.start + c.num_tokens == c.seq.num_tokens)
+        assert c.samples == (c.start + c.num_tokens - len(c.draft) == c.seq.num_tokens)
+        assert not c.draft or c.start == c.seq.num_tokens - 1  # drafts only follow a decoding sequence's last token
         assert len(c.seq.block_ids) * sched.kv.block_size >= c.start + c.num_tokens
     assert all(c.samples for c in out.chunks[:-1]), "only the last chunk may be a partial prefill"
     for p in out.preempted:
         assert p.status is SequenceStatus.WAITING and p.block_ids == [] and p.num_computed_tokens == 0
     sched.check_integrity()
+
+
+def verified(chunk) -> list[int]:
+    """What the fake model keeps of a speculative chunk: its right drafts up to the first wrong one, then its own
+    token, cut at max_tokens."""
+    seq, kept = chunk.seq, []
+    for d in chunk.draft:
+        if d != token(seq.request_id, seq.num_tokens + len(kept)):
+            break
+        kept.append(d)
+    kept.append(token(seq.request_id, seq.num_tokens + len(kept)))
+    return kept[:seq.params.max_tokens - seq.num_output_tokens]
 
 
 def step(sched: Scheduler) -> SchedulerOutput:
@@ -56,7 +69,8 @@ def step(sched: Scheduler) -> SchedulerOutput:
     if out.preempted:  # a step that preempts admits nothing (it would only thrash)
         victims = set(map(id, out.preempted))
         assert all(id(c.seq) in running_before and id(c.seq) not in victims for c in out.chunks)
-    sampled = {c.seq.request_id: token(c.seq.request_id, c.seq.num_tokens) for c in out.chunks if c.samples}
+    sampled = {c.seq.request_id: verified(c) if c.draft else token(c.seq.request_id, c.seq.num_tokens)
+               for c in out.chunks if c.samples}
     sched.update(out, sampled)
     for c in out.chunks:
         if c.seq.status is SequenceStatus.RUNNING and c.seq.num_output_tokens >= c.seq.params.max_tokens:
@@ -331,6 +345,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             if s.status is SequenceStatus.FINISHED:
                 assert s.output_token_ids == expected_outputs(s)
         self.live = [s for s in self.live if s.status is not SequenceStatus.FINISHED]
+
+    @precondition(lambda self: any(s.status is SequenceStatus.RUNNING for s in self.live))
+    @rule(i=st.integers(0, 100), k=st.integers(1, 5), right=st.integers(0, 5))
+    def draft(self, i, k, right):
+        """Speculative drafts on a running sequence: the first ``right`` are what the fake model samples."""
+        running = [s for s in self.live if s.status is SequenceStatus.RUNNING]
+        s = running[i % len(running)]
+        s.draft = [token(s.request_id, s.num_tokens + j) if j < right else 77_777 for j in range(k)]
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))

@@ -19,9 +19,12 @@ def stories_dir(tmp_path_factory):
     return out
 
 
-def test_greedy_from_bos_matches_llama2c(stories_dir):
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                                "prompt_lookup_min": 2}])
+def test_greedy_from_bos_matches_llama2c(stories_dir, speculative):
+    """... also with n-gram speculative decoding, which must emit exactly the greedy tokens, in fewer steps."""
     expected = shared_path("models", "stories260K", "expected_greedy_t0.txt").read_text(encoding="utf-8")
-    engine = Engine.from_pretrained(stories_dir)
+    engine = Engine.from_pretrained(stories_dir, speculative_config=speculative)
     assert engine.model_config.architecture == "LlamaForCausalLM"
     assert engine.max_model_len == 512
     # llama2.c run.c: 256 steps (one token sampled per step) from the BOS prompt, stopping early on BOS
@@ -32,6 +35,9 @@ def test_greedy_from_bos_matches_llama2c(stories_dir):
             tokens.extend(out.new_token_ids)
     text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
     assert text == expected.removesuffix("\n")  # SOURCE.md: the extraction added one newline
+    if speculative:
+        stats = engine.stats()
+        assert stats.spec_accepted_tokens > 0 and stats.num_steps < len(tokens)
 
 
 def test_converted_tokenizer_round_trips_text(stories_dir):

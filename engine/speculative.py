@@ -1,0 +1,92 @@
+"""N-gram speculative decoding (vLLM's ``--speculative-config '{"method": "ngram", ...}'``, prompt lookup).
+
+After each step, a speculating sequence proposes up to ``num_speculative_tokens`` draft tokens: the tokens that
+followed the latest earlier occurrence of its last ``n`` tokens (prompt and output), trying ``n`` from
+``prompt_lookup_max`` down to ``prompt_lookup_min``. The next step computes the last token and the drafts in one
+chunk, the model's greedy token at each of those positions is read in the same single device read as every other
+sampled token, and the drafts are kept up to the first one the model disagrees with, followed by the model's own token
+there (or one more past the last draft when it agrees with them all). So a speculating sequence emits exactly the
+tokens plain greedy decoding emits, one to ``num_speculative_tokens + 1`` per step.
+
+Only greedy requests speculate, and only those whose next token depends on nothing but the logits (no logprobs,
+penalties, logit bias, allowed or banned tokens, grammar constraint, pending ``min_tokens``); every other request
+decodes as before in the same batches. Models with recurrent state (Qwen3-Next) cannot undo rejected drafts, so they
+are refused with speculation on.
+
+The proposer keeps, per sequence and per ``n``, a map from each ``n``-gram to the end of its latest occurrence,
+extended by the tokens appended since the previous proposal: constant work per generated token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ember.engine.params import SamplingParams
+
+GREEDY_EPS = 1e-5  # as the sampler: a lower temperature is greedy
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
+    """vLLM's JSON, checked: ``method`` ``ngram`` (the only one Ember serves), ``num_speculative_tokens`` >= 1,
+    ``prompt_lookup_min`` / ``prompt_lookup_max`` (either defaults to the other; both to 5). ValueError naming
+    the key otherwise."""
+    method = value.get("method", "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None)
+    if method not in ("ngram", "[ngram]"):
+        raise ValueError(f"speculative_config: method {method!r} is not served (Ember speculates with 'ngram' "
+                         f"prompt lookup only; draft models, EAGLE and MTP are not supported)")
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for the ngram method")
+    k = value.get("num_speculative_tokens")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo, hi = (lo if lo is not None else hi if hi is not None else 5), (hi if hi is not None else lo if lo is not None
+                                                                         else 5)
+    for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+    if lo > hi:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    return SpeculativeConfig(k, lo, hi)
+
+
+def speculates(params: SamplingParams, has_constraint: bool) -> bool:
+    """Whether a request's tokens are the plain greedy argmax of its logits, so drafts can be checked by argmax."""
+    p = params
+    return (p.pooling is None and p.temperature < GREEDY_EPS and p.logprobs is None and not has_constraint
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_ids)
+
+
+@dataclass
+class NgramIndex:
+    """One sequence's n-gram positions: ``ends[n][gram]`` is the end of the latest occurrence of ``gram`` among
+    the n-grams that end before the sequence's last token."""
+
+    lookup_min: int
+    lookup_max: int
+    ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending at positions <= this are in `ends`
+
+    def propose(self, tokens: Any, num_tokens: int, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for a sequence of ``num_tokens`` tokens; ``tokens(start, end)`` reads a slice."""
+        if k <= 0 or num_tokens < 2:
+            return []
+        lo, hi = self.lookup_min, self.lookup_max
+        base = max(0, self.indexed + 1 - hi)  # the new n-grams end in (indexed, num_tokens - 1]; the suffix too
+        seen = tokens(base, num_tokens)
+        for end in range(self.indexed + 1, num_tokens):
+            for n in range(lo, min(hi, end) + 1):
+                self.ends.setdefault(n, {})[tuple(seen[end - n - base:end - base])] = end
+        self.indexed = max(self.indexed, num_tokens - 1)
+        for n in range(min(hi, num_tokens - 1), lo - 1, -1):
+            end = self.ends.get(n, {}).get(tuple(seen[num_tokens - n - base:num_tokens - base]))
+            if end is not None:
+                return tokens(end, min(end + k, num_tokens))
+        return []

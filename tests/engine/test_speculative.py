@@ -1,0 +1,127 @@
+"""N-gram speculative decoding: a speculating request emits exactly the tokens plain greedy decoding emits (stops,
+lengths and the requests beside it included), in fewer steps when its text repeats; drafts never cost a preemption."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+from ember.engine.speculative import NgramIndex, parse_speculative_config, speculates
+from tests.engine.test_scheduler import expected_outputs, make, new_scheduler, token
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_the_config_reads_as_vllm_writes_it():
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}) \
+        == parse_speculative_config({"num_speculative_tokens": 5, "prompt_lookup_min": 4})
+    c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (2, 5, 5)
+    for bad, word in (({"method": "eagle", "num_speculative_tokens": 2}, "not served"),
+                      ({"method": "ngram"}, "num_speculative_tokens"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                        "prompt_lookup_max": 2}, "prompt_lookup_min"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key")):
+        with pytest.raises(ValueError, match=word):
+            parse_speculative_config(bad)
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
+    seq: list[int] = []
+
+    def propose(tokens: list[int], k: int, index: NgramIndex) -> list[int]:
+        seq[:] = tokens
+        return index.propose(lambda a, b: seq[a:b], len(seq), k)
+
+    index = NgramIndex(1, 3)
+    assert propose([5, 6, 7, 8], 3, index) == []  # no earlier occurrence of 8
+    assert propose([5, 6, 7, 8, 5, 6], 3, index) == [7, 8, 5]  # "5 6" before
+    assert propose([5, 6, 7, 8, 5, 6, 9, 1, 2, 6], 2, index) == [9, 1]  # the latest "6", as no longer match is there
+    assert propose([5, 6, 7, 8, 5, 6, 9, 1, 2, 6, 7], 4, index) == [8, 5, 6, 9]  # "6 7" beats the latest "7"
+    assert NgramIndex(2, 2).propose(lambda a, b: [1, 2, 1, 2][a:b], 4, 8) == [1, 2]  # runs into the suffix itself
+
+
+def test_only_plain_greedy_requests_speculate():
+    assert speculates(SamplingParams(temperature=0.0), False)
+    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, pooling="last"),
+              SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
+        assert not speculates(p, False)
+    assert not speculates(SamplingParams(temperature=0.0), True)
+
+
+def _run(path, spec, requests) -> tuple[list[list[int]], list[str | None], Engine]:
+    eng = Engine.from_pretrained(path, num_kv_blocks=256, speculative_config=spec)
+    ids = [eng.add_request(p, params) for p, params in requests]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    reasons: dict[str, str | None] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    return [out[i] for i in ids], [reasons[i] for i in ids], eng
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(5, 1200, (12,), generator=g).tolist()
+    return [motif * 4, torch.randint(5, 1200, (30,), generator=g).tolist(), motif[:5] * 6, motif * 2]
+
+
+def test_speculation_emits_exactly_the_greedy_tokens(demo_model_dir):
+    prompts = _prompts()
+    free, _, _ = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                                             for p in prompts])
+    # stop on a token the third greedy run emits mid-way; lengths that end inside a block of drafts; a sampled,
+    # seeded request beside them (its draws must not move)
+    stop = free[2][17]
+    requests = [(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)),
+                (prompts[1], SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True)),
+                (prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])),
+                (prompts[3], SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True, min_tokens=9)),
+                (prompts[0], SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True))]
+    want, want_reasons, plain = _run(demo_model_dir, None, requests)
+    got, got_reasons, eng = _run(demo_model_dir, NGRAM, requests)
+    assert got == want and got_reasons == want_reasons
+    assert want_reasons[2] == "stop" and want[2][-1] == stop
+    stats = eng.stats()
+    assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert eng.num_steps < plain.num_steps
+    eng.scheduler.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_a_draft_never_preempts_anything():
+    """A running sequence whose drafts need a block the cache does not have decodes one token instead."""
+    sched = new_scheduler(num_blocks=2, block_size=4, budget=64, max_num_seqs=2)
+    a = make("a", 7, max_tokens=1)
+    sched.add(a)
+    out = sched.schedule()  # the prefill: both blocks, whose 8 positions hold the prompt and the next token
+    sched.update(out, {"a": token("a", 7)})
+    a.draft = [token("a", 8), token("a", 9)]  # positions 8 and 9 would need a third block
+    out = sched.schedule()
+    assert not out.preempted and [(c.num_tokens, c.draft) for c in out.chunks] == [(1, ())]
+
+
+def test_kept_drafts_count_as_computed_and_rejected_ones_do_not():
+    sched = new_scheduler(num_blocks=16, block_size=4, budget=64, max_num_seqs=2)
+    s = make("s", 6, max_tokens=12)
+    sched.add(s)
+    out = sched.schedule()
+    sched.update(out, {"s": token("s", 6)})
+    s.draft = [token("s", 7), token("s", 8), 99_999, token("s", 10)]  # the third is wrong
+    out = sched.schedule()
+    [chunk] = out.chunks
+    assert chunk.draft == tuple(s.draft) and chunk.num_tokens == 5 and chunk.samples
+    kept = [token("s", 7), token("s", 8), token("s", 9)]  # two drafts kept, then the model's own token
+    sched.update(out, {"s": kept})
+    assert s.num_computed_tokens == 7 + 2 and s.num_tokens == 10 and s.draft == []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, {c.seq.request_id: token("s", c.seq.num_tokens) for c in out.chunks if c.samples})
+        if s.num_output_tokens >= 12:
+            sched.finish(s, "length")
+        sched.check_integrity()
+    assert s.output_token_ids == expected_outputs(s)

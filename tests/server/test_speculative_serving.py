@@ -1,0 +1,29 @@
+"""`--speculative-config` (vLLM's ngram JSON) served: greedy replies are the plain server's, token for token, and
+/metrics counts the draft and accepted tokens as vLLM names them."""
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from tests.server.conftest import served
+
+
+def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime):
+    from ember.server.config import ServeConfig
+
+    motif = list(range(300, 312))
+    body = {"prompt": motif * 4, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    want = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                       "prompt_lookup_min": 1})
+    config = ServeConfig(model_dir=demo_runtime[1].model_dir, served_model_name="ember-demo", max_num_seqs=4,
+                         kv_cache_blocks=128, speculative_config=spec)  # the engine in its own process
+    with served(config) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+    counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_")}
+    assert counts["vllm:spec_decode_num_draft_tokens_total"] >= counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
