@@ -46,7 +46,8 @@ def test_only_plain_greedy_requests_speculate():
     assert speculates(SamplingParams(temperature=0.0), False)
     for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=1),
               SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, pooling="last"),
-              SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
+              SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
         assert not speculates(p, False)
     assert not speculates(SamplingParams(temperature=0.0), True)
 
