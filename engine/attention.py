@@ -87,8 +87,9 @@ FP8_MAX = 448.0
 
 
 class TorchBackend:
-    """The torch reference with every decode row (query length 1) of a batch computed in one batched SDPA call;
-    prefill rows go through the reference one sequence at a time. Same arguments and results as the reference.
+    """The torch reference with every sequence of at most `SHORT_QUERY` query rows (decodes, speculative chunks) in a
+    batch computed in one batched SDPA call; longer prefill chunks go through the reference one sequence at a time.
+    Same arguments and results as the reference.
 
     A decode-only batch (``max_seqlen_q <= 1``, one query token per sequence) reads no metadata back to the host:
     its key length bound is ``max_seqlen_k``. With an FP8 cache, K/V are stored divided by their scales (saturated
@@ -108,32 +109,40 @@ class TorchBackend:
     def paged_attention(q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_table, max_seqlen_q, max_seqlen_k,
                         softmax_scale, k_scale=None, v_scale=None, *, sliding_window=None,
                         sinks=None, softcap=None, chunk=None) -> torch.Tensor:
+        opts = dict(sliding_window=sliding_window, sinks=sinks, softcap=softcap, chunk=chunk, k_scale=k_scale,
+                    v_scale=v_scale)
         if max_seqlen_q <= 1 and q.shape[0] == seq_lens.shape[0]:
-            _decode_batched(q, k_cache, v_cache, out, None, seq_lens, block_table, softmax_scale, sliding_window,
-                            sinks, max_seqlen_k, k_scale, v_scale, softcap, chunk)
+            _batched(q, k_cache, v_cache, out, None, None, seq_lens, block_table, softmax_scale,
+                     max_seqlen_k=max_seqlen_k, **opts)
             return out
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        decode = (qlens == 1).nonzero().flatten()
-        if decode.numel() < qlens.numel():
-            rest = (qlens > 1).nonzero().flatten()
+        short = (qlens <= SHORT_QUERY).nonzero().flatten()
+        if short.numel() < qlens.numel():
+            rest = (qlens > SHORT_QUERY).nonzero().flatten()
             for b in rest.tolist():
                 s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
                 reference.paged_attention(q[s:e], k_cache, v_cache, out[s:e], cu_seqlens_q.new_tensor([0, e - s]),
                                           seq_lens[b:b + 1], block_table[b:b + 1], e - s, int(seq_lens[b]),
                                           softmax_scale, k_scale, v_scale, sliding_window=sliding_window,
                                           sinks=sinks, softcap=softcap, chunk=chunk)
-        if decode.numel():
-            _decode_batched(q, k_cache, v_cache, out, cu_seqlens_q[decode].long(), seq_lens[decode],
-                            block_table[decode], softmax_scale, sliding_window, sinks, None, k_scale, v_scale,
-                            softcap, chunk)
+        if short.numel():
+            _batched(q, k_cache, v_cache, out, cu_seqlens_q[short].long(), qlens[short].long(), seq_lens[short],
+                     block_table[short], softmax_scale, **opts)
         return out
 
 
-def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale: float,
-                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
-                    max_seqlen_k: int | None = None, k_scale: float | None = None,
-                    v_scale: float | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
-    """One-token queries ``q[rows]`` (every row when ``rows`` is None) over their sequences' cached keys."""
+SHORT_QUERY = 8
+"""Sequences with at most this many query tokens in a step (decodes, speculative chunks, short prefill chunks) are
+computed together in one batched SDPA call; longer ones one at a time."""
+
+
+def _batched(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_table, scale: float,
+             sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+             max_seqlen_k: int | None = None, k_scale: float | None = None,
+             v_scale: float | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
+    """Each sequence's query rows ``q[starts[i] : starts[i] + qlens[i]]`` (the last tokens of its ``seq_lens[i]``)
+    over its cached keys, causally; ``starts`` None: one row per sequence, in order (a decode batch, computed without
+    reading anything back to the host)."""
     nb, bs, hkv, d = k_cache.shape
     b = seq_lens.shape[0]
     hq = q.shape[1]
@@ -146,31 +155,46 @@ def _decode_batched(q, k_cache, v_cache, out, rows, seq_lens, block_table, scale
         k = k * k_scale
     if v_scale is not None:
         v = v * v_scale
-    qs = (q if rows is None else q[rows]).float().reshape(b, hkv, hq // hkv, d)
-    kpos = torch.arange(nblk * bs, device=q.device).unsqueeze(0)
-    valid = kpos < seq_lens.unsqueeze(1)
+    if starts is None:
+        nq, rows = 1, None
+        qpos = (seq_lens.long() - 1).unsqueeze(1)  # [b, 1]
+        qs = q
+    else:
+        nq = int(qlens.max())
+        i = torch.arange(nq, device=q.device).unsqueeze(0)
+        rows = starts.unsqueeze(1) + torch.minimum(i, qlens.unsqueeze(1) - 1)  # [b, nq], padded by repeating
+        qpos = seq_lens.long().unsqueeze(1) - qlens.unsqueeze(1) + i
+        qs = q[rows.reshape(-1)]
+    g = hq // hkv
+    qs = qs.float().reshape(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [b, hkv, g, nq, d]
+    kpos = torch.arange(nblk * bs, device=q.device).view(1, 1, -1)
+    p = qpos.unsqueeze(2)  # [b, nq, 1]
+    valid = kpos <= p
     if sliding_window is not None:
-        valid = valid & (kpos >= seq_lens.unsqueeze(1) - sliding_window)
+        valid = valid & (kpos > p - sliding_window)
     if chunk:
-        valid = valid & (kpos >= (seq_lens.unsqueeze(1) - 1) // chunk * chunk)
+        valid = valid & (kpos >= p // chunk * chunk)
     if sinks is None and not softcap:
-        o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=valid[:, None, None, :], scale=scale)
+        mask = valid[:, None, None].expand(b, 1, g, nq, -1).reshape(b, 1, g * nq, -1)
+        o = F.scaled_dot_product_attention(qs.reshape(b, hkv, g * nq, d), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale).reshape(b, hkv, g, nq, d)
     else:  # the scores themselves: a soft-cap bounds them; a sink joins the denominator (a zero value row)
-        s = torch.einsum("bhgd,bkhd->bhgk", qs, k) * scale
+        s = torch.einsum("bhgqd,bkhd->bhgqk", qs, k) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+        s = s.masked_fill(~valid[:, None, None], float("-inf"))
         if sinks is not None:
-            sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
-            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+            sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, -1, -1, nq, 1)
+            pr = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         else:
-            p = torch.softmax(s, dim=-1)
-        o = torch.einsum("bhgk,bkhd->bhgd", p, v)
+            pr = torch.softmax(s, dim=-1)
+        o = torch.einsum("bhgqk,bkhd->bhgqd", pr, v)
+    o = o.permute(0, 3, 1, 2, 4).reshape(b, nq, hq, d)  # [b, nq, hq, d]
     if rows is None:
         out.copy_(o.reshape(b, hq, d))
     else:
-        out[rows] = o.reshape(b, hq, d).to(out.dtype)
+        keep = torch.arange(nq, device=q.device).unsqueeze(0) < qlens.unsqueeze(1)
+        out[rows[keep]] = o[keep].to(out.dtype)
 
 
 def backend_name(device: torch.device) -> str:

@@ -25,14 +25,22 @@ def _case(seed: int, qlens: list[int], ctx: list[int], hq: int = 8, hkv: int = 2
     return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(tables, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("qlens,ctx", [([1, 1, 1, 1], [5, 40, 17, 0]), ([1, 7, 1, 33, 1], [30, 0, 63, 9, 1])])
-def test_batched_decode_matches_reference(qlens, ctx):
+OPTIONS = [{}, {"sliding_window": 9}, {"softcap": 3.0}, {"chunk": 16},
+           {"sinks": torch.linspace(-1.0, 1.0, 8)}]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
+@pytest.mark.parametrize("qlens,ctx", [([1, 1, 1, 1], [5, 40, 17, 0]), ([1, 7, 1, 33, 1], [30, 0, 63, 9, 1]),
+                                       ([2, 5, 1, 8, 3, 9], [10, 0, 40, 17, 64, 2])])
+def test_batched_short_queries_match_reference(qlens, ctx, options):
+    """Decode rows and short chunks (speculative drafts, small prefill chunks) batched, longer ones per sequence:
+    every row equals the per-sequence reference, with each attention variant."""
     q, kc, vc, cu, sl, bt = _case(0, qlens, ctx)
     ref = torch.full_like(q, float("nan"))
     ours = torch.full_like(q, float("nan"))
     scale = q.shape[-1] ** -0.5
-    reference.paged_attention(q, kc, vc, ref, cu, sl, bt, max(qlens), int(sl.max()), scale)
-    attention.TorchBackend.paged_attention(q, kc, vc, ours, cu, sl, bt, max(qlens), int(sl.max()), scale)
+    reference.paged_attention(q, kc, vc, ref, cu, sl, bt, max(qlens), int(sl.max()), scale, **options)
+    attention.TorchBackend.paged_attention(q, kc, vc, ours, cu, sl, bt, max(qlens), int(sl.max()), scale, **options)
     assert not ours.isnan().any()
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 1e-5

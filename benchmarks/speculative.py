@@ -1,0 +1,106 @@
+"""N-gram speculative decoding against plain greedy decoding, offline in the engine; prints a table.
+
+    python benchmarks/speculative.py                        # stories260K (../shared) and a random 4-layer Qwen3
+    python benchmarks/speculative.py --batch 1,8 --max-tokens 256 --k 4
+
+Per model and batch size: decode tokens/s without and with ``--speculative-config`` (ngram, ``--k`` draft tokens,
+lookup 2..3), engine steps, draft tokens accepted / proposed, and whether both runs emitted the same tokens (they
+must: speculation keeps only what greedy decoding would emit). stories260K is llama2.c's tiny trained model, whose
+stories repeat names and phrases; the random model shows the cost where little repeats.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _stories(tmp: Path) -> Path | None:
+    src = Path(__file__).resolve().parents[2] / "shared" / "data" / "models" / "stories260K"
+    if not src.exists():
+        return None
+    from ember.engine import convert_llama2c
+
+    out = tmp / "stories260K"
+    convert_llama2c.main([str(src / "stories260K.bin"), str(src / "tok512.bin"), str(out)])
+    return out
+
+
+def _random_qwen3(tmp: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ember.engine import demo
+
+    cfg = Qwen3Config(vocab_size=1280, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    out = tmp / "qwen3-4x1024"
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    demo_dir = demo.ensure()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_bytes((demo_dir / name).read_bytes())
+    return out
+
+
+def _prompts(path: Path, batch: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    starts = ["Once upon a time", "One day, Lily", "Tom and his dog", "The little bird", "Sue went to the park",
+              "There was a big tree", "Ben had a red ball", "The sun was"]
+    return [tok.encode(starts[i % len(starts)]) for i in range(batch)]
+
+
+def _run(path: Path, prompts: list[list[int]], max_tokens: int, spec: dict | None) -> dict:
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    eng = Engine.from_pretrained(path, max_num_seqs=len(prompts), speculative_config=spec)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [eng.add_request(p, params) for p in prompts]
+    eng.step()  # the prefills
+    out: dict[str, list[int]] = {r: [] for r in ids}
+    t0, steps0 = time.perf_counter(), eng.num_steps
+    while eng.has_unfinished():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    wall = time.perf_counter() - t0
+    s = eng.stats()
+    return {"tokens": [out[r] for r in ids], "tok_s": sum(map(len, out.values())) / wall,
+            "steps": eng.num_steps - steps0, "drafted": s.spec_draft_tokens, "accepted": s.spec_accepted_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        models = [("stories260K", _stories(tmp)), ("random qwen3 4x1024", _random_qwen3(tmp))]
+        print(f"{'model':<22}{'batch':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'steps':>13}"
+              f"{'accepted':>16}{'same':>6}")
+        for name, path in models:
+            if path is None:
+                print(f"{name:<22} skipped: ../shared/data is absent")
+                continue
+            for b in (int(x) for x in args.batch.split(",")):
+                prompts = _prompts(path, b)
+                plain = _run(path, prompts, args.max_tokens, None)
+                fast = _run(path, prompts, args.max_tokens, spec)
+                acc = f"{fast['accepted']}/{fast['drafted']}"
+                print(f"{name:<22}{b:>6}{plain['tok_s']:>13.0f}{fast['tok_s']:>12.0f}"
+                      f"{fast['tok_s'] / plain['tok_s']:>8.2f}x{plain['steps']:>6}->{fast['steps']:<6}{acc:>16}"
+                      f"{str(plain['tokens'] == fast['tokens']):>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
