@@ -1,14 +1,11 @@
 """--chat-template-content-format: how a message's text parts reach the chat template, on every chat route."""
 from __future__ import annotations
 
-import dataclasses
-
 import httpx
 import pytest
 
 from ember.server import content_format as cf
 from tests.conftest import shared_path
-from tests.server.conftest import _serve
 
 # Prints a string content as is and a list content part by part, so the prompt shows which form arrived.
 LOOPING = ("{% for m in messages %}<{{ m.role }}>{% if m.content is string %}{{ m.content }}{% else %}"
@@ -90,24 +87,9 @@ def test_apply_forms():
 
 
 @pytest.fixture
-def server_with(demo_runtime):
-    """A live demo server serving ``template`` with ``--chat-template-content-format option``, its runtime built
-    as `ember serve` builds it (on the demo runtime's engine)."""
-    from ember.server.generation import ModelRuntime
-
-    runtime, config = demo_runtime
-    started = []
-
-    def start(template: str, option: str):
-        cfg = dataclasses.replace(config, chat_template_content_format=option)
-        rt = ModelRuntime.build(runtime.engine, cfg, config.model_dir, template, runtime.grammar, runtime.tokenizer)
-        srv, _ = _serve(rt, cfg)
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
+def server_with(rebuilt_server):
+    """A live demo server serving ``template`` with ``--chat-template-content-format option``."""
+    return lambda template, option: rebuilt_server(template, chat_template_content_format=option)
 
 
 def _chat_prompt(srv, tok, messages) -> str:

@@ -1,41 +1,17 @@
 """--enable-log-requests / --max-log-len: one log line as each request reaches the engine, one as it ends."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import httpx
-import pytest
-
-from tests.server.conftest import _serve
-
-
-@pytest.fixture
-def logged_server(demo_runtime):
-    from ember.server.generation import ModelRuntime
-
-    runtime, config = demo_runtime
-    started = []
-
-    def start(**flags):
-        cfg = dataclasses.replace(config, **flags)
-        rt = ModelRuntime.build(runtime.engine, cfg, config.model_dir, runtime.chat_template, runtime.grammar,
-                                runtime.tokenizer)
-        srv, _ = _serve(rt, cfg)
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        srv.stop()
 
 
 def _lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "ember.requests"]
 
 
-def test_each_request_logs_what_it_received_and_how_it_ended(logged_server, caplog):
-    srv = logged_server(enable_log_requests=True)
+def test_each_request_logs_what_it_received_and_how_it_ended(rebuilt_server, caplog):
+    srv = rebuilt_server(enable_log_requests=True)
     caplog.set_level(logging.INFO, logger="ember.requests")
     r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
         "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
@@ -55,8 +31,8 @@ def test_each_request_logs_what_it_received_and_how_it_ended(logged_server, capl
     assert sum(x.startswith("Finished request ") and ": pooled," in x for x in lines) == 2
 
 
-def test_max_log_len_cuts_the_prompt_and_its_ids(logged_server, caplog):
-    srv = logged_server(enable_log_requests=True, max_log_len=5)
+def test_max_log_len_cuts_the_prompt_and_its_ids(rebuilt_server, caplog):
+    srv = rebuilt_server(enable_log_requests=True, max_log_len=5)
     caplog.set_level(logging.INFO, logger="ember.requests")
     prompt = "a long prompt that goes on and on " * 4
     ids = httpx.post(srv.url + "/tokenize", timeout=60, json={"prompt": prompt}).json()["tokens"]
@@ -67,8 +43,8 @@ def test_max_log_len_cuts_the_prompt_and_its_ids(logged_server, caplog):
     assert prompt not in received and prompt[:20] not in received
 
 
-def test_nothing_is_logged_by_default(logged_server, caplog):
-    srv = logged_server()
+def test_nothing_is_logged_by_default(rebuilt_server, caplog):
+    srv = rebuilt_server()
     caplog.set_level(logging.INFO, logger="ember.requests")
     r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "secret"}], "max_tokens": 2})
