@@ -156,8 +156,8 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str,
             async with aclosing(rt.engine.generate(prompts[i], params, request_id=rid)) as gen:
                 async for out in gen:
                     if out.finished:
-                        reason = out.finish_reason or "stop"
                         if out.embedding is None:
+                            reason = out.finish_reason or "error"
                             raise ApiError(500, f"embedding failed: {out.error or out.finish_reason}")
                         reason = "pooled"
                         return {"index": i, "pooled": out.embedding}

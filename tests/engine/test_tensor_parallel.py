@@ -131,6 +131,23 @@ def test_two_ranks_generate_the_same_greedy_tokens(kind, request):
     _assert_workers_exited(workers)
 
 
+def test_two_ranks_speculate_as_one_process_decodes(qwen3_dir):
+    """N-gram speculative chunks reach every rank through the broadcast forward: the greedy tokens are the plain
+    single process's."""
+    prompts = [p * 3 for p in _prompts()[:3]]  # repeated text, so drafts are found
+    expected = _greedy(Engine.from_pretrained(qwen3_dir, **ENGINE_OPTIONS), prompts)
+    engine = Engine.from_pretrained(qwen3_dir, tensor_parallel_size=2, **ENGINE_OPTIONS,
+                                    speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                        "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    workers = list(engine.runner.workers)
+    try:
+        assert _greedy(engine, prompts) == expected
+        assert engine.stats().spec_draft_tokens > 0
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)
+
+
 def test_async_engine_with_two_ranks_matches_and_stops_its_workers(llama_dir):
     prompts = _prompts()
     expected = _greedy(Engine.from_pretrained(llama_dir, **ENGINE_OPTIONS), prompts)
