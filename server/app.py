@@ -516,7 +516,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
         if shutdown_engine:
             runtime.engine.shutdown()
 
-    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan)
+    docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **docs)
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats),
                      responses=ResponseStore(config.responses_store_size))
     app.state.ember = st

@@ -64,14 +64,25 @@ _NO_EFFECT_SWITCHES = (
     "--disable-log-stats",  # nor periodic engine stats (GET /metrics serves them)
     "--disable-custom-all-reduce",  # tensor parallelism reduces with NCCL's all-reduce only
     "--enable-prompt-tokens-details",  # usage always carries prompt_tokens_details.cached_tokens
+    "--async-scheduling",  # each step is scheduled once the previous one's tokens are read
+    "--enable-expert-parallel",  # MoE experts are split across the tensor-parallel ranks; the outputs are the same
 )
 _NO_EFFECT_VALUES = {
     "--swap-space": float,  # a preempted sequence is recomputed, never swapped to CPU memory
     "--max-seq-len-to-capture": int,  # decode graphs are captured per batch size and serve any context
     "--max-cpu-loras": int,  # every LoRA adapter stays on the device
     "--limit-mm-per-prompt": str,  # text only: a request with images is refused, whatever the limit
+    "--compilation-config": str,  # nothing is torch.compile'd; decode CUDA graphs are captured unless --enforce-eager
+    "-O": str,  # vLLM's compilation level (-O3): as --compilation-config
+    "--max-parallel-loading-workers": int,  # the safetensors files are read one after another
+    "--long-prefill-token-threshold": int,  # a long prefill is chunked to the step's token budget
+    "--max-num-partial-prefills": int,  # at most one prefill is partial in a step
+    "--guided-decoding-backend": str,  # structured output always runs on llguidance
 }
 _SERVED_CHOICES = {  # vLLM flags whose other values Ember does not serve
+    "--pipeline-parallel-size": ("1",),
+    "--data-parallel-size": ("1",),
+    "--cpu-offload-gb": ("0",),
     "--load-format": ("auto", "safetensors"),
     "--tokenizer-mode": ("auto", "hf"),
     "--distributed-executor-backend": ("mp", "uni"),

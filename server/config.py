@@ -113,6 +113,11 @@ class ServeConfig(EngineArgs):
         "type": lambda text: parse_existing_file(text)})
     root_path: str = field(default="", metadata={
         "help": "the path prefix a proxy serves this server under (ASGI root_path), for the generated docs' links"})
+    hf_token: str | None = field(default=None, repr=False, metadata={
+        "help": "the Hugging Face token for downloading gated or private models (default: $HF_TOKEN, or the one "
+                "saved by 'hf auth login')", "metavar": "TOKEN"})
+    disable_fastapi_docs: bool = field(default=False, metadata={
+        "help": "do not serve the generated API docs (/docs, /redoc, /openapi.json)"})
     runtime_lora_updating: bool = field(default=False, metadata={
         "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); vLLM's "
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on"})

@@ -64,9 +64,10 @@ def _cache_dir(download_dir: Path | None) -> str:
 
 
 def download(ref: ModelRef, download_dir: Path | None = None,
-             patterns: tuple[str, ...] = ALLOW_PATTERNS) -> Path:
+             patterns: tuple[str, ...] = ALLOW_PATTERNS, token: str | None = None) -> Path:
     """The snapshot folder of `ref.repo_id` at `ref.revision` (default branch when None), downloading the engine's
-    files (``patterns``) unless the cache already has them (or `HF_HUB_OFFLINE=1` forbids the network)."""
+    files (``patterns``) unless the cache already has them (or `HF_HUB_OFFLINE=1` forbids the network), with
+    ``token`` (`--hf-token`) or else `HF_TOKEN` or the saved login."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -77,7 +78,7 @@ def download(ref: ModelRef, download_dir: Path | None = None,
         f" --cache-dir {download_dir}" if download_dir is not None else "") + "` or pass a local checkpoint directory"
     try:
         folder = snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=download_dir,
-                                   allow_patterns=list(patterns), token=os.environ.get("HF_TOKEN") or None)
+                                   allow_patterns=list(patterns), token=token or os.environ.get("HF_TOKEN") or None)
     except hf.GatedRepoError:
         raise ModelSourceError(f"model {name} is gated on the Hugging Face hub: accept its licence on "
                                f"huggingface.co/{ref.repo_id} and set HF_TOKEN") from None
@@ -97,14 +98,14 @@ def download(ref: ModelRef, download_dir: Path | None = None,
 
 
 def resolve_model(value: str | os.PathLike | None, *, revision: str | None = None,
-                  download_dir: Path | None = None) -> Path | None:
+                  download_dir: Path | None = None, token: str | None = None) -> Path | None:
     """The checkpoint directory to load for `ember serve MODEL` (None: the built-in demo model)."""
     if value is None:
         if revision is not None:
             raise ModelSourceError("--revision needs a Hugging Face model id (ember serve ORG/NAME --revision REV)")
         return None
     ref = parse_model_ref(os.fspath(value), revision)
-    folder = ref.path if ref.path is not None else download(ref, download_dir)
+    folder = ref.path if ref.path is not None else download(ref, download_dir, token=token)
     if not (folder / "config.json").is_file():
         what = ref.repo_id or str(value)
         raise ModelSourceError(f"{what}: no config.json in {folder}; MODEL must be a Hugging Face transformers "
@@ -113,13 +114,13 @@ def resolve_model(value: str | os.PathLike | None, *, revision: str | None = Non
 
 
 def resolve_tokenizer(value: str, model: str | os.PathLike | None, model_dir: Path, *,
-                      download_dir: Path | None = None) -> Path:
+                      download_dir: Path | None = None, token: str | None = None) -> Path:
     """The folder of `--tokenizer`: the model's own when it names the model, a local folder, or a Hugging Face id
     (its tokenizer files only are fetched); ModelSourceError when it holds no tokenizer."""
     if model is not None and value == os.fspath(model):
         return model_dir
     ref = parse_model_ref(value)
-    folder = ref.path if ref.path is not None else download(ref, download_dir, TOKENIZER_PATTERNS)
+    folder = ref.path if ref.path is not None else download(ref, download_dir, TOKENIZER_PATTERNS, token)
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise ModelSourceError(f"--tokenizer {value}: no tokenizer files (tokenizer.json, tokenizer_config.json) in "
                                f"{folder}")

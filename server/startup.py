@@ -150,14 +150,16 @@ def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
     from .model_source import ModelSourceError, resolve_model, resolve_tokenizer, served_name
 
     try:
-        model_dir = resolve_model(config.model_dir, revision=config.revision, download_dir=config.download_dir)
+        model_dir = resolve_model(config.model_dir, revision=config.revision, download_dir=config.download_dir,
+                                  token=config.hf_token)
         if model_dir is None:
             from ember.engine import demo
 
             model_dir = demo.ensure()
         if config.tokenizer is not None:
             config = dataclasses.replace(config, tokenizer=str(resolve_tokenizer(
-                config.tokenizer, config.model_dir, model_dir, download_dir=config.download_dir)))
+                config.tokenizer, config.model_dir, model_dir, download_dir=config.download_dir,
+                token=config.hf_token)))
     except ModelSourceError as e:
         raise StartupError(str(e)) from None
     if config.model_dir is not None and config.served_model_name is None:

@@ -57,13 +57,20 @@ def test_serve_options_map_to_the_config(capsys):
         "--distributed-executor-backend", "mp", "--disable-frontend-multiprocessing", "--uvicorn-log-level",
         "warning", "--disable-uvicorn-access-log", "--override-generation-config", '{"temperature": 0.5}',
         "--default-chat-template-kwargs", '{"enable_thinking": false}', "--dtype", "auto", "--kv-cache-dtype",
-        "fp8_e4m3", "--quantization", "modelopt_fp4", "--limit-mm-per-prompt", '{"image": 0}']))
+        "fp8_e4m3", "--quantization", "modelopt_fp4", "--limit-mm-per-prompt", '{"image": 0}', "--async-scheduling",
+        "--enable-expert-parallel", "--compilation-config", '{"level": 3}', "-O3", "--max-parallel-loading-workers",
+        "2", "--long-prefill-token-threshold", "512", "--max-num-partial-prefills", "1", "--guided-decoding-backend",
+        "xgrammar", "--pipeline-parallel-size", "1", "--data-parallel-size", "1", "--cpu-offload-gb", "0",
+        "--hf-token", "hf_x", "--disable-fastapi-docs"]))
     assert (docker.seed, docker.in_process, docker.uvicorn_log_level, docker.disable_uvicorn_access_log) == (
         0, True, "warning", True)
     assert docker.engine_options()["dtype"] is None and docker.kv_cache_dtype == "fp8_e4m3"
     named = serve_config(parser.parse_args(["serve", "--served-model-name", "qwen", "gpt-4o", "qwen", "o1"]))
     assert (named.served_model_name, named.served_model_aliases) == ("qwen", ("gpt-4o", "o1"))
+    assert docker.hf_token == "hf_x" and "hf_x" not in repr(docker) and docker.disable_fastapi_docs
     for flags, said in ((["--load-format", "gguf"], "Ember serves only auto or safetensors"),
+                        (["--pipeline-parallel-size", "2"], "Ember serves only 1"),
+                        (["--cpu-offload-gb", "8"], "Ember serves only 0"),
                         (["--distributed-executor-backend", "ray"], "Ember serves only mp or uni"),
                         (["--override-generation-config", '{"temprature": 1}'], "temprature not supported"),
                         (["--override-generation-config", '{"top_p": 2}'], "top_p = 2 is not a usable value"),

@@ -79,3 +79,24 @@ def test_only_the_files_the_engine_reads_are_downloaded():
                 "flax_model.msgpack", "tf_model.h5"]
     assert all(any(fnmatch(f, p) for p in ALLOW_PATTERNS) for f in wanted)
     assert not any(fnmatch(f, p) for f in unwanted for p in ALLOW_PATTERNS)
+
+
+def test_hf_token_reaches_the_hub_before_the_environment(demo_model_dir, tmp_path, monkeypatch):
+    """`--hf-token` is the token a gated download sends; without it, HF_TOKEN (the hub call itself is replaced
+    here: there is no network)."""
+    import huggingface_hub
+
+    from ember.server.model_source import resolve_model, resolve_tokenizer
+
+    sent = []
+
+    def snapshot_download(repo_id, **kw):
+        sent.append(kw["token"])
+        return str(demo_model_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setenv("HF_TOKEN", "from-env")
+    assert resolve_model(REPO_ID, token="hf_flag") == demo_model_dir
+    assert resolve_model(REPO_ID) == demo_model_dir
+    assert resolve_tokenizer("other/tok", REPO_ID, demo_model_dir, token="hf_flag") == demo_model_dir
+    assert sent == ["hf_flag", "from-env", "hf_flag"]

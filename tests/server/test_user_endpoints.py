@@ -190,3 +190,11 @@ def test_response_role_names_the_reply_and_a_continuation_keeps_the_last_role(de
                      continue_final_message=True) == ("assistant", "assistant")
     finally:
         srv.stop()
+
+
+def test_disable_fastapi_docs_hides_the_generated_docs(demo_server, rebuilt_server):
+    assert httpx.get(demo_server.url + "/openapi.json", timeout=30).status_code == 200
+    srv = rebuilt_server(disable_fastapi_docs=True)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(srv.url + path, timeout=30).status_code == 404
+    assert httpx.get(srv.url + "/v1/models", timeout=30).status_code == 200
