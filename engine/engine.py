@@ -446,16 +446,16 @@ class Engine:
             self._propose(chunks)
         return outputs
 
-    def _verify(self, seq: Sequence, draft: tuple[int, ...], greedy: list[int]
+    def _verify(self, seq: Sequence, draft: tuple[int, ...], sampled: list[int]
                 ) -> tuple[list[int], tuple[FinishReason | None, int | None]]:
-        """The tokens a speculative chunk emits: its drafts up to the first that differs from the model's greedy
-        token there, then the model's token; cut at the first that ends the request (with why)."""
+        """The tokens a speculative chunk emits: its drafts up to the first position whose sampled token differs,
+        then that token; cut at the first that ends the request (with why)."""
         accepted = 0
-        while accepted < len(draft) and draft[accepted] == greedy[accepted]:
+        while accepted < len(draft) and draft[accepted] == sampled[accepted]:
             accepted += 1
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += accepted
-        tokens = list(draft[:accepted]) + [greedy[accepted]]
+        tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
             if why[0] is not None:

@@ -3,15 +3,21 @@
 After each step, a speculating sequence proposes up to ``num_speculative_tokens`` draft tokens: the tokens that
 followed the latest earlier occurrence of its last ``n`` tokens (prompt and output), trying ``n`` from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``. The next step computes the last token and the drafts in one
-chunk, the model's greedy token at each of those positions is read in the same single device read as every other
-sampled token, and the drafts are kept up to the first one the model disagrees with, followed by the model's own token
-there (or one more past the last draft when it agrees with them all). So a speculating sequence emits exactly the
-tokens plain greedy decoding emits, one to ``num_speculative_tokens + 1`` per step.
+chunk and samples every one of those positions, in the same single device read as every other sampled token; the
+drafts are kept up to the first position whose token differs from the draft there, followed by that token (or by the
+token past the last draft when all are kept). One to ``num_speculative_tokens + 1`` tokens per step:
 
-Only greedy requests speculate, and only those whose next token depends on nothing but the logits (no logprobs,
-penalties, logit bias, allowed or banned tokens, grammar constraint, pending ``min_tokens``); every other request
-decodes as before in the same batches. Models with recurrent state (Qwen3-Next) cannot undo rejected drafts, so they
-are refused with speculation on.
+- a greedy request's token at each position is its argmax, so it emits exactly what plain greedy decoding emits;
+- an unseeded sampled request draws at each position as it would without speculation, and keeps a draft when the
+  draw equals it. For a draft proposed with certainty this is the speculative-sampling rule: the draft is kept with
+  the probability q(draft) the request's distribution gives it, and otherwise the token follows q without the draft.
+  So every emitted token is a draw from the request's own distribution (temperature, top-k, top-p, min-p), made
+  in the context of the tokens actually emitted before it.
+
+Requests whose next token depends on more than their logits (logprobs, penalties, logit bias, allowed or banned
+tokens, a grammar constraint, pending ``min_tokens``), and seeded ones (whose draws must repeat with or without
+speculation), decode one token per step in the same batches. Models with recurrent state (Qwen3-Next) cannot undo
+rejected drafts, so they are refused with speculation on.
 
 The proposer keeps, per sequence and per ``n``, a map from each ``n``-gram to the end of its latest occurrence,
 extended by the tokens appended since the previous proposal: constant work per generated token.
@@ -57,9 +63,11 @@ def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
 
 
 def speculates(params: SamplingParams, has_constraint: bool) -> bool:
-    """Whether a request's tokens are the plain greedy argmax of its logits, so drafts can be checked by argmax."""
+    """Whether a request's next token depends on its logits alone (greedy, or an unseeded draw), so drafts can be
+    checked position by position."""
     p = params
-    return (p.pooling is None and p.temperature < GREEDY_EPS and p.logprobs is None and not has_constraint
+    return (p.pooling is None and (p.temperature < GREEDY_EPS or p.seed is None) and p.logprobs is None
+            and not has_constraint
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_ids)
 

@@ -42,9 +42,10 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
     assert NgramIndex(2, 2).propose(lambda a, b: [1, 2, 1, 2][a:b], 4, 8) == [1, 2]  # runs into the suffix itself
 
 
-def test_only_plain_greedy_requests_speculate():
+def test_requests_whose_token_depends_on_their_logits_alone_speculate():
     assert speculates(SamplingParams(temperature=0.0), False)
-    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=1),
+    assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05), False)
+    for p in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0, logprobs=1),
               SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, pooling="last"),
               SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
               SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
@@ -126,3 +127,15 @@ def test_kept_drafts_count_as_computed_and_rejected_ones_do_not():
             sched.finish(s, "length")
         sched.check_integrity()
     assert s.output_token_ids == expected_outputs(s)
+
+
+def test_sampled_requests_speculate_through_the_rejection_step(demo_model_dir):
+    """At a temperature so low that each draw is the argmax, sampled speculation must give the greedy tokens; the
+    drafts it keeps went through the sampler's rejection step (greedy requests never reach it)."""
+    prompts = _prompts()
+    greedy, _, _ = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+                                               for p in prompts])
+    cold = SamplingParams(max_tokens=30, temperature=1e-3, ignore_eos=True)
+    got, _, eng = _run(demo_model_dir, NGRAM, [(p, cold) for p in prompts])
+    assert got == greedy
+    assert eng.stats().spec_accepted_tokens > 0
