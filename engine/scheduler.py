@@ -43,7 +43,8 @@ class ScheduledChunk:
     position (a pooling request's last chunk samples nothing: the engine finishes it)."""
     draft: tuple[int, ...] = ()
     """Speculative tokens computed after the sequence's last token (``num_tokens`` is one more than their count):
-    every position of the chunk is sampled, and the engine keeps the drafts up to the first it disagrees with."""
+    every position of the chunk is sampled, and the engine keeps the drafts up to the first position whose sampled
+    token differs."""
 
     @functools.cached_property
     def prompt_rows(self) -> tuple[int, int]:

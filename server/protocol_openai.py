@@ -3,8 +3,8 @@
 Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `min_p`, `repetition_penalty`,
 `return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
 `max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send,
-`allowed_token_ids`, `bad_words`, `cache_salt`, `truncate_prompt_tokens`; `use_beam_search` and `priority` are refused
-unless they ask for nothing).
+`allowed_token_ids`, `bad_words`, `cache_salt`, `truncate_prompt_tokens`, `priority` (with the priority scheduling
+policy); `use_beam_search: true` is refused).
 Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
 """
 from __future__ import annotations
