@@ -48,7 +48,6 @@ def result(kind: str, pooled: torch.Tensor, num_prompt_tokens: int,
     if head is not None:
         import torch
 
-        dtype = getattr(head, "dtype", None) or next(head.parameters()).dtype
         with torch.inference_mode():
-            vec = head(vec.to(dtype)).float()
+            vec = head(vec.to(next(head.parameters()).dtype)).float()
     return vec.cpu().tolist()

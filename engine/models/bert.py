@@ -28,6 +28,7 @@ from torch import nn
 
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.models.layers import DecoderForCausalLM
 
 _PREFIXES = ("bert.", "roberta.")
 _UNUSED = ("cls.", "lm_head.", "embeddings.position_ids")  # MLM heads and buffers a checkpoint may carry
@@ -108,15 +109,11 @@ class BertPoolerHead(nn.Module):
 
     def __init__(self, pooler: nn.Linear, classifier: nn.Linear) -> None:
         super().__init__()
-        self.parts = (pooler, classifier)  # owned (and loaded) by the model; not registered twice
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.parts[1].weight.dtype
+        self.pooler, self.classifier = pooler, classifier  # the model's own (registered there first, so the
+        # checkpoint names, which named_parameters gives once per tensor, stay `pooler.dense.*` / `classifier.*`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pooler, classifier = self.parts
-        return classifier(torch.tanh(pooler(x)))
+        return self.classifier(torch.tanh(self.pooler(x)))
 
 
 class RobertaClassificationHead(nn.Module):
@@ -202,11 +199,7 @@ class BertEncoderModel(nn.Module):
             return None
         return name
 
-    def renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        for name, tensor in weights:
-            new = self.checkpoint_name(name)
-            if new is not None:
-                yield new, tensor
+    renamed = DecoderForCausalLM.renamed  # the checkpoint's tensors under `checkpoint_name`, skipped ones left out
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
