@@ -47,8 +47,7 @@ class ModelInfo:
     labels: tuple[str, ...] = ()  # a classifier's class names, in logit order (empty: the model generates)
     label_activation: str = ""  # a classifier's "softmax" or "sigmoid" (`ember.engine.models.classifier.activation`)
     joins_pairs: bool = False  # a cross-encoder reads a text pair joined into one text (vLLM's use_pad_token: false)
-    generates: bool = True  # False for a classifier or an encoder: generation routes are refused
-    encoder: bool = False  # a bidirectional encoder (BERT, XLM-RoBERTa): pools its [CLS] position by default
+    encoder: bool = False  # a bidirectional encoder (BERT, XLM-RoBERTa): generates nothing; pools [CLS] by default
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, folder) of each LoRA adapter requests may name
 
     @property

@@ -62,5 +62,5 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         labels=classifier.labels(mc) if engine.score_head is not None else (),
         label_activation=classifier.activation(mc) if engine.score_head is not None else "",
         joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc),
-        generates=engine.score_head is None and not mc.is_encoder, encoder=mc.is_encoder,
+        encoder=mc.is_encoder,
         lora_adapters=engine.lora.listed() if engine.lora else ())

@@ -102,7 +102,7 @@ def check_generates(st: ServerState) -> None:
     if info.labels:
         raise bad_request(f"this model is a classifier ({info.architecture}): it serves /classify, /score and "
                           f"/rerank and does not generate", param="model")
-    if not info.generates:
+    if info.encoder:
         raise bad_request(f"this model is an encoder ({info.architecture}): it serves /v1/embeddings, /v1/score "
                           f"and /v1/rerank and does not generate", param="model")
 
