@@ -187,18 +187,21 @@ def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
             "priority": body.priority}
 
 
-def truncate_prompt(st: ServerState, ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the last ``keep`` prompt tokens (-1: the model's maximum length); more
-    than that maximum is a 400 naming the field."""
-    if keep is None:
-        return ids
-    limit = st.runtime.max_model_len
+def tokens_to_keep(keep: int | None, limit: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens` against ``limit``, the most tokens a prompt may have: how many of a prompt's
+    last tokens to keep (None or 0: all of them; -1: ``limit``); more than ``limit`` is a 400 naming the field."""
     if keep == -1:
-        keep = limit
-    if keep > limit:
-        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the model's maximum length ({limit})",
+        return limit
+    if keep is not None and keep > limit:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the {limit} tokens a prompt may have",
                           param="truncate_prompt_tokens")
-    return ids[-keep:]
+    return keep
+
+
+def truncate_prompt(st: ServerState, ids: list[int], keep: int | None) -> list[int]:
+    """A generation prompt's token IDs after `truncate_prompt_tokens` (`tokens_to_keep` of the model's length)."""
+    keep = tokens_to_keep(keep, st.runtime.max_model_len)
+    return ids[-keep:] if keep else ids
 
 
 async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,

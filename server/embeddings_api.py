@@ -25,7 +25,7 @@ from ember.engine.params import SamplingParams
 
 from . import chat
 from . import protocol_openai as po
-from .admission import check_capacity, check_model, check_token_ids, collect, model_label, state
+from .admission import check_capacity, check_model, check_token_ids, collect, model_label, state, tokens_to_keep
 from .errors import ApiError, bad_request
 from .generation import ModelRuntime
 
@@ -101,10 +101,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
     """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit) and checked against the
     context and the KV cache; a problem is a 400 naming ``params[i]``."""
     limit = min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
-    keep = limit if truncate == -1 else truncate
-    if keep is not None and keep > limit:
-        raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the {limit} tokens a prompt may have",
-                          param="truncate_prompt_tokens")
+    keep = tokens_to_keep(truncate, limit)
     texts = [x for x in inputs if isinstance(x, str)]
     encoded = iter(rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else ())
     out = []
@@ -114,7 +111,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
-        if keep is not None and keep > 0:
+        if keep:
             ids = ids[-keep:]
         if not ids:
             raise bad_request("an input must have at least one token", param=param)
