@@ -161,13 +161,13 @@ class Sampler:
         ban_rows, ban_cols = [], []
         allow_rows, allow_at, allow_cols = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params)):
-            banned = set()
             if s.num_output_tokens < p.min_tokens:
-                banned |= {t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids) if 0 <= t < v}
-            if p.bad_words_ids:
-                banned |= _completing_bad_words(s.output_token_ids, p.bad_words_ids)
-            for tok in banned:
-                ban_rows.append(i), ban_cols.append(tok)
+                for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids):
+                    if 0 <= tok < v:
+                        ban_rows.append(i), ban_cols.append(tok)
+            if p.bad_words_ids:  # (a token banned twice is set to -inf twice)
+                for tok in _completing_bad_words(s.output_token_ids, p.bad_words_ids):
+                    ban_rows.append(i), ban_cols.append(tok)
             if p.allowed_token_ids:
                 allow_at += [len(allow_rows)] * len(p.allowed_token_ids)
                 allow_cols += p.allowed_token_ids
