@@ -91,8 +91,6 @@ def load_model(model_dir: str | os.PathLike, cfg: ModelConfig, max_position: int
         model = cls(cfg, max_position)
         if classifier.causal_architecture(cfg.architecture) and not cfg.is_encoder:
             classifier.attach_head(model, cfg)
-    if cfg.is_encoder and model.reads_token_types:  # token types are read at the tokenizer's separator
-        model.sep_token_id = loader.load_tokenizer(tokenizer_dir or model_dir).sep_token_id
     model = model.to(dtype)
     model.load_device = device
     weights = loader.iter_weights(model_dir) if weights is None else weights
@@ -161,6 +159,8 @@ class Engine:
         else:
             model = load_model(self.model_dir, mc, self.max_model_len, self.device, self.dtype,
                                quantization=config.quantization, tokenizer_dir=self.tokenizer_dir)
+            if mc.is_encoder:  # BERT's token types are read at the tokenizer's separator
+                model.sep_token_id = self.tokenizer.sep_token_id
             self.runner = ModelRunner(model, mc, config.block_size, self.device, self.dtype,
                                       kv_cache_dtype=self.kv_cache_dtype)
         try:

@@ -147,7 +147,7 @@ class BertEncoderModel(nn.Module):
         self.embeddings = Embeddings(cfg)
         self.encoder = Encoder(cfg)
         self.position_offset = cfg.position_offset
-        self.sep_token_id: int | None = None  # set by `load_model` from the tokenizer when there are token types
+        self.sep_token_id: int | None = None  # set by the engine from its tokenizer
         self.score: nn.Module | None = None
         if cfg.architecture.endswith("ForSequenceClassification"):
             n = len(labels(cfg))
