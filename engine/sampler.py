@@ -28,7 +28,7 @@ from ember.engine.pooling import POOLING_TYPES
 from ember.engine.sequence import Sequence
 from ember.engine.staging import Staging
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5  # a temperature below this is greedy (argmax)
 _T, _TOP_P, _MIN_P, _TOP_K, _REP, _FREQ, _PRES = range(7)  # columns of the per-row settings
 
 
@@ -175,7 +175,7 @@ class Sampler:
         pen_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                     or p.frequency_penalty != 0.0]
         pen_seqs = [seqs[i] for i in pen_rows]
-        sample_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+        sample_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         con_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         for name, values in (("bias_rows", bias_rows), ("bias_cols", bias_cols), ("ban_rows", ban_rows),
@@ -224,7 +224,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if sample_rows:
             sampled = self._sample(logits, cfg, seqs, sample_rows)
-            tokens = sampled if len(sample_rows) == n else torch.where(cfg[:, _T] < _GREEDY_EPS, tokens, sampled)
+            tokens = sampled if len(sample_rows) == n else torch.where(cfg[:, _T] < GREEDY_EPS, tokens, sampled)
         if pen_rows:
             self._penalties.count_sampled(pen_seqs, dev["pen_slots"], tokens[dev["pen_rows"]])
 
@@ -289,7 +289,7 @@ class Sampler:
         """A draw for every row (rows that are greedy get a token too, discarded by the caller)."""
         n, v = logits.shape
         params = [seqs[i].params for i in sample_rows]
-        logits = logits / cfg[:, _T].clamp(min=_GREEDY_EPS).unsqueeze(1)
+        logits = logits / cfg[:, _T].clamp(min=GREEDY_EPS).unsqueeze(1)
         use_top_k = any(0 < p.top_k < v for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_k or use_top_p:

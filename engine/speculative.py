@@ -28,9 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.engine.params import SamplingParams
-
-GREEDY_EPS = 1e-5  # as the sampler: a lower temperature is greedy
-
+from ember.engine.sampler import GREEDY_EPS
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
