@@ -30,6 +30,7 @@ from typing import Any
 from ember.engine.params import SamplingParams
 from ember.engine.sampler import GREEDY_EPS
 
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
