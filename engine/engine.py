@@ -30,7 +30,7 @@ from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
-from ember.engine.speculative import NgramIndex, parse_speculative_config, speculates
+from ember.engine.speculative import Drafter, NgramIndex, parse_speculative_config, speculates
 from ember.engine.state_snapshots import StateSnapshots
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,9 @@ class Engine:
         if params.cache_salt:
             seq.cache_root = salted_root(seq.cache_root or ROOT_HASH, params.cache_salt)
         if self.speculative is not None and speculates(params, constraint is not None):
-            seq.ngram = NgramIndex(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+            spec = self.speculative
+            seq.drafter = Drafter(NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max),
+                                  spec.num_speculative_tokens)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -455,6 +457,7 @@ class Engine:
             accepted += 1
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += accepted
+        seq.drafter.verified(accepted)
         tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
@@ -464,15 +467,14 @@ class Engine:
 
     def _propose(self, chunks: list) -> None:
         """Draft tokens for the next step of each speculating sequence that sampled this step and still runs."""
-        spec = self.speculative
         for c in chunks:
             seq, p = c.seq, c.seq.params
-            if seq.ngram is None or seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens < p.min_tokens:
+            if seq.drafter is None or seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens < p.min_tokens:
                 continue
             room = self.max_model_len - seq.num_tokens
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-            seq.draft = seq.ngram.propose(seq.token_ids_slice, seq.num_tokens, min(spec.num_speculative_tokens, room))
+            seq.draft = seq.drafter.draft(seq.token_ids_slice, seq.num_tokens, room)
 
     def _keep_rows(self, sched: SchedulerOutput) -> None:
         """Take this step's kept hidden rows (in chunk order) into their sequences: a pooling request folds them

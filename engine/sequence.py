@@ -65,8 +65,8 @@ class Sequence:
     """A pooling request's running pool of the hidden states computed so far (`ember.engine.pooling`)."""
     draft: list[int] = field(default_factory=list)
     """Speculative tokens proposed for the next step (`ember.engine.speculative`); the scheduler may take a prefix."""
-    ngram: object | None = None
-    """The sequence's `ember.engine.speculative.NgramIndex` when it speculates (None: it never does)."""
+    drafter: object | None = None
+    """The sequence's `ember.engine.speculative.Drafter` when it speculates (None: it never does)."""
     queued_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     """`time.monotonic()` when it was added and when a step first scheduled it (its queue time is the difference)."""

@@ -21,6 +21,11 @@ rejected drafts, so they are refused with speculation on.
 
 The proposer keeps, per sequence and per ``n``, a map from each ``n``-gram to the end of its latest occurrence,
 extended by the tokens appended since the previous proposal: constant work per generated token.
+
+Each sequence paces its drafts (`Drafter`): after a draft of which nothing was kept it pauses drafting for 1, 3, 7,
+then 15 steps as such misses repeat, and any kept draft token ends the pause. Where text does not repeat, a sequence
+stops paying for positions it throws away, while a run of hits keeps full-length drafts; pacing decides only which
+steps check drafts, never which tokens are emitted.
 """
 from __future__ import annotations
 
@@ -71,6 +76,9 @@ def speculates(params: SamplingParams, has_constraint: bool) -> bool:
             and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_ids)
 
 
+MAX_PAUSE = 15  # steps a sequence whose drafts keep missing waits before it drafts again
+
+
 @dataclass
 class NgramIndex:
     """One sequence's n-gram positions: ``ends[n][gram]`` is the end of the latest occurrence of ``gram`` among
@@ -97,3 +105,28 @@ class NgramIndex:
             if end is not None:
                 return tokens(end, min(end + k, num_tokens))
         return []
+
+
+@dataclass
+class Drafter:
+    """A speculating sequence's n-gram index and the pacing of its drafts (see the module's docstring)."""
+
+    index: NgramIndex
+    length: int  # num_speculative_tokens
+    pause: int = 0  # steps left before the next draft
+    misses: int = 0  # drafts in a row of which nothing was kept
+
+    def draft(self, tokens: Any, num_tokens: int, room: int) -> list[int]:
+        """The next draft (``tokens(start, end)`` reads the sequence), at most ``room`` tokens; [] while paused."""
+        if self.pause:
+            self.pause -= 1
+            return []
+        return self.index.propose(tokens, num_tokens, min(self.length, room))
+
+    def verified(self, kept: int) -> None:
+        """Pace the next draft by this one, of which ``kept`` tokens were kept."""
+        if kept:
+            self.misses = 0
+        else:
+            self.misses += 1
+            self.pause = min(2 ** self.misses - 1, MAX_PAUSE)

@@ -7,7 +7,7 @@ import torch
 
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
-from ember.engine.speculative import NgramIndex, parse_speculative_config, speculates
+from ember.engine.speculative import MAX_PAUSE, Drafter, NgramIndex, parse_speculative_config, speculates
 from tests.engine.test_scheduler import expected_outputs, make, new_scheduler, token
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -40,6 +40,28 @@ def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose([5, 6, 7, 8, 5, 6, 9, 1, 2, 6], 2, index) == [9, 1]  # the latest "6", as no longer match is there
     assert propose([5, 6, 7, 8, 5, 6, 9, 1, 2, 6, 7], 4, index) == [8, 5, 6, 9]  # "6 7" beats the latest "7"
     assert NgramIndex(2, 2).propose(lambda a, b: [1, 2, 1, 2][a:b], 4, 8) == [1, 2]  # runs into the suffix itself
+
+
+def test_drafts_that_keep_missing_pause_drafting_until_one_is_kept():
+    tokens = list(range(1, 9)) * 4  # always a match: only the pacing stops a draft
+    drafter = Drafter(NgramIndex(1, 3), 4)
+
+    def steps_until_next_draft() -> int:
+        waited = 0
+        while not drafter.draft(lambda a, b: tokens[a:b], len(tokens), 10):
+            waited += 1
+        return waited
+
+    assert steps_until_next_draft() == 0
+    waits = []
+    for _ in range(6):
+        drafter.verified(0)
+        waits.append(steps_until_next_draft())
+    assert waits == [1, 3, 7, MAX_PAUSE, MAX_PAUSE, MAX_PAUSE]
+    drafter.verified(2)  # a hit ends the pause at once, and drafts keep their full length
+    assert steps_until_next_draft() == 0 and len(drafter.draft(lambda a, b: tokens[a:b], len(tokens), 10)) == 4
+    drafter.verified(0)
+    assert steps_until_next_draft() == 1
 
 
 def test_requests_whose_token_depends_on_their_logits_alone_speculate():
