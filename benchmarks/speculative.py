@@ -56,11 +56,12 @@ def _prompts(path: Path, batch: int) -> list[list[int]]:
     return [tok.encode(starts[i % len(starts)]) for i in range(batch)]
 
 
-def _run(path: Path, prompts: list[list[int]], max_tokens: int, spec: dict | None, temperature: float) -> dict:
+def _run(path: Path, prompts: list[list[int]], max_tokens: int, spec: dict | None, temperature: float,
+         dtype: str | None = None) -> dict:
     from ember.engine.engine import Engine
     from ember.engine.params import SamplingParams
 
-    eng = Engine.from_pretrained(path, max_num_seqs=len(prompts), speculative_config=spec)
+    eng = Engine.from_pretrained(path, max_num_seqs=len(prompts), speculative_config=spec, dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     ids = [eng.add_request(p, params) for p in prompts]
     eng.step()  # the prefills
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the two runs must agree)")
+    ap.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
@@ -95,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for b in (int(x) for x in args.batch.split(",")):
                 prompts = _prompts(path, b)
-                plain = _run(path, prompts, args.max_tokens, None, args.temperature)
-                fast = _run(path, prompts, args.max_tokens, spec, args.temperature)
+                plain = _run(path, prompts, args.max_tokens, None, args.temperature, args.dtype)
+                fast = _run(path, prompts, args.max_tokens, spec, args.temperature, args.dtype)
                 same = str(plain["tokens"] == fast["tokens"]) if args.temperature == 0 else "-"
                 acc = f"{fast['accepted']}/{fast['drafted']}"
                 print(f"{name:<22}{b:>6}{plain['tok_s']:>13.0f}{fast['tok_s']:>12.0f}"

@@ -401,8 +401,11 @@ class Engine:
         if not chunks:
             self.scheduler.update(sched, {})
             return self._finish_pooled(sched, outputs)
-        # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated
-        result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids)
+        # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated, each
+        # row ahead of it by the drafts before that position
+        ahead = [c.draft[:j] for c in chunks for j in range(1 + len(c.draft))] if any(c.draft for c in chunks) else None
+        result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids,
+                              ahead)
         sampled: dict[str, int | list[int]] = {}
         spec_ends: dict[str, tuple[FinishReason | None, int | None]] = {}
         starts = list(itertools.accumulate((1 + len(c.draft) for c in chunks), initial=0))
@@ -434,7 +437,7 @@ class Engine:
                 continue
             if c.draft:
                 kept, (reason, stop_tok) = sampled[seq.request_id], spec_ends[seq.request_id]
-                lp = None
+                lp = result.logprobs[i:i + len(kept)] if seq.params.logprobs is not None else None
             else:
                 tok = sampled[seq.request_id]
                 kept = [tok]
@@ -458,6 +461,7 @@ class Engine:
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += accepted
         seq.drafter.verified(accepted)
+        self.sampler.drafts_kept(seq, accepted)
         tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)

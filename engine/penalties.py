@@ -80,11 +80,20 @@ class PenaltyState:
         if prompt_ids.numel():
             self.prompt_seen.index_put_((prompt_slots, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
 
-    def count_sampled(self, seqs: list[Sequence], slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Add this step's sampled ``tokens`` (device) to ``slots``; the engine appends them to ``seqs``."""
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+    def count_sampled(self, seqs: list[Sequence], slots: torch.Tensor, tokens: torch.Tensor,
+                      kept: torch.Tensor | None = None) -> None:
+        """Add this step's sampled ``tokens`` (device) to ``slots``, each weighted by ``kept`` (1.0 or 0.0 per row;
+        all 1.0 when None); the engine appends one token to each of ``seqs`` (and kept drafts, see `advance`)."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32) if kept is None
+                               else kept, accumulate=True)
         for seq in seqs:
             self._slots[seq.request_id].counted += 1
+
+    def advance(self, seq: Sequence, kept: int) -> None:
+        """``kept`` more of ``seq``'s outputs (kept speculative drafts) are already in its counts."""
+        slot = self._slots.get(seq.request_id)
+        if slot is not None:
+            slot.counted += kept
 
     def _take(self) -> int:
         if not self._free:

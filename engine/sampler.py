@@ -3,8 +3,12 @@
 Order per row: logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties, the constraint
 bitmask, then logprobs (log-softmax of these processed logits, before temperature), then greedy argmax or
 temperature -> top-k -> top-p -> min-p -> a draw. Draws use the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``;
-a seeded request draws its ``E`` from its own ``torch.Generator``, one draw per step, so its tokens do not depend on
-the rest of the batch.
+a seeded request draws the ``E`` of its output token ``i`` from a generator seeded with (seed, ``i``), so its tokens
+depend neither on the rest of the batch nor on how many positions a step computes.
+
+A row may sit ahead of its sequence (a speculative chunk's later positions, `ember.engine.speculative`): it samples
+as if the drafts before it had been emitted, for its penalties, banned words, ``min_tokens`` and seeded draw alike,
+and its sampled token counts toward the penalties only when every draft before it was sampled as drafted.
 
 Host syncs: per-row settings, logit-bias / ban indices and the packed int32 constraint bitmask go up through
 persistent pinned buffers with non-blocking copies (`ember.engine.staging`); the bitmask is expanded on the device;
@@ -81,6 +85,15 @@ def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) 
                              f"the vocabulary (0..{vocab_size - 1})")
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output token ``position``: splitmix64 of the pair, so nearby seeds
+    and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
 def _completing_bad_words(output: list[int], words: Seq[Seq[int]]) -> set[int]:
     """The last token of each bad word whose other tokens end ``output``."""
     out = set()
@@ -123,7 +136,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.bitmask_filler = bitmask_filler
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator(device=self.device)
         self._penalties = PenaltyState(vocab_size, self.device)
         self._f32 = Staging(torch.float32, self.device)
         self._i64 = Staging(torch.int64, self.device)
@@ -134,20 +147,20 @@ class Sampler:
         self._neg_inf = torch.tensor(float("-inf"), device=self.device)
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
         self._penalties.forget(request_id)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        g = self._generators.get(seq.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(int(seq.params.seed))
-            self._generators[seq.request_id] = g
-        return g
+    def drafts_kept(self, seq: Sequence, kept: int) -> None:
+        """``kept`` draft tokens of ``seq``'s speculative chunk were kept (its penalty counts already hold them)."""
+        self._penalties.advance(seq, kept)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: set[int]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: set[int],
+                 ahead: Seq[Seq[int]] | None = None) -> SamplerOutput:
+        """One token per row of ``logits``; ``seqs[i]`` is row ``i``'s sequence. ``ahead[i]``: the draft tokens
+        between that sequence's end and row ``i``'s position (rows of a speculative chunk, in order; () for a
+        sequence's own next token)."""
         n, v = logits.shape
+        ahead = ahead or [()] * n
         logits = logits.float().clone()
         params = [s.params for s in seqs]
         errors: dict[int, str] = {}
@@ -161,12 +174,13 @@ class Sampler:
         ban_rows, ban_cols = [], []
         allow_rows, allow_at, allow_cols = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params)):
-            if s.num_output_tokens < p.min_tokens:
+            if s.num_output_tokens + len(ahead[i]) < p.min_tokens:
                 for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids):
                     if 0 <= tok < v:
                         ban_rows.append(i), ban_cols.append(tok)
             if p.bad_words_ids:  # (a token banned twice is set to -inf twice)
-                for tok in _completing_bad_words(s.output_token_ids, p.bad_words_ids):
+                output = s.output_token_ids + list(ahead[i]) if ahead[i] else s.output_token_ids
+                for tok in _completing_bad_words(output, p.bad_words_ids):
                     ban_rows.append(i), ban_cols.append(tok)
             if p.allowed_token_ids:
                 allow_at += [len(allow_rows)] * len(p.allowed_token_ids)
@@ -186,6 +200,8 @@ class Sampler:
         if pen_rows:
             slots, rb = self._penalties.slots_for(pen_seqs)
             up.add("pen_slots", slots)
+            if any(ahead[i] for i in pen_rows):
+                self._add_ahead(up, [ahead[i] for i in pen_rows])
             if rb.slots:
                 for name in ("slots", "output_slots", "output_ids", "prompt_slots", "prompt_ids"):
                     up.add("rb_" + name, getattr(rb, name))
@@ -215,7 +231,7 @@ class Sampler:
             if "rb_slots" in dev:
                 self._penalties.load(dev["rb_slots"], dev["rb_output_slots"], dev["rb_output_ids"],
                                      dev["rb_prompt_slots"], dev["rb_prompt_ids"])
-            self._apply_penalties(logits, dev["pen_rows"], dev["pen_slots"], cfg)
+            self._apply_penalties(logits, dev["pen_rows"], dev["pen_slots"], cfg, dev)
         dead = None
         if con_rows:
             dead = self._apply_bitmask(logits, dev["con_rows"], bitmask, filler_failed=bool(errors))
@@ -223,10 +239,13 @@ class Sampler:
         logprobs_all = torch.log_softmax(logits, dim=-1) if lp_rows else None
         tokens = logits.argmax(dim=-1)
         if sample_rows:
-            sampled = self._sample(logits, cfg, seqs, sample_rows)
+            sampled = self._sample(logits, cfg, seqs, sample_rows, ahead)
             tokens = sampled if len(sample_rows) == n else torch.where(cfg[:, _T] < GREEDY_EPS, tokens, sampled)
         if pen_rows:
-            self._penalties.count_sampled(pen_seqs, dev["pen_slots"], tokens[dev["pen_rows"]])
+            pen_tokens = tokens[dev["pen_rows"]]
+            self._penalties.count_sampled([s for s, a in zip(pen_seqs, (ahead[i] for i in pen_rows)) if not a],
+                                          dev["pen_slots"], pen_tokens,
+                                          self._kept_rows(pen_tokens, dev) if "ahead_next" in dev else None)
 
         # ---- the one read: tokens, plus dead-row flags and logprobs when there are any
         cols = [tokens.unsqueeze(1)]
@@ -272,10 +291,39 @@ class Sampler:
         logits[rows] = torch.where(zero.unsqueeze(1), 0.0, sub)
         return dead.float()
 
+    @staticmethod
+    def _add_ahead(up: _Uploads, ahead: list[Seq[int]]) -> None:
+        """Uploads for penalty rows ahead of their sequence (``ahead`` per penalty row): the drafts each row counts
+        (``ahead_rows``, ``ahead_toks``), the draft at each row's own position (``ahead_next``, -1 at a chunk's
+        last row) and the index of its chunk's first row (``ahead_first``)."""
+        rows, toks, nxt, first = [], [], [], []
+        for r, a in enumerate(ahead):
+            rows += [r] * len(a)
+            toks += a
+            first.append(r - len(a))
+            if r and a:
+                nxt[-1] = a[-1]  # the row before this one, in the same chunk, was to sample this draft
+            nxt.append(-1)
+        up.add("ahead_rows", rows)
+        up.add("ahead_toks", toks)
+        up.add("ahead_next", nxt)
+        up.add("ahead_first", first)
+
+    @staticmethod
+    def _kept_rows(tokens: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """1.0 for each penalty row whose token is kept: every earlier row of its chunk sampled its draft."""
+        miss = (tokens != dev["ahead_next"]).long()
+        before = miss.cumsum(0) - miss
+        return (before == before[dev["ahead_first"]]).float()
+
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                         cfg: torch.Tensor) -> None:
+                         cfg: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
         sub = logits[rows]
         counts = self._penalties.counts[slots]
+        if "ahead_rows" in dev:
+            counts.index_put_((dev["ahead_rows"], dev["ahead_toks"]), torch.ones_like(dev["ahead_toks"],
+                                                                                   dtype=torch.float32),
+                              accumulate=True)
         present = counts > 0
         seen = self._penalties.prompt_seen[slots] | present
         c = cfg[rows]
@@ -285,7 +333,7 @@ class Sampler:
         logits[rows] = sub
 
     def _sample(self, logits: torch.Tensor, cfg: torch.Tensor, seqs: Seq[Sequence],
-                sample_rows: list[int]) -> torch.Tensor:
+                sample_rows: list[int], ahead: Seq[Seq[int]]) -> torch.Tensor:
         """A draw for every row (rows that are greedy get a token too, discarded by the caller)."""
         n, v = logits.shape
         params = [seqs[i].params for i in sample_rows]
@@ -310,8 +358,10 @@ class Sampler:
             probs = probs.masked_fill(probs < thresh, 0.0)
         noise = torch.empty_like(probs).exponential_()
         for i in sample_rows:
-            if seqs[i].params.seed is not None:
-                noise[i] = torch.empty(v, device=logits.device).exponential_(generator=self._generator(seqs[i]))
+            seed = seqs[i].params.seed
+            if seed is not None:
+                self._seeded.manual_seed(position_seed(seed, seqs[i].num_output_tokens + len(ahead[i])))
+                noise[i] = torch.empty(v, device=logits.device).exponential_(generator=self._seeded)
         # an exact 0 draw would make 0/0 = NaN, which argmax picks, for a token whose probability is 0
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)

@@ -8,16 +8,19 @@ drafts are kept up to the first position whose token differs from the draft ther
 token past the last draft when all are kept). One to ``num_speculative_tokens + 1`` tokens per step:
 
 - a greedy request's token at each position is its argmax, so it emits exactly what plain greedy decoding emits;
-- an unseeded sampled request draws at each position as it would without speculation, and keeps a draft when the
-  draw equals it. For a draft proposed with certainty this is the speculative-sampling rule: the draft is kept with
-  the probability q(draft) the request's distribution gives it, and otherwise the token follows q without the draft.
+- a sampled request draws at each position as it would without speculation, and keeps a draft when the draw equals
+  it. For a draft proposed with certainty this is the speculative-sampling rule: the draft is kept with the
+  probability q(draft) the request's distribution gives it, and otherwise the token follows q without the draft.
   So every emitted token is a draw from the request's own distribution (temperature, top-k, top-p, min-p), made
-  in the context of the tokens actually emitted before it.
+  in the context of the tokens actually emitted before it. A seeded request's draw at output position ``i`` is
+  seeded by (seed, ``i``), so it emits exactly the tokens it emits without speculation.
 
-Requests whose next token depends on more than their logits (logprobs, penalties, logit bias, allowed or banned
-tokens, a grammar constraint, pending ``min_tokens``), and seeded ones (whose draws must repeat with or without
-speculation), decode one token per step in the same batches. Models with recurrent state (Qwen3-Next) cannot undo
-rejected drafts, so they are refused with speculation on.
+Each position samples as if the drafts before it had been emitted (`ember.engine.sampler`): penalties count them,
+banned words see them, and logprobs are those of the position's own context, so requests with penalties, logit bias,
+allowed or banned tokens and logprobs speculate too. A request under a grammar constraint decodes one token per
+step in the same batches (its matcher would have to advance through drafts it may reject), as does a request until
+its ``min_tokens`` are out. Models with recurrent state (Qwen3-Next) cannot undo rejected drafts, so they are
+refused with speculation on.
 
 The proposer keeps, per sequence and per ``n``, a map from each ``n``-gram to the end of its latest occurrence,
 extended by the tokens appended since the previous proposal: constant work per generated token.
@@ -33,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ember.engine.params import SamplingParams
-from ember.engine.sampler import GREEDY_EPS
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,8 @@ def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
 
 
 def speculates(params: SamplingParams, has_constraint: bool) -> bool:
-    """Whether a request's next token depends on its logits alone (greedy, or an unseeded draw), so drafts can be
-    checked position by position."""
-    p = params
-    return (p.pooling is None and (p.temperature < GREEDY_EPS or p.seed is None) and p.logprobs is None
-            and not has_constraint
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_ids)
+    """Whether a request's drafts can be checked position by position: it generates, without a grammar."""
+    return params.pooling is None and not has_constraint
 
 
 MAX_PAUSE = 15  # steps a sequence whose drafts keep missing waits before it drafts again

@@ -72,7 +72,11 @@ def test_seeded_rows_reproduce_regardless_of_neighbours():
     seq_a = _rows(1, sp)
     seq_b = _rows(1, sp)
     others = _rows(5, SamplingParams(temperature=1.0))
-    run_a = [s1(_logits(1), seq_a, set()).token_ids[0] for _ in range(20)]
-    run_b = [s2(_logits(6), others[:2] + seq_b + others[2:], set()).token_ids[2] for _ in range(20)]
+    run_a, run_b = [], []
+    for _ in range(20):  # each token appended, as the engine does: a seeded draw follows its output position
+        run_a.append(s1(_logits(1), seq_a, set()).token_ids[0])
+        seq_a[0].output_token_ids.append(run_a[-1])
+        run_b.append(s2(_logits(6), others[:2] + seq_b + others[2:], set()).token_ids[2])
+        seq_b[0].output_token_ids.append(run_b[-1])
     assert run_a == run_b and run_a[0] == alone
     assert len(set(run_a)) > 1

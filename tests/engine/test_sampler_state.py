@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from ember.engine.params import SamplingParams
@@ -53,8 +54,48 @@ def test_greedy_rows_keep_their_argmax_next_to_sampled_rows():
     greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=5.0, seed=4)
     seqs = [Sequence(f"q{i}", [1], greedy if i % 2 == 0 else hot) for i in range(6)]
     s = Sampler(V, torch.device("cpu"))
-    got = [s(logits, seqs, set()).token_ids for _ in range(20)]
+    got = []
+    for _ in range(20):
+        got.append(s(logits, seqs, set()).token_ids)
+        for seq, tok in zip(seqs, got[-1]):
+            seq.output_token_ids.append(tok)
     want = logits.argmax(dim=-1).tolist()
     for toks in got:
         assert [toks[i] for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
     assert len({tuple(t[i] for i in (1, 3, 5)) for t in got}) > 1  # the hot rows do draw
+
+
+def test_a_row_ahead_of_its_sequence_samples_as_if_the_drafts_were_emitted():
+    """A speculative chunk's rows: each gets the tokens, logprobs, bans and penalties of a sequence that had already
+    emitted the drafts before it, and afterwards the counts hold exactly the kept tokens."""
+    torch.manual_seed(2)
+    params = SamplingParams(temperature=0.9, seed=5, frequency_penalty=0.9, presence_penalty=0.5,
+                            repetition_penalty=1.3, bad_words_ids=[[3, 4]], logprobs=3, min_tokens=4,
+                            stop_token_ids=[6])
+    logits = torch.randn(4, V)
+
+    def alone(outputs: list[int], row: torch.Tensor) -> tuple[int, list]:
+        seq = Sequence("r", [1, 9], params)
+        seq.output_token_ids = list(outputs)
+        out = Sampler(V, torch.device("cpu"))(row.unsqueeze(0), [seq], set())
+        return out.token_ids[0], out.logprobs[0]
+
+    emitted = [2, 3]  # what plain decoding emits next, one token at a time
+    for j in range(3):
+        emitted.append(alone(emitted, logits[j])[0])
+    drafts = (emitted[2], emitted[3], (emitted[4] + 1) % V)  # two right, the third wrong
+    s = Sampler(V, torch.device("cpu"))
+    seq = Sequence("r", [1, 9], params)
+    seq.output_token_ids = [2, 3]
+    out = s(logits, [seq] * 4, set(), ahead=[drafts[:j] for j in range(4)])
+    for j in range(4):
+        tok, lp = alone([2, 3, *drafts[:j]], logits[j])
+        assert out.token_ids[j] == tok and out.logprobs[j].logprob == pytest.approx(lp.logprob)
+        assert [t for t, _ in out.logprobs[j].top] == [t for t, _ in lp.top]
+        assert [x for _, x in out.logprobs[j].top] == pytest.approx([x for _, x in lp.top])
+    assert out.token_ids[:3] == emitted[2:]
+    s.drafts_kept(seq, 2)
+    seq.output_token_ids += out.token_ids[:3]
+    assert _counts(s, seq) == {t: float(c) for t, c in collections.Counter(seq.output_token_ids).items()}
+    s(torch.randn(1, V), [seq], set())  # the next step finds the slot current: nothing rebuilt
+    assert s._penalties._slots["r"].counted == len(seq.output_token_ids) + 1

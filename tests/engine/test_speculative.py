@@ -1,5 +1,6 @@
-"""N-gram speculative decoding: a speculating request emits exactly the tokens plain greedy decoding emits (stops,
-lengths and the requests beside it included), in fewer steps when its text repeats; drafts never cost a preemption."""
+"""N-gram speculative decoding: a speculating request emits exactly the tokens plain decoding emits (greedy or seeded,
+with penalties, bans and logprobs; stops, lengths and the requests beside it included), in fewer steps when its text
+repeats; drafts never cost a preemption, and drafts that keep missing pause."""
 from __future__ import annotations
 
 import pytest
@@ -64,15 +65,14 @@ def test_drafts_that_keep_missing_pause_drafting_until_one_is_kept():
     assert steps_until_next_draft() == 1
 
 
-def test_requests_whose_token_depends_on_their_logits_alone_speculate():
-    assert speculates(SamplingParams(temperature=0.0), False)
-    assert speculates(SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05), False)
-    for p in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0, logprobs=1),
-              SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, pooling="last"),
-              SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+def test_every_generating_request_speculates_but_one_under_a_grammar():
+    for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
+              SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
               SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
-        assert not speculates(p, False)
+        assert speculates(p, False)
     assert not speculates(SamplingParams(temperature=0.0), True)
+    assert not speculates(SamplingParams(temperature=0.0, pooling="last"), False)
 
 
 def _run(path, spec, requests) -> tuple[list[list[int]], list[str | None], Engine]:
@@ -115,6 +115,35 @@ def test_speculation_emits_exactly_the_greedy_tokens(demo_model_dir):
     assert eng.num_steps < plain.num_steps
     eng.scheduler.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_requests_with_penalties_bans_logprobs_and_seeds_emit_what_they_emit_without_speculation(demo_model_dir):
+    prompts = _prompts()
+    kinds = [dict(temperature=0.0, repetition_penalty=1.05), dict(temperature=0.0, frequency_penalty=0.2,
+                                                                   presence_penalty=0.1),
+             dict(temperature=0.0, logit_bias={prompts[0][3]: 2.0}, bad_words_ids=[[prompts[0][4], prompts[0][5]]]),
+             dict(temperature=0.0, logprobs=2), dict(temperature=0.8, seed=11, logprobs=0),
+             dict(temperature=0.8, seed=5, repetition_penalty=1.1, frequency_penalty=0.3)]
+    requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, **kw)) for kw in kinds for p in prompts]
+
+    def run(spec):
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=256, speculative_config=spec)
+        ids = [eng.add_request(p, params) for p, params in requests]
+        out: dict[str, list] = {i: [] for i in ids}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += zip(o.new_token_ids, o.logprobs or [None] * len(o.new_token_ids))
+        return [out[i] for i in ids], eng
+
+    want, _ = run(None)
+    got, eng = run(NGRAM)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
+    for g, w in zip(got, want):
+        for (_, a), (_, b) in zip(g, w):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert eng.stats().spec_accepted_tokens > 0
 
 
 def test_a_draft_never_preempts_anything():
