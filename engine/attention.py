@@ -116,6 +116,10 @@ class TorchBackend:
                      max_seqlen_k=max_seqlen_k, **opts)
             return out
         qlens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        if max_seqlen_q <= SHORT_QUERY:  # all short (decodes beside speculative chunks): nothing read back
+            _batched(q, k_cache, v_cache, out, cu_seqlens_q[:-1].long(), qlens.long(), seq_lens, block_table,
+                     softmax_scale, max_seqlen_k=max_seqlen_k, max_seqlen_q=max_seqlen_q, **opts)
+            return out
         short = (qlens <= SHORT_QUERY).nonzero().flatten()
         if short.numel() < qlens.numel():
             rest = (qlens > SHORT_QUERY).nonzero().flatten()
@@ -139,10 +143,11 @@ computed together in one batched SDPA call; longer ones one at a time."""
 def _batched(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_table, scale: float,
              sliding_window: int | None = None, sinks: torch.Tensor | None = None,
              max_seqlen_k: int | None = None, k_scale: float | None = None,
-             v_scale: float | None = None, softcap: float | None = None, chunk: int | None = None) -> None:
+             v_scale: float | None = None, softcap: float | None = None, chunk: int | None = None,
+             max_seqlen_q: int | None = None) -> None:
     """Each sequence's query rows ``q[starts[i] : starts[i] + qlens[i]]`` (the last tokens of its ``seq_lens[i]``)
-    over its cached keys, causally; ``starts`` None: one row per sequence, in order (a decode batch, computed without
-    reading anything back to the host)."""
+    over its cached keys, causally; ``starts`` None: one row per sequence, in order (a decode batch). Given bounds on
+    the query and key lengths (``max_seqlen_q``, ``max_seqlen_k``), nothing is read back to the host."""
     nb, bs, hkv, d = k_cache.shape
     b = seq_lens.shape[0]
     hq = q.shape[1]
@@ -160,7 +165,7 @@ def _batched(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_table, sca
         qpos = (seq_lens.long() - 1).unsqueeze(1)  # [b, 1]
         qs = q
     else:
-        nq = int(qlens.max())
+        nq = int(qlens.max()) if max_seqlen_q is None else max_seqlen_q
         i = torch.arange(nq, device=q.device).unsqueeze(0)
         rows = starts.unsqueeze(1) + torch.minimum(i, qlens.unsqueeze(1) - 1)  # [b, nq], padded by repeating
         qpos = seq_lens.long().unsqueeze(1) - qlens.unsqueeze(1) + i

@@ -8,7 +8,7 @@ the sampled token. Fillers and ``fill_bitmask`` write host (CPU) int32 rows only
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -27,6 +27,17 @@ class Constraint(Protocol):
 
     def error_message(self) -> str | None:
         """Why the constraint failed, for the ``error`` field of the request's output."""
+
+
+@runtime_checkable
+class LookaheadConstraint(Constraint, Protocol):
+    """A constraint that can mask a position past tokens it has not accepted: a speculative chunk's later rows
+    (`ember.engine.speculative`). Only requests under such a constraint speculate."""
+
+    def fill_bitmask_after(self, draft: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Write into ``bitmask[row]`` the tokens allowed once ``draft`` were accepted, leaving this constraint as
+        it was. When the constraint refuses a token of ``draft``, the row can never be kept (the row before it
+        could not sample that token): write any mask that allows a token."""
 
 
 BitmaskFiller = Callable[[Sequence[Constraint], torch.Tensor], None]

@@ -315,7 +315,7 @@ class Engine:
             seq.cache_root = self.lora.cache_root(params.lora)
         if params.cache_salt:
             seq.cache_root = salted_root(seq.cache_root or ROOT_HASH, params.cache_salt)
-        if self.speculative is not None and speculates(params, constraint is not None):
+        if self.speculative is not None and speculates(params, constraint):
             spec = self.speculative
             seq.drafter = Drafter(NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max),
                                   spec.num_speculative_tokens)
@@ -415,16 +415,17 @@ class Engine:
                 outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
                 continue
             if c.draft:
-                sampled[seq.request_id], spec_ends[seq.request_id] = self._verify(seq, c.draft,
-                                                                                  result.token_ids[i:end])
+                # rows past one that could not sample (its constraint allows nothing there) are not checked
+                usable = next((j for j in range(i + 1, end) if j in result.errors), end) - i
+                kept, why, err = self._verify(seq, c.draft[:usable - 1], result.token_ids[i:i + usable])
+                if err is not None:
+                    outputs.append(self._finish(seq, [], None, "error", error=err))
+                else:
+                    sampled[seq.request_id], spec_ends[seq.request_id] = kept, why
                 continue
             tok = result.token_ids[i]
             if seq.constraint is not None:
-                try:
-                    ok = seq.constraint.accept_token(tok)
-                    err = None if ok else (seq.constraint.error_message() or f"the constraint rejected token {tok}")
-                except Exception as e:
-                    err = f"constraint failed on token {tok}: {type(e).__name__}: {e}"
+                err = self._accept(seq, tok)
                 if err is not None:
                     outputs.append(self._finish(seq, [], None, "error", error=err))
                     continue
@@ -452,9 +453,10 @@ class Engine:
         return outputs
 
     def _verify(self, seq: Sequence, draft: tuple[int, ...], sampled: list[int]
-                ) -> tuple[list[int], tuple[FinishReason | None, int | None]]:
+                ) -> tuple[list[int], tuple[FinishReason | None, int | None], str | None]:
         """The tokens a speculative chunk emits: its drafts up to the first position whose sampled token differs,
-        then that token; cut at the first that ends the request (with why)."""
+        then that token; cut at the first that ends the request (with why). Each is accepted by the sequence's
+        constraint in turn; the third value is why the constraint refused one (None: it did not)."""
         accepted = 0
         while accepted < len(draft) and draft[accepted] == sampled[accepted]:
             accepted += 1
@@ -464,10 +466,23 @@ class Engine:
         self.sampler.drafts_kept(seq, accepted)
         tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
+            if seq.constraint is not None:
+                err = self._accept(seq, tok)
+                if err is not None:
+                    return [], (None, None), err
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
             if why[0] is not None:
-                return tokens[:m], why
-        return tokens, (None, None)
+                return tokens[:m], why, None
+        return tokens, (None, None), None
+
+    @staticmethod
+    def _accept(seq: Sequence, tok: int) -> str | None:
+        """Advance ``seq``'s constraint past ``tok``; why it refused (None: it accepted)."""
+        try:
+            ok = seq.constraint.accept_token(tok)
+            return None if ok else (seq.constraint.error_message() or f"the constraint rejected token {tok}")
+        except Exception as e:
+            return f"constraint failed on token {tok}: {type(e).__name__}: {e}"
 
     def _propose(self, chunks: list) -> None:
         """Draft tokens for the next step of each speculating sequence that sampled this step and still runs."""

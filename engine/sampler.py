@@ -25,7 +25,7 @@ from typing import Sequence as Seq
 
 import torch
 
-from ember.engine.constraint import BitmaskFiller, bitmask_words, fill_bitmasks_serial
+from ember.engine.constraint import BitmaskFiller, Constraint, LookaheadConstraint, bitmask_words, fill_bitmasks_serial
 from ember.engine.params import SamplingParams, TokenLogprob
 from ember.engine.penalties import PenaltyState
 from ember.engine.pooling import POOLING_TYPES
@@ -102,6 +102,17 @@ def _completing_bad_words(output: list[int], words: Seq[Seq[int]]) -> set[int]:
         if k == 0 or (len(output) >= k and output[-k:] == list(w[:k])):
             out.add(int(w[-1]))
     return out
+
+
+@dataclass
+class _After:
+    """A speculative row's view of its sequence's constraint: the mask once the drafts before the row are accepted."""
+
+    constraint: LookaheadConstraint
+    draft: Seq[int]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.constraint.fill_bitmask_after(self.draft, bitmask, row)
 
 
 class _Uploads:
@@ -213,7 +224,8 @@ class Sampler:
                 p.frequency_penalty, p.presence_penalty)])
         if bias_vals:
             floats.add("bias_vals", bias_vals)
-        bitmask = self._fill_bitmasks([seqs[i] for i in con_rows], v, con_rows, errors) if con_rows else None
+        bitmask = self._fill_bitmasks([seqs[i].constraint if not ahead[i] else _After(seqs[i].constraint, ahead[i])
+                                       for i in con_rows], v, con_rows, errors) if con_rows else None
 
         # ---- device side
         dev = up.upload()
@@ -263,14 +275,13 @@ class Sampler:
             rows = torch.cat([c.double() for c in cols], dim=1).tolist()
         return self._unpack(rows, seqs, con_rows, errors, lp_rows, k, dead is not None)
 
-    def _fill_bitmasks(self, seqs: list[Sequence], v: int, con_rows: list[int],
+    def _fill_bitmasks(self, constraints: list[Constraint], v: int, con_rows: list[int],
                        errors: dict[int, str]) -> torch.Tensor:
         """Fill the constrained rows' packed bitmask on the host and upload it (int32 ``[m, ceil(V/32)]``)."""
         words = bitmask_words(v)
-        m = len(seqs)
+        m = len(constraints)
         host = self._bitmask.host_tensor(m * words).view(m, words)
         host.zero_()
-        constraints = [s.constraint for s in seqs]
         try:
             (self.bitmask_filler or fill_bitmasks_serial)(constraints, host)
         except Exception as e:  # the filler failed as a whole: every constrained row fails

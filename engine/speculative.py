@@ -17,8 +17,9 @@ token past the last draft when all are kept). One to ``num_speculative_tokens + 
 
 Each position samples as if the drafts before it had been emitted (`ember.engine.sampler`): penalties count them,
 banned words see them, and logprobs are those of the position's own context, so requests with penalties, logit bias,
-allowed or banned tokens and logprobs speculate too. A request under a grammar constraint decodes one token per
-step in the same batches (its matcher would have to advance through drafts it may reject), as does a request until
+allowed or banned tokens and logprobs speculate too. So do requests under a grammar: a later position's mask is the
+grammar's once the drafts before it are accepted (`ember.engine.constraint.LookaheadConstraint`; llguidance's matcher
+advances and rolls back), and the kept tokens are accepted one by one. A request decodes one token per step until
 its ``min_tokens`` are out. Models with recurrent state (Qwen3-Next) cannot undo rejected drafts, so they are
 refused with speculation on.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ember.engine.constraint import Constraint, LookaheadConstraint
 from ember.engine.params import SamplingParams
 
 
@@ -68,9 +70,10 @@ def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
     return SpeculativeConfig(k, lo, hi)
 
 
-def speculates(params: SamplingParams, has_constraint: bool) -> bool:
-    """Whether a request's drafts can be checked position by position: it generates, without a grammar."""
-    return params.pooling is None and not has_constraint
+def speculates(params: SamplingParams, constraint: Constraint | None) -> bool:
+    """Whether a request's drafts can be checked position by position: it generates, unconstrained or under a
+    constraint that can mask past tokens it has not accepted."""
+    return params.pooling is None and (constraint is None or isinstance(constraint, LookaheadConstraint))
 
 
 MAX_PAUSE = 15  # steps a sequence whose drafts keep missing waits before it drafts again

@@ -78,6 +78,10 @@ def _clean(message: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + "..."
 
 
+_STATE = ("_last", "in_reasoning", "_closed_once", "_may_open", "reasoning_tokens", "_error")
+"""`GrammarConstraint`'s own state besides its matcher's, which `GrammarConstraint.fill_bitmask_after` restores."""
+
+
 class GrammarConstraint:
     """One request's (one choice's) constraint: an llguidance matcher and/or a thinking budget.
 
@@ -140,6 +144,27 @@ class GrammarConstraint:
                           f"{_clean(self.matcher.get_error())}"
             return False
         return True
+
+    def fill_bitmask_after(self, draft: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """The mask once ``draft`` were accepted (the engine's ``LookaheadConstraint``): the tokens are accepted,
+        the row filled, then the matcher rolled back and the budget's state restored. A row past a token the
+        grammar or the budget refuses allows every token (it is never kept)."""
+        saved = [getattr(self, name) for name in _STATE]
+        consumed = 0
+        try:
+            for tok in draft:
+                # checked first: a matcher that refused a token would be left in its error state
+                refused = self.matcher is not None and self.matcher.validate_tokens([tok]) != 1
+                if refused or not self.accept_token(tok):
+                    bitmask[row].fill_(-1)
+                    return
+                consumed += self.matcher is not None
+            self.fill_bitmask(bitmask, row)
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+            for name, value in zip(_STATE, saved):
+                setattr(self, name, value)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and only EOS could follow (a sampled EOS is left to the engine's own stop)."""

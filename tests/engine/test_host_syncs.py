@@ -123,6 +123,29 @@ def test_a_decode_step_reads_the_device_once(case, demo_model_dir, grammar_backe
     assert decode_steps == 4
 
 
+def test_a_speculative_step_reads_the_device_once(demo_model_dir, grammar_backend, monkeypatch):
+    """Draft rows of greedy, seeded, penalised, logprob and grammar requests are sampled in the step's one read."""
+    monkeypatch.setenv("EMBER_ATTENTION", "torch")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    engine = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, max_num_seqs=8, device="cpu", dtype="float32",
+                                    bitmask_filler=grammar_backend.bitmask_filler(), speculative_config=spec)
+    motif = [300, 301, 302, 303, 304]
+    for i, params in enumerate([SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                               repetition_penalty=1.05, frequency_penalty=0.1),
+                                SamplingParams(max_tokens=24, temperature=0.7, seed=3, logprobs=2, ignore_eos=True),
+                                SamplingParams(max_tokens=24, temperature=0.0)]):
+        engine.add_request(motif * 4 + [10 + i], params, constraint=_constraint(grammar_backend) if i == 3 else None)
+    counter = SyncCounter(monkeypatch)
+    engine.step()  # the prefill
+    while engine.has_unfinished():
+        drafted = engine.stats().spec_draft_tokens
+        outs, calls = counter.step(engine)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert calls == {"tolist": 1}, (calls, engine.stats().spec_draft_tokens - drafted)
+    assert engine.stats().spec_accepted_tokens > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch's sync debug mode)")
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_cuda_decode_step_synchronises_once(case, demo_model_dir, grammar_backend):

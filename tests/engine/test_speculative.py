@@ -9,6 +9,7 @@ import torch
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from ember.engine.speculative import MAX_PAUSE, Drafter, NgramIndex, parse_speculative_config, speculates
+from tests.engine.test_constraints import AllowList
 from tests.engine.test_scheduler import expected_outputs, make, new_scheduler, token
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -65,14 +66,15 @@ def test_drafts_that_keep_missing_pause_drafting_until_one_is_kept():
     assert steps_until_next_draft() == 1
 
 
-def test_every_generating_request_speculates_but_one_under_a_grammar():
+def test_every_generating_request_speculates_unless_its_constraint_cannot_look_ahead():
     for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05),
               SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0, logprobs=1),
-              SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.0, repetition_penalty=1.1),
+              SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
               SamplingParams(temperature=0.0, bad_words_ids=[[4]])):
-        assert speculates(p, False)
-    assert not speculates(SamplingParams(temperature=0.0), True)
-    assert not speculates(SamplingParams(temperature=0.0, pooling="last"), False)
+        assert speculates(p, None)
+    assert not speculates(SamplingParams(temperature=0.0), AllowList([3]))  # no fill_bitmask_after
+    assert not speculates(SamplingParams(temperature=0.0, pooling="last"), None)
 
 
 def _run(path, spec, requests) -> tuple[list[list[int]], list[str | None], Engine]:
@@ -142,7 +144,8 @@ def test_requests_with_penalties_bans_logprobs_and_seeds_emit_what_they_emit_wit
         for (_, a), (_, b) in zip(g, w):
             assert (a is None) == (b is None)
             if a is not None:
-                assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert eng.stats().spec_accepted_tokens > 0
 
 

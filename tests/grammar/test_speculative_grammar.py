@@ -1,0 +1,88 @@
+"""Speculative decoding under a grammar: a draft row's mask is the mask the constraint gives once the drafts before
+it are accepted (thinking budget included), the constraint is left as it was, and constrained requests emit exactly
+what they emit without speculation."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ember.engine.engine import Engine
+from ember.engine.eos import end_of_turn_ids
+from ember.engine.params import SamplingParams
+from ember.engine.speculative import speculates
+from ember.grammar import GrammarBackend, compile_request
+from ember.parsers.initial import InitialState
+from ember.parsers.pipeline import ParserSetup
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red fox", "red hen"]},
+                                                    "minItems": 6, "maxItems": 6}},
+          "required": ["tags"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+def _mask(backend: GrammarBackend, fill) -> torch.Tensor:
+    bm = torch.zeros(1, (backend.vocab_size + 31) // 32, dtype=torch.int32)
+    fill(bm)
+    return bm
+
+
+def test_a_draft_rows_mask_is_the_mask_after_its_drafts_and_the_constraint_stays_put(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
+    setup = ParserSetup.from_tokenizer(tok, "qwen3")
+    close = setup.delimiter_ids["</think>"]
+    plan = compile_request(setup.profile, InitialState.REASONING, setup.delimiter_ids,
+                           response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+                           thinking_budget=3)
+    text = tok.encode("ab cd", add_special_tokens=False)[:3] + [close] + tok.encode('{"tags": ["red fox", "red',
+                                                                                    add_special_tokens=False)
+    c = backend.constraint(plan)
+    assert speculates(SamplingParams(), c)
+    for start in range(len(text)):  # from each point of the text, drafts of every length (past the budget's end too)
+        for n in range(0, 5):
+            draft = text[start:start + n]
+            want = backend.constraint(plan)
+            for t in text[:start] + draft:
+                assert want.accept_token(t)
+            before = _mask(backend, lambda bm: c.fill_bitmask(bm, 0))
+            got = _mask(backend, lambda bm: c.fill_bitmask_after(draft, bm, 0))
+            assert torch.equal(got, _mask(backend, lambda bm: want.fill_bitmask(bm, 0)))
+            assert torch.equal(_mask(backend, lambda bm: c.fill_bitmask(bm, 0)), before)  # nothing moved
+        assert c.accept_token(text[start])
+    c = backend.constraint(plan)
+    spent = text[:3] + text[:1]  # a fourth thought token once the budget of 3 is spent: the row is never kept
+    assert _mask(backend, lambda bm: c.fill_bitmask_after(spent, bm, 0)).eq(-1).all()
+    assert c.accept_token(text[0]) and c.reasoning_tokens == 1
+
+
+def test_constrained_requests_emit_what_they_emit_without_speculation(demo_model_dir):
+    backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
+    grammar = json.dumps({"grammars": [{"json_schema": SCHEMA}]})
+    from ember.grammar.compiler import GrammarPlan
+
+    requests = [([10, 11, 12], SamplingParams(max_tokens=60, temperature=0.0)),
+                ([20, 21], SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=1.05)),
+                ([30, 31, 32], SamplingParams(max_tokens=60, temperature=0.8, seed=4))]
+
+    def run(spec):
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=128, speculative_config=spec,
+                                     bitmask_filler=backend.bitmask_filler())
+        ids = [eng.add_request(p, params, constraint=backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
+               for p, params in requests]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        reasons = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += o.new_token_ids
+                if o.finished:
+                    reasons[o.request_id] = (o.finish_reason, o.error)
+        return [out[i] for i in ids], [reasons[i] for i in ids], eng
+
+    want, want_reasons, plain = run(None)
+    got, got_reasons, eng = run(NGRAM)
+    assert got == want and got_reasons == want_reasons
+    assert all(r == ("stop", None) for r in want_reasons), want_reasons  # each reply is the whole document
+    assert eng.stats().spec_accepted_tokens > 0 and eng.num_steps < plain.num_steps
