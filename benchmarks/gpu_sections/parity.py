@@ -98,7 +98,8 @@ def greedy(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[i
                 "eager_steps": getattr(runner, "num_eager_steps", None), "cuda_graphs": eng.cuda_graphs,
                 "graph_blocker": runner.graph_blocker() if hasattr(runner, "graph_blocker") else None,
                 "backend": getattr(runner.backend, "__name__", str(runner.backend)),
-                "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", None))}
+                "kv_cache_dtype": str(getattr(runner, "kv_cache_dtype", None)),
+                "spec_drafts_kept": eng.stats().spec_accepted_tokens}
         return Run([got[r] for r in ids], [margins[r] for r in ids], info)
     finally:
         eng.shutdown()
@@ -200,6 +201,31 @@ def _lora(ctx: Ctx) -> None:
         rep.row(model="qwen3 + lora", run="device bf16", token_agreement_with_fp32=same / (n * new), **bf16.info)
 
 
+def _speculative(ctx: Ctx) -> None:
+    """N-gram speculation on the device (draft chunks through the device attention, every position sampled in the
+    one read): greedy tokens must be plain decoding's on the CPU, with drafts kept; in bf16, speculative against
+    plain on the device, each first difference at a near-tie."""
+    rep = ctx.report
+    path = models.tiny_qwen3(ctx)
+    n, new = ctx.pick((1, 32), (4, 32), (8, 48))
+    ps = [p * 3 for p in prompts(n + 1, 1280)[1:]]  # repeated text: the lookup finds drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with env(EMBER_ATTENTION=None, EMBER_MOE=None):
+        want = greedy(path, torch.device("cpu"), torch.float32, ps, new)
+    kernels_on_cpu = {} if ctx.cuda else {"EMBER_ATTENTION": "triton", "EMBER_MOE": "triton"}
+    with env(**kernels_on_cpu):
+        got = greedy(path, ctx.device, torch.float32, ps, new, speculative_config=spec)
+    rep.row(model="qwen3 + ngram", run="device fp32 speculative", **got.info)
+    check_agree(ctx, "qwen3 + ngram: device fp32 speculative == cpu plain", got, want)
+    rep.add_check("qwen3 + ngram: drafts kept on the device", got.info["spec_drafts_kept"] > 0,
+                  kept=got.info["spec_drafts_kept"])
+    if ctx.cuda and not ctx.quick:
+        plain = greedy(path, ctx.device, torch.bfloat16, ps, new)
+        fast = greedy(path, ctx.device, torch.bfloat16, ps, new, speculative_config=spec)
+        rep.row(model="qwen3 + ngram", run="device bf16 speculative", **fast.info)
+        check_agree(ctx, "qwen3 + ngram: device bf16 speculative == plain (but near-ties)", fast, plain)
+
+
 def pooled(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[int]], kind: str) -> torch.Tensor:
     """Every prompt's pooled output (an embedding, or a classifier's logits), all in flight together: ``[n, D]``."""
     from ember.engine.engine import Engine
@@ -253,6 +279,8 @@ def run(ctx: Ctx) -> None:
         _lora(ctx)
     with ctx.case("encoders"):
         _encoders(ctx)
+    with ctx.case("qwen3 + ngram speculation"):
+        _speculative(ctx)
     quick = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")  # --quick: one model per distinct device path
     for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
                         ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),

@@ -63,6 +63,7 @@ def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_pat
         "qwen3 + lora: the adapter changes the cpu reference's tokens", "qwen3 + lora: device fp32 eager == cpu",
         "qwen3 + lora: cuda graphs == eager",
         "XLMRobertaModel: device fp32 == cpu", "BertForSequenceClassification: device fp32 == cpu",  # --quick
+        "qwen3 + ngram: device fp32 speculative == cpu plain", "qwen3 + ngram: drafts kept on the device",
         "qwen3-moe: device fp32 eager == cpu",
         "qwen3-moe: cuda graphs == eager", "qwen3-next: device fp32 eager == cpu", "qwen3-next: cuda graphs == eager",
         "gemma2: device fp32 eager == cpu", "gemma2: cuda graphs == eager",  # --quick: one model per device path
