@@ -274,8 +274,10 @@ def _structural_tag_answer(g: _Lark, rf: Mapping, field: str, options: Mapping[s
     """vLLM's structural tags (``structures`` of ``{begin, schema, end}`` and their ``triggers``): free text in which
     each trigger, once written, must go on as one of the structures whose ``begin`` starts with it, the JSON of its
     schema and its ``end``, then free text again. The added tokens of the tokenizer found in triggers, begins and
-    ends (``token_ids``, filled by the server) count only as those tokens, as the parsers read delimiters; a text
-    trigger ends the free text at its first occurrence (a lazy lexeme)."""
+    ends (``token_ids``, filled by the server) count only as those tokens, as the parsers read delimiters: a trigger
+    that starts with one (``"<tool_call>\n"``) is opened by that token and goes on with the rest of the trigger, and
+    an added token after text in a trigger is refused (free text cannot end on part of it). A text trigger ends the
+    free text at its first occurrence (a lazy lexeme)."""
     structures, triggers = rf.get("structures"), rf.get("triggers")
     if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
         raise GrammarError(f"{field}.triggers must be a non-empty list of non-empty strings")
@@ -317,8 +319,11 @@ def _structural_tag_answer(g: _Lark, rf: Mapping, field: str, options: Mapping[s
     g.add("ST_TEXT", _TEXT)
     segments = []
     for k, (trigger, alts) in enumerate(bodies.items()):
-        if trigger in ids:
+        if any(trigger.startswith(t) for t in tokens):
             head = f"ST_TEXT {piece(trigger)}"
+        elif (inner := next((t for t in tokens if t in trigger), None)) is not None:
+            raise GrammarError(f"{field}.triggers: {trigger!r} holds the added token {inner!r} after text, where "
+                               f"free text cannot end; start the trigger at the token")
         else:
             head = g.add(f"st_h{k}", f"ST_TEXT {_lit(trigger)}", "[lazy]")
         segments.append(g.add(f"st_t{k}", f"{head} ({' | '.join(alts)})"))

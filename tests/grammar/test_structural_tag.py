@@ -74,3 +74,25 @@ def test_malformed_tags_are_grammar_errors_naming_the_field(rf, match):
     with pytest.raises(GrammarError, match=match) as e:
         _plan({"type": "structural_tag", "param": "structured_outputs.structural_tag", **rf})
     assert e.value.message.startswith("structured_outputs.structural_tag")
+
+
+def test_a_trigger_that_starts_with_an_added_token_is_opened_by_that_token(hf_tok, backend):
+    """``"<tool_call>\\n"`` (vLLM's examples for Qwen): the token opens the structure and the newline must follow."""
+    from ember.server.admission import with_token_ids
+
+    ids = resolve_delimiters(hf_tok, ["<tool_call>", "</tool_call>"])
+    if None in ids.values():
+        pytest.skip("this vocabulary has no <tool_call> token")
+    rf = with_token_ids({"type": "structural_tag", "triggers": ["<tool_call>\n"], "structures": [
+        {"begin": "<tool_call>\n", "schema": WEATHER, "end": "\n</tool_call>"}]}, hf_tok)
+    plan = _plan(rf)
+    call = [ids["<tool_call>"], '\n{"city": "Rome"}\n', ids["</tool_call>"]]
+    assert _accepts(hf_tok, backend, plan, ["Sure: ", *call, " Done."])
+    assert _accepts(hf_tok, backend, plan, ["No call."])
+    assert not _accepts(hf_tok, backend, plan, ["Sure: ", ids["<tool_call>"], '{"city": "Rome"}'], eos=False)
+    assert not _accepts(hf_tok, backend, plan, ["Sure: ", ids["<tool_call>"], '\n{"city": 4}\n',
+                                                ids["</tool_call>"]])
+    with pytest.raises(GrammarError, match="after text") as e:
+        _plan(with_token_ids({"type": "structural_tag", "triggers": ["\n<tool_call>"], "structures": [
+            {"begin": "\n<tool_call>\n", "schema": WEATHER, "end": "\n</tool_call>"}]}, hf_tok))
+    assert e.value.message.startswith("response_format.triggers")
