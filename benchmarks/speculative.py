@@ -7,12 +7,14 @@ Per model and batch size: decode tokens/s without and with ``--speculative-confi
 lookup 2..3; medians of ``--repeat`` alternating runs), engine steps, draft tokens accepted / proposed, and, greedy,
 whether both runs emitted the same tokens (in fp32 they must: speculation keeps only what greedy decoding would emit;
 in bf16 a position computed beside others may round differently, as it may between batch sizes). ``--temperature`` samples instead (unseeded).
+``--json`` puts every request under a JSON schema (ten records with the same keys; replies end with the document).
 stories260K is llama2.c's tiny trained model, whose stories repeat names and phrases; the random model shows the
 cost where little repeats.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -58,14 +60,30 @@ def _prompts(path: Path, batch: int) -> list[list[int]]:
     return [tok.encode(starts[i % len(starts)]) for i in range(batch)]
 
 
+JSON_SCHEMA = {"type": "array", "minItems": 10, "maxItems": 10, "x-guidance": {"whitespace_flexible": False},
+               "items": {"type": "object", "required": ["name", "qty"], "additionalProperties": False,
+                         "properties": {"name": {"enum": ["apple", "pear", "plum"]},
+                                        "qty": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+"""``--json``: ten objects with the same two keys, the shape of a typical structured answer (a list of records)."""
+
+
 def _run(path: Path, prompts: list[list[int]], max_tokens: int, spec: dict | None, temperature: float,
-         dtype: str | None = None) -> dict:
+         dtype: str | None = None, schema: dict | None = None) -> dict:
     from ember.engine.engine import Engine
     from ember.engine.params import SamplingParams
 
-    eng = Engine.from_pretrained(path, max_num_seqs=len(prompts), speculative_config=spec, dtype=dtype)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-    ids = [eng.add_request(p, params) for p in prompts]
+    backend = None
+    if schema is not None:
+        from ember.engine.eos import end_of_turn_ids
+        from ember.grammar import GrammarBackend
+        from ember.grammar.compiler import GrammarPlan
+
+        backend = GrammarBackend.from_pretrained(path, eos_ids=end_of_turn_ids(None, path))
+        plan = GrammarPlan(grammar=json.dumps({"grammars": [{"json_schema": schema}]}), budget=None)
+    eng = Engine.from_pretrained(path, max_num_seqs=len(prompts), speculative_config=spec, dtype=dtype,
+                                 bitmask_filler=backend.bitmask_filler() if backend else None)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=backend is None)
+    ids = [eng.add_request(p, params, constraint=backend.constraint(plan) if backend else None) for p in prompts]
     eng.step()  # the prefills
     out: dict[str, list[int]] = {r: [] for r in ids}
     t0, steps0 = time.perf_counter(), eng.num_steps
@@ -86,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the two runs must agree)")
     ap.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each, alternating; the table shows medians")
+    ap.add_argument("--json", action="store_true", help="every request under a JSON schema (a list of records)")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
@@ -100,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for b in (int(x) for x in args.batch.split(",")):
                 prompts = _prompts(path, b)
-                runs = [(_run(path, prompts, args.max_tokens, None, args.temperature, args.dtype),
-                         _run(path, prompts, args.max_tokens, spec, args.temperature, args.dtype))
+                schema = JSON_SCHEMA if args.json else None
+                runs = [(_run(path, prompts, args.max_tokens, None, args.temperature, args.dtype, schema),
+                         _run(path, prompts, args.max_tokens, spec, args.temperature, args.dtype, schema))
                         for _ in range(args.repeat)]
                 plain, fast = runs[0]
                 plain_tok_s = statistics.median(r[0]["tok_s"] for r in runs)

@@ -488,7 +488,7 @@ class Engine:
         """Draft tokens for the next step of each speculating sequence that sampled this step and still runs."""
         for c in chunks:
             seq, p = c.seq, c.seq.params
-            if seq.drafter is None or seq.status is not SequenceStatus.RUNNING or seq.num_output_tokens < p.min_tokens:
+            if seq.drafter is None or seq.status is not SequenceStatus.RUNNING:
                 continue
             room = self.max_model_len - seq.num_tokens
             if p.max_tokens is not None:

@@ -107,7 +107,10 @@ def test_speculation_emits_exactly_the_greedy_tokens(demo_model_dir):
                 (prompts[1], SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True)),
                 (prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])),
                 (prompts[3], SamplingParams(max_tokens=31, temperature=0.0, ignore_eos=True, min_tokens=9)),
-                (prompts[0], SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True))]
+                (prompts[0], SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True)),
+                # the stop token is banned until min_tokens: drafted before then, it is never kept
+                (prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
+                                            min_tokens=25))]
     want, want_reasons, plain = _run(demo_model_dir, None, requests)
     got, got_reasons, eng = _run(demo_model_dir, NGRAM, requests)
     assert got == want and got_reasons == want_reasons

@@ -1,5 +1,5 @@
-"""`--speculative-config` (vLLM's ngram JSON) served: greedy replies are the plain server's, token for token, and
-/metrics counts the draft and accepted tokens as vLLM names them."""
+"""`--speculative-config` (vLLM's ngram JSON) served: greedy replies, structured output included, are the plain
+server's, token for token, and /metrics counts the draft and accepted tokens as vLLM names them."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,12 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
     motif = list(range(300, 312))
     body = {"prompt": motif * 4, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     want = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {"enum": ["red fox", "red hen"]}}
+    chat = {"model": "ember-demo", "messages": [{"role": "user", "content": "Six animals, please."}],
+            "max_tokens": 80, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "animals", "schema": schema}}}
+    want_json = httpx.post(demo_server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    assert len(json.loads(want_json["choices"][0]["message"]["content"])) == 6
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1})
     config = ServeConfig(model_dir=demo_runtime[1].model_dir, served_model_name="ember-demo", max_num_seqs=4,
@@ -23,6 +29,10 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == want_json["choices"][0]["message"]  # the grammar speculates too
+        assert r.json()["usage"] == want_json["usage"]
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_")}
