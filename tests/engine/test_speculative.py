@@ -196,3 +196,48 @@ def test_sampled_requests_speculate_through_the_rejection_step(demo_model_dir):
     got, _, eng = _run(demo_model_dir, NGRAM, [(p, cold) for p in prompts])
     assert got == greedy
     assert eng.stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("scenario", range(3))
+def test_random_mixes_under_preemption_emit_what_plain_decoding_emits(demo_model_dir, scenario):
+    """Random batches (greedy, seeded, penalties, bans, logprobs, stops, min_tokens) in a KV cache too small for
+    all of them: speculating, preempted and recomputed, every request emits the plain run's tokens and logprobs."""
+    g = torch.Generator().manual_seed(100 + scenario)
+
+    def pick(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=g))
+
+    motif = torch.randint(5, 1200, (9,), generator=g).tolist()
+    requests = []
+    for i in range(6):
+        kw: dict = dict(max_tokens=20 + pick(30), ignore_eos=True)
+        kw.update([{}, dict(temperature=0.9, seed=pick(1000)), dict(repetition_penalty=1.1, frequency_penalty=0.3),
+                   dict(logprobs=2), dict(bad_words_ids=[[motif[2], motif[3]]], logit_bias={motif[5]: 1.5}),
+                   dict(min_tokens=15, stop_token_ids=[motif[pick(9)]], ignore_eos=False)][pick(6)])
+        kw.setdefault("temperature", 0.0)
+        requests.append((motif * (2 + pick(4)) + [pick(1000) + 5], SamplingParams(**kw)))
+    requests[0] = (motif * 4, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # drafts to keep
+
+    def run(spec):
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=16, block_size=8, speculative_config=spec)
+        ids = [eng.add_request(p, params) for p, params in requests]
+        out: dict[str, list] = {i: [] for i in ids}
+        reasons = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id] += zip(o.new_token_ids, [lp.logprob for lp in o.logprobs or []] or
+                                         [None] * len(o.new_token_ids))
+                if o.finished:
+                    reasons[o.request_id] = o.finish_reason
+        eng.scheduler.check_integrity()
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+        return [out[i] for i in ids], [reasons[i] for i in ids], eng
+
+    want, want_reasons, _ = run(None)
+    got, got_reasons, eng = run(NGRAM)
+    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
+    assert got_reasons == want_reasons
+    for g_row, w_row in zip(got, want):
+        assert [lp for _, lp in g_row] == pytest.approx([lp for _, lp in w_row], abs=1e-4)
+    stats = eng.stats()
+    assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
