@@ -54,6 +54,8 @@ class EngineStats:
     step_ms: float = 0.0  # mean wall time of the recent steps (set by the loop that drives the engine)
     spec_draft_tokens: int = 0  # speculative tokens computed (`ember.engine.speculative`)
     spec_accepted_tokens: int = 0  # of those, the ones kept
+    spec_drafts: int = 0  # speculative chunks verified
+    spec_accepted_per_pos: tuple[int, ...] = ()  # kept drafts by their position in the chunk (0: the first draft)
 
 
 def _default_device() -> torch.device:
@@ -145,7 +147,8 @@ class Engine:
         if self.speculative is not None and mc.linear_attention_layers:
             raise ConfigError(f"{mc.architecture} keeps recurrent state, which cannot undo rejected speculative "
                               f"tokens: serve it without speculative_config")
-        self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_drafts = 0
+        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         if mc.is_encoder and (config.tensor_parallel_size != 1 or config.lora_modules or config.enable_lora):
             raise ConfigError(f"{mc.architecture} is an encoder: Ember serves it in one process without LoRA "
                               f"adapters (tensor_parallel_size 1, no lora_modules)")
@@ -365,6 +368,7 @@ class Engine:
             prefix_cache_queries=q, num_preemptions=self.scheduler.num_preemptions,
             last_batch_size=self.last_batch_size, num_steps=self.num_steps,
             spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_drafts=self.spec_drafts, spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )
 
     # ---- steps -------------------------------------------------------------------------------------------------
@@ -462,6 +466,9 @@ class Engine:
             accepted += 1
         self.spec_draft_tokens += len(draft)
         self.spec_accepted_tokens += accepted
+        self.spec_drafts += 1
+        for j in range(accepted):
+            self.spec_accepted_per_pos[j] += 1
         seq.drafter.verified(accepted)
         self.sampler.drafts_kept(seq, accepted)
         tokens = list(draft[:accepted]) + [sampled[accepted]]

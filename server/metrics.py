@@ -88,8 +88,15 @@ class Metrics:
                               registry=r).labels(model_name)
         spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", m,
                                 registry=r).labels(model_name)
+        spec_chunks = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", m,
+                              registry=r).labels(model_name)
+        self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft position.", [*m, "position"], registry=r)
+        self._model_name = model_name
+        self._seen_per_pos: list[int] = []
         self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
-                        "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted}
+                        "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted,
+                        "spec_drafts": spec_chunks}
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
         self._seen = dict.fromkeys(self._totals, 0)
 
@@ -108,4 +115,9 @@ class Metrics:
             total = getattr(s, name, 0)
             counter.inc(max(0, total - self._seen[name]))
             self._seen[name] = max(total, self._seen[name])
+        per_pos = list(getattr(s, "spec_accepted_per_pos", ()))
+        self._seen_per_pos += [0] * (len(per_pos) - len(self._seen_per_pos))
+        for pos, total in enumerate(per_pos):
+            self._per_pos.labels(self._model_name, str(pos)).inc(max(0, total - self._seen_per_pos[pos]))
+            self._seen_per_pos[pos] = max(total, self._seen_per_pos[pos])
         return generate_latest(self.registry)
