@@ -20,8 +20,8 @@ banned words see them, and logprobs are those of the position's own context, so 
 allowed or banned tokens and logprobs speculate too. So do requests under a grammar: a later position's mask is the
 grammar's once the drafts before it are accepted (`ember.engine.constraint.LookaheadConstraint`; llguidance's matcher
 advances and rolls back), and the kept tokens are accepted one by one. A row before ``min_tokens`` bans the stop
-tokens as a plain step would, so a drafted stop token there is never kept. Models with recurrent state (Qwen3-Next) cannot undo rejected drafts, so they are
-refused with speculation on.
+tokens as a plain step would, so a drafted stop token there is never kept. Models with recurrent state (Qwen3-Next)
+cannot undo rejected drafts, so they are refused with speculation on.
 
 The proposer keeps, per sequence and per ``n``, a map from each ``n``-gram to the end of its latest occurrence,
 extended by the tokens appended since the previous proposal: constant work per generated token.

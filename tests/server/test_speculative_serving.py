@@ -41,7 +41,8 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
     assert counts["vllm:spec_decode_num_draft_tokens_total"] / 4 <= drafts <= counts[
         "vllm:spec_decode_num_draft_tokens_total"]
     per_pos = {int(line.split('position="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
-               for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+               for line in metrics.splitlines()
+               if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
     assert sorted(per_pos) == [0, 1, 2, 3]  # num_speculative_tokens positions
     assert sum(per_pos.values()) == counts["vllm:spec_decode_num_accepted_tokens_total"]
     assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]  # a draft is kept only after the ones before it
