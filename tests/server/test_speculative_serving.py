@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from tests.server.conftest import served
 
@@ -14,7 +15,12 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
 
     motif = list(range(300, 312))
     body = {"prompt": motif * 4, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    want = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+    plain = httpx.post(demo_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    want = plain["token_ids"]
+    # a stop string completed inside a step that kept several tokens: the reply ends where plain decoding's does
+    stopped = {**body, "stop": [plain["text"][len(plain["text"]) // 2:][:4]], "logprobs": 1}
+    want_stopped = httpx.post(demo_server.url + "/v1/completions", json=stopped, timeout=60).json()
+    assert want_stopped["choices"][0]["finish_reason"] == "stop"
     schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {"enum": ["red fox", "red hen"]}}
     chat = {"model": "ember-demo", "messages": [{"role": "user", "content": "Six animals, please."}],
             "max_tokens": 80, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False},
@@ -29,6 +35,11 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want
+        r = httpx.post(srv.url + "/v1/completions", json=stopped, timeout=60).json()
+        got_lp, want_lp = r["choices"][0].pop("logprobs"), want_stopped["choices"][0].pop("logprobs")
+        assert r["choices"] == want_stopped["choices"] and r["usage"] == want_stopped["usage"]
+        assert got_lp["tokens"] == want_lp["tokens"] and got_lp["text_offset"] == want_lp["text_offset"]
+        assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-4)  # a row in a chunk
         r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"] == want_json["choices"][0]["message"]  # the grammar speculates too
