@@ -492,7 +492,11 @@ class Engine:
             return f"constraint failed on token {tok}: {type(e).__name__}: {e}"
 
     def _propose(self, chunks: list) -> None:
-        """Draft tokens for the next step of each speculating sequence that sampled this step and still runs."""
+        """Draft tokens for the next step of each speculating sequence that sampled this step and still runs; none
+        while the engine holds more requests than ``disable_by_batch_size``."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running + self.scheduler.num_waiting > limit:
+            return
         for c in chunks:
             seq, p = c.seq, c.seq.params
             if seq.drafter is None or seq.status is not SequenceStatus.RUNNING:

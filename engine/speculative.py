@@ -45,17 +45,21 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+    """No drafts while the engine holds more requests than this (running and waiting): verification stops paying
+    once the batch alone keeps the device busy."""
 
 
 def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
     """vLLM's JSON, checked: ``method`` ``ngram`` (the only one Ember serves), ``num_speculative_tokens`` >= 1,
-    ``prompt_lookup_min`` / ``prompt_lookup_max`` (either defaults to the other; both to 5). ValueError naming
-    the key otherwise."""
+    ``prompt_lookup_min`` / ``prompt_lookup_max`` (either defaults to the other; both to 5), optional
+    ``disable_by_batch_size`` (an integer >= 2). ValueError naming the key otherwise."""
     method = value.get("method", "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None)
     if method not in ("ngram", "[ngram]"):
         raise ValueError(f"speculative_config: method {method!r} is not served (Ember speculates with 'ngram' "
                          f"prompt lookup only; draft models, EAGLE and MTP are not supported)")
-    unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
+    unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                   "disable_by_batch_size"})
     if unknown:
         raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for the ngram method")
     k = value.get("num_speculative_tokens")
@@ -67,7 +71,10 @@ def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
             raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
     if lo > hi:
         raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-    return SpeculativeConfig(k, lo, hi)
+    limit = value.get("disable_by_batch_size")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 2):
+        raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 2, got {limit!r}")
+    return SpeculativeConfig(k, lo, hi, limit)
 
 
 def speculates(params: SamplingParams, constraint: Constraint | None) -> bool:

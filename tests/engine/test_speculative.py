@@ -24,7 +24,9 @@ def test_the_config_reads_as_vllm_writes_it():
                       ({"method": "ngram"}, "num_speculative_tokens"),
                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key")):
+                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+                       "disable_by_batch_size")):
         with pytest.raises(ValueError, match=word):
             parse_speculative_config(bad)
 
@@ -150,6 +152,25 @@ def test_requests_with_penalties_bans_logprobs_and_seeds_emit_what_they_emit_wit
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert eng.stats().spec_accepted_tokens > 0
+
+
+def test_no_drafts_while_the_engine_holds_more_requests_than_disable_by_batch_size(demo_model_dir):
+    prompts = _prompts()
+    requests = [(prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))] + [
+        (p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts[1:]]
+    eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=256,
+                                 speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    ids = [eng.add_request(p, params) for p, params in requests]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while eng.has_unfinished():
+        held = eng.scheduler.num_running + eng.scheduler.num_waiting
+        drafted = eng.stats().spec_draft_tokens
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        if held > 2:
+            assert eng.stats().spec_draft_tokens == drafted  # no chunk carried drafts, none proposed
+    assert eng.stats().spec_accepted_tokens > 0  # the long request drafts once it is alone
+    assert [out[i] for i in ids] == _run(demo_model_dir, None, requests)[0]
 
 
 def test_a_draft_never_preempts_anything():
