@@ -70,6 +70,8 @@ class AttentionMetadata:
     score_indices: torch.Tensor | None = None
     lora_rows: list[tuple[int, torch.Tensor]] | None = None
     """The step's token rows per LoRA adapter slot (`ember.engine.lora.LoRARows`), when the engine serves adapters."""
+    token_type_starts: torch.Tensor | None = None
+    """int64 [S]: each sequence's first position of token type 1, -1 where the model finds it (encoders only)."""
     lora_row_slots: torch.Tensor | None = None
     """int64 [T]: each token row's LoRA slot (-1: the base model), for decode steps a graph may replay."""
 

@@ -168,6 +168,10 @@ class ModelRunner:
             max_seqlen_k=max_k,
             score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
+        if getattr(self.model, "reads_token_types", False):  # an encoder step: one small upload, no graphs
+            meta.token_type_starts = torch.tensor([-1 if c.seq.params.token_type_start is None
+                                                   else c.seq.params.token_type_start for c in chunks],
+                                                  dtype=torch.int64).to(self.device, non_blocking=True)
         if self.lora is not None:
             slots = [c.seq.lora_slot for c in chunks]
             meta.lora_rows = self.lora.group_rows(slots, [c.num_tokens for c in chunks])

@@ -42,6 +42,10 @@ class SamplingParams:
     """None: generate. ``"last"``, ``"mean"`` or ``"cls"``: an embedding request (`ember.engine.pooling`): the
     prompt is computed and its final hidden states pooled into `RequestOutput.embedding`; no token is generated and
     the sampling settings are ignored."""
+    token_type_start: int | None = None
+    """A pooling prompt's first position of token type 1 (the second text of a pair; the prompt's length or more: a
+    single text) on models that read token types (BERT). None: after the prompt's first ``[SEP]``, as the tokenizer's
+    pair encoding writes them."""
 
 
 @dataclass

@@ -74,6 +74,8 @@ def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) 
         v = getattr(p, name)
         if v is not None and not 0 <= v <= most:
             raise ValueError(f"{name} must be in [0, {most}] (max_logprobs), got {v}")
+    if p.token_type_start is not None and p.token_type_start < 0:
+        raise ValueError(f"token_type_start must be >= 0, got {p.token_type_start}")
     if p.allowed_token_ids is not None and not p.allowed_token_ids:
         raise ValueError("allowed_token_ids must not be empty")
     if p.bad_words_ids is not None and not all(p.bad_words_ids):

@@ -97,21 +97,26 @@ def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
 
 
 def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], params: list[str],
-                 truncate: int | None, add_special_tokens: bool) -> list[list[int]]:
+                 truncate: int | None, add_special_tokens: bool,
+                 type_starts: list[int | None] | None = None) -> list[tuple[list[int], int | None]]:
     """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit) and checked against the
-    context and the KV cache; a problem is a 400 naming ``params[i]``."""
+    context and the KV cache (a problem is a 400 naming ``params[i]``), with its first position of token type 1:
+    ``type_starts[i]`` for token lists (None: the model finds it), past the end for a text (one segment)."""
     limit = min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
     keep = tokens_to_keep(truncate, limit)
     texts = [x for x in inputs if isinstance(x, str)]
     encoded = iter(rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else ())
     out = []
-    for x, param in zip(inputs, params):
+    for i, (x, param) in enumerate(zip(inputs, params)):
         if isinstance(x, str):
             ids = list(next(encoded))  # one batched call: the tokenizer's Rust side runs the texts in parallel
+            start = len(ids)
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
-        if keep:
+            start = type_starts[i] if type_starts is not None else None
+        if keep and len(ids) > keep:
+            start = None if start is None else max(0, start - (len(ids) - keep))
             ids = ids[-keep:]
         if not ids:
             raise bad_request("an input must have at least one token", param=param)
@@ -119,7 +124,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
             raise ApiError(400, f"The input has {len(ids)} tokens, but this model's maximum context length is "
                                 f"{limit} tokens (send truncate_prompt_tokens to keep the last ones)", param=param,
                            code="context_length_exceeded")
-        out.append(ids)
+        out.append((ids, start))
     return out
 
 
@@ -139,13 +144,14 @@ def _finish(pooled: list[float], dimensions: int | None, normalize: bool) -> np.
     return vec
 
 
-async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str,
+async def _pooled(rt: ModelRuntime, typed: list[tuple[list[int], int | None]], request_id: str,
                   lora: str | None) -> AsyncIterator[dict]:
-    """``{"index", "pooled"}`` for each prompt as it finishes, the prompts running as concurrent engine requests.
-    Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
-    params = SamplingParams(pooling=rt.pooling.kind, lora=lora)
+    """``{"index", "pooled"}`` for each (prompt, token type start) as it finishes, the prompts running as concurrent
+    engine requests. Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
+    prompts = [p for p, _ in typed]
 
     async def one(i: int) -> dict:
+        params = SamplingParams(pooling=rt.pooling.kind, lora=lora, token_type_start=typed[i][1])
         rid, arrival, reason = f"{request_id}-{i}", time.monotonic(), "cancelled"
         if rt.request_log is not None:
             rt.request_log.received(rid, prompts[i], params, rt.tokenizer.decode)
@@ -182,19 +188,22 @@ async def _pooled(rt: ModelRuntime, prompts: list[list[int]], request_id: str,
 
 
 async def pool(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-               add_special_tokens: bool = True, lora: str | None = None) -> tuple[list[list[float]], int, str]:
+               add_special_tokens: bool = True, lora: str | None = None,
+               type_starts: list[int | None] | None = None) -> tuple[list[list[float]], int, str]:
     """What the engine pools for each of ``inputs`` (in order: an embedding, or a classifier's logits), their total
     token count and the request id: each input checked (errors name ``params[i]``) and run as an engine pooling
-    request (under LoRA adapter ``lora`` when given). What the embedding, classify and score routes share."""
+    request (under LoRA adapter ``lora`` when given). What the embedding, classify and score routes share; a token
+    list's ``type_starts[i]`` is where its second segment begins (a pair encoding's token type 1)."""
     st = state(request)
     rt = st.runtime
     if not inputs:
         raise bad_request(f"{params[0] if params else 'input'} must not be empty", param="input")
     if len(inputs) > MAX_INPUTS:
         raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
-    prompts = await asyncio.to_thread(_token_lists, rt, st, inputs, params, truncate, add_special_tokens)
+    prompts = await asyncio.to_thread(_token_lists, rt, st, inputs, params, truncate, add_special_tokens,
+                                      type_starts)
     check_capacity(st)
-    total = sum(len(p) for p in prompts)
+    total = sum(len(p) for p, _ in prompts)
     st.metrics.prompt_tokens.inc(total)
     rid = secrets.token_hex(12)
     results = await collect(request, _pooled(rt, prompts, rid, lora))

@@ -70,19 +70,23 @@ def _cross_encoder(rt: ModelRuntime) -> bool:
     return bool(labels)
 
 
-def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> list[list[int]]:
-    """Each pair's tokens as vLLM builds them: the two texts joined into one (a converted LM reranker) or the
-    tokenizer's pair encoding."""
+def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> tuple[list[list[int]], list[int | None]]:
+    """Each pair's tokens as vLLM builds them, the two texts joined into one (a converted LM reranker) or the
+    tokenizer's pair encoding, with where its second text's token type begins (None: the tokenizer writes none)."""
     if rt.model_info.joins_pairs:
-        return [list(ids) for ids in rt.tokenizer([a + b for a, b in zip(firsts, seconds)])["input_ids"]]
-    return [list(ids) for ids in rt.tokenizer(firsts, seconds)["input_ids"]]
+        ids = [list(x) for x in rt.tokenizer([a + b for a, b in zip(firsts, seconds)])["input_ids"]]
+        return ids, [len(x) for x in ids]
+    enc = rt.tokenizer(firsts, seconds, return_token_type_ids=True)
+    types = enc.get("token_type_ids") or [None] * len(firsts)
+    return ([list(x) for x in enc["input_ids"]],
+            [None if t is None else next((j for j, v in enumerate(t) if v), len(t)) for t in types])
 
 
 async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str], params: list[str],
                        truncate: int | None, lora: str | None) -> tuple[list[float], int, str]:
     """A cross-encoder's score of each (first, second) pair, their token count and the request id."""
-    ids = await asyncio.to_thread(_pair_ids, rt, firsts, seconds)
-    logits, total, rid = await pool(request, ids, params, truncate=truncate, lora=lora)
+    ids, type_starts = await asyncio.to_thread(_pair_ids, rt, firsts, seconds)
+    logits, total, rid = await pool(request, ids, params, truncate=truncate, lora=lora, type_starts=type_starts)
     return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
 
 

@@ -171,21 +171,30 @@ class BertEncoderModel(nn.Module):
         positions = meta.positions + self.position_offset
         e = self.embeddings
         x = e.word_embeddings(input_ids) + e.position_embeddings(positions)
-        x = x + e.token_type_embeddings(self._token_types(input_ids, meta.query_start_loc))
+        x = x + e.token_type_embeddings(self._token_types(input_ids, meta))
         x = e.LayerNorm(x)
         for layer in self.encoder.layer:
             x = layer(x, bounds)
         return x
 
-    def _token_types(self, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """0 up to each prompt's first separator (included), 1 after it; all 0 with one token type."""
-        if not self.reads_token_types or self.sep_token_id is None:
+    def _token_types(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """1 from each prompt's ``token_type_start`` on (`SamplingParams`), 0 before; where that is not given, 1
+        after the prompt's first separator; all 0 with one token type."""
+        if not self.reads_token_types:
             return torch.zeros_like(input_ids)
-        sep = (input_ids == self.sep_token_id).long()
-        before = sep.cumsum(0) - sep  # separators strictly before each position, over the flat batch
+        starts = meta.query_start_loc
         seg = torch.searchsorted(starts[1:].long(), torch.arange(input_ids.shape[0], device=input_ids.device),
                                  right=True)
-        return (before - before[starts[:-1].long()][seg] > 0).long()
+        given = meta.token_type_starts[seg] if meta.token_type_starts is not None else None
+        if self.sep_token_id is None:
+            found = torch.zeros_like(input_ids)
+        else:
+            sep = (input_ids == self.sep_token_id).long()
+            before = sep.cumsum(0) - sep  # separators strictly before each position, over the flat batch
+            found = (before - before[starts[:-1].long()][seg] > 0).long()
+        if given is None:
+            return found
+        return torch.where(given >= 0, (meta.positions >= given).long(), found)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"{self.config.architecture} is an encoder: it has no LM head and samples nothing")

@@ -51,6 +51,21 @@ def test_embeddings_follow_the_sentence_transformers_pooling(embedder):
     assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
 
 
+def test_a_text_holding_a_separator_is_still_one_segment(embedder, cross_encoder):
+    """A literal ``[SEP]`` inside a text is the separator token, but the text's token types stay 0 (as the tokenizer
+    writes them), and a pair whose first text holds one starts type 1 at the pair's own separator."""
+    server, model, tok = embedder
+    text = "first part [SEP] second part"
+    assert tok(text)["input_ids"].count(tok.sep_token_id) == 2
+    got = server.openai().embeddings.create(model="bge-like", input=[text])
+    assert np.allclose(got.data[0].embedding, _unit(reference(model, tok, text).mean(0)), atol=1e-5)
+    server, model, tok = cross_encoder
+    query, doc = "capital [SEP] of france", "paris is the capital of france"
+    s = httpx.post(server.url + "/v1/score", json={"model": "reranker", "text_1": query, "text_2": doc}, timeout=60)
+    assert s.json()["data"][0]["score"] == pytest.approx(float(torch.sigmoid(reference(model, tok, query, doc))[0]),
+                                                         abs=1e-5)
+
+
 def test_without_modules_json_an_encoder_embeds_its_cls_position(tmp_path):
     model, tok = save_tiny_encoder(tmp_path, "XLMRobertaModel", seed=13)
     with _serve(tmp_path, "xlmr") as server:
