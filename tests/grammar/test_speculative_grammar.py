@@ -12,8 +12,10 @@ from ember.engine.eos import end_of_turn_ids
 from ember.engine.params import SamplingParams
 from ember.engine.speculative import speculates
 from ember.grammar import GrammarBackend, compile_request
+from ember.grammar.compiler import GrammarPlan
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup
+from tests.grammar.test_engine import run as run_requests
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red fox", "red hen"]},
@@ -61,8 +63,6 @@ def test_a_draft_rows_mask_is_the_mask_after_its_drafts_and_the_constraint_stays
 def test_constrained_requests_emit_what_they_emit_without_speculation(demo_model_dir):
     backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
     grammar = json.dumps({"grammars": [{"json_schema": SCHEMA}]})
-    from ember.grammar.compiler import GrammarPlan
-
     requests = [([10, 11, 12], SamplingParams(max_tokens=60, temperature=0.0)),
                 ([20, 21], SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=1.05)),
                 ([30, 31, 32], SamplingParams(max_tokens=60, temperature=0.8, seed=4))]
@@ -70,19 +70,11 @@ def test_constrained_requests_emit_what_they_emit_without_speculation(demo_model
     def run(spec):
         eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=128, speculative_config=spec,
                                      bitmask_filler=backend.bitmask_filler())
-        ids = [eng.add_request(p, params, constraint=backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
-               for p, params in requests]
-        out: dict[str, list[int]] = {i: [] for i in ids}
-        reasons = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out[o.request_id] += o.new_token_ids
-                if o.finished:
-                    reasons[o.request_id] = (o.finish_reason, o.error)
-        return [out[i] for i in ids], [reasons[i] for i in ids], eng
+        return run_requests(eng, [(p, params, backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
+                                  for p, params in requests]), eng
 
-    want, want_reasons, plain = run(None)
-    got, got_reasons, eng = run(NGRAM)
-    assert got == want and got_reasons == want_reasons
-    assert all(r == ("stop", None) for r in want_reasons), want_reasons  # each reply is the whole document
+    want, plain = run(None)
+    got, eng = run(NGRAM)
+    assert got == want
+    assert all(r[1:] == ("stop", None) for r in want), want  # each reply is the whole document
     assert eng.stats().spec_accepted_tokens > 0 and eng.num_steps < plain.num_steps
