@@ -27,10 +27,16 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
             "response_format": {"type": "json_schema", "json_schema": {"name": "animals", "schema": schema}}}
     want_json = httpx.post(demo_server.url + "/v1/chat/completions", json=chat, timeout=60).json()
     assert len(json.loads(want_json["choices"][0]["message"]["content"])) == 6
+    # a thought under a budget of 5 tokens, then the JSON: draft rows past the thought's end see the budget spent
+    thinking = {**chat, "chat_template_kwargs": {"enable_thinking": True}, "max_thinking_tokens": 5}
+    want_thought = httpx.post(demo_server.url + "/v1/chat/completions", json=thinking, timeout=60).json()
+    assert len(json.loads(want_thought["choices"][0]["message"]["content"])) == 6
+    assert want_thought["choices"][0]["message"]["reasoning_content"]
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1})
     config = ServeConfig(model_dir=demo_runtime[1].model_dir, served_model_name="ember-demo", max_num_seqs=4,
-                         kv_cache_blocks=128, speculative_config=spec)  # the engine in its own process
+                         kv_cache_blocks=128, speculative_config=spec,  # the engine in its own process
+                         chat_template=demo_runtime[1].chat_template)
     with served(config) as srv:
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -44,6 +50,9 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"] == want_json["choices"][0]["message"]  # the grammar speculates too
         assert r.json()["usage"] == want_json["usage"]
+        r = httpx.post(srv.url + "/v1/chat/completions", json=thinking, timeout=60).json()
+        assert r["choices"][0]["message"] == want_thought["choices"][0]["message"] and r["usage"] == want_thought[
+            "usage"]
         metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
               if line.startswith("vllm:spec_decode_num_")}
