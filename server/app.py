@@ -584,7 +584,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         from ember.engine.async_engine import AsyncEngine
 
         tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        grammar = _structured(model_dir, tokenizer)
+        grammar, why = _structured(model_dir, tokenizer)
         engine: Any = AsyncEngine.from_args(str(model_dir), args, grammar)
     else:
         from ember.engine.core_client import ProcessEngineClient
@@ -594,10 +594,13 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
         try:
             tokenizer = load_tokenizer(engine.model_info.tokenizer_path)
-            grammar = _structured(model_dir, tokenizer)
+            grammar, why = _structured(model_dir, tokenizer)
         except BaseException:
             engine.shutdown()
             raise
+    if why is not None:
+        info = engine.model_info  # a model that generates nothing has no use for structured output: no warning
+        (log.info if info.labels or info.encoder else log.warning)("structured output disabled: %s", why)
     try:
         return ModelRuntime.build(engine, config, model_dir, template, grammar=grammar, tokenizer=tokenizer)
     except BaseException:
@@ -605,15 +608,15 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         raise
 
 
-def _structured(model_dir: Path, tokenizer: Any) -> Any:
-    """The model's grammar backend; None (structured output refused with 400) if llguidance cannot load it."""
+def _structured(model_dir: Path, tokenizer: Any) -> tuple[Any, str | None]:
+    """The model's grammar backend, or None (structured output refused with 400) and why, if llguidance cannot
+    load it."""
     try:
         from .structured import Structured
 
-        return Structured.from_pretrained(model_dir, tokenizer)
+        return Structured.from_pretrained(model_dir, tokenizer), None
     except Exception as e:  # an exotic tokenizer llguidance cannot read must not stop the server
-        log.warning("structured output disabled: %s", e)
-        return None
+        return None, str(e)
 
 
 class BackgroundServer:

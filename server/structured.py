@@ -79,5 +79,5 @@ def engine_constraints(model_dir: str, tokenizer_dir: str | None = None) -> Stru
 
         return Structured.from_pretrained(model_dir, load_tokenizer(tokenizer_dir or model_dir))
     except Exception as e:
-        log.warning("structured output disabled in the engine: %s", e)
+        log.info("structured output disabled in the engine: %s", e)  # the front end warns where it matters
         return None
