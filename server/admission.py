@@ -109,8 +109,11 @@ def check_generates(st: ServerState) -> None:
 
 def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
                 param: str = "messages") -> int:
-    """Tokens the reply may have: the request's limit, clamped to what the context and the whole KV cache leave
-    (a sequence can never outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
+    """Tokens the reply may have: the request's limit (unset: the sampling defaults' ``max_new_tokens``, when the
+    generation config has one), clamped to what the context and the whole KV cache leave (a sequence can never
+    outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
+    if requested is None:
+        requested = st.runtime.sampling_defaults.max_new_tokens
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "

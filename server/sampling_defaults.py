@@ -1,5 +1,6 @@
-"""The model's recommended sampling settings: generation_config.json's ``temperature``, ``top_p``, ``top_k``, ``min_p``
-and ``repetition_penalty``, which a request that leaves one unset takes (vLLM's ``--generation-config auto``; Qwen3,
+"""The model's recommended sampling settings: generation_config.json's ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty`` and ``max_new_tokens`` (the reply length of a request that sets none), which a request that
+leaves one unset takes (vLLM's ``--generation-config auto``; Qwen3,
 for instance, asks for temperature 0.6, top_p 0.95 and top_k 20). ``--generation-config vllm`` ignores them (each
 unset setting is then neutral: temperature 1, no truncation, no penalty); a folder reads its generation_config.json
 instead of the model's. ``--override-generation-config`` (vLLM's flag) sets some of them over whichever of those
@@ -27,6 +28,7 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any], source: str, strict: bool = False) -> "SamplingDefaults":
@@ -38,7 +40,7 @@ class SamplingDefaults:
                 raise ValueError(f"{source}: {', '.join(unknown)} not supported (only "
                                  f"{', '.join(f.name for f in fields(cls))})")
         ranges = {"temperature": (0.0, 100.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 31), "min_p": (0.0, 1.0),
-                  "repetition_penalty": (1e-9, 100.0)}
+                  "repetition_penalty": (1e-9, 100.0), "max_new_tokens": (1, 1 << 31)}
         values: dict[str, Any] = {}
         for f in fields(cls):
             v = raw.get(f.name)
@@ -46,14 +48,14 @@ class SamplingDefaults:
                 continue
             lo, hi = ranges[f.name]
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-            if f.name == "top_k":
+            if f.name in ("top_k", "max_new_tokens"):
                 ok = ok and float(v).is_integer()
             if not ok:
                 if strict:
                     raise ValueError(f"{source}: {f.name} = {v!r} is not a usable value")
                 log.warning("%s: %s = %r is not a usable default; ignored", source, f.name, v)
                 continue
-            values[f.name] = int(v) if f.name == "top_k" else float(v)
+            values[f.name] = int(v) if f.name in ("top_k", "max_new_tokens") else float(v)
         return cls(**values)
 
     @classmethod

@@ -88,10 +88,19 @@ def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir,
     gen = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, "top_k": 1, "top_p": 0.9}))
     config = ServeConfig(model_dir=model, served_model_name="demo", max_num_seqs=8, kv_cache_blocks=128,
-                         in_process=True, override_generation_config='{"temperature": 0, "top_k": 50}',
+                         in_process=True,
+                         override_generation_config='{"temperature": 0, "top_k": 50, "max_new_tokens": 7}',
                          default_chat_template_kwargs='{"enable_thinking": false}')
     with served(config) as server:
-        assert server.runtime.sampling_defaults == SamplingDefaults(temperature=0.0, top_p=0.9, top_k=50)
+        assert server.runtime.sampling_defaults == SamplingDefaults(temperature=0.0, top_p=0.9, top_k=50,
+                                                                    max_new_tokens=7)
+        # a request without max_tokens stops at max_new_tokens (vLLM's default length); its own limit still wins
+        unset = server.openai().chat.completions.create(model="demo", messages=HI,
+                                                        extra_body={"ignore_eos": True})
+        assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (7, "length")
+        own = server.openai().chat.completions.create(model="demo", messages=HI, max_tokens=9,
+                                                      extra_body={"ignore_eos": True})
+        assert own.usage.completion_tokens == 9
         greedy = _chat(server)
         assert all(_chat(server, seed=s) == greedy for s in range(3))  # temperature 0 by default
         assert any(_chat(server, temperature=1.5, seed=s) != greedy for s in range(4))
@@ -106,5 +115,7 @@ def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir,
                                                        extra_body={"return_token_ids": True})
         assert server.tokenizer.decode(chat.prompt_token_ids).endswith("</think>\n\n")
     assert SamplingDefaults.load("vllm", model, {"top_p": 0.5}) == SamplingDefaults(top_p=0.5)
-    with pytest.raises(ValueError, match="max_new_tokens not supported"):
-        SamplingDefaults.load("auto", model, {"max_new_tokens": 5})
+    with pytest.raises(ValueError, match="eos_token_id not supported"):
+        SamplingDefaults.load("auto", model, {"eos_token_id": 5})
+    with pytest.raises(ValueError, match="max_new_tokens = 0"):
+        SamplingDefaults.load("auto", model, {"max_new_tokens": 0})
