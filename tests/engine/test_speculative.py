@@ -3,11 +3,13 @@ with penalties, bans and logprobs; stops, lengths and the requests beside it inc
 repeats; drafts never cost a preemption, and drafts that keep missing pause."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from ember.engine.engine import Engine
-from ember.engine.params import SamplingParams
+from ember.engine.params import SamplingParams, TokenLogprob
 from ember.engine.speculative import MAX_PAUSE, Drafter, NgramIndex, parse_speculative_config, speculates
 from tests.engine.test_constraints import AllowList
 from tests.engine.test_scheduler import expected_outputs, make, new_scheduler, token
@@ -79,17 +81,28 @@ def test_every_generating_request_speculates_unless_its_constraint_cannot_look_a
     assert not speculates(SamplingParams(temperature=0.0, pooling="last"), None)
 
 
-def _run(path, spec, requests) -> tuple[list[list[int]], list[str | None], Engine]:
-    eng = Engine.from_pretrained(path, num_kv_blocks=256, speculative_config=spec)
+@dataclass
+class Outcome:
+    tokens: list[list[int]]  # per request, in order
+    reasons: list[str | None]
+    logprobs: list[list[TokenLogprob | None]]  # per request, one per token (None without logprobs)
+    engine: Engine
+
+
+def _run(path, spec, requests, **engine_kw) -> Outcome:
+    """Every request to its end in one engine (``num_kv_blocks`` 256 unless given)."""
+    eng = Engine.from_pretrained(path, speculative_config=spec, **{"num_kv_blocks": 256, **engine_kw})
     ids = [eng.add_request(p, params) for p, params in requests]
     out: dict[str, list[int]] = {i: [] for i in ids}
+    lps: dict[str, list[TokenLogprob | None]] = {i: [] for i in ids}
     reasons: dict[str, str | None] = {}
     while eng.has_unfinished():
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
+            lps[o.request_id] += o.logprobs or [None] * len(o.new_token_ids)
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
-    return [out[i] for i in ids], [reasons[i] for i in ids], eng
+    return Outcome([out[i] for i in ids], [reasons[i] for i in ids], [lps[i] for i in ids], eng)
 
 
 def _prompts() -> list[list[int]]:
@@ -100,8 +113,8 @@ def _prompts() -> list[list[int]]:
 
 def test_speculation_emits_exactly_the_greedy_tokens(demo_model_dir):
     prompts = _prompts()
-    free, _, _ = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-                                             for p in prompts])
+    free = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                                        for p in prompts]).tokens
     # stop on a token the third greedy run emits mid-way; lengths that end inside a block of drafts; a sampled,
     # seeded request beside them (its draws must not move)
     stop = free[2][17]
@@ -113,13 +126,13 @@ def test_speculation_emits_exactly_the_greedy_tokens(demo_model_dir):
                 # the stop token is banned until min_tokens: drafted before then, it is never kept
                 (prompts[2], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop],
                                             min_tokens=25))]
-    want, want_reasons, plain = _run(demo_model_dir, None, requests)
-    got, got_reasons, eng = _run(demo_model_dir, NGRAM, requests)
+    plain, fast = _run(demo_model_dir, None, requests), _run(demo_model_dir, NGRAM, requests)
+    want, want_reasons, got, got_reasons, eng = plain.tokens, plain.reasons, fast.tokens, fast.reasons, fast.engine
     assert got == want and got_reasons == want_reasons
     assert want_reasons[2] == "stop" and want[2][-1] == stop
     stats = eng.stats()
     assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
-    assert eng.num_steps < plain.num_steps
+    assert eng.num_steps < plain.engine.num_steps
     eng.scheduler.check_integrity()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
@@ -133,25 +146,15 @@ def test_requests_with_penalties_bans_logprobs_and_seeds_emit_what_they_emit_wit
              dict(temperature=0.8, seed=5, repetition_penalty=1.1, frequency_penalty=0.3)]
     requests = [(p, SamplingParams(max_tokens=40, ignore_eos=True, **kw)) for kw in kinds for p in prompts]
 
-    def run(spec):
-        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=256, speculative_config=spec)
-        ids = [eng.add_request(p, params) for p, params in requests]
-        out: dict[str, list] = {i: [] for i in ids}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out[o.request_id] += zip(o.new_token_ids, o.logprobs or [None] * len(o.new_token_ids))
-        return [out[i] for i in ids], eng
-
-    want, _ = run(None)
-    got, eng = run(NGRAM)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
-    for g, w in zip(got, want):
-        for (_, a), (_, b) in zip(g, w):
+    want, got = _run(demo_model_dir, None, requests), _run(demo_model_dir, NGRAM, requests)
+    assert got.tokens == want.tokens
+    for g, w in zip(got.logprobs, want.logprobs):
+        for a, b in zip(g, w):
             assert (a is None) == (b is None)
             if a is not None:
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
-    assert eng.stats().spec_accepted_tokens > 0
+    assert got.engine.stats().spec_accepted_tokens > 0
 
 
 def test_no_drafts_while_the_engine_holds_more_requests_than_disable_by_batch_size(demo_model_dir):
@@ -170,7 +173,7 @@ def test_no_drafts_while_the_engine_holds_more_requests_than_disable_by_batch_si
         if held > 2:
             assert eng.stats().spec_draft_tokens == drafted  # no chunk carried drafts, none proposed
     assert eng.stats().spec_accepted_tokens > 0  # the long request drafts once it is alone
-    assert [out[i] for i in ids] == _run(demo_model_dir, None, requests)[0]
+    assert [out[i] for i in ids] == _run(demo_model_dir, None, requests).tokens
 
 
 def test_a_draft_never_preempts_anything():
@@ -211,12 +214,12 @@ def test_sampled_requests_speculate_through_the_rejection_step(demo_model_dir):
     """At a temperature so low that each draw is the argmax, sampled speculation must give the greedy tokens; the
     drafts it keeps went through the sampler's rejection step (greedy requests never reach it)."""
     prompts = _prompts()
-    greedy, _, _ = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-                                               for p in prompts])
+    greedy = _run(demo_model_dir, None, [(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+                                         for p in prompts]).tokens
     cold = SamplingParams(max_tokens=30, temperature=1e-3, ignore_eos=True)
-    got, _, eng = _run(demo_model_dir, NGRAM, [(p, cold) for p in prompts])
-    assert got == greedy
-    assert eng.stats().spec_accepted_tokens > 0
+    got = _run(demo_model_dir, NGRAM, [(p, cold) for p in prompts])
+    assert got.tokens == greedy
+    assert got.engine.stats().spec_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("scenario", range(3))
@@ -239,26 +242,12 @@ def test_random_mixes_under_preemption_emit_what_plain_decoding_emits(demo_model
         requests.append((motif * (2 + pick(4)) + [pick(1000) + 5], SamplingParams(**kw)))
     requests[0] = (motif * 4, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # drafts to keep
 
-    def run(spec):
-        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=16, block_size=8, speculative_config=spec)
-        ids = [eng.add_request(p, params) for p, params in requests]
-        out: dict[str, list] = {i: [] for i in ids}
-        reasons = {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                out[o.request_id] += zip(o.new_token_ids, [lp.logprob for lp in o.logprobs or []] or
-                                         [None] * len(o.new_token_ids))
-                if o.finished:
-                    reasons[o.request_id] = o.finish_reason
-        eng.scheduler.check_integrity()
-        assert eng.kv.num_free_blocks == eng.kv.num_blocks
-        return [out[i] for i in ids], [reasons[i] for i in ids], eng
-
-    want, want_reasons, _ = run(None)
-    got, got_reasons, eng = run(NGRAM)
-    assert [[t for t, _ in r] for r in got] == [[t for t, _ in r] for r in want]
-    assert got_reasons == want_reasons
-    for g_row, w_row in zip(got, want):
-        assert [lp for _, lp in g_row] == pytest.approx([lp for _, lp in w_row], abs=1e-4)
-    stats = eng.stats()
+    want, got = (_run(demo_model_dir, spec, requests, num_kv_blocks=16, block_size=8) for spec in (None, NGRAM))
+    for run in (want, got):
+        run.engine.scheduler.check_integrity()
+        assert run.engine.kv.num_free_blocks == run.engine.kv.num_blocks
+    assert got.tokens == want.tokens and got.reasons == want.reasons
+    for g_row, w_row in zip(got.logprobs, want.logprobs):
+        assert [lp and lp.logprob for lp in g_row] == pytest.approx([lp and lp.logprob for lp in w_row], abs=1e-4)
+    stats = got.engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_accepted_tokens > 0
