@@ -93,12 +93,11 @@ class Metrics:
         self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Accepted tokens per draft position.", [*m, "position"], registry=r)
         self._model_name = model_name
-        self._seen_per_pos: list[int] = []
         self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                         "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted,
                         "spec_drafts": spec_chunks}
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
-        self._seen = dict.fromkeys(self._totals, 0)
+        self._seen: dict[object, int] = {}  # each exported total's value at the previous scrape
 
     def render(self) -> bytes:
         s = self._stats()
@@ -112,12 +111,13 @@ class Metrics:
         self.v_waiting.set(waiting)
         self.v_kv_usage.set(usage)
         for name, counter in self._totals.items():
-            total = getattr(s, name, 0)
-            counter.inc(max(0, total - self._seen[name]))
-            self._seen[name] = max(total, self._seen[name])
-        per_pos = list(getattr(s, "spec_accepted_per_pos", ()))
-        self._seen_per_pos += [0] * (len(per_pos) - len(self._seen_per_pos))
-        for pos, total in enumerate(per_pos):
-            self._per_pos.labels(self._model_name, str(pos)).inc(max(0, total - self._seen_per_pos[pos]))
-            self._seen_per_pos[pos] = max(total, self._seen_per_pos[pos])
+            self._add(name, counter, getattr(s, name, 0))
+        for pos, total in enumerate(getattr(s, "spec_accepted_per_pos", ())):
+            self._add(("spec_accepted_per_pos", pos), self._per_pos.labels(self._model_name, str(pos)), total)
         return generate_latest(self.registry)
+
+    def _add(self, key: object, counter: Any, total: int) -> None:
+        """Advance ``counter`` by what the engine total under ``key`` gained since the previous scrape."""
+        seen = self._seen.get(key, 0)
+        counter.inc(max(0, total - seen))
+        self._seen[key] = max(total, seen)
