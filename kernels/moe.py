@@ -71,7 +71,8 @@ def _interpreting() -> bool:
 
 
 def default_config(
-    num_tokens: int, num_experts: int, top_k: int, device: torch.device, *, nvfp4: bool = False
+    num_tokens: int, num_experts: int, top_k: int, device: torch.device, *, nvfp4: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> GemmConfig:
     """Fixed configs (no autotune): small tiles in the interpreter, vLLM's H200 ``E=128,N=768`` shape table on GPU.
 
@@ -79,8 +80,15 @@ def default_config(
 
     ``nvfp4`` (W4A16 weights dequantized in the kernel): the decoded tile lives in registers next to the
     accumulators, so at most 2 pipeline stages, 1 for the 32-row tile and 8 warps for the 64-row one (the choices
-    that compile without spills for sm_90 and sm_100 with Triton 3.6: ``tests/moe/compile_check_moe.py``)."""
+    that compile without spills for sm_90 and sm_100 with Triton 3.6: ``tests/moe/compile_check_moe.py``).
+
+    fp32 activations (fp32 models) take IEEE products on FMA units and double every staged tile: tiles of at most
+    32 x 64 x 64 in 2 stages stay inside Hopper's 227 KiB of shared memory (the 16-bit table needs up to 288 KiB in
+    fp32) and spill nothing."""
     cfg = _table_config(num_tokens, device)
+    if dtype.itemsize >= 4:
+        cfg = replace(cfg, block_m=min(cfg.block_m, 32), block_n=min(cfg.block_n, 64), block_k=min(cfg.block_k, 64),
+                      num_stages=min(cfg.num_stages, 2))
     if not nvfp4:
         return cfg
     if cfg.block_m == 32:
@@ -271,13 +279,15 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
+    PRECISION: tl.constexpr = "tf32",
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
     (MXFP4) E8M0 scales per 32 and none; MXFP4 with ``DOT_SCALED`` (Blackwell) feeds the packed bytes and scales to
     ``tl.dot_scaled`` against the ``A_FORMAT`` (bf16/fp16) activations instead of dequantizing them. ``FP8_BN > 0``:
     e4m3 weights with a float32 scale per ``FP8_BN x FP8_BK`` block (W8A16). ``CLAMPED_SWIGLU`` is gpt-oss's GLU
-    instead of SiLU-and-mul."""
+    instead of SiLU-and-mul. ``PRECISION`` is ``tl.dot``'s input precision: ``"ieee"`` for fp32 activations, whose
+    models get fp32 products as in the torch path, not TF32's 10-bit mantissas."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
         return
@@ -311,12 +321,12 @@ def _moe_gemm_kernel(
             b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
                              SCALE_E8M0, FP8_BN, FP8_BK)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if FUSE_SILU:
                 b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
                                     stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
                                     SCALE_GROUP, SCALE_E8M0, FP8_BN, FP8_BK)
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
 
     if NVFP4:
@@ -472,7 +482,7 @@ def _invoke(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
-        FP8_BN=fp8[0], FP8_BK=fp8[1],
+        FP8_BN=fp8[0], FP8_BK=fp8[1], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -508,7 +518,7 @@ def fused_moe(
     inter_size = n2 // 2
     if isinstance(w13, FP8BlockTensor) and inter_size % w13.block[0]:
         raise ValueError(f"block-FP8 w13: the up half (row {inter_size}) must start a {w13.block[0]}-row scale block")
-    cfg = config or default_config(m, e, top_k, x.device, nvfp4=packed)
+    cfg = config or default_config(m, e, top_k, x.device, nvfp4=packed, dtype=x.dtype)
     if config is None and isinstance(w13, FP8BlockTensor):
         cfg = block_fp8_config(cfg)
     if not isinstance(w13, MXFP4Tensor) or x.dtype not in (torch.bfloat16, torch.float16):

@@ -3,7 +3,9 @@
 Decode: paged attention over B sequences of ctx tokens (32 q / 8 kv heads, hd 128) against a torch copy of the same
 number of bytes (read + write = the KV bytes the kernel reads): ``frac_copy = copy_ms / attention_ms``. Target:
 >= 0.70 at B=64, ctx=4k. Also SDPA (``enable_gqa``) on contiguous K/V. Prefill: one causal 4k-token sequence against
-causal SDPA (``sdpa_ms / ms`` > 1 means faster than SDPA). Then a tile/segment sweep and the row kernels' GB/s.
+causal SDPA (``sdpa_ms / ms`` > 1 means faster than SDPA). Then a tile/segment/warp sweep and the row kernels'
+GB/s. Decode times are of CUDA-graph replays (``graph_ms``), as the engine runs decode; ``eager_ms`` adds Python's
+launch cost, which exceeds the kernels' time at small batches.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 from ember.kernels import activation, attention, norm, reference_ops, rotary
 
-from gpu_sections.common import Ctx, bench_ms, paged_batch
+from gpu_sections.common import Ctx, bench_ms, graph_ms, paged_batch
 
 DECODE_TARGET = 0.70
 TARGET_SHAPE = (64, 4096)
@@ -44,25 +46,27 @@ def decode(ctx: Ctx) -> None:
         out = torch.empty_like(q)
         kv_bytes = 2 * b * ctx_len * hkv * hd * kc.element_size()
         split = b * hkv <= attention.SPLIT_KV_MAX_PROGRAMS
-        ms = bench_ms(lambda: attention.paged_attention(
-            q=q, k_cache=kc, v_cache=vc, out=out, cu_seqlens_q=cu, seq_lens=sl, block_table=bt, max_seqlen_q=1,
-            max_seqlen_k=ctx_len, softmax_scale=hd ** -0.5))
+        def call() -> None:
+            attention.paged_attention(q=q, k_cache=kc, v_cache=vc, out=out, cu_seqlens_q=cu, seq_lens=sl,
+                                      block_table=bt, max_seqlen_q=1, max_seqlen_k=ctx_len, softmax_scale=hd ** -0.5)
+
+        ms = graph_ms(call)
         cms = copy_ms(ctx, kv_bytes)
         row = ctx.report.row(kind="decode", B=b, ctx=ctx_len, path="split-kv" if split else "2d", ms=ms,
-                             gbps=kv_bytes / ms / 1e6, copy_ms=cms, frac_copy=cms / ms)
+                             gbps=kv_bytes / ms / 1e6, copy_ms=cms, frac_copy=cms / ms, eager_ms=bench_ms(call))
         del kc, vc
         k = torch.randn(b, hkv, ctx_len, hd, device=ctx.device, dtype=ctx.dtype)
         v = torch.randn_like(k)
         qs = q.view(b, hq, 1, hd)
         try:
-            sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+            sdpa = graph_ms(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
             row.update(sdpa_ms=sdpa, sdpa_over_ours=sdpa / ms)
         except Exception as e:  # an SDPA without enable_gqa on this torch
             row["sdpa_error"] = f"{type(e).__name__}: {e}"
         del k, v
         ctx.report.log(f"  decode B={b:<3} ctx={ctx_len:<6} {row['path']:<8} {ms * 1e3:8.1f} us "
                        f"{row['gbps']:7.0f} GB/s = {100 * row['frac_copy']:.0f}% of copy; "
-                       f"sdpa {row.get('sdpa_ms', float('nan')) * 1e3:8.1f} us")
+                       f"sdpa {row.get('sdpa_ms', float('nan')) * 1e3:8.1f} us; eager {row['eager_ms'] * 1e3:8.1f} us")
         if (b, ctx_len) == target:
             ctx.report.target(f"decode attention B={b} ctx={ctx_len} / copy bandwidth", row["frac_copy"],
                               f">= {DECODE_TARGET}", row["frac_copy"] >= DECODE_TARGET)
@@ -82,13 +86,17 @@ def prefill(ctx: Ctx) -> None:
     qs = q.transpose(0, 1).unsqueeze(0).contiguous()
     sdpa = bench_ms(lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True), rep=50)
     ctx.report.row(kind="prefill", seq=s, impl="sdpa", ms=sdpa, tflops=flops / sdpa / 1e9)
-    variants = ctx.pick([(None, None)], [(None, None), (64, 32)], [(None, None), (64, 32), (64, 64), (128, 32)])
-    for bm, tile in variants:
+    full = [(None, None, None, None), (64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
+            (128, 64, 8, 3), (128, 64, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2)]
+    variants = ctx.pick([(None, None, None, None)], full[:2], full)
+    for bm, tile, warps, stages in variants:
         ctx.deadline.check(f"prefill block_m={bm}", 2.0)
         ms = bench_ms(lambda: attention.paged_attention(
             q=q, k_cache=kc, v_cache=vc, out=out, cu_seqlens_q=cu, seq_lens=sl, block_table=bt, max_seqlen_q=s,
-            max_seqlen_k=s, softmax_scale=hd ** -0.5, block_m=bm, tile_size=tile), rep=50)
-        row = ctx.report.row(kind="prefill", seq=s, impl=f"block_m={bm} tile={tile}", ms=ms, tflops=flops / ms / 1e9,
+            max_seqlen_k=s, softmax_scale=hd ** -0.5, block_m=bm, tile_size=tile, num_warps=warps,
+            num_stages=stages), rep=50)
+        impl = f"block_m={bm} tile={tile}" + (f" w{warps}s{stages}" if warps else "")
+        row = ctx.report.row(kind="prefill", seq=s, impl=impl, ms=ms, tflops=flops / ms / 1e9,
                              sdpa_over_ours=sdpa / ms)
         ctx.report.log(f"  prefill {s} {row['impl']:<22} {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s "
                        f"(sdpa {sdpa:.3f} ms: {row['sdpa_over_ours']:.2f}x)")
@@ -96,23 +104,31 @@ def prefill(ctx: Ctx) -> None:
 
 
 def sweep(ctx: Ctx) -> None:
-    """Tile size, split and segment count at two decode shapes, to tune the defaults (full runs only)."""
+    """Tile size, warps, split and segment count at decode shapes (graph replays), to tune the defaults (full runs
+    only)."""
     if ctx.quick:
         return
     hq, hkv, hd = _heads(ctx)
-    variants = [(False, None, 16), (False, None, 32), (True, 8, 16), (True, 16, 16), (True, 16, 32), (True, 32, 32)]
-    for b, ctx_len in ctx.pick([(2, 70)], [], [(64, 4096), (1, 16384)]):
+    two_d = [(False, None, t, w) for t in (16, 32, 64) for w in (4, 8)]
+    split = [(True, s, t, 4) for s in (8, 16, 32, 64) for t in (16, 32, 64)]
+    for b, ctx_len in ctx.pick([(2, 70)], [], [(64, 4096), (16, 4096), (8, 4096), (1, 16384), (1, 1024)]):
         q, kc, vc, cu, sl, bt = paged_batch([(ctx_len - 1, 1)] * b, hq, hkv, hd, device=ctx.device, dtype=ctx.dtype,
                                             seed=ctx_len)
         out = torch.empty_like(q)
         kv_bytes = 2 * b * ctx_len * hkv * hd * kc.element_size()
-        for split, segs, tile in variants[:2] if ctx.tiny else variants:
+        variants = two_d[:2] if ctx.tiny else two_d + (split if b * hkv <= 2 * attention.SPLIT_KV_MAX_PROGRAMS else [])
+        for is_split, segs, tile, warps in variants:
             ctx.deadline.check(f"sweep B={b} ctx={ctx_len}", 1.0)
-            ms = bench_ms(lambda: attention.paged_attention(
+            ms = graph_ms(lambda: attention.paged_attention(
                 q=q, k_cache=kc, v_cache=vc, out=out, cu_seqlens_q=cu, seq_lens=sl, block_table=bt, max_seqlen_q=1,
-                max_seqlen_k=ctx_len, softmax_scale=hd ** -0.5, split_kv=split, num_segments=segs, tile_size=tile))
-            ctx.report.row(kind="sweep", B=b, ctx=ctx_len, split=split, segments=segs, tile=tile, ms=ms,
-                           gbps=kv_bytes / ms / 1e6)
+                max_seqlen_k=ctx_len, softmax_scale=hd ** -0.5, split_kv=is_split, num_segments=segs, tile_size=tile,
+                num_warps=warps), rep=50, warmup=5)
+            ctx.report.row(kind="sweep", B=b, ctx=ctx_len, split=is_split, segments=segs, tile=tile, warps=warps,
+                           ms=ms, gbps=kv_bytes / ms / 1e6)
+        mine = [r for r in ctx.report.data["rows"] if r.get("kind") == "sweep" and (r["B"], r["ctx"]) == (b, ctx_len)]
+        best = min(mine, key=lambda r: r["ms"])
+        ctx.report.log(f"  sweep B={b:<3} ctx={ctx_len:<6} best: split={best['split']} segments={best['segments']} "
+                       f"tile={best['tile']} warps={best['warps']} {best['ms'] * 1e3:.1f} us")
         ctx.report.save()
 
 

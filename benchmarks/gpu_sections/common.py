@@ -1,5 +1,5 @@
 """What every gpu_check section shares: the per-section `Report`, the `Deadline`, the run context `Ctx`, timing
-(`bench_ms`), error measures (`rel_err`) and random paged attention batches (`paged_batch`).
+(`bench_ms`, `graph_ms`), error measures (`rel_err`) and random paged attention batches (`paged_batch`).
 
 A section is a function ``run(ctx)``; it records checks, rows and targets in ``ctx.report`` and calls
 ``ctx.report.save()`` whenever it has something worth keeping, so a later crash or timeout leaves its data on disk.
@@ -160,6 +160,27 @@ def bench_ms(fn: Callable[[], Any], rep: int = 100, warmup: int = 25) -> float:
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3
+
+
+def graph_ms(fn: Callable[[], Any], rep: int = 100, warmup: int = 25) -> float:
+    """Median milliseconds per call of ``fn`` captured in a CUDA graph and replayed, as the engine's decode steps run:
+    the device time without Python's launch cost (which ``bench_ms`` of an eager call can measure instead when a
+    kernel is shorter than the host's work to launch it). L2 is flushed before each replay as in ``bench_ms``. On a
+    CPU: ``bench_ms``."""
+    if not torch.cuda.is_available():
+        return bench_ms(fn, rep, warmup)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return bench_ms(graph.replay, rep, warmup)
+    finally:
+        del graph
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -175,9 +175,15 @@ def _label(name: str, signature: dict, constexprs: dict, kernel, options) -> str
     return f"{name} {ptrs} {consts} w{options.num_warps}s{options.num_stages}"
 
 
+def shared_limit(arch: int) -> int:
+    """Bytes of shared memory one block may opt into on ``sm_{arch}`` (CUDA's per-architecture table)."""
+    return {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 103: 232448}.get(arch, 101376)
+
+
 def compile_launches(launches: list, arch: int, what: str) -> int:
-    """Compile each distinct recorded launch for ``sm_{arch}`` as the JIT specializes it; print OK/FAIL per launch
-    with registers and stack bytes, then a table; 1 if any failed or a :data:`HOT` kernel uses stack (spills)."""
+    """Compile each distinct recorded launch for ``sm_{arch}`` as the JIT specializes it; print OK/FAIL/SPILL/SMEM
+    per launch with registers, stack bytes and shared memory, then a table; 1 if any failed to compile, needs more
+    shared memory than ``sm_{arch}`` has (:func:`shared_limit`), or is a :data:`HOT` kernel that uses stack."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     seen: set = set()
@@ -201,10 +207,14 @@ def compile_launches(launches: list, arch: int, what: str) -> int:
             continue
         regs, stack = resource_usage(compiled.asm["cubin"])
         mma = _mma_kind(compiled.asm.get("ptx", ""))
+        shared = int(compiled.metadata.shared)
         results.append(Compiled(name, label, regs, stack, mma))
         spilled = bool(stack) and name in HOT
         spills += spilled
-        print("SPILL" if spilled else "OK  ", label, f"regs={regs} stack={stack} mma={mma}")
+        too_big = shared > shared_limit(arch)  # the launch raises OutOfResources on the device
+        failures += too_big
+        status = "SMEM" if too_big else "SPILL" if spilled else "OK  "
+        print(status, label, f"regs={regs} stack={stack} shared={shared} mma={mma}")
     print("\n| kernel | configurations | registers (min-max) | max stack (spill) bytes | MMA |\n"
           "| --- | ---: | ---: | ---: | --- |")
     for name in sorted({r.name for r in results}):

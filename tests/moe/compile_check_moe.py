@@ -24,7 +24,7 @@ _KERNELS = ("_moe_gemm_kernel", "_moe_gemm_w4a4_kernel")
 
 def _drive(w4a4: bool, quick: bool = False) -> None:
     """Every configuration the engine and the MoE sections of ``benchmarks/gpu_check.py`` launch (``quick``: bf16
-    at one size)."""
+    at one size, fp32 at the two whose 16-bit tiles would overflow shared memory)."""
     g = torch.Generator().manual_seed(0)
     e, h, i = 8, 256, 128
     cuda = torch.device("cuda")  # the tile tables the GPU would pick
@@ -53,6 +53,10 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
                                      config=moe.block_fp8_config(moe.linear_config(m, cuda)))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
+    for m in (64, 4096) if quick else (1, 16, 64, 256, 512, 4096):  # fp32 models (gpu_check's parity): 4-byte tiles
+        tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), 2, True)
+        x = torch.randn(m, h, generator=g)
+        moe.fused_moe(x, w13, w2, tw, ti, config=moe.default_config(m, e, 2, cuda, dtype=torch.float32))
 
 
 def main(arch: int, quick: bool = False) -> int:

@@ -1,5 +1,6 @@
 """The MoE / NVFP4 kernels compile with the real Triton compiler (the interpreter accepts more than it does):
-W4A16 and the dense NVFP4 GEMM for Hopper (sm_90), the W4A4 ``dot_scaled`` kernel for Blackwell (sm_100)."""
+W4A16, fp32 and the dense NVFP4 GEMM for Hopper (sm_90), the W4A4 ``dot_scaled`` kernel for Blackwell (sm_100), each
+without spills and within the target's shared memory (fp32 models' MoE once raised OutOfResources on an H200)."""
 from __future__ import annotations
 
 import os
@@ -24,4 +25,5 @@ def test_moe_kernels_compile(arch, kernel):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert " 0 failed, 0 hot with spills" in proc.stdout and f"moe.{kernel}" in proc.stdout
+    assert "*fp32,*fp32" in proc.stdout, "no fp32 launch was compiled"
     assert "regs=None" not in proc.stdout, "cuobjdump gave no resource usage"
