@@ -198,3 +198,31 @@ def run(ctx: Ctx) -> None:
         rep.log(f"  nvfp4 linear {n_out}x{k_in} M={m:<5} {r['nvfp4_ms']:.4f} ms (fp8 {r['fp8_ms']:.4f} ms, "
                 f"F.linear {r['bf16_ms']:.4f} ms, floor {floor:.4f} ms)")
     rep.save()
+    sweep(ctx)
+
+
+SWEEP = ((16, 64, 128, 4, 2), (16, 128, 128, 4, 2), (16, 64, 256, 4, 2), (16, 32, 128, 4, 3), (16, 128, 64, 4, 3),
+         (16, 64, 128, 8, 2), (16, 64, 64, 4, 4))
+"""NVFP4 W4A16 tiles tried at the decode sizes (block_m, block_n, block_k, warps, stages), full runs only."""
+
+
+def sweep(ctx: Ctx) -> None:
+    """Graph-replay time of the NVFP4 W4A16 fused MoE per tile config at M = 1 and 64, to tune the table."""
+    if ctx.quick:
+        return
+    w = weights(ctx)
+    for m in (1, 64):
+        x, tw, ti = _inputs(ctx, w, m)
+        default = moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True)
+        for bm, bn, bk, warps, stages in SWEEP:
+            ctx.deadline.check(f"moe sweep M={m}", 3.0)
+            cfg = moe.GemmConfig(bm, bn, bk, 1, warps, stages)
+            try:
+                ms = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False, config=cfg), rep=30,
+                              warmup=5)
+            except Exception as e:  # a config that does not compile or fit is a finding, not a stop
+                ctx.report.row(kind="moe_sweep", M=m, config=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            ctx.report.row(kind="moe_sweep", M=m, config=str(cfg), default=cfg == default, ms=ms)
+            ctx.report.log(f"  moe sweep M={m:<3} nvfp4 {bm}x{bn}x{bk} w{warps}s{stages}: {ms:.4f} ms")
+        ctx.report.save()
