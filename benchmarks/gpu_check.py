@@ -100,7 +100,7 @@ SECTIONS: list[Section] = [
 ]
 
 
-def measure_env(quick: bool) -> dict[str, Any]:
+def measure_env(quick: bool, commit: str | None = None) -> dict[str, Any]:
     """Versions, the device, and the two denominators: device copy GB/s (read + write) and matmul TFLOP/s."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -111,8 +111,8 @@ def measure_env(quick: bool) -> dict[str, Any]:
     try:
         import subprocess
 
-        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, timeout=5).stdout.strip()
+        env["commit"] = commit or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                 capture_output=True, text=True, timeout=5).stdout.strip()
     except Exception:
         env["commit"] = None
     if cuda:
@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the subset that runs in under 2 minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="hard deadline in seconds (330; --quick: 110)")
     ap.add_argument("--sections", default="", help="comma-separated subset of " + ",".join(s.name for s in SECTIONS))
+    ap.add_argument("--no-sweeps", action="store_true",
+                    help="skip the tuning sweeps (decode attention tiles and segments, NVFP4 MoE tiles) of a full run")
+    ap.add_argument("--commit", default=None,
+                    help="the commit to record (default: git rev-parse HEAD, stale where the tree was copied "
+                         "without its history)")
     ap.add_argument("--from-section", type=int, default=1, help=argparse.SUPPRESS)  # a resumed run (see resume)
     args = ap.parse_args(argv)
     start = started if started is not None else time.monotonic()
@@ -211,13 +216,14 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         try:
             try:
                 with alarm.arm():
-                    summary["env"] = measure_env(args.quick)
+                    summary["env"] = measure_env(args.quick, args.commit)
             except OutOfTime as e:
                 summary["env"] = {"error": str(e)}
             print(f"env: {json.dumps(summary['env'])}", flush=True)
             log_file.write(f"env: {json.dumps(summary['env'])}\n")
             ctx = Ctx(out=args.out, device=torch.device("cuda" if cuda else "cpu"),
                       dtype=torch.bfloat16 if cuda else torch.float16, tiny=not cuda, quick=args.quick,
+                      sweeps=not args.no_sweeps,
                       deadline=deadline, report=None, env=summary["env"], tmp=Path(tmp))  # type: ignore[arg-type]
             for i, sec in enumerate(SECTIONS, 1):
                 if i < args.from_section:
@@ -287,6 +293,8 @@ def resume(args: argparse.Namespace, first: int, deadline: Deadline) -> tuple[li
            f"{max(deadline.left(), 1.0):.1f}", "--from-section", str(first)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--sections", args.sections] if args.sections else []
+    cmd += ["--no-sweeps"] if args.no_sweeps else []
+    cmd += ["--commit", args.commit] if args.commit else []
     (args.out / "summary.json").unlink(missing_ok=True)  # the child writes its own
     try:
         subprocess.run(cmd, timeout=max(deadline.left(), 1.0) + GRACE_S + 30.0)

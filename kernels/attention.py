@@ -47,11 +47,18 @@ SPLIT_KV_MAX_PROGRAMS = 128
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DEFAULT_TILE_PREFILL = 16 if _INTERPRET else 32
-_DEFAULT_TILE_DECODE = 16 if _INTERPRET else 32
-"""KV tokens per inner step of a 16-bit decode: 32 reads 1.5x the bytes per second of 16 on an H200 (B=64,
-ctx=4k: 3.5 against 2.3 TB/s, 2026-12-04). fp32 (IEEE FMA products) keeps 16."""
+_DECODE_TILE_2D = 16 if _INTERPRET else 64
+_DECODE_TILE_SPLIT = 16 if _INTERPRET else 32
+"""KV tokens per inner step of a 16-bit decode, from an H200 sweep (2026-12-04, 32 q / 8 kv heads, hd 128, CUDA-graph
+replays): the 2D kernel reads 4.0 TB/s with 64-token tiles at B=64, ctx=4k (2.3 with 16, 3.4 with 32); split-KV
+segments are short, and 32 is best or within 2% of best at B=1, 8 and 16. fp32 (IEEE FMA products) keeps 16, as
+does split-KV over an FP8 cache."""
 _TILE_FP32 = 16
-_DEFAULT_SEGMENTS = 4 if _INTERPRET else 16
+_SPLIT_TARGET_PROGRAMS = 512
+_SEGMENTS_MIN, _SEGMENTS_MAX = (4, 4) if _INTERPRET else (8, 64)
+"""Split-KV segments per sequence: enough for about 512 programs (4 per SM of an H200), within these bounds. The
+same sweep: B=1 (8 programs per segment) is fastest with 64 segments (35 us at ctx=16k against 97 with 16), B=8 and
+B=16 with 8."""
 _DEFAULT_BLOCK_M_PREFILL = 16 if _INTERPRET else 64
 """Query rows per 2D program when a bf16/fp16 batch has a prefill: 64 makes Hopper use wgmma (16 compiles to
 mma.sync) without spilling at 4 warps (128 spills); the interpreter keeps 16 for speed. Decode-only batches use 16
@@ -366,6 +373,12 @@ def _reduce_segments(
              mask=dim_mask)
 
 
+def default_segments(programs: int) -> int:
+    """Split-KV segments for a decode batch of ``programs`` (sequences x KV heads): a power of two."""
+    want = triton.next_power_of_2(max(1, -(-_SPLIT_TARGET_PROGRAMS // max(programs, 1))))
+    return min(max(want, _SEGMENTS_MIN), _SEGMENTS_MAX)
+
+
 def _block_m(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
@@ -443,10 +456,11 @@ def paged_attention(
         raise ValueError(f"chunk must be positive, got {chunk}")
     common_strides = (*k_cache.stride(), *v_cache.stride(), block_table.stride(0))
 
-    decode_tile = _TILE_FP32 if precision == "ieee" else _DEFAULT_TILE_DECODE
+    fp32 = precision == "ieee"
     if split_kv:
-        tile = tile_size or decode_tile
-        segs = num_segments or _DEFAULT_SEGMENTS
+        fp8 = k_cache.element_size() == 1  # 32-token split tiles spill in an sm_90 fp8 build (hd 64, group 1)
+        tile = tile_size or (_TILE_FP32 if fp32 or fp8 else _DECODE_TILE_SPLIT)
+        segs = num_segments or default_segments(num_seqs * hkv)
         segm_out = torch.empty(num_tokens, hq, segs, head_pad, dtype=torch.float32, device=q.device)
         segm_max = torch.empty(num_tokens, hq, segs, dtype=torch.float32, device=q.device)
         segm_sum = torch.empty(num_tokens, hq, segs, dtype=torch.float32, device=q.device)
@@ -463,7 +477,7 @@ def paged_attention(
         )
         return out
 
-    tile = tile_size or (decode_tile if small_m else _DEFAULT_TILE_PREFILL)
+    tile = tile_size or (_TILE_FP32 if fp32 else _DECODE_TILE_2D if decode_only else _DEFAULT_TILE_PREFILL)
     block_q = block_m // group
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention_2d[(num_q_blocks, hkv)](

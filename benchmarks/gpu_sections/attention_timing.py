@@ -106,7 +106,7 @@ def prefill(ctx: Ctx) -> None:
 def sweep(ctx: Ctx) -> None:
     """Tile size, warps, split and segment count at decode shapes (graph replays), to tune the defaults (full runs
     only)."""
-    if ctx.quick:
+    if ctx.quick or not ctx.sweeps:
         return
     hq, hkv, hd = _heads(ctx)
     two_d = [(False, None, t, w) for t in (16, 32, 64) for w in (4, 8)]

@@ -117,6 +117,7 @@ class Ctx:
     quick: bool
     deadline: Deadline
     report: Report
+    sweeps: bool = True  # the tuning sweeps of a full run (``--no-sweeps``: off)
     env: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     tmp: Path = Path("/tmp")

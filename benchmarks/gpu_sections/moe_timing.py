@@ -208,7 +208,7 @@ SWEEP = ((16, 64, 128, 4, 2), (16, 128, 128, 4, 2), (16, 64, 256, 4, 2), (16, 32
 
 def sweep(ctx: Ctx) -> None:
     """Graph-replay time of the NVFP4 W4A16 fused MoE per tile config at M = 1 and 64, to tune the table."""
-    if ctx.quick:
+    if ctx.quick or not ctx.sweeps:
         return
     w = weights(ctx)
     for m in (1, 64):

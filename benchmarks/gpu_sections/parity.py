@@ -59,6 +59,11 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 NEAR_TIE = 0.02
 """A first difference where the reference's top-2 logprobs are closer than this (nats) is rounding, not a bug."""
 
+BF16_NEAR_TIE = 0.125
+"""The same between two bf16 runs (speculative against plain): logits are bf16, whose spacing is 0.0625 between 8 and
+16, so two paths that round differently cannot order logits closer than about two of those steps (an H200 run,
+2026-12-04, had a first difference at a margin of exactly 0.0625)."""
+
 FP8_NEAR_TIE = 0.5
 """The same for an e4m3 KV cache against a bf16/fp32 one (a few percent per element)."""
 
@@ -118,11 +123,11 @@ def differences(got: Run, want: Run) -> list[dict[str, Any]]:
     return out
 
 
-def check_agree(ctx: Ctx, name: str, got: Run, want: Run) -> bool:
+def check_agree(ctx: Ctx, name: str, got: Run, want: Run, near_tie: float = NEAR_TIE) -> bool:
     """Equal tokens, or every first difference at a near-tie of the reference (recorded either way)."""
     diffs = differences(got, want)
-    ok = all(d["margin"] is not None and d["margin"] < NEAR_TIE for d in diffs)
-    ctx.report.add_check(name, ok, exact=not diffs, differences=diffs, near_tie=NEAR_TIE)
+    ok = all(d["margin"] is not None and d["margin"] < near_tie for d in diffs)
+    ctx.report.add_check(name, ok, exact=not diffs, differences=diffs, near_tie=near_tie)
     return ok
 
 
@@ -223,7 +228,8 @@ def _speculative(ctx: Ctx) -> None:
         plain = greedy(path, ctx.device, torch.bfloat16, ps, new)
         fast = greedy(path, ctx.device, torch.bfloat16, ps, new, speculative_config=spec)
         rep.row(model="qwen3 + ngram", run="device bf16 speculative", **fast.info)
-        check_agree(ctx, "qwen3 + ngram: device bf16 speculative == plain (but near-ties)", fast, plain)
+        check_agree(ctx, "qwen3 + ngram: device bf16 speculative == plain (but near-ties)", fast, plain,
+                    BF16_NEAR_TIE)
 
 
 def pooled(path: Path, device: torch.device, dtype: torch.dtype, ps: list[list[int]], kind: str) -> torch.Tensor:

@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-from ember.kernels import fp8_block, moe, nvfp4
+from ember.kernels import fp8_block, moe, moe_align, nvfp4
 from ember.kernels import moe_reference as ref
 from ember.kernels.nvfp4 import NVFP4Tensor
 from tests.kernels.compile_check import _Recorder, compile_launches
 
-_KERNELS = ("_moe_gemm_kernel", "_moe_gemm_w4a4_kernel")
+_KERNELS = ((moe, "_moe_gemm_kernel"), (moe, "_moe_gemm_w4a4_kernel"), (moe_align, "_align_kernel"))
 
 
 def _drive(w4a4: bool, quick: bool = False) -> None:
@@ -53,6 +53,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
                                      config=moe.block_fp8_config(moe.linear_config(m, cuda)))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
+    for m in (1, 4096):  # the routing sort: the GPU's one-launch kernel (the CPU tensors here take the torch path)
+        moe_align.align_triton(torch.randint(0, 128, (m, 8), generator=g), 16, 128)
     for m in (64, 4096) if quick else (1, 16, 64, 256, 512, 4096):  # fp32 models (gpu_check's parity): 4-byte tiles
         tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), 2, True)
         x = torch.randn(m, h, generator=g)
@@ -64,14 +66,14 @@ def main(arch: int, quick: bool = False) -> int:
         print("compile_check_moe must run without TRITON_INTERPRET", file=sys.stderr)
         return 2
     launches: list = []
-    saved = {name: getattr(moe, name) for name in _KERNELS}
-    for name, kernel in saved.items():
-        setattr(moe, name, _Recorder(f"moe.{name}", kernel, launches))
+    saved = {(module, name): getattr(module, name) for module, name in _KERNELS}
+    for (module, name), kernel in saved.items():
+        setattr(module, name, _Recorder(f"{module.__name__.rsplit('.', 1)[-1]}.{name}", kernel, launches))
     try:
         _drive(w4a4=arch >= 100, quick=quick)
     finally:
-        for name, kernel in saved.items():
-            setattr(moe, name, kernel)
+        for (module, name), kernel in saved.items():
+            setattr(module, name, kernel)
     return compile_launches(launches, arch, "MoE kernel")
 
 

@@ -208,6 +208,30 @@ def test_align_block_size_matches_plain_routing_without_host_syncs(seed):
     assert (sorted_ids[total:] == m * k).all() and (expert_ids[total // block_m:] == e - 1).all()
 
 
+@pytest.mark.parametrize("align", ["triton", "torch"])
+@pytest.mark.parametrize("e,k,m,block_m", [(128, 8, 300, 16), (256, 8, 128, 64), (8, 1, 1025, 16), (64, 2, 1, 16)])
+def test_both_alignments_put_every_pair_in_its_experts_group_at_prefill_sizes(align, e, k, m, block_m):
+    """The one-launch kernel (here under the interpreter) and the torch formulation, past one CHUNK of pairs (1025 and
+    2400 of them) and with 256 experts: each expert's padded group holds exactly its pairs (the order inside a group
+    is free: on a GPU it is the atomics' order), the blocks name their experts, and padding is the sentinel."""
+    from ember.kernels import moe_align
+
+    g = torch.Generator().manual_seed(e + m)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)])
+    fn = moe_align.align_triton if align == "triton" else moe_align.align_torch
+    sorted_ids, expert_ids, num_post = fn(ids, block_m, e)
+    want_ids, want_experts = _align_reference(ids, block_m, e)
+    total = int(num_post)
+    assert total == len(want_ids) and sorted_ids.shape == (moe_align.capacity(m * k, e, block_m),)
+    assert expert_ids[:total // block_m].tolist() == want_experts
+    assert (expert_ids[total // block_m:] == e - 1).all() and (sorted_ids[total:] == m * k).all()
+    got_blocks = sorted_ids[:total].view(-1, block_m).tolist()
+    want_blocks = torch.tensor(want_ids).view(-1, block_m).tolist()
+    for expert in range(e):
+        got = sorted(i for b, x in zip(got_blocks, want_experts) if x == expert for i in b)
+        assert got == sorted(i for b, x in zip(want_blocks, want_experts) if x == expert for i in b)
+
+
 def test_fused_moe_host_side_has_no_sync_and_static_launches(monkeypatch):
     """Everything fused_moe does around its two GEMM launches (routing, alignment, buffers) reads nothing back from
     the device, and launch shapes depend only on (M, k, E): MoE layers can be captured in CUDA graphs."""
