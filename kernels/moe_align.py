@@ -68,7 +68,7 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, scratch_ptr
         rank = tl.atomic_add(scratch_ptr + ids, tl.full([CHUNK], 1, tl.int32), mask=mask)
         tl.store(rank_ptr + c + offs, rank, mask=mask)
     tl.debug_barrier()
-    counts = tl.load(scratch_ptr + e_offs, mask=e_mask, other=0)
+    counts = tl.load(scratch_ptr + e_offs, mask=e_mask, other=0, volatile=True)  # the atomics' totals, not L1
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(starts_ptr + e_offs, ends - padded, mask=e_mask)
@@ -84,8 +84,8 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, scratch_ptr
     for c in range(0, n, CHUNK):
         mask = c + offs < n
         ids = tl.load(ids_ptr + c + offs, mask=mask, other=0).to(tl.int32)
-        rank = tl.load(rank_ptr + c + offs, mask=mask, other=0)
-        start = tl.load(starts_ptr + ids, mask=mask, other=0)
+        rank = tl.load(rank_ptr + c + offs, mask=mask, other=0, volatile=True)
+        start = tl.load(starts_ptr + ids, mask=mask, other=0, volatile=True)
         tl.store(sorted_ptr + start + rank, (c + offs).to(tl.int32), mask=mask)
 
 
