@@ -1,7 +1,8 @@
 """Sort the routed (token, slot) pairs of a fused-MoE call by expert in one Triton launch.
 
 The torch version (:func:`align_torch`: a scatter-add, a stable argsort, cumulative sums and a searchsorted) launches
-about 18 kernels, 57 us at M=1 on an H200 inside a CUDA graph (2026-12-04), more than the NVFP4 GEMMs it feeds.
+about 18 kernels: 57 us at M=1 on an H200 inside a CUDA graph (2026-12-04), a third of the whole NVFP4 MoE's 0.155
+ms; this one launch takes 10 us.
 :func:`align_triton` does the same in one program: atomic increments per expert give each pair its rank within its
 expert (and the counts), a cumulative sum of the padded counts gives each expert's start, and each pair is scattered
 to ``start + rank``. The order of pairs inside one expert's group is then the order the atomics ran in, which can
