@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the subset that runs in under 2 minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="hard deadline in seconds (330; --quick: 110)")
     ap.add_argument("--sections", default="", help="comma-separated subset of " + ",".join(s.name for s in SECTIONS))
+    ap.add_argument("--models", default="",
+                    help="comma-separated subset of the parity section's cases (default all): "
+                    + ",".join(parity.MODELS))
     ap.add_argument("--no-sweeps", action="store_true",
                     help="skip the tuning sweeps (decode attention tiles and segments, NVFP4 MoE tiles) of a full run")
     ap.add_argument("--commit", default=None,
@@ -205,6 +208,9 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     unknown = chosen - {s.name for s in SECTIONS}
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}")
+    models = frozenset(filter(None, args.models.split(","))) or None
+    if models is not None and models - set(parity.MODELS):
+        ap.error(f"unknown models {sorted(models - set(parity.MODELS))}")
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     if args.from_section == 1:
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             log_file.write(f"env: {json.dumps(summary['env'])}\n")
             ctx = Ctx(out=args.out, device=torch.device("cuda" if cuda else "cpu"),
                       dtype=torch.bfloat16 if cuda else torch.float16, tiny=not cuda, quick=args.quick,
-                      sweeps=not args.no_sweeps,
+                      sweeps=not args.no_sweeps, models=models,
                       deadline=deadline, report=None, env=summary["env"], tmp=Path(tmp))  # type: ignore[arg-type]
             for i, sec in enumerate(SECTIONS, 1):
                 if i < args.from_section:

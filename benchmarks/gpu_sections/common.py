@@ -118,6 +118,7 @@ class Ctx:
     deadline: Deadline
     report: Report
     sweeps: bool = True  # the tuning sweeps of a full run (``--no-sweeps``: off)
+    models: frozenset[str] | None = None  # the parity section's cases to run (``--models``); None: all
     env: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
     tmp: Path = Path("/tmp")
@@ -129,6 +130,10 @@ class Ctx:
     def pick(self, tiny: Any, quick: Any, full: Any) -> Any:
         """The parameter for this run's size."""
         return tiny if self.tiny else quick if self.quick else full
+
+    def wants(self, model: str) -> bool:
+        """Whether the parity case ``model`` (one of ``parity.MODELS``) is selected by ``--models``."""
+        return self.models is None or model in self.models
 
     def cached(self, key: str, build: Callable[[], Any]) -> Any:
         if key not in self.cache:

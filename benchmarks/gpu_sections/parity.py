@@ -278,21 +278,30 @@ def _has_kv_cache_dtype() -> bool:
     return "kv_cache_dtype" in inspect.signature(Engine.from_pretrained).parameters
 
 
+QUICK_MODELS = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")
+"""The tiny models --quick runs: one per distinct device path (MoE, recurrent, soft-capped, chunked-local)."""
+_TINY = (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
+         ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3), ("gemma2", models.tiny_gemma2),
+         ("minimax-m2", models.tiny_minimax_m2), ("llama4", models.tiny_llama4))
+MODELS = ("qwen3", "lora", "encoders", "ngram", *(name for name, _ in _TINY))
+"""The parity section's cases, in run order: the names ``--models`` selects from."""
+
+
 def run(ctx: Ctx) -> None:
-    with ctx.case("build tiny qwen3"):
-        _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
-    with ctx.case("qwen3 + lora"):
-        _lora(ctx)
-    with ctx.case("encoders"):
-        _encoders(ctx)
-    with ctx.case("qwen3 + ngram speculation"):
-        _speculative(ctx)
-    quick = ("qwen3-moe", "qwen3-next", "gemma2", "llama4")  # --quick: one model per distinct device path
-    for name, build in (("qwen3-moe", models.tiny_qwen3_moe), ("qwen3-next", models.tiny_qwen3_next),
-                        ("glm4-moe", models.tiny_glm4_moe), ("gemma3", models.tiny_gemma3),
-                        ("gemma2", models.tiny_gemma2), ("minimax-m2", models.tiny_minimax_m2),
-                        ("llama4", models.tiny_llama4)):
-        if ctx.quick and name not in quick:
+    if ctx.wants("qwen3"):
+        with ctx.case("build tiny qwen3"):
+            _model(ctx, "qwen3", models.tiny_qwen3(ctx), fp8_kv=True)
+    if ctx.wants("lora"):
+        with ctx.case("qwen3 + lora"):
+            _lora(ctx)
+    if ctx.wants("encoders"):
+        with ctx.case("encoders"):
+            _encoders(ctx)
+    if ctx.wants("ngram"):
+        with ctx.case("qwen3 + ngram speculation"):
+            _speculative(ctx)
+    for name, build in _TINY:
+        if (ctx.quick and name not in QUICK_MODELS) or not ctx.wants(name):
             continue
         ctx.deadline.check(f"tiny {name}")
         with ctx.case(f"build tiny {name}"):

@@ -133,11 +133,20 @@ def test_a_stuck_section_is_interrupted_at_the_hard_deadline(gpu_check, tmp_path
     assert [got[n]["status"] for n in NAMES[1:]] == ["skipped"] * 5
 
 
-
-def test_the_full_parity_section_runs_every_tiny_model(gpu_check, tmp_path):
-    """Without --quick the parity section also runs the models --quick leaves out (GLM-4.5, Gemma 3, MiniMax-M2)."""
-    gpu_check.main(["--out", str(tmp_path), "--sections", "parity", "--budget-s", "300"])
+def test_the_full_parity_section_runs_the_models_quick_leaves_out(gpu_check, tmp_path):
+    """Without --quick the parity section also runs what --quick leaves out (GLM-4.5, Gemma 3, MiniMax-M2, two more
+    encoders); ``--models`` runs just those (the quick run above covers the rest)."""
+    left_out = ["encoders", "glm4-moe", "gemma3", "minimax-m2"]
+    gpu_check.main(["--out", str(tmp_path), "--sections", "parity", "--budget-s", "300",
+                    "--models", ",".join(left_out)])
     parity = json.loads((tmp_path / "2_parity.json").read_text())
     assert parity["status"] == "ok", parity.get("errors") or parity.get("timeout")
     names = {c["name"].split(":")[0] for c in parity["checks"] if c["ok"]}
-    assert {"glm4-moe", "gemma3", "gemma2", "minimax-m2", "llama4"} <= names
+    assert names == {"glm4-moe", "gemma3", "minimax-m2", "BertModel", "XLMRobertaModel",
+                     "BertForSequenceClassification", "XLMRobertaForSequenceClassification"}
+
+
+def test_an_unknown_parity_model_is_refused_by_name(gpu_check, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--models", "qwen3,gpt-5"])
+    assert "gpt-5" in capsys.readouterr().err
