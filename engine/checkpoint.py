@@ -20,6 +20,12 @@ def checkpoint_dir(model_dir: str | os.PathLike) -> Path:
     return path
 
 
+def tokenizer_dir(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> Path:
+    """The folder a model's tokenizer loads from: ``tokenizer`` (``--tokenizer``) when given, else the model's. The
+    engine and the front end both resolve it here, so each loads the same tokenizer."""
+    return checkpoint_dir(tokenizer or model_dir)
+
+
 def load_tokenizer(model_dir: str | os.PathLike):
     """The checkpoint's tokenizer (a transformers PreTrainedTokenizerBase)."""
     from transformers import AutoTokenizer

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ember.engine import fp8_loading, loader, pooling
+from ember.engine import checkpoint, fp8_loading, loader, pooling
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
@@ -130,7 +130,7 @@ class Engine:
             torch.manual_seed(config.seed)
         self.model_config = loader.load_model_config(self.model_dir, config.hf_overrides)
         self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
-        self.tokenizer_dir = loader.checkpoint_dir(config.tokenizer or self.model_dir)
+        self.tokenizer_dir = checkpoint.tokenizer_dir(self.model_dir, config.tokenizer)
         self.tokenizer = loader.load_tokenizer(self.tokenizer_dir)
         self.eos_token_ids: set[int] = set(end_of_turn_ids(self.tokenizer, self.model_dir))
         mc = self.model_config

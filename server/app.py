@@ -570,7 +570,7 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     """Start the engine for `config.model_dir` (building the demo model when None): in its own process, or in a
     thread of this one with `config.in_process`; then the front end's tokenizer, parser and grammar setup."""
     from ember.engine.args import engine_args_of
-    from ember.engine.checkpoint import load_tokenizer
+    from ember.engine.checkpoint import tokenizer_dir
 
     model_dir = config.model_dir
     if model_dir is None:
@@ -583,18 +583,27 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     if config.in_process:
         from ember.engine.async_engine import AsyncEngine
 
-        tokenizer = load_tokenizer(config.tokenizer or model_dir)
-        grammar, why = _structured(model_dir, tokenizer)
+        tokenizer, grammar, why = _front_end_setup(model_dir, tokenizer_dir(model_dir, args.tokenizer))
         engine: Any = AsyncEngine.from_args(str(model_dir), args, grammar)
     else:
+        from concurrent.futures import ThreadPoolExecutor
+
         from ember.engine.core_client import ProcessEngineClient
 
         from .structured import engine_constraints
 
-        engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
+        # the front end's tokenizer and grammar tables (seconds for a 200k vocabulary) are built while the engine
+        # process starts, from the folder the engine loads its tokenizer from
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ember-front-end-setup")
+        front = pool.submit(_front_end_setup, model_dir, tokenizer_dir(model_dir, args.tokenizer))
+        pool.shutdown(wait=False)
         try:
-            tokenizer = load_tokenizer(engine.model_info.tokenizer_path)
-            grammar, why = _structured(model_dir, tokenizer)
+            engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
+        except BaseException:
+            front.cancel()
+            raise
+        try:
+            tokenizer, grammar, why = front.result()
         except BaseException:
             engine.shutdown()
             raise
@@ -606,6 +615,14 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
     except BaseException:
         engine.shutdown()
         raise
+
+
+def _front_end_setup(model_dir: Path, tokenizer_dir: Path) -> tuple[Any, Any, str | None]:
+    """The front end's tokenizer, and its grammar backend or why there is none (`_structured`)."""
+    from ember.engine.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    return (tokenizer, *_structured(model_dir, tokenizer))
 
 
 def _structured(model_dir: Path, tokenizer: Any) -> tuple[Any, str | None]:
