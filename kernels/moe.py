@@ -13,10 +13,11 @@ Design (vLLM's ``fused_moe_kernel``, reimplemented):
 Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), block-scaled FP8 stacks
 (:class:`ember.kernels.fp8_block.FP8BlockTensor`: e4m3 bytes decoded with integer ops and scaled per block inside
 the kernel, W8A16) or NVFP4 stacks
-(:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed
-``[BLOCK_N, BLOCK_K/2]`` bytes and ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the nibbles decoded
-and scaled (integer ops, so no FP8 hardware support is needed), interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and
-cast to the activation dtype before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. MXFP4 stacks
+(:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed bytes, as
+``[BLOCK_N, BLOCK_K/8]`` int32 words, and the ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the
+codes decoded two per integer op into fp16 bit patterns (:func:`_e2m1_words`; integer ops, so no FP4/FP8 hardware
+support is needed) and scaled, interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and cast to the activation dtype
+before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. MXFP4 stacks
 (:class:`ember.kernels.mxfp4.MXFP4Tensor`, gpt-oss) take the same path with ``SCALE_E8M0``: one E8M0 scale per 32
 (the byte is the float32 exponent), no tensor scale. gpt-oss also adds per-expert biases in both epilogues and
 replaces SiLU-and-mul by its clamped GLU (``CLAMPED_SWIGLU``). This uses only Triton features present in 3.6 and
@@ -80,8 +81,9 @@ def default_config(
     Keyed by ``num_tokens``, the batch's token count M (as vLLM's tables), not by the ``M*k`` routed pairs.
 
     ``nvfp4`` (W4A16 weights dequantized in the kernel): the decoded tile lives in registers next to the
-    accumulators, so at most 2 pipeline stages, 1 for the 32-row tile and 8 warps for the 64-row one (the choices
-    that compile without spills for sm_90 and sm_100 with Triton 3.6: ``tests/moe/compile_check_moe.py``). At decode
+    accumulators, so at most 2 pipeline stages and 8 warps for the 64-row tile (the choices that compile without
+    spills for sm_90 and sm_100: ``tests/moe/compile_check_moe.py``; the 32-row tile needed 1 stage before the
+    decode went word-wide, and then spilled 8 bytes in 1 stage for sm_90 where 2 stages take 183 registers). At decode
     sizes (M <= 64, 16-row tiles) narrow 32 x 128 tiles in 3 stages: an H200 sweep (2026-12-04, E=128, H=2048,
     I=768, top-8, graph replays) measured them fastest of seven at M=1 (0.129 ms against 0.155 for the table's tile)
     and within 1% of the best at M=64 (0.578 against 0.723).
@@ -97,8 +99,6 @@ def default_config(
         return cfg
     if cfg.block_m == 16 and device.type == "cuda" and not _interpreting():
         return replace(cfg, block_n=32, block_k=128, num_warps=4, num_stages=3)
-    if cfg.block_m == 32:
-        return replace(cfg, num_stages=1)
     if cfg.block_m == 64:
         return replace(cfg, num_warps=8, num_stages=2)
     return replace(cfg, num_stages=min(cfg.num_stages, 2))
@@ -183,12 +183,35 @@ def _block_scale_to_f32(s, SCALE_E8M0: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_to_f32(code):
-    """E2M1 codes (int32, 0..15) -> float32 bits: sign from bit 3; magnitude codes 2..7 (1, 1.5, 2, 3, 4, 6) are
-    ``(m << 22) + 0x3F000000``, code 1 is 0.5, code 0 is 0."""
-    mag = code & 7
-    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, tl.where(mag == 1, 0x3F000000, 0))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+def _f16_pair(bits, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
+    """The two fp16 values a uint32 of fp16 bit pairs holds (low half first), in DTYPE, times float32 ``scale``
+    (``UNSCALE``: times ``2**14`` first)."""
+    lo = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    if UNSCALE:
+        lo = lo * 16384.0
+        hi = hi * 16384.0
+    return (lo * scale).to(DTYPE), (hi * scale).to(DTYPE)
+
+
+@triton.jit
+def _e2m1_words(w, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
+    """Decode uint32 words of packed E2M1 codes (byte ``j``: K elements ``2j`` (low nibble) and ``2j + 1``) into
+    the eight tensors of their elements 0..7 in DTYPE, each times ``scale * 2**-14`` (``UNSCALE``: ``scale``).
+
+    Each code is moved into the bit positions of an fp16 two at a time (bytes 0 and 2, or 1 and 3, share one
+    shift and one mask per half word): its magnitude bits become the fp16's two low exponent bits and top mantissa
+    bit, its sign the sign, so a normal code ``2**(e-1) * (1 + m/2)`` reads as ``2**(e-15) * (1 + m/2)`` and code 1
+    (0.5) as the subnormal ``2**-15``, which the conversion to float32 keeps: every value is exactly the code's
+    times ``2**-14``. Two shifts and two masks per pair of codes, against about ten integer ops per code for a
+    lookup by compares."""
+    mag: tl.constexpr = 0x0E000E00
+    sign: tl.constexpr = 0x80008000
+    e0, e4 = _f16_pair(((w << 9) & mag) | ((w << 12) & sign), scale, DTYPE, UNSCALE)
+    e1, e5 = _f16_pair(((w << 5) & mag) | ((w << 8) & sign), scale, DTYPE, UNSCALE)
+    e2, e6 = _f16_pair(((w << 1) & mag) | ((w << 4) & sign), scale, DTYPE, UNSCALE)
+    e3, e7 = _f16_pair(((w >> 3) & mag) | (w & sign), scale, DTYPE, UNSCALE)
+    return e0, e1, e2, e3, e4, e5, e6, e7
 
 
 @triton.jit
@@ -199,25 +222,29 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  SCALE_E8M0: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr):
     """K step ``k0`` of one expert as the ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], k]``, in DTYPE.
 
-    NVFP4: the packed ``[BLOCK_N, BLOCK_K/2]`` bytes and the ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each
-    loaded once (coalesced along K); low and high nibbles are decoded and scaled separately, then interleaved
-    (``tl.join`` + ``tl.reshape``: element ``2i`` is the low nibble) and transposed for ``tl.dot``.
+    NVFP4: the packed ``[BLOCK_N, BLOCK_K/8]`` int32 words (``b_ptr`` is the bytes viewed as int32) and the
+    ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each loaded once (coalesced along K); each word's eight codes
+    are decoded and scaled (:func:`_e2m1_words`), then interleaved back into K order (``tl.join`` +
+    ``tl.reshape``) and transposed for ``tl.dot``. Exactly the dequantized weights in the activation dtype.
     Block FP8 (``FP8_BN > 0``): the e4m3 bytes are decoded with integer ops and multiplied by the float32 scale of
     the ``FP8_BN x FP8_BK`` block each element falls in (one scale per row when the tile lies in one K block).
     """
     if NVFP4:
-        kp = k0 * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        kw = k0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
         ks = k0 * (BLOCK_K // SCALE_GROUP) + tl.arange(0, BLOCK_K // SCALE_GROUP)
-        packed = tl.load(b_ptr + rows[:, None] * stride_bn + kp[None, :] * stride_bk,
-                         mask=row_mask[:, None] & (kp < K // 2)[None, :], other=0).to(tl.int32)
+        words = tl.load(b_ptr + rows[:, None] * stride_bn + kw[None, :] * stride_bk,
+                        mask=row_mask[:, None] & (kw < K // 8)[None, :], other=0).to(tl.uint32, bitcast=True)
         s = tl.load(bs_ptr + rows[:, None] * stride_sn + ks[None, :] * stride_sk,
                     mask=row_mask[:, None] & (ks < K // SCALE_GROUP)[None, :], other=0).to(tl.int32)
         scale = _block_scale_to_f32(s, SCALE_E8M0)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // SCALE_GROUP, SCALE_GROUP // 2)),
-                           (BLOCK_N, BLOCK_K // 2))
-        lo = (_e2m1_to_f32(packed & 15) * scale).to(DTYPE)
-        hi = (_e2m1_to_f32(packed >> 4) * scale).to(DTYPE)
-        return tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)))
+        if not SCALE_E8M0:  # E4M3 scales are at most 448: the decode's 2**-14 is undone here, once per 16 elements
+            scale = scale * 16384.0  # (E8M0 scales reach 2**127: the decoded values are scaled back instead)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // SCALE_GROUP, SCALE_GROUP // 8)),
+                           (BLOCK_N, BLOCK_K // 8))
+        e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_words(words, scale, DTYPE, SCALE_E8M0)
+        # element 8i + j of the tile is e_j[i]: the outermost join picks j's low bit, the innermost its high bit
+        b = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
+        return tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
     elif FP8_BN > 0:
         kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (kk < K)[:, None] & row_mask[None, :]
@@ -402,6 +429,11 @@ def _moe_gemm_w4a4_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
 
 
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes ``[..., K/2]`` as the int32 words the in-kernel decode reads (4 bytes, 8 elements each)."""
+    return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
+
+
 def _grid(em: int, n: int, cfg: GemmConfig) -> tuple[int]:
     return (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 
@@ -436,17 +468,17 @@ def _invoke(
         s_strides = scale.stride()
         s2_strides = (0, 0)
     elif mx:
-        b = w.weight
+        b = w.weight if dot_scaled else _words(w.weight)
         scale = w.scale
         s2 = b  # unused: MXFP4 has no tensor scale
-        k = b.shape[-1] * 2
+        k = w.weight.shape[-1] * 2
         s_strides = scale.stride()
         s2_strides = (0, 0)
     elif isinstance(w, NVFP4Tensor):
-        b = w.weight
+        b = _words(w.weight)
         scale = w.weight_scale.view(torch.uint8)
         s2 = w.weight_scale_2.float().reshape(b.shape[0], -1)
-        k = b.shape[-1] * 2
+        k = w.weight.shape[-1] * 2
         s_strides = scale.stride()
         s2_strides = (s2.stride(0), s2.stride(1) if s2.shape[1] > 1 else 0)
     else:

@@ -2,6 +2,8 @@
 references."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from ember.kernels import fp8_block, moe, nvfp4
 from ember.kernels.fp8_block import FP8BlockTensor
@@ -98,12 +100,40 @@ def test_w4a16_tile_decode_is_exact_for_every_code_and_scale():
     groups, subnormal E4M3 scales, -0 codes, ragged N and K tiles)."""
     g = torch.Generator().manual_seed(3)
     n, k = 72, 96
-    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    packed = torch.empty(n, k // 2, dtype=torch.uint8)
+    for pos in range(4):  # the decode reads 4-byte words: every byte value at every position in a word
+        values = torch.cat([torch.randperm(256, generator=g) for _ in range(4)])[:n * k // 8]
+        packed[:, pos::4] = values.view(n, k // 8).to(torch.uint8)
+        assert packed[:, pos::4].unique().numel() == 256
     scales = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = NVFP4Tensor(packed, scales, torch.tensor(0.75))
     got = moe.nvfp4_linear(torch.eye(k), w, config=CFG)
     assert got.dtype == torch.float32
     assert torch.equal(got, w.dequantize().T)
+
+
+@triton.jit
+def _decode_words_kernel(words_ptr, out_ptr, scale, N: tl.constexpr, UNSCALE: tl.constexpr):
+    w = tl.load(words_ptr + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    parts = moe._e2m1_words(w, tl.full((N,), scale, tl.float32), tl.float32, UNSCALE)
+    for j in tl.static_range(8):
+        tl.store(out_ptr + tl.arange(0, N) * 8 + j, parts[j])
+
+
+@pytest.mark.parametrize("unscale", [False, True], ids=["e4m3-scale-folded", "e8m0-scale"])
+def test_e2m1_word_decode_is_exact_for_every_byte_at_every_position(unscale):
+    """The word-wide decode: 4 bytes -> 8 elements in K order, each exactly its code's value times the scale (times
+    2**-14 where the E4M3 path folds 2**14 into its scale); an E8M0 scale of 2**120 does not overflow."""
+    g = torch.Generator().manual_seed(5)
+    packed = torch.stack([torch.randperm(256, generator=g) for _ in range(4)], dim=1).to(torch.uint8)  # [256, 4]
+    scale = 2.0 ** 120 if unscale else 3.5
+    out = torch.empty(256 * 8)
+    _decode_words_kernel[(1,)](packed.view(torch.int32).view(-1), out, scale, N=256, UNSCALE=unscale)
+    want = nvfp4.e2m1_to_float(nvfp4.unpack_e2m1(packed)).reshape(-1).double() * scale
+    if not unscale:
+        want = want * 2.0 ** -14
+    assert torch.equal(out.double(), want)
+    assert torch.equal(torch.signbit(out), torch.signbit(want.float()))  # -0 codes keep their sign
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
