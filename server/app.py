@@ -586,22 +586,25 @@ def load_runtime(config: ServeConfig) -> ModelRuntime:
         tokenizer, grammar, why = _front_end_setup(model_dir, tokenizer_dir(model_dir, args.tokenizer))
         engine: Any = AsyncEngine.from_args(str(model_dir), args, grammar)
     else:
-        from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import Future
 
         from ember.engine.core_client import ProcessEngineClient
 
         from .structured import engine_constraints
 
         # the front end's tokenizer and grammar tables (seconds for a 200k vocabulary) are built while the engine
-        # process starts, from the folder the engine loads its tokenizer from
-        pool = ThreadPoolExecutor(1, thread_name_prefix="ember-front-end-setup")
-        front = pool.submit(_front_end_setup, model_dir, tokenizer_dir(model_dir, args.tokenizer))
-        pool.shutdown(wait=False)
-        try:
-            engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
-        except BaseException:
-            front.cancel()
-            raise
+        # process starts, from the folder the engine loads its tokenizer from; a daemon thread, so an engine that
+        # fails to start is reported without waiting for it
+        front: Future = Future()
+
+        def setup() -> None:
+            try:
+                front.set_result(_front_end_setup(model_dir, tokenizer_dir(model_dir, args.tokenizer)))
+            except BaseException as e:
+                front.set_exception(e)
+
+        threading.Thread(target=setup, name="ember-front-end-setup", daemon=True).start()
+        engine = ProcessEngineClient(str(model_dir), args, engine_constraints, log_level=config.log_level)
         try:
             tokenizer, grammar, why = front.result()
         except BaseException:
