@@ -154,6 +154,21 @@ class Ctx:
         finally:
             self.report.save()
 
+    @contextlib.contextmanager
+    def diagnostic(self, name: str, need_s: float = 0.0) -> Iterator[None]:
+        """A measurement that only informs (a profile): the deadline is checked first, and an exception inside is
+        logged under ``diagnostic_errors`` without failing the section."""
+        self.deadline.check(name, need_s)
+        try:
+            yield
+        except OutOfTime:
+            raise
+        except Exception as e:
+            self.report.data.setdefault("diagnostic_errors", []).append(f"{name}: {type(e).__name__}: {e}")
+            self.report.log(f"  {name}: {type(e).__name__}: {e}")
+        finally:
+            self.report.save()
+
 
 def bench_ms(fn: Callable[[], Any], rep: int = 100, warmup: int = 25) -> float:
     """Median milliseconds per call: ``triton.testing.do_bench`` on a GPU, one timed call (after one untimed) on a
@@ -187,6 +202,38 @@ def graph_ms(fn: Callable[[], Any], rep: int = 100, warmup: int = 25) -> float:
         return bench_ms(graph.replay, rep, warmup)
     finally:
         del graph
+
+
+def time_by_kernel(fn: Callable[[], Any], calls: int = 3, top: int = 12) -> dict[str, Any]:
+    """Where ``fn``'s time goes, per call: ``torch.profiler`` over ``calls`` calls (after one untimed), grouped by
+    name. On a GPU the device time of each kernel (the same inside a CUDA graph, less the gaps between launches); on
+    a CPU each aten op's own time. Returns ``{"total_us", "kernels": [{"name", "us", "count", "share"}...]}`` per
+    call, the ``top`` longest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+
+    def own_us(ev: Any) -> float:
+        if cuda:
+            return float(getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0))
+        return float(ev.self_cpu_time_total)
+
+    events = [ev for ev in prof.key_averages()
+              if (ev.device_type == DeviceType.CUDA) == cuda and (cuda or ev.key.startswith("aten::")) and own_us(ev)]
+    total = sum(own_us(ev) for ev in events) / calls
+    events.sort(key=own_us, reverse=True)
+    return {"total_us": total, "kernels": [
+        {"name": ev.key[:120], "us": own_us(ev) / calls, "count": ev.count / calls,
+         "share": own_us(ev) / calls / total if total else 0.0} for ev in events[:top]]}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

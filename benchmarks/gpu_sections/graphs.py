@@ -3,6 +3,7 @@
 For each batch size (some padded up to a captured size): the replay equals the eager forward on the same padded
 inputs (relative error < 1e-3; any difference is a graph bug: stale metadata, a buffer copied once at capture) and
 is close to the unpadded eager forward (other GEMM shapes, so a looser bound); then ms per forward, eager vs graph.
+At the e2e check's batch (32) the forward's device time by kernel (`time_by_kernel`): where a decode step goes.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import torch
 
 from gpu_sections import models
-from gpu_sections.common import Ctx, bench_ms
+from gpu_sections.common import Ctx, Report, bench_ms, time_by_kernel
 
 LAYERS = 8  # 2 on a CPU run
 
@@ -27,6 +28,7 @@ def run(ctx: Ctx) -> None:
     cfg, model = models.random_ember_model(ctx, models.qwen3_layers_config(ctx, layers), 4096)
     seq_ctx, bs = ctx.pick((40, 16), (1024, 16), (1024, 16))
     batches = ctx.pick((1, 3), (3, 32), (1, 3, 32, 100))  # 3 and 100 replay padded graphs
+    profiled = ctx.pick(3, 32, 32)  # the e2e check's batch: where its decode step's device time goes
     max_seqs = ctx.pick(4, 32, 128)
     blocks_per_seq = (seq_ctx + 1 + bs - 1) // bs
     nb = max_seqs * blocks_per_seq + 1
@@ -75,8 +77,21 @@ def run(ctx: Ctx) -> None:
                               graph_tok_s=n / graph_ms * 1e3, speedup=eager_ms / graph_ms)
                 rep.log(f"  B={n:<3} eager {eager_ms:7.2f} ms graph {graph_ms:7.2f} ms -> {row['graph_tok_s']:8.0f} "
                         f"tok/s (forward only, {layers} layers, ctx {seq_ctx})")
+                ctx.cache.setdefault("forward_graph_ms", {})[n] = graph_ms
+                if n == profiled:
+                    with ctx.diagnostic(f"time by kernel B={n}", need_s=3.0):
+                        _log_breakdown(rep, n, graph_ms, time_by_kernel(lambda: forward(ids, meta)))
     engine_equal = ctx.cache.get("graph_equal", [])
     equal = all_equal and all(engine_equal)
     rep.target("graph replay == eager (forward and engine tokens)", float(equal), "== 1", equal,
                engine_runs=len(engine_equal))
     del runner, kv, model
+
+
+def _log_breakdown(rep: Report, n: int, graph_ms: float, prof: dict) -> None:
+    """The forward's time by kernel (eager, profiled), against the graph replay's wall time: what to speed up."""
+    rep.data["time_by_kernel"] = {"B": n, "graph_ms": graph_ms, **prof}
+    rep.log(f"  B={n} forward by kernel: {prof['total_us'] / 1e3:.2f} ms in kernels per forward "
+            f"({prof['total_us'] / 1e3 / graph_ms:.0%} of the graph replay's {graph_ms:.2f} ms)")
+    for k in prof["kernels"]:
+        rep.log(f"    {k['us']:9.1f} us {k['share']:6.1%} x{k['count']:<5.0f} {k['name']}")

@@ -8,7 +8,7 @@ bf16 torch reference loop and against its **bytes floor**: distinct experts touc
 activations, over the measured copy rate. Target: NVFP4 W4A16 <= 1.5x its floor at the decode sizes (M <= 64);
 at M = 512 and 4096 the GEMMs are compute-bound and the bytes floor is reported only. Kernel times are of CUDA-graph
 replays (``graph_ms``: the routing sort and both GEMMs, as a captured decode step runs them); ``nvfp4_eager_ms`` adds
-Python's launch cost.
+Python's launch cost; at decode sizes ``nvfp4_by_kernel`` splits the NVFP4 MoE's device time by kernel.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ember.kernels import moe_reference as ref
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.nvfp4 import NVFP4Tensor
 
-from gpu_sections.common import Ctx, bench_ms, graph_ms
+from gpu_sections.common import Ctx, bench_ms, graph_ms, time_by_kernel
 
 NVFP4_FLOOR_TARGET = 1.5
 
@@ -179,6 +179,12 @@ def run(ctx: Ctx) -> None:
                 f"({row['nvfp4_over_floor']:.1f}x floor {row['floor_nvfp4_ms']:.3f} ms; "
                 f"eager {row['nvfp4_eager_ms']:.3f}, "
                 f"routing sort {row['align_ms']:.3f})")
+        if m <= 64:
+            with ctx.diagnostic(f"moe nvfp4 time by kernel M={m}", need_s=2.0):
+                prof = time_by_kernel(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False), top=6)
+                row["nvfp4_by_kernel"] = prof
+                rep.log("    nvfp4 by kernel: " + "; ".join(f"{k['name'][:40]} {k['us']:.1f} us x{k['count']:.0f}"
+                                                          for k in prof["kernels"]))
         rep.save()
     if worst is not None:
         rep.target("NVFP4 MoE time / bytes floor (worst of M<=64)", worst, f"<= {NVFP4_FLOOR_TARGET}",

@@ -152,6 +152,7 @@ def engine_e2e(ctx: Ctx) -> dict | None:
             row = rep.row(kind="ember", **_decode_rate(eng, b, prompt_len, new_tokens))
             rep.log(f"  ember e2e B={b:<4} {row['tok_s']:9.1f} decode tok/s ({row['decode_tokens']} tokens in "
                     f"{row['decode_s']:.2f} s)")
+            _split_step(ctx, row)
             rep.save()
             if b == target_b:
                 at_target = row
@@ -160,6 +161,19 @@ def engine_e2e(ctx: Ctx) -> dict | None:
         eng.shutdown()
         del eng
         free_cuda()
+
+
+def _split_step(ctx: Ctx, row: dict) -> None:
+    """A decode step's wall time against the graphs section's replay of the same 8-layer forward at that batch
+    (ctx 1k there): the rest is the engine's host work and sampling, which the device waits on."""
+    forward = ctx.cache.get("forward_graph_ms", {}).get(row["B"])
+    if forward is None or not row["decode_tokens"]:
+        return
+    row["step_ms"] = row["decode_s"] / (row["decode_tokens"] / row["B"]) * 1e3
+    row["forward_graph_ms"] = forward
+    row["rest_ms"] = row["step_ms"] - forward
+    ctx.report.log(f"    step {row['step_ms']:.2f} ms = forward {forward:.2f} ms (graph replay, section 5) + "
+                   f"{row['rest_ms']:.2f} ms host work and sampling")
 
 
 def transformers_peer(ctx: Ctx, ours: dict) -> None:

@@ -71,6 +71,14 @@ def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_pat
     for name in NAMES[2:]:
         assert got[name]["status"] == "ok", (name, got[name].get("errors"), got[name].get("timeout"))
         assert all(c["ok"] for c in got[name]["checks"]), name
+    # where the decode step's time goes: the forward at the e2e batch and the NVFP4 MoE at decode sizes, by kernel
+    by_kernel = [got["graphs"]["time_by_kernel"]] + [r["nvfp4_by_kernel"] for r in got["moe"]["rows"]
+                                                     if r.get("kind") == "moe"]
+    assert len(by_kernel) == 3 and not got["graphs"].get("diagnostic_errors"), got["graphs"].get("diagnostic_errors")
+    for prof in by_kernel:
+        assert prof["total_us"] > 0 and prof["kernels"]
+        assert sum(k["us"] for k in prof["kernels"]) <= prof["total_us"] * 1.0001
+        assert [k["us"] for k in prof["kernels"]] == sorted((k["us"] for k in prof["kernels"]), reverse=True)
     summary = json.loads((tmp_path / "summary.json").read_text())
     # the fresh process imported the engine, the loader and transformers itself: nothing the GPU image lacks
     assert "import_error" not in summary, summary["import_error"]
