@@ -430,8 +430,11 @@ def _moe_gemm_w4a4_kernel(
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 bytes ``[..., K/2]`` as the int32 words the in-kernel decode reads (4 bytes, 8 elements each)."""
-    return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
+    """Packed E2M1 bytes ``[..., K/2]`` as the int32 words the in-kernel decode reads (4 bytes, 8 elements each):
+    a view of the loaded weights (rows contiguous, 4-byte aligned), or a copy of a view that is not."""
+    aligned = packed.stride(-1) == 1 and packed.storage_offset() % 4 == 0 and all(
+        s % 4 == 0 for s in packed.stride()[:-1])
+    return (packed if aligned else packed.contiguous()).view(torch.int32)
 
 
 def _grid(em: int, n: int, cfg: GemmConfig) -> tuple[int]:

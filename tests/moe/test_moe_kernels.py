@@ -110,6 +110,11 @@ def test_w4a16_tile_decode_is_exact_for_every_code_and_scale():
     got = moe.nvfp4_linear(torch.eye(k), w, config=CFG)
     assert got.dtype == torch.float32
     assert torch.equal(got, w.dequantize().T)
+    # a weight that is a view 2 bytes into wider rows (not 4-byte aligned) decodes the same
+    wide = torch.zeros(n, k // 2 + 8, dtype=torch.uint8)
+    wide[:, 2:2 + k // 2] = packed
+    view = NVFP4Tensor(wide[:, 2:2 + k // 2], scales, torch.tensor(0.75))
+    assert torch.equal(moe.nvfp4_linear(torch.eye(k), view, config=CFG), got)
 
 
 @triton.jit
