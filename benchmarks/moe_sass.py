@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Static cost of the W4A16 (NVFP4) MoE GEMM's main loop, per K step, from its SASS: no GPU needed.
+"""Static cost of the W4A16 (NVFP4) and W8A16 (block FP8) MoE GEMMs' main loop, per K step, from their SASS: no
+GPU needed.
 
-    python benchmarks/moe_sass.py [--arch 90] [--sizes 1,16,64,256,4096]
+    python benchmarks/moe_sass.py [--arch 90] [--sizes 1,16,64,256,4096] [--weights nvfp4,fp8]
 
-At decode sizes the NVFP4 GEMM is bound by dequantization (it reads 3.6x fewer bytes than bf16 but took 1.7x
+At decode sizes these GEMMs are bound by dequantization (NVFP4 reads 3.6x fewer bytes than bf16 but took 1.7x
 longer on an H200), so the instructions one thread issues per K step of the main loop, per weight element it decodes,
 are the number to push down between device runs. For each batch size M the script records the launches
-`fused_moe` makes with the GPU's default tiles (`moe.default_config(..., nvfp4=True)`), compiles them for
+`fused_moe` makes with the GPU's default tiles (`moe.default_config(..., nvfp4=True)`, and `block_fp8_config` of it
+for FP8 with 128x128 blocks), compiles them for
 ``sm_<arch>`` as the JIT specializes them (`tests/kernels/compile_check.py`), disassembles the cubin with the
 `cuobjdump` in Triton's wheel, takes the loop body (the longest backward branch) and prints a table: registers, loop
 instructions, weight elements per thread per K step, their ratio, tensor-core instructions and the commonest
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -33,7 +36,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 
-from ember.kernels import moe, nvfp4  # noqa: E402
+from ember.kernels import fp8_block, moe, nvfp4  # noqa: E402
 from ember.kernels import moe_reference as ref  # noqa: E402
 from ember.kernels.nvfp4 import NVFP4Tensor  # noqa: E402
 from tests.kernels.compile_check import _Recorder, _specialize, resource_usage  # noqa: E402
@@ -62,52 +65,59 @@ def main_loop(text: str) -> list[str]:
     return best
 
 
-def stacks(g: torch.Generator, e: int, h: int, i: int) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+def stacks(g: torch.Generator, e: int, h: int, i: int, weights: str) -> tuple[Any, Any]:
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g)
+    if weights == "fp8":
+        return fp8_block.quantize(w13, (128, 128)), fp8_block.quantize(w2, (128, 128))
+
     def stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
         q = [nvfp4.quantize(x) for x in w]
         s2 = torch.stack([x.weight_scale_2 for x in q])
         return NVFP4Tensor(torch.stack([x.weight for x in q]), torch.stack([x.weight_scale for x in q]),
                            s2.unsqueeze(1).expand(-1, parts).contiguous() if parts == 2 else s2)
 
-    return stack(torch.randn(e, 2 * i, h, generator=g), 2), stack(torch.randn(e, h, i, generator=g), 1)
+    return stack(w13, 2), stack(w2, 1)
 
 
-def run(arch: int, sizes: list[int]) -> None:
+def run(arch: int, sizes: list[int], kinds: list[str]) -> None:
     g = torch.Generator().manual_seed(0)
     e, h, i, top_k = 8, 256, 128, 2
-    w13, w2 = stacks(g, e, h, i)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     kernel = moe._moe_gemm_kernel
-    print(f"NVFP4 W4A16 MoE main loop, sm_{arch}, triton {triton.__version__}, torch {torch.__version__}\n")
-    print("| M | GEMM | tile (MxNxK, warps, stages) | registers | loop instructions | weight elements / thread "
-          "| instructions / element | MMA | commonest |")
-    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(f"MoE GEMM main loop, sm_{arch}, triton {triton.__version__}, torch {torch.__version__}\n")
+    print("| weights | M | GEMM | tile (MxNxK, warps, stages) | registers | loop instructions "
+          "| weight elements / thread | instructions / element | MMA | commonest |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     try:
-        for m in sizes:
-            launches: list = []
-            moe._moe_gemm_kernel = _Recorder("moe._moe_gemm_kernel", kernel, launches)
-            cfg = moe.default_config(m, 128, 8, torch.device("cuda"), nvfp4=True)
-            x = torch.randn(m, h, generator=g).to(torch.bfloat16)
-            tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), top_k, True)
-            try:
-                moe.fused_moe(x, w13, w2, tw, ti, config=cfg)
-            except Exception:  # the recorder launched nothing, so the combine after the GEMMs may fail: not needed
-                pass
-            for (_, _, args, kwargs, _), gemm in zip(launches, ("w13 (gate+up)", "w2 (down)")):
-                signature, constexprs, attrs, options = _specialize(kernel, args, dict(kwargs), backend)
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                          options=options.__dict__)
-                regs, _ = resource_usage(compiled.asm["cubin"])
-                loop = main_loop(sass(compiled.asm["cubin"]))
-                fused = 2 if kwargs["FUSE_SILU"] else 1
-                per_thread = cfg.block_n * cfg.block_k * fused // (32 * options.num_warps)
-                mma = sum(op.startswith(_MMA) for op in loop)
-                common = ", ".join(f"{op} {n}" for op, n in collections.Counter(
-                    op.split(".")[0] for op in loop).most_common(5))
-                print(f"| {m} | {gemm} | {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{options.num_warps} "
-                      f"s{options.num_stages} | {regs} | {len(loop)} | {per_thread} | {len(loop) / per_thread:.1f} "
-                      f"| {mma} | {common} |")
+        for kind in kinds:
+            w13, w2 = stacks(g, e, h, i, kind)
+            for m in sizes:
+                launches: list = []
+                moe._moe_gemm_kernel = _Recorder("moe._moe_gemm_kernel", kernel, launches)
+                cfg = moe.default_config(m, 128, 8, torch.device("cuda"), nvfp4=True)
+                if kind == "fp8":
+                    cfg = moe.block_fp8_config(cfg)
+                x = torch.randn(m, h, generator=g).to(torch.bfloat16)
+                tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), top_k, True)
+                try:
+                    moe.fused_moe(x, w13, w2, tw, ti, config=cfg)
+                except Exception:  # the recorder launched nothing, so the combine after the GEMMs may fail
+                    pass
+                for (_, _, args, kwargs, _), gemm in zip(launches, ("w13 (gate+up)", "w2 (down)")):
+                    signature, constexprs, attrs, options = _specialize(kernel, args, dict(kwargs), backend)
+                    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                                              options=options.__dict__)
+                    regs, _ = resource_usage(compiled.asm["cubin"])
+                    loop = main_loop(sass(compiled.asm["cubin"]))
+                    fused = 2 if kwargs["FUSE_SILU"] else 1
+                    per_thread = cfg.block_n * cfg.block_k * fused // (32 * options.num_warps)
+                    mma = sum(op.startswith(_MMA) for op in loop)
+                    common = ", ".join(f"{op} {n}" for op, n in collections.Counter(
+                        op.split(".")[0] for op in loop).most_common(5))
+                    print(f"| {kind} | {m} | {gemm} | {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{options.num_warps} "
+                          f"s{options.num_stages} | {regs} | {len(loop)} | {per_thread} "
+                          f"| {len(loop) / per_thread:.1f} | {mma} | {common} |")
     finally:
         moe._moe_gemm_kernel = kernel
 
@@ -116,5 +126,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability times 10 (90: Hopper)")
     ap.add_argument("--sizes", default="1,16,64,256,4096", help="batch sizes M (tokens)")
+    ap.add_argument("--weights", default="nvfp4,fp8", help="which expert formats: nvfp4, fp8 (128x128 blocks)")
     a = ap.parse_args()
-    run(a.arch, [int(s) for s in a.sizes.split(",")])
+    run(a.arch, [int(s) for s in a.sizes.split(",")], a.weights.split(","))

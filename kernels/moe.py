@@ -11,8 +11,8 @@ Design (vLLM's ``fused_moe_kernel``, reimplemented):
    ``[M*k, H]`` (fp32) and summed over ``k`` (the weighted combine).
 
 Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), block-scaled FP8 stacks
-(:class:`ember.kernels.fp8_block.FP8BlockTensor`: e4m3 bytes decoded with integer ops and scaled per block inside
-the kernel, W8A16) or NVFP4 stacks
+(:class:`ember.kernels.fp8_block.FP8BlockTensor`: e4m3 bytes read as int32 words, decoded two per integer op into
+fp16 bit patterns (:func:`_e4m3_words`) and scaled per block inside the kernel, W8A16) or NVFP4 stacks
 (:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed bytes, as
 ``[BLOCK_N, BLOCK_K/8]`` int32 words, and the ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the
 codes decoded two per integer op into fp16 bit patterns (:func:`_e2m1_words`; integer ops, so no FP4/FP8 hardware
@@ -215,6 +215,20 @@ def _e2m1_words(w, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_words(w, scale, DTYPE: tl.constexpr):
+    """Decode uint32 words of four E4M3 bytes (K elements 0..3, byte 0 first) into the four tensors of their elements
+    in DTYPE, each times ``scale * 2**-8``: a byte's seven magnitude bits become an fp16's four low exponent bits and
+    top three mantissa bits (bias 15 against E4M3's 7; E4M3 subnormals land on fp16 subnormals), its sign the sign,
+    two bytes per shift and mask as in :func:`_e2m1_words`. Scales are finite, so E4M3's NaN code reads as 480, as
+    the integer decode it replaced read it."""
+    mag: tl.constexpr = 0x3F803F80
+    sign: tl.constexpr = 0x80008000
+    e0, e2 = _f16_pair(((w << 7) & mag) | ((w << 8) & sign), scale, DTYPE, False)
+    e1, e3 = _f16_pair(((w >> 1) & mag) | (w & sign), scale, DTYPE, False)
+    return e0, e1, e2, e3
+
+
+@triton.jit
 def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  stride_bn, stride_bk, stride_sn, stride_sk,
                  NVFP4: tl.constexpr, DTYPE: tl.constexpr,
@@ -226,8 +240,9 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
     ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each loaded once (coalesced along K); each word's eight codes
     are decoded and scaled (:func:`_e2m1_words`), then interleaved back into K order (``tl.join`` +
     ``tl.reshape``) and transposed for ``tl.dot``. Exactly the dequantized weights in the activation dtype.
-    Block FP8 (``FP8_BN > 0``): the e4m3 bytes are decoded with integer ops and multiplied by the float32 scale of
-    the ``FP8_BN x FP8_BK`` block each element falls in (one scale per row when the tile lies in one K block).
+    Block FP8 (``FP8_BN > 0``): the ``[BLOCK_N, BLOCK_K/4]`` words of e4m3 bytes are decoded (:func:`_e4m3_words`)
+    and multiplied by the float32 scale of the ``FP8_BN x FP8_BK`` block each word falls in (one scale per row when
+    the tile lies in one K block), then interleaved and transposed as NVFP4's.
     """
     if NVFP4:
         kw = k0 * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
@@ -246,18 +261,19 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
         b = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
         return tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
     elif FP8_BN > 0:
-        kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (kk < K)[:, None] & row_mask[None, :]
-        u = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk, mask=mask, other=0).to(tl.int32)
-        if FP8_BK % BLOCK_K == 0:  # the tile lies in one K block: one scale per row (a [BLOCK_K, BLOCK_N] gather of
-            # float32 scales spills at BLOCK_M=32 on sm_90)
+        kw = k0 * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        words = tl.load(b_ptr + rows[:, None] * stride_bn + kw[None, :] * stride_bk,
+                        mask=row_mask[:, None] & (kw < tl.cdiv(K, 4))[None, :], other=0).to(tl.uint32, bitcast=True)
+        if FP8_BK % BLOCK_K == 0:  # the tile lies in one K block: one scale per row (a gather of float32 scales per
+            # element spills at BLOCK_M=32 on sm_90)
             scale = tl.load(bs_ptr + (rows // FP8_BN) * stride_sn + (k0 * BLOCK_K // FP8_BK) * stride_sk,
-                            mask=row_mask, other=0.0)
-            return (_e4m3_to_f32(u) * scale[None, :]).to(DTYPE)
-        else:
-            scale = tl.load(bs_ptr + (rows // FP8_BN)[None, :] * stride_sn + (kk // FP8_BK)[:, None] * stride_sk,
-                            mask=mask, other=0.0)
-            return (_e4m3_to_f32(u) * scale).to(DTYPE)
+                            mask=row_mask, other=0.0)[:, None]
+        else:  # one scale per word: FP8_BK is a multiple of 4 (checked by the wrapper)
+            scale = tl.load(bs_ptr + (rows // FP8_BN)[:, None] * stride_sn + (kw * 4 // FP8_BK)[None, :] * stride_sk,
+                            mask=row_mask[:, None] & (kw < tl.cdiv(K, 4))[None, :], other=0.0)
+        e0, e1, e2, e3 = _e4m3_words(words, scale * 256.0, DTYPE)
+        b = tl.join(tl.join(e0, e2), tl.join(e1, e3))  # element 4i + j is e_j[i]: the outer join picks j's low bit
+        return tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
     else:
         kk = k0 * BLOCK_K + tl.arange(0, BLOCK_K)
         w = tl.load(b_ptr + rows[None, :] * stride_bn + kk[:, None] * stride_bk,
@@ -430,11 +446,14 @@ def _moe_gemm_w4a4_kernel(
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 bytes ``[..., K/2]`` as the int32 words the in-kernel decode reads (4 bytes, 8 elements each):
-    a view of the loaded weights (rows contiguous, 4-byte aligned), or a copy of a view that is not."""
-    aligned = packed.stride(-1) == 1 and packed.storage_offset() % 4 == 0 and all(
-        s % 4 == 0 for s in packed.stride()[:-1])
-    return (packed if aligned else packed.contiguous()).view(torch.int32)
+    """Weight bytes ``[..., B]`` (packed E2M1 or E4M3) as the int32 words the in-kernel decodes read: a view of the
+    loaded weights (rows contiguous, 4-byte aligned, B a multiple of 4), or a copy of a view that is not, its rows
+    padded with zero bytes to whole words."""
+    if packed.stride(-1) == 1 and packed.shape[-1] % 4 == 0 and packed.storage_offset() % 4 == 0 and all(
+            s % 4 == 0 for s in packed.stride()[:-1]):
+        return packed.view(torch.int32)
+    pad = -packed.shape[-1] % 4
+    return torch.nn.functional.pad(packed, (0, pad)).contiguous().view(torch.int32)
 
 
 def _grid(em: int, n: int, cfg: GemmConfig) -> tuple[int]:
@@ -464,10 +483,12 @@ def _invoke(
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
-        b = w.weight.view(torch.uint8)
+        if fp8[1] % 4:
+            raise ValueError(f"block-FP8 weights need K blocks of a multiple of 4 elements, got {w.block}")
+        b = _words(w.weight.view(torch.uint8))
         scale = w.scale.float()
         s2 = b  # unused: the block scales are the whole scale
-        k = b.shape[-1]
+        k = w.weight.shape[-1]
         s_strides = scale.stride()
         s2_strides = (0, 0)
     elif mx:

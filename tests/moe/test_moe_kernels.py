@@ -333,14 +333,21 @@ def test_fused_moe_block_fp8_w8a16_matches_dequantized_reference(e, k, m, h, i, 
     assert rel_err(got, ref.fused_moe(x.float(), w13, w2, tw, ti)) < 0.05  # e4m3 rounding, no more
 
 
-@pytest.mark.parametrize("block", [(16, 24), (32, 128)], ids=["per-element-scales", "one-k-block-per-tile"])
-def test_block_fp8_tile_decode_is_exact_for_every_byte_and_block(block):
+@pytest.mark.parametrize("block,k", [((16, 24), 100), ((32, 128), 100), ((1, fp8_block.CHANNEL), 98)],
+                         ids=["per-element-scales", "one-k-block-per-tile", "per-channel-k-not-whole-words"])
+def test_block_fp8_tile_decode_is_exact_for_every_byte_and_block(block, k):
     """x = I in fp32: the kernel's output is the dequantized weight, bit for bit: every finite e4m3 byte (subnormals
-    and -0 included), each element scaled by its own block's scale, ragged N and K against the tiles."""
+    and -0 included) at every position of the 4-byte words the kernel reads, each element scaled by its own block's
+    scale, ragged N and K against the tiles (and K not a whole number of words)."""
     g = torch.Generator().manual_seed(4)
-    n, k = 72, 100
+    n = 72
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    codes = finite[torch.randint(0, finite.numel(), (n, k), generator=g)]
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    for pos in range(4):
+        count = codes[:, pos::4].numel()
+        values = torch.cat([finite[torch.randperm(finite.numel(), generator=g)] for _ in range(8)])[:count]
+        codes[:, pos::4] = values.view(n, -1)
+        assert codes[:, pos::4].unique().numel() == finite.numel()
     scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 4 + 0.01
     w = FP8BlockTensor(codes.view(torch.float8_e4m3fn), scale, block)
     got = moe.block_fp8_linear(torch.eye(k), w, config=CFG)
