@@ -163,13 +163,10 @@ def _grouped_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 @triton.jit
 def _e4m3_to_f32(u):
-    """E4M3FN bytes (as int32) -> float32 with integer ops only (no NaN handling: scales are finite)."""
-    sign = (u >> 7) & 1
-    exp = (u >> 3) & 15
-    man = u & 7
-    normal = ((exp + 120) << 23) | (man << 20)
-    v = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
-    return tl.where(sign == 1, -v, v)
+    """E4M3FN bytes (as int32) -> float32, exactly: the byte's bits moved into an fp16 as :func:`_e4m3_words` does,
+    times ``2**8`` (no NaN handling: scales are finite, and the NaN code reads as 480)."""
+    bits = ((u << 7) & 0x3F80) | ((u << 8) & 0x8000)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
