@@ -140,32 +140,30 @@ class Ctx:
             self.cache[key] = build()
         return self.cache[key]
 
-    @contextlib.contextmanager
-    def case(self, name: str, need_s: float = 0.0) -> Iterator[None]:
+    def case(self, name: str, need_s: float = 0.0) -> contextlib.AbstractContextManager[None]:
         """One independent check: the deadline is checked first (`OutOfTime` ends the section), and any other
         exception inside is recorded as a failed check with its traceback, so the section goes on with the next."""
-        self.deadline.check(name, need_s)
-        try:
-            yield
-        except OutOfTime:
-            raise
-        except Exception as e:
-            self.report.add_check(name, False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        finally:
-            self.report.save()
+        return self._guarded(name, need_s, lambda e: self.report.add_check(
+            name, False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
 
-    @contextlib.contextmanager
-    def diagnostic(self, name: str, need_s: float = 0.0) -> Iterator[None]:
+    def diagnostic(self, name: str, need_s: float = 0.0) -> contextlib.AbstractContextManager[None]:
         """A measurement that only informs (a profile): the deadline is checked first, and an exception inside is
         logged under ``diagnostic_errors`` without failing the section."""
+        def note(e: Exception) -> None:
+            self.report.data.setdefault("diagnostic_errors", []).append(f"{name}: {type(e).__name__}: {e}")
+            self.report.log(f"  {name}: {type(e).__name__}: {e}")
+
+        return self._guarded(name, need_s, note)
+
+    @contextlib.contextmanager
+    def _guarded(self, name: str, need_s: float, on_error: Callable[[Exception], None]) -> Iterator[None]:
         self.deadline.check(name, need_s)
         try:
             yield
         except OutOfTime:
             raise
         except Exception as e:
-            self.report.data.setdefault("diagnostic_errors", []).append(f"{name}: {type(e).__name__}: {e}")
-            self.report.log(f"  {name}: {type(e).__name__}: {e}")
+            on_error(e)
         finally:
             self.report.save()
 
