@@ -354,6 +354,13 @@ def test_block_fp8_tile_decode_is_exact_for_every_byte_and_block(block, k):
     assert torch.equal(got, w.dequantize().T)
 
 
+def test_block_fp8_k_blocks_must_hold_whole_words():
+    """The kernel reads 4 e4m3 bytes per word and one scale per word: a K block of 6 is refused by name, not run."""
+    w = fp8_block.quantize(torch.randn(32, 24), (16, 6))
+    with pytest.raises(ValueError, match=r"multiple of 4 elements, got \(16, 6\)"):
+        moe.block_fp8_linear(torch.randn(2, 24), w, config=CFG)
+
+
 def test_block_fp8_w13_must_split_gate_and_up_on_a_block_row():
     x, w13, w2, tw, ti = make_case(4, 2, 5, 48, 24, seed=1)
     with pytest.raises(ValueError, match="up half"):
