@@ -84,7 +84,7 @@ def choose_profile(chat_template: str | None, model_type: str | None, reasoning_
 @dataclass
 class ModelRuntime:
     """Everything built once per served model. The engine is reached only through its `EngineClient`; the
-    tokenizer is the front end's own copy, loaded from `ModelInfo.tokenizer_path`."""
+    tokenizer is the front end's own copy, loaded from the folder `ModelInfo.tokenizer_path` names."""
 
     engine: EngineClient
     tokenizer: Any
