@@ -18,6 +18,20 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def every_value_at_every_word_position(values: torch.Tensor, rows: int, cols: int,
+                                       g: torch.Generator) -> torch.Tensor:
+    """A uint8 ``[rows, cols]`` weight in which each of the four byte positions of the 4-byte words the kernels'
+    decodes read holds every one of ``values`` (shuffled), so a decode wrong at any position for any byte shows."""
+    out = torch.empty(rows, cols, dtype=torch.uint8)
+    for pos in range(4):
+        count = out[:, pos::4].numel()
+        reps = -(-count // values.numel())
+        out[:, pos::4] = torch.cat([values[torch.randperm(values.numel(), generator=g)]
+                                    for _ in range(reps)])[:count].view(rows, -1)
+        assert out[:, pos::4].unique().numel() == values.numel()
+    return out
+
+
 def quantize_stack(w: torch.Tensor, parts: int) -> NVFP4Tensor:
     """Per-expert NVFP4 of ``[E, N, K]``; with ``parts=2`` gate and up rows share one tensor scale (ModelOpt)."""
     e, n, k = w.shape
@@ -100,11 +114,7 @@ def test_w4a16_tile_decode_is_exact_for_every_code_and_scale():
     groups, subnormal E4M3 scales, -0 codes, ragged N and K tiles)."""
     g = torch.Generator().manual_seed(3)
     n, k = 72, 96
-    packed = torch.empty(n, k // 2, dtype=torch.uint8)
-    for pos in range(4):  # the decode reads 4-byte words: every byte value at every position in a word
-        values = torch.cat([torch.randperm(256, generator=g) for _ in range(4)])[:n * k // 8]
-        packed[:, pos::4] = values.view(n, k // 8).to(torch.uint8)
-        assert packed[:, pos::4].unique().numel() == 256
+    packed = every_value_at_every_word_position(torch.arange(256, dtype=torch.uint8), n, k // 2, g)
     scales = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = NVFP4Tensor(packed, scales, torch.tensor(0.75))
     got = moe.nvfp4_linear(torch.eye(k), w, config=CFG)
@@ -342,12 +352,7 @@ def test_block_fp8_tile_decode_is_exact_for_every_byte_and_block(block, k):
     g = torch.Generator().manual_seed(4)
     n = 72
     finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    codes = torch.empty(n, k, dtype=torch.uint8)
-    for pos in range(4):
-        count = codes[:, pos::4].numel()
-        values = torch.cat([finite[torch.randperm(finite.numel(), generator=g)] for _ in range(8)])[:count]
-        codes[:, pos::4] = values.view(n, -1)
-        assert codes[:, pos::4].unique().numel() == finite.numel()
+    codes = every_value_at_every_word_position(finite, n, k, g)
     scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 4 + 0.01
     w = FP8BlockTensor(codes.view(torch.float8_e4m3fn), scale, block)
     got = moe.block_fp8_linear(torch.eye(k), w, config=CFG)
