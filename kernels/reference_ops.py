@@ -1,5 +1,5 @@
-"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU- and GELU-tanh-and-mul); also usable
-on CPU.
+"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU- and GELU-tanh-and-mul, the fused
+attention prologue); also usable on CPU.
 
 Each computes in fp32 and returns the input dtype, as the Triton kernels in `norm`, `rotary` and `activation` do.
 """
@@ -61,6 +61,24 @@ def rotary_neox(
         return out.to(x.dtype)
 
     return apply(q), apply(k)
+
+
+def qk_norm_rope_cache(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None, eps: float = 1e-6, k_scale: float | None = None,
+    v_scale: float | None = None, *, offset: bool = False,
+) -> torch.Tensor:
+    """`ember.kernels.qk_norm_rope_cache`'s contract as the unfused chain: per-head `rms_norm` of q and k (with
+    weights), `rotary_neox`, the keys and values written by `ember.kernels.reference.reshape_and_cache`; returns the
+    rotated queries."""
+    from ember.kernels import reference
+
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps, offset), rms_norm(k, k_weight, eps, offset)
+    q, k = rotary_neox(positions, q, k, cos_sin_cache)
+    reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ember.kernels import activation, attention, gated_delta_decode, gated_delta_scan, norm, reference_ops, rotary
+from ember.kernels import (activation, attention, gated_delta_decode, gated_delta_scan, norm, qk_norm_rope_cache,
+                           reference_ops, rotary)
 
 HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
        "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel", "gated_delta_scan._scan_kernel")
@@ -47,6 +48,7 @@ class _Recorder:
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
             (norm, ("_rms_norm_kernel",)), (activation, ("_act_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
+            (qk_norm_rope_cache, ("_qk_norm_rope_cache_kernel",)),
             (gated_delta_decode, ("_decode_kernel",)), (gated_delta_scan, ("_scan_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
@@ -84,6 +86,15 @@ def _drive(launches: list, quick: bool) -> None:
                 attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 3, 17, 0.1,
                                           sliding_window=128, sinks=sinks)
             attention.reshape_and_cache(q[:, :hkv], q[:, :hkv], kc, kc, torch.tensor([0, -1, 5]), *scales)
+            if dt != torch.float32:  # the attention prologue of every 16-bit model: per-head norms or none, whole or
+                # partial rotary (GLM-4.5: half of 128), into the layer's cache
+                qkv = torch.randn(3, hq + 2 * hkv, d, generator=g).to(dt)
+                w = qkv[0, 0]
+                for rot, weights in ((d, (w, w)), (d // 2, (w, w)), (d, (None, None))):
+                    cs = reference_ops.rotary_cos_sin_cache(rot, 32, 1e6, dt)
+                    qk_norm_rope_cache.qk_norm_rope_cache(torch.arange(3), qkv[:, :hq], qkv[:, hq:hq + hkv],
+                                                          qkv[:, hq + hkv:], cs, kc, kc, torch.tensor([0, -1, 5]),
+                                                          *weights, 1e-6, *scales)
     for dt in () if quick else (torch.bfloat16, torch.float16):
         x = torch.randn(4, 4096, generator=g).to(dt)
         for offset in (False, True):
