@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.engine.attention import AttentionMetadata
+from ember.engine.attention import AttentionMetadata, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
 
 
@@ -285,17 +285,39 @@ class Attention(nn.Module):
         q = q.reshape(t, self.hq, self.d)
         k = k.reshape(t, self.hkv, self.d)
         v = v.reshape(t, self.hkv, self.d)
-        if self.q_norm is not None and not self.whole_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            q, k = rope(meta.positions, q, k)
-        if self.q_position_scale is not None:
-            beta, length, offset = self.q_position_scale
-            scale = 1.0 + beta * torch.log1p(torch.floor((meta.positions + offset) / length))
-            q = q * scale.to(q.dtype)[:, None, None]
-        out = self.attend(q, k, v, meta, kv, backend)
+        if self._fused_prologue(rope, backend):
+            q = self._norm_rope_and_cache(q, k, v, meta, rope, kv)
+            out = self._attention(q, meta, kv, backend)
+        else:
+            if self.q_norm is not None and not self.whole_qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.use_rope:
+                q, k = rope(meta.positions, q, k)
+            if self.q_position_scale is not None:
+                beta, length, offset = self.q_position_scale
+                scale = 1.0 + beta * torch.log1p(torch.floor((meta.positions + offset) / length))
+                q = q * scale.to(q.dtype)[:, None, None]
+            out = self.attend(q, k, v, meta, kv, backend)
         out = self.o_proj(out.reshape(t, self.hq * self.d))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+    def _fused_prologue(self, rope: RotaryEmbedding, backend: ModuleType) -> bool:
+        """Whether norms, RoPE and the KV write run as one launch (`ember.kernels.qk_norm_rope_cache`): the Triton
+        attention and row kernels, per-head (or no) q/k norms with weights, RoPE in this layer, no query scaling."""
+        norms = self.q_norm is None or (type(self.q_norm) is type(self.k_norm) and type(self.q_norm) in (
+            RMSNorm, OffsetRMSNorm) and self.q_norm.weight.shape[0] == self.d and not self.whole_qk_norm)
+        return rope.triton and self.use_rope and norms and self.q_position_scale is None and is_triton_backend(backend)
+
+    def _norm_rope_and_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                             rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotated (normed) queries; the keys and values written into this layer's cache."""
+        from ember.kernels.qk_norm_rope_cache import qk_norm_rope_cache
+
+        k_cache, v_cache = kv
+        scales = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
+        weights = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return qk_norm_rope_cache(meta.positions, q, k, v, rope.cos_sin, k_cache, v_cache, meta.slot_mapping,
+                                  *weights, *scales, offset=isinstance(self.q_norm, OffsetRMSNorm))
 
     def _whole_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -309,7 +331,14 @@ class Attention(nn.Module):
         """Write this step's ``k``/``v`` into the paged cache and attend: ``[T, hq, d]`` from rotated ``q``/``k``."""
         k_cache, v_cache = kv
         scales = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
-        backend.reshape_and_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping, *scales)
+        backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
+        return self._attention(q, meta, kv, backend)
+
+    def _attention(self, q: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
+                   backend: ModuleType) -> torch.Tensor:
+        """``[T, hq, d]``: attention of rotated ``q`` over the cache, this step's keys and values already in it."""
+        k_cache, v_cache = kv
+        scales = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else ()
         out = torch.empty_like(q)
         extra = {}
         if self.sliding_window is not None:

@@ -1,0 +1,84 @@
+"""The engine on the CUDA path's kernels (Triton attention and row kernels; the interpreter on a CPU) runs each
+attention layer's q/k norms, RoPE and KV write as one launch, and generates what the torch path generates."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.engine import Engine
+from ember.engine.models.layers import Attention
+from ember.engine.params import SamplingParams
+from ember.kernels import qk_norm_rope_cache as prologue
+from tests.conftest import save_tiny_qwen3
+from tests.engine.test_gemma3 import save_tiny_gemma3
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, demo_model_dir):
+    return save_tiny_qwen3(tmp_path_factory.mktemp("prologue-qwen3"), demo_model_dir, seed=5, intermediate_size=96)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, demo_model_dir):
+    return save_tiny_gemma3(tmp_path_factory.mktemp("prologue-gemma3"), demo_model_dir, seed=4)
+
+
+def _generate(path, monkeypatch, kernels: str, kv_cache_dtype: str | None = None
+              ) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
+    monkeypatch.setenv("EMBER_ROW_OPS", kernels)
+    monkeypatch.setenv("EMBER_ATTENTION", kernels)
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+    eng = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                                 num_kv_blocks=32, dtype="float32", device="cpu", **extra)
+    logits: list[torch.Tensor] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda out: logits.append(execute(out).clone()) or logits[-1]
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 1270, (9,), generator=g).tolist()
+    prompts = {"a": shared + torch.randint(0, 1270, (12,), generator=g).tolist(), "b": [5, 9, 11],
+               "c": shared + [40]}  # "a" is chunked and mixed with decodes; "c" reuses "a"'s cached blocks
+    out: dict[str, list[int]] = {k: [] for k in prompts}
+    for rid, ids in prompts.items():
+        eng.add_request(ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), request_id=rid)
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+    return eng, out, logits
+
+
+def _count_prologues(monkeypatch) -> list[int]:
+    calls = [0]
+    fused = prologue.qk_norm_rope_cache
+
+    def spy(*args, **kw):
+        calls[0] += 1
+        return fused(*args, **kw)
+
+    monkeypatch.setattr(prologue, "qk_norm_rope_cache", spy)
+    return calls
+
+
+@pytest.mark.parametrize("model", ["qwen3_dir", "gemma3_dir"], ids=["qwen3-qk-norm", "gemma3-offset-norm-window"])
+def test_fused_prologue_generates_what_the_torch_path_generates(model, request, monkeypatch):
+    path = request.getfixturevalue(model)
+    _, want, want_logits = _generate(path, monkeypatch, "torch")
+    calls = _count_prologues(monkeypatch)
+    eng, got, got_logits = _generate(path, monkeypatch, "triton")
+    layers = sum(isinstance(m, Attention) for m in eng.runner.model.modules())
+    assert calls[0] == layers * eng.num_steps  # one launch per attention layer per step, no unfused fallback
+    assert all(len(v) == 5 for v in want.values()) and got == want
+    assert len(got_logits) == len(want_logits)
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_prologue_writes_the_fp8_cache_as_the_unfused_kernels_do(qwen3_dir, monkeypatch):
+    _, fused, fused_logits = _generate(qwen3_dir, monkeypatch, "triton", "fp8")
+    monkeypatch.setattr(Attention, "_fused_prologue", lambda self, rope, backend: False)
+    calls = _count_prologues(monkeypatch)
+    _, unfused, unfused_logits = _generate(qwen3_dir, monkeypatch, "triton", "fp8")
+    assert calls[0] == 0
+    assert fused == unfused
+    for a, b in zip(fused_logits, unfused_logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
