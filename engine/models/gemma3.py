@@ -67,7 +67,8 @@ class GeluTanhMLP(GatedMLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """Pre- and post-norms around the attention and the MLP, each added to the residual stream."""
+    """Pre- and post-norms around the attention and the MLP, each added to the residual stream: by the next pre-norm,
+    fused (one launch on the Triton path), as `DecoderLayer` adds its sublayers."""
 
     def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
         super().__init__()
@@ -85,10 +86,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.mlp = GeluTanhMLP(cfg)
 
-    def forward(self, h: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
-                kv: tuple[torch.Tensor, torch.Tensor], backend: ModuleType) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), meta, rope, kv, backend))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                rope: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor],
+                backend: ModuleType) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(post-normed MLP output, residual stream)``: the stream is ``h + residual`` (``h`` alone for the first
+        layer); the next layer's input norm (or the final norm) adds them."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        attn = self.post_attention_layernorm(self.self_attn(x, meta, rope, kv, backend))
+        x, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class _Body(nn.Module):
@@ -130,9 +139,11 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: ModuleType) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype).item()  # the scale as rounded to h's dtype
+        residual = None
         for layer, kind, kv in zip(self.model.layers, self.layer_types, kv_caches):
-            h = layer(h, meta, self.rope_local if kind == "sliding_attention" else self.rope, kv, backend)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, meta, self.rope_local if kind == "sliding_attention" else self.rope, kv,
+                                backend)
+        return self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

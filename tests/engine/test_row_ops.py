@@ -91,7 +91,8 @@ def _count_kernel_calls(monkeypatch) -> collections.Counter:
 
 
 @pytest.mark.parametrize("model,norms,mlps,kernels", [
-    ("gemma3_dir", 7 * 6 + 1, 7, {"rms_norm", "gelu_tanh_and_mul"}),  # per layer: 4 sandwich norms, q/k norms
+    # per layer: 4 sandwich norms (the pre-norms add the residual), q/k norms
+    ("gemma3_dir", 7 * 6 + 1, 7, {"rms_norm", "fused_add_rms_norm", "gelu_tanh_and_mul"}),
     ("qwen3_next_dir", 4 * 2 + 2 * 2 + 1, 0, {"rms_norm", "fused_add_rms_norm"}),  # 2 of 4 layers: q/k norms
 ], ids=["gemma3", "qwen3_next"])
 def test_zero_centred_norms_and_gelu_mlp_match_the_torch_path(model, norms, mlps, kernels, request, monkeypatch):
