@@ -1,7 +1,8 @@
 """Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16 under
 the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and split-KV
 incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks, soft-cap, chunked), ``reshape_and_cache`` (bf16, FP8;
-padding slots untouched), RMSNorm, fused add+RMSNorm, rotary, SiLU-and-mul, Qwen3-Next's gated-delta decode (state in
+padding slots untouched), RMSNorm, fused add+RMSNorm, rotary, the fused q/k-norm + RoPE + KV write (with its decode
+time against the unfused chain's), SiLU-and-mul, Qwen3-Next's gated-delta decode (state in
 place), the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and gpt-oss's clamped GLU)
 and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
 raises is recorded with its traceback and the next one runs."""
@@ -10,9 +11,10 @@ from __future__ import annotations
 import torch
 
 from ember.kernels import activation, attention, norm, reference, reference_ops, rotary
+from ember.kernels.qk_norm_rope_cache import qk_norm_rope_cache
 
 from gpu_sections import moe_timing
-from gpu_sections.common import Ctx, bench_ms, paged_batch
+from gpu_sections.common import Ctx, bench_ms, graph_ms, paged_batch
 
 
 def _tol(ctx: Ctx) -> float:
@@ -149,6 +151,7 @@ def row_kernel_checks(ctx: Ctx) -> None:
         ref_q, ref_k = reference_ops.rotary_neox(pos, q, k, cache)
         ctx.report.check("rotary_neox q", got_q, ref_q, tol)
         ctx.report.check("rotary_neox k", got_k, ref_k, tol)
+    prologue_checks(ctx, t, hq, hkv, hd, rnd, tol)
     with ctx.case("silu_and_mul"):
         xx = rnd(t, 2 * inter)
         ctx.report.check("silu_and_mul", activation.silu_and_mul(xx), reference_ops.silu_and_mul(xx), tol)
@@ -156,6 +159,58 @@ def row_kernel_checks(ctx: Ctx) -> None:
         xx = rnd(t, 2 * inter) * 3  # well into the tanh's saturation both ways
         ctx.report.check("gelu_tanh_and_mul", activation.gelu_tanh_and_mul(xx), reference_ops.gelu_tanh_and_mul(xx),
                          tol)
+
+
+def prologue_checks(ctx: Ctx, t: int, hq: int, hkv: int, hd: int, rnd, tol: float) -> None:
+    """`qk_norm_rope_cache` against the reference chain (per-head norms, rotary, cache write) into a 16-bit cache,
+    and against the unfused Triton kernels into an FP8 one; then, at a B=32 decode step's shape, its graph-replayed
+    time against the seven launches it replaced (two norms and their copies, rotary, a copy of v, the KV write; a
+    diagnostic)."""
+    g = torch.Generator().manual_seed(8)
+    nb = (2 * t) // 16 + 1
+    slots = torch.randperm(nb * 16, generator=g)[:t].to(ctx.device)
+    slots[::3] = -1
+    pos = torch.randint(0, 40960, (t,), generator=g).to(ctx.device)
+    cs = reference_ops.rotary_cos_sin_cache(hd, 40960, 1e6, ctx.dtype, device=ctx.device)
+    wq, wk = rnd(hd) * 0.3 + 1, rnd(hd) * 0.3 + 1
+    q, k, v = rnd(t, hq + 2 * hkv, hd).split([hq, hkv, hkv], dim=1)  # strided views of one qkv output
+    with ctx.case("qk_norm_rope_cache"):
+        kc, vc = rnd(nb, 16, hkv, hd), rnd(nb, 16, hkv, hd)
+        kr, vr = kc.clone(), vc.clone()
+        got = qk_norm_rope_cache(pos, q, k, v, cs, kc, vc, slots, wq, wk, 1e-6)
+        want = reference_ops.qk_norm_rope_cache(pos, q, k, v, cs, kr, vr, slots, wq, wk, 1e-6)
+        ctx.report.check("qk_norm_rope_cache q", got, want, tol)
+        ctx.report.check("qk_norm_rope_cache k cache", kc, kr, tol)
+        ctx.report.check_equal("qk_norm_rope_cache v cache", bool(torch.equal(vc, vr)), True)
+    with ctx.case("qk_norm_rope_cache fp8"):
+        fp8 = torch.float8_e4m3fn
+        kc, vc = rnd(nb, 16, hkv, hd).to(fp8), rnd(nb, 16, hkv, hd).to(fp8)
+        kr, vr = kc.clone(), vc.clone()
+        qk_norm_rope_cache(pos, q, k, v, cs, kc, vc, slots, wq, wk, 1e-6, 0.05, 0.3)
+        _, kn = rotary.rotary_neox(pos, norm.rms_norm(q, wq, 1e-6), norm.rms_norm(k, wk, 1e-6), cs)
+        attention.reshape_and_cache(kn, v, kr, vr, slots, 0.05, 0.3)
+        k_diff = (kc.view(torch.uint8) != kr.view(torch.uint8)).float().mean().item()
+        ctx.report.add_check("qk_norm_rope_cache fp8 == unfused kernels", k_diff < 0.01 and bool(torch.equal(
+            vc.view(torch.uint8), vr.view(torch.uint8))), key_bytes_differing=k_diff)
+    if not ctx.cuda:
+        return
+    with ctx.diagnostic("qk_norm_rope_cache decode time"):
+        b = 32
+        qd, kd, vd = q[:b], k[:b], v[:b]
+        kc, vc = rnd(nb, 16, hkv, hd), rnd(nb, 16, hkv, hd)
+
+        def unfused():
+            qn = norm.rms_norm(qd.reshape(-1, hd), wq, 1e-6).view(b, hq, hd)
+            kn = norm.rms_norm(kd.reshape(-1, hd), wk, 1e-6).view(b, hkv, hd)
+            qr, kr_ = rotary.rotary_neox(pos[:b], qn, kn, cs)
+            attention.reshape_and_cache(kr_, vd.contiguous(), kc, vc, slots[:b])
+            return qr
+
+        fused_us = graph_ms(lambda: qk_norm_rope_cache(pos[:b], qd, kd, vd, cs, kc, vc, slots[:b], wq, wk)) * 1e3
+        unfused_us = graph_ms(unfused) * 1e3
+        ctx.report.row(kind="prologue", B=b, fused_us=fused_us, unfused_us=unfused_us)
+        ctx.report.log(f"  q/k norm + rope + KV write at B={b}: fused {fused_us:.1f} us, unfused (7 launches) "
+                       f"{unfused_us:.1f} us")
 
 
 def gated_delta_checks(ctx: Ctx) -> None:
