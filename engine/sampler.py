@@ -174,7 +174,6 @@ class Sampler:
         sequence's own next token)."""
         n, v = logits.shape
         ahead = ahead or [()] * n
-        logits = logits.float().clone()
         params = [s.params for s in seqs]
         errors: dict[int, str] = {}
 
@@ -230,6 +229,9 @@ class Sampler:
                                        for i in con_rows], v, con_rows, errors) if con_rows else None
 
         # ---- device side
+        logits = logits.float()
+        if bias_rows or allow_rows or ban_rows or pen_rows or con_rows:  # edited in place below: the caller's
+            logits = logits.clone()  # tensor stays as it was (a greedy or plain sampling batch copies nothing)
         dev = up.upload()
         fdev = floats.upload()
         cfg = fdev["settings"].view(n, 7) if settings else None

@@ -80,3 +80,21 @@ def test_seeded_rows_reproduce_regardless_of_neighbours():
         seq_b[0].output_token_ids.append(run_b[-1])
     assert run_a == run_b and run_a[0] == alone
     assert len(set(run_a)) > 1
+
+
+def test_the_callers_logits_stay_as_they_were():
+    """Biases, allowed tokens, bans, penalties and greedy or sampled rows all read the logits they are given without
+    editing them: the runner's (or a CUDA graph's) logits are still the model's after sampling."""
+    s = Sampler(8, torch.device("cpu"))
+    for params, want in ((SamplingParams(temperature=0.0), 0),
+                         (SamplingParams(temperature=0.0, logit_bias={3: 50.0}), 3),
+                         (SamplingParams(temperature=0.0, allowed_token_ids=[2]), 2),
+                         (SamplingParams(temperature=0.0, min_tokens=2), 1),
+                         (SamplingParams(temperature=0.0, repetition_penalty=5.0), 1),
+                         (SamplingParams(temperature=0.7, top_k=1), 0)):
+        logits = _logits(1)
+        before = logits.clone()
+        seq = Sequence("r", [7], params)
+        seq.output_token_ids = [0]
+        assert s(logits, [seq], {0}).token_ids == [want], params  # each edit took effect, on a copy
+        assert torch.equal(logits, before), params
