@@ -15,9 +15,11 @@ Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), block-
 fp16 bit patterns (:func:`_e4m3_words`) and scaled per block inside the kernel, W8A16) or NVFP4 stacks
 (:class:`ember.kernels.nvfp4.NVFP4Tensor`) dequantized inside the kernel (W4A16): per K step the packed bytes, as
 ``[BLOCK_N, BLOCK_K/8]`` int32 words, and the ``[BLOCK_N, BLOCK_K/16]`` E4M3 block scales are loaded once, the
-codes decoded two per integer op into fp16 bit patterns (:func:`_e2m1_words`; integer ops, so no FP4/FP8 hardware
-support is needed) and scaled, interleaved into the ``[BLOCK_K, BLOCK_N]`` tile and cast to the activation dtype
-before ``tl.dot``; the FP32 tensor scale is applied in the epilogue. MXFP4 stacks
+codes decoded two per integer op into 16-bit float bit patterns (integer ops, so no FP4/FP8 hardware support is
+needed) and scaled, interleaved into the ``[BLOCK_K, BLOCK_N]`` tile in the activation dtype before ``tl.dot``; the
+FP32 tensor scale is applied in the epilogue. bf16/fp16 activations decode in their own dtype, one packed multiply
+per two elements (:func:`_e2m1_words_16`, the tile is the weights times ``2**-14`` until the epilogue); fp32
+activations through float32 (:func:`_e2m1_words`). MXFP4 stacks
 (:class:`ember.kernels.mxfp4.MXFP4Tensor`, gpt-oss) take the same path with ``SCALE_E8M0``: one E8M0 scale per 32
 (the byte is the float32 exponent), no tensor scale. gpt-oss also adds per-expert biases in both epilogues and
 replaces SiLU-and-mul by its clamped GLU (``CLAMPED_SWIGLU``). This uses only Triton features present in 3.6 and
@@ -212,6 +214,47 @@ def _e2m1_words(w, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_bits_16(w, BF16: tl.constexpr):
+    """The four uint32s of 16-bit float bit pairs that :func:`_e2m1_words_16` multiplies: codes (0, 4), (1, 5),
+    (2, 6) and (3, 7) of each word, each moved to the fp16 positions (``BF16`` False: the value times ``2**-14``)
+    or the bf16 ones (the value times ``2**-126``), with one shift and mask per half word as in
+    :func:`_e2m1_words`."""
+    sign: tl.constexpr = 0x80008000
+    if BF16:
+        mag: tl.constexpr = 0x01C001C0
+        return (((w << 6) & mag) | ((w << 12) & sign), ((w << 2) & mag) | ((w << 8) & sign),
+                ((w >> 2) & mag) | ((w << 4) & sign), ((w >> 6) & mag) | (w & sign))
+    else:
+        mag16: tl.constexpr = 0x0E000E00
+        return (((w << 9) & mag16) | ((w << 12) & sign), ((w << 5) & mag16) | ((w << 8) & sign),
+                ((w << 1) & mag16) | ((w << 4) & sign), ((w >> 3) & mag16) | (w & sign))
+
+
+@triton.jit
+def _half_pair(bits, scale16):
+    """The two 16-bit floats (``scale16``'s dtype) a uint32 of bit pairs holds (low half first), times ``scale16``."""
+    lo = (bits & 0xFFFF).to(tl.uint16).to(scale16.dtype, bitcast=True)
+    hi = (bits >> 16).to(tl.uint16).to(scale16.dtype, bitcast=True)
+    return lo * scale16, hi * scale16
+
+
+@triton.jit
+def _e2m1_words_16(w, scale16):
+    """:func:`_e2m1_words` for 16-bit activations, in their dtype with no float32 in between: the codes' bits
+    (:func:`_e2m1_bits_16`) times ``scale16``, the block scale for fp16 or the block scale times ``2**112`` for
+    bf16, so every value is exactly the code's times its block scale times ``2**-14``: products of at most six
+    significant bits, at least ``2**-24``, below 2688, exact in either dtype. A bf16 code of 0.5 is the subnormal
+    ``2**-127`` until the multiply (bf16 arithmetic keeps subnormals: PTX has no flush-to-zero form for it). One
+    packed multiply per two elements where the float32 route took two conversions, two multiplies and a pack."""
+    p04, p15, p26, p37 = _e2m1_bits_16(w, scale16.dtype == tl.bfloat16)
+    e0, e4 = _half_pair(p04, scale16)
+    e1, e5 = _half_pair(p15, scale16)
+    e2, e6 = _half_pair(p26, scale16)
+    e3, e7 = _half_pair(p37, scale16)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
 def _e4m3_words(w, scale, DTYPE: tl.constexpr):
     """Decode uint32 words of four E4M3 bytes (K elements 0..3, byte 0 first) into the four tensors of their elements
     in DTYPE, each times ``scale * 2**-8``: a byte's seven magnitude bits become an fp16's four low exponent bits and
@@ -230,13 +273,15 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
                  stride_bn, stride_bk, stride_sn, stride_sk,
                  NVFP4: tl.constexpr, DTYPE: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_GROUP: tl.constexpr,
-                 SCALE_E8M0: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr):
+                 SCALE_E8M0: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr, HALF_DECODE: tl.constexpr):
     """K step ``k0`` of one expert as the ``[BLOCK_K, BLOCK_N]`` tile ``B[k, n] = W[rows[n], k]``, in DTYPE.
 
     NVFP4: the packed ``[BLOCK_N, BLOCK_K/8]`` int32 words (``b_ptr`` is the bytes viewed as int32) and the
     ``[BLOCK_N, BLOCK_K/SCALE_GROUP]`` scale bytes are each loaded once (coalesced along K); each word's eight codes
-    are decoded and scaled (:func:`_e2m1_words`), then interleaved back into K order (``tl.join`` +
-    ``tl.reshape``) and transposed for ``tl.dot``. Exactly the dequantized weights in the activation dtype.
+    are decoded and scaled (:func:`_e2m1_words`; with ``HALF_DECODE``, E4M3 scales and bf16/fp16 activations,
+    :func:`_e2m1_words_16`), then interleaved back into K order (``tl.join`` + ``tl.reshape``) and transposed for
+    ``tl.dot``. Exactly the dequantized weights in the activation dtype (``HALF_DECODE``: times ``2**-14``, which
+    the caller's epilogue undoes with the tensor scale).
     Block FP8 (``FP8_BN > 0``): the ``[BLOCK_N, BLOCK_K/4]`` words of e4m3 bytes are decoded (:func:`_e4m3_words`)
     and multiplied by the float32 scale of the ``FP8_BN x FP8_BK`` block each word falls in (one scale per row when
     the tile lies in one K block), then interleaved and transposed as NVFP4's.
@@ -249,11 +294,18 @@ def _load_b_tile(b_ptr, bs_ptr, rows, row_mask, k0, K,
         s = tl.load(bs_ptr + rows[:, None] * stride_sn + ks[None, :] * stride_sk,
                     mask=row_mask[:, None] & (ks < K // SCALE_GROUP)[None, :], other=0).to(tl.int32)
         scale = _block_scale_to_f32(s, SCALE_E8M0)
-        if not SCALE_E8M0:  # E4M3 scales are at most 448: the decode's 2**-14 is undone here, once per 16 elements
+        if HALF_DECODE:
+            if DTYPE == tl.bfloat16:
+                scale = scale * (2.0 ** 112)
+            scale = scale.to(DTYPE)
+        elif not SCALE_E8M0:  # E4M3 scales are at most 448: the decode's 2**-14 is undone here, once per 16 elements
             scale = scale * 16384.0  # (E8M0 scales reach 2**127: the decoded values are scaled back instead)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // SCALE_GROUP, SCALE_GROUP // 8)),
                            (BLOCK_N, BLOCK_K // 8))
-        e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_words(words, scale, DTYPE, SCALE_E8M0)
+        if HALF_DECODE:
+            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_words_16(words, scale)
+        else:
+            e0, e1, e2, e3, e4, e5, e6, e7 = _e2m1_words(words, scale, DTYPE, SCALE_E8M0)
         # element 8i + j of the tile is e_j[i]: the outermost join picks j's low bit, the innermost its high bit
         b = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
         return tl.trans(tl.reshape(b, (BLOCK_N, BLOCK_K)))
@@ -311,7 +363,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
-    PRECISION: tl.constexpr = "tf32",
+    PRECISION: tl.constexpr = "tf32", HALF_DECODE: tl.constexpr = False,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
@@ -352,20 +404,21 @@ def _moe_gemm_kernel(
         else:
             b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
-                             SCALE_E8M0, FP8_BN, FP8_BK)
+                             SCALE_E8M0, FP8_BN, FP8_BK, HALF_DECODE)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if FUSE_SILU:
                 b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
                                     stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
-                                    SCALE_GROUP, SCALE_E8M0, FP8_BN, FP8_BK)
+                                    SCALE_GROUP, SCALE_E8M0, FP8_BN, FP8_BK, HALF_DECODE)
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
 
     if NVFP4:
         if not SCALE_E8M0:
-            acc = acc * tl.load(bs2_ptr + expert * stride_s2e)
+            unscale = 16384.0 if HALF_DECODE else 1.0  # the 16-bit decode's values are the weights times 2**-14
+            acc = acc * (tl.load(bs2_ptr + expert * stride_s2e) * unscale)
             if FUSE_SILU:
-                acc_up = acc_up * tl.load(bs2_ptr + expert * stride_s2e + stride_s2p)
+                acc_up = acc_up * (tl.load(bs2_ptr + expert * stride_s2e + stride_s2p) * unscale)
     if HAS_BIAS:
         bias_row = bias_ptr + expert * stride_bias_e
         acc = acc + tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -528,6 +581,7 @@ def _invoke(
         SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
         FP8_BN=fp8[0], FP8_BK=fp8[1], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        HALF_DECODE=isinstance(w, NVFP4Tensor) and a.dtype in (torch.float16, torch.bfloat16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

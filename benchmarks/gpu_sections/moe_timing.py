@@ -103,6 +103,7 @@ def correctness_checks(ctx: Ctx) -> None:
                 got = moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True)
                 ctx.report.check(f"moe nvfp4 w4a4 M={m}", got, want, 5e-2)
     mxfp4_checks(ctx, w, tol)
+    exact_decode_check(ctx)
     n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
     g = torch.Generator().manual_seed(1)
     wd = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device)
@@ -113,6 +114,22 @@ def correctness_checks(ctx: Ctx) -> None:
             ctx.report.check(f"nvfp4 linear M={m}", moe.nvfp4_linear(x, qw), ref.nvfp4_linear(x.float(), qw), tol)
         with ctx.case(f"fp8 linear M={m}"):
             ctx.report.check(f"fp8 linear M={m}", moe.block_fp8_linear(x, fw), x.float() @ fw.dequantize().T, tol)
+
+
+def exact_decode_check(ctx: Ctx) -> None:
+    """x = I through the NVFP4 linear in the run's dtype: the output is the dequantized weight, bit for bit, with
+    every byte at every word position and every E4M3 scale from the smallest subnormal up (the 16-bit decode reads
+    a bf16 code of 0.5 as a subnormal until its multiply: a device that flushed it would show here)."""
+    with ctx.case("nvfp4 decode x = I exact"):
+        g = torch.Generator().manual_seed(4)
+        n, k = ctx.pick((64, 128), (256, 512), (256, 512))
+        packed = torch.cat([torch.randperm(256, generator=g) for _ in range(n * k // 512)]).to(torch.uint8)
+        scales = torch.randint(1, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        w = NVFP4Tensor(packed.view(n, k // 2).to(ctx.device), scales.to(ctx.device),
+                        torch.tensor(0.75, device=ctx.device))
+        got = moe.nvfp4_linear(torch.eye(k, dtype=ctx.dtype, device=ctx.device), w)
+        bad = int((got != w.dequantize().T.to(ctx.dtype)).sum())
+        ctx.report.add_check("nvfp4 decode x = I exact", bad == 0, mismatched=bad, of=got.numel())
 
 
 def mxfp4_checks(ctx: Ctx, w: MoeWeights, tol: float) -> None:

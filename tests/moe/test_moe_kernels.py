@@ -109,22 +109,24 @@ def test_nvfp4_linear_matches_reference(m, n, k):
     assert rel_err(got, ref.nvfp4_linear(x.float(), w, bias)) < 2e-3
 
 
-def test_w4a16_tile_decode_is_exact_for_every_code_and_scale():
-    """x = I in fp32: the kernel's output is its dequantized weight tile, bit for bit (nibble order, 16-wide scale
-    groups, subnormal E4M3 scales, -0 codes, ragged N and K tiles)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16-16-bit-decode"])
+def test_w4a16_tile_decode_is_exact_for_every_code_and_scale(dtype):
+    """x = I: the kernel's output is its dequantized weight tile, bit for bit (nibble order, 16-wide scale groups,
+    subnormal E4M3 scales, -0 codes, ragged N and K tiles); fp16 activations take the 16-bit decode, whose tile is
+    the weights times 2**-14 until the epilogue."""
     g = torch.Generator().manual_seed(3)
     n, k = 72, 96
     packed = every_value_at_every_word_position(torch.arange(256, dtype=torch.uint8), n, k // 2, g)
     scales = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
     w = NVFP4Tensor(packed, scales, torch.tensor(0.75))
-    got = moe.nvfp4_linear(torch.eye(k), w, config=CFG)
-    assert got.dtype == torch.float32
-    assert torch.equal(got, w.dequantize().T)
+    got = moe.nvfp4_linear(torch.eye(k, dtype=dtype), w, config=CFG)
+    assert got.dtype == dtype
+    assert torch.equal(got, w.dequantize().T.to(dtype))
     # a weight that is a view 2 bytes into wider rows (not 4-byte aligned) decodes the same
     wide = torch.zeros(n, k // 2 + 8, dtype=torch.uint8)
     wide[:, 2:2 + k // 2] = packed
     view = NVFP4Tensor(wide[:, 2:2 + k // 2], scales, torch.tensor(0.75))
-    assert torch.equal(moe.nvfp4_linear(torch.eye(k), view, config=CFG), got)
+    assert torch.equal(moe.nvfp4_linear(torch.eye(k, dtype=dtype), view, config=CFG), got)
 
 
 @triton.jit
@@ -149,6 +151,48 @@ def test_e2m1_word_decode_is_exact_for_every_byte_at_every_position(unscale):
         want = want * 2.0 ** -14
     assert torch.equal(out.double(), want)
     assert torch.equal(torch.signbit(out), torch.signbit(want.float()))  # -0 codes keep their sign
+
+
+@triton.jit
+def _decode_words_16_kernel(words_ptr, out_ptr, scale16_ptr, N: tl.constexpr):
+    w = tl.load(words_ptr + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    parts = moe._e2m1_words_16(w, tl.load(scale16_ptr + tl.arange(0, N)))
+    for j in tl.static_range(8):
+        tl.store(out_ptr + tl.arange(0, N) * 8 + j, parts[j])
+
+
+@triton.jit
+def _bits_16_kernel(words_ptr, out_ptr, N: tl.constexpr, BF16: tl.constexpr):
+    w = tl.load(words_ptr + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    pairs = moe._e2m1_bits_16(w, BF16)
+    for j in tl.static_range(4):
+        tl.store(out_ptr + tl.arange(0, N) * 4 + j, pairs[j].to(tl.int32, bitcast=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_e2m1_16_bit_word_decode_is_exact_for_every_byte_scale_and_position(dtype):
+    """The 16-bit decode (fp16/bf16 activations): each code is exactly its value times its E4M3 block scale times
+    2**-14, for every byte at every word position and scales from the smallest subnormal E4M3 (2**-9) to 448; the
+    bf16 form reads the codes as bf16 subnormals times 2**-126 and multiplies by the scale times 2**112 (no
+    overflow at 448). The interpreter's bf16 arithmetic is wrong (as its bf16 ``tl.dot``), so the bf16 bits the
+    kernel builds are multiplied here by torch, and the whole kernel by the interpreter only in fp16; the device
+    check runs the bf16 GEMM on x = I."""
+    g = torch.Generator().manual_seed(6)
+    packed = torch.stack([torch.randperm(256, generator=g) for _ in range(4)], dim=1).to(torch.uint8)  # [256, 4]
+    e4m3 = torch.tensor([1, 2, 7, 8, 0x38, 0x3D, 0x55, 0x7E], dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scale = e4m3[torch.randint(0, 8, (256,), generator=g)]  # one scale per word: 2**-9 ... 448
+    scale16 = (scale * (2.0 ** 112 if dtype == torch.bfloat16 else 1.0)).to(dtype)
+    want = nvfp4.e2m1_to_float(nvfp4.unpack_e2m1(packed)).double() * scale.double()[:, None] * 2.0 ** -14
+    pairs = torch.empty(256, 4, dtype=torch.int32)
+    _bits_16_kernel[(1,)](packed.view(torch.int32).view(-1), pairs, N=256, BF16=dtype == torch.bfloat16)
+    halves = pairs.view(dtype).view(256, 4, 2).transpose(1, 2).reshape(256, 8)  # element 4h + j: pair j, half h
+    got = halves * scale16[:, None]
+    assert torch.equal(got.double(), want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want.float()))  # -0 codes keep their sign
+    if dtype == torch.float16:
+        out = torch.empty(256 * 8, dtype=dtype)
+        _decode_words_16_kernel[(1,)](packed.view(torch.int32).view(-1), out, scale16, N=256)
+        assert torch.equal(out.view(256, 8), got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
