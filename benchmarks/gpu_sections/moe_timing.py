@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ember.kernels import fp8_block, moe, nvfp4
+from ember.kernels import fp8_block, moe, moe_routing, nvfp4
 from ember.kernels import moe_reference as ref
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.nvfp4 import NVFP4Tensor
@@ -104,6 +104,15 @@ def correctness_checks(ctx: Ctx) -> None:
                 ctx.report.check(f"moe nvfp4 w4a4 M={m}", got, want, 5e-2)
     mxfp4_checks(ctx, w, tol)
     exact_decode_check(ctx)
+    with ctx.case("moe routing softmax top-k"):  # the engine's one-launch router against the torch routing
+        for m in token_counts(ctx):
+            g = torch.Generator().manual_seed(m)  # distinct logits in every dtype: no ties for top-k to break
+            logits = torch.stack([torch.randperm(w.e, generator=g) for _ in range(m)]).float() * 0.05 - 3.0
+            logits = logits.to(ctx.device, ctx.dtype)
+            got_w, got_ids = moe_routing.softmax_topk(logits, w.k, True, round_through_dtype=True)
+            want_w, want_ids = ref.topk_routing(logits, w.k, True)
+            ctx.report.add_check(f"moe routing M={m}", bool(torch.equal(got_ids, want_ids)) and bool(
+                torch.equal(got_w, want_w.to(ctx.dtype).float())), max_weight_diff=float((got_w - want_w).abs().max()))
     n_out, k_in = ctx.pick((48, 64), (4096, 4096), (4096, 4096))
     g = torch.Generator().manual_seed(1)
     wd = (torch.randn(n_out, k_in, generator=g) / k_in ** 0.5).to(ctx.device)

@@ -110,17 +110,18 @@ class SparseMoeBlock(nn.Module):
 
     def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
-        topk_w = topk_w.to(logits.dtype).float()
         w13, w2 = self.experts.stacks()
         if nvfp4_loading.use_triton(x.device):
-            from ember.kernels import moe
+            from ember.kernels import moe, moe_routing
 
+            topk_w, topk_ids = moe_routing.softmax_topk(logits, self.top_k, self.norm_topk_prob,
+                                                        round_through_dtype=True)
             if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
                 return moe.fused_moe_nvfp4(x, w13, w2, topk_w, topk_ids,
                                            self.experts.a13_scale, self.experts.a2_scale)
             return moe.fused_moe(x, w13, w2, topk_w, topk_ids)
-        return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids)
+        topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
+        return moe_reference.fused_moe(x, w13, w2, topk_w.to(logits.dtype).float(), topk_ids)
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):

@@ -14,12 +14,13 @@ import sys
 
 import torch
 
-from ember.kernels import fp8_block, moe, moe_align, nvfp4
+from ember.kernels import fp8_block, moe, moe_align, moe_routing, nvfp4
 from ember.kernels import moe_reference as ref
 from ember.kernels.nvfp4 import NVFP4Tensor
 from tests.kernels.compile_check import _Recorder, compile_launches
 
-_KERNELS = ((moe, "_moe_gemm_kernel"), (moe, "_moe_gemm_w4a4_kernel"), (moe_align, "_align_kernel"))
+_KERNELS = ((moe, "_moe_gemm_kernel"), (moe, "_moe_gemm_w4a4_kernel"), (moe, "_combine_kernel"),
+            (moe_align, "_align_kernel"), (moe_routing, "_softmax_topk_kernel"))
 
 
 def _drive(w4a4: bool, quick: bool = False) -> None:
@@ -55,6 +56,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
     for m in (1, 4096):  # the routing sort: the GPU's one-launch kernel (the CPU tensors here take the torch path)
         moe_align.align_triton(torch.randint(0, 128, (m, 8), generator=g), 16, 128)
+    for experts, k in ((8, 2), (128, 8), (512, 10)):  # the router: tiny, Qwen3-30B-A3B, Qwen3-Next
+        moe_routing.softmax_topk(torch.randn(4, experts, generator=g).to(torch.bfloat16), k, True, True)
     for m in (64, 4096) if quick else (1, 16, 64, 256, 512, 4096):  # fp32 models (gpu_check's parity): 4-byte tiles
         tw, ti = ref.topk_routing(torch.randn(m, e, generator=g), 2, True)
         x = torch.randn(m, h, generator=g)
