@@ -4,11 +4,12 @@
     python benchmarks/decode_launches.py [--batch 4]
 
 A CUDA-graph replay of a decode step costs a few microseconds per launch however little the launch does, so the
-count of launches per layer is a number to push down between device runs. The engine runs a tiny Qwen3 (q/k norms)
-and a tiny Gemma 3 (zero-centred q/k norms, sliding windows) with the CUDA path's kernels (Triton attention and row
-kernels, under ``TRITON_INTERPRET=1``), once with the fused attention prologue (`ember.kernels.qk_norm_rope_cache`)
-and once without, and counts one decode forward's Triton launches and the aten ops that would launch a kernel
-(views and ``empty`` do not; a ``reshape`` counts only when it copies). Prints a table per model and layer.
+count of launches per layer is a number to push down between device runs. The engine runs a tiny Qwen3 (q/k norms),
+a tiny Gemma 3 (zero-centred q/k norms, sliding windows) and a tiny Qwen3-MoE (two of three layers MoE) with the CUDA
+path's kernels (Triton attention, row and MoE kernels, under ``TRITON_INTERPRET=1``), once with the fused attention
+prologue (`ember.kernels.qk_norm_rope_cache`) and once without, and counts one decode forward's Triton launches and
+the aten ops that would launch a kernel (views and ``empty`` do not; ``reshape``, ``to``, ``contiguous`` count only
+when they copy). Prints one row per model and prologue.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import tempfile
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ["EMBER_ROW_OPS"] = "triton"
 os.environ["EMBER_ATTENTION"] = "triton"
+os.environ["EMBER_MOE"] = "triton"
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -38,6 +40,9 @@ NO_KERNEL = {"view", "_unsafe_view", "split", "split_with_sizes", "slice", "sele
              "permute", "transpose", "t", "as_strided", "alias", "detach", "unbind", "chunk", "narrow",
              "_reshape_alias", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty"}
 
+MAYBE_NO_COPY = {"reshape", "to", "contiguous", "flatten"}
+"""Ops that launch a copy only when they return new memory."""
+
 
 class LaunchCounter(TorchDispatchMode):
     """Counts, while ``active``, the aten ops that launch a device kernel and every Triton launch, by name."""
@@ -51,8 +56,8 @@ class LaunchCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if self.active and name not in NO_KERNEL:
-            copied = not (isinstance(out, torch.Tensor) and out.data_ptr() == args[0].data_ptr())
-            if name != "reshape" or copied:
+            same = isinstance(out, torch.Tensor) and out.data_ptr() == args[0].data_ptr()
+            if name not in MAYBE_NO_COPY or not same:
                 self.launches[name] += 1
         return out
 
@@ -108,11 +113,13 @@ def main() -> None:
     a = ap.parse_args()
     from tests.conftest import save_tiny_qwen3
     from tests.engine.test_gemma3 import save_tiny_gemma3
+    from tests.moe.conftest import save_tiny_moe
 
     tmp = pathlib.Path(tempfile.mkdtemp())
     demo.build(tmp / "demo")
     models = {"Qwen3 (q/k norms)": save_tiny_qwen3(tmp / "qwen3", tmp / "demo", seed=0),
-              "Gemma 3 (offset q/k norms)": save_tiny_gemma3(tmp / "gemma3", tmp / "demo", seed=0)}
+              "Gemma 3 (offset q/k norms)": save_tiny_gemma3(tmp / "gemma3", tmp / "demo", seed=0),
+              "Qwen3-MoE (2 of 3 layers MoE)": save_tiny_moe(tmp / "moe", tmp / "demo", seed=0)}
     print(f"Device launches in one decode forward of {a.batch} sequences (CUDA path's kernels, counted on a CPU)\n")
     print("| model | prologue | launches per step | per attention layer | most frequent |")
     print("| --- | --- | ---: | ---: | --- |")

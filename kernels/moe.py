@@ -1,14 +1,16 @@
 """Triton fused mixture of experts, and the dense NVFP4 linear through the same grouped GEMM.
 
 Design (vLLM's ``fused_moe_kernel``, reimplemented):
-1. routing: :func:`ember.kernels.moe_reference.topk_routing` (softmax fp32, top-k, optional renormalisation);
+1. routing (the model's): softmax fp32, top-k, optional renormalisation, one launch on the Triton path
+   (:func:`ember.kernels.moe_routing.softmax_topk`; reference :func:`ember.kernels.moe_reference.topk_routing`);
 2. :func:`moe_align_block_size` (one Triton launch, no host sync): the ``M*k`` (token, slot) pairs sorted by
    expert, each expert's group padded to a multiple of ``BLOCK_M`` with the sentinel ``M*k``; buffers sized to a
    static upper bound;
 3. GEMM 1 (``w13``): rows gathered as ``pair // k``; gate and up tiles of the same columns are accumulated side by
    side and SiLU-and-mul is fused into the epilogue, writing ``[M*k, I]``;
 4. GEMM 2 (``w2``): rows are the pairs themselves, scaled by their routing weight in the epilogue, written
-   ``[M*k, H]`` (fp32) and summed over ``k`` (the weighted combine).
+   ``[M*k, H]`` (fp32) and summed over ``k`` into the activation dtype by one more launch (:func:`_combine`, the
+   weighted combine).
 
 Weights are bf16/fp16/fp32 stacks (``w13 [E, 2I, H]``, ``w2 [E, H, I]``), block-scaled FP8 stacks
 (:class:`ember.kernels.fp8_block.FP8BlockTensor`: e4m3 bytes read as int32 words, decoded two per integer op into
@@ -49,7 +51,6 @@ import triton.language as tl
 from ember.kernels import moe_align, mxfp4, nvfp4
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.kernels.moe_reference import silu_and_mul
-from ember.kernels.moe_reference import topk_routing as fused_topk  # noqa: F401 (routing is torch on every device)
 from ember.kernels.mxfp4 import MXFP4Tensor
 from ember.kernels.nvfp4 import NVFP4Tensor
 
@@ -495,6 +496,31 @@ def _moe_gemm_w4a4_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _combine_kernel(src_ptr, out_ptr, h, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[t] = sum_j src[t * TOP_K + j]`` in float32, in slot order, cast to ``out``'s dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < h
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (t * TOP_K + j) * h + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weighted combine: each token's ``top_k`` routed rows of ``pairs`` (float32 ``[M*k, H]``, already
+    multiplied by their routing weights) summed into ``[M, H]`` of ``dtype``, one launch (a sum and a cast in
+    torch)."""
+    h = pairs.shape[1]
+    out = torch.empty(m, h, dtype=dtype, device=pairs.device)
+    if m:
+        block = min(512, triton.next_power_of_2(h))
+        _combine_kernel[(m, triton.cdiv(h, block))](pairs, out, h, TOP_K=top_k, BLOCK_H=block, num_warps=4,
+                                                   num_stages=1)
+    return out
+
+
 def _words(packed: torch.Tensor) -> torch.Tensor:
     """Weight bytes ``[..., B]`` (packed E2M1 or E4M3) as the int32 words the in-kernel decodes read: a view of the
     loaded weights (rows contiguous, 4-byte aligned, B a multiple of 4), or a copy of a view that is not, its rows
@@ -635,7 +661,7 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float().contiguous()
     _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2,
             dot_scaled=dot_scaled)
-    return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
+    return _combine(out, m, top_k, x.dtype)
 
 
 def nvfp4_linear(
@@ -851,7 +877,7 @@ def fused_moe_nvfp4_w4a4(
     out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
     _launch_w4a4(iq, is_, w2, alpha2, out, topk_weights.reshape(-1).float().contiguous(), sorted_ids,
                  expert_ids, num_post, 1, m * top_k, cfg)
-    return out.view(m, top_k, h).sum(dim=1).to(x.dtype)
+    return _combine(out, m, top_k, x.dtype)
 
 
 def fused_moe_nvfp4(
