@@ -6,8 +6,8 @@ renormalising sum and division, the IDs to int32, and, for models that round the
 as transformers does, two more casts), each a few microseconds of a decode graph's replay for a few hundred bytes
 of work. One program per token: its router logits in float32, softmax, the ``k`` largest taken by repeated argmax
 (of the logits, which order the experts as the probabilities do, ties to the lower index), optionally renormalised
-and rounded through the logits' dtype. Nothing depends on device values, so the call can be captured in a CUDA
-graph.
+(or, as gpt-oss routes, a softmax over the chosen logits alone) and rounded through the logits' dtype. Nothing
+depends on device values, so the call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import triton.language as tl
 def _softmax_topk_kernel(
     logits_ptr, w_ptr, ids_ptr, stride_l, num_experts,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND: tl.constexpr, CHOSEN_ONLY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
@@ -31,13 +31,18 @@ def _softmax_topk_kernel(
     slots = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    xs = tl.full((BLOCK_K,), float("-inf"), dtype=tl.float32)
     left = x
     for j in tl.static_range(TOP_K):
         best = tl.argmax(left, axis=0, tie_break_left=True)
         w = tl.where(slots == j, tl.sum(tl.where(offs == best, p, 0.0), axis=0), w)
+        xs = tl.where(slots == j, tl.max(left, axis=0), xs)
         ids = tl.where(slots == j, best, ids)
         left = tl.where(offs == best, float("-inf"), left)
-    if RENORMALIZE:
+    if CHOSEN_ONLY:  # the softmax over the k chosen logits alone (the first is their largest)
+        chosen = tl.where(slots < TOP_K, tl.exp(xs - tl.max(xs, axis=0)), 0.0)
+        w = chosen / tl.sum(chosen, axis=0)
+    elif RENORMALIZE:
         w = w / tl.sum(w, axis=0)
     if ROUND:
         w = w.to(logits_ptr.dtype.element_ty).to(tl.float32)
@@ -46,11 +51,14 @@ def _softmax_topk_kernel(
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 round_through_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 round_through_dtype: bool = False, *, softmax_of_chosen: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights float32 [M, k], topk_ids int32 [M, k])``: the softmax of each row of ``router_logits`` over
     all experts, in float32, at its ``k`` largest logits (descending); ``renormalize``: divided by their sum;
-    ``round_through_dtype``: rounded to the logits' dtype and back (transformers' Qwen3-MoE casts the weights to
-    the hidden states' dtype)."""
+    ``softmax_of_chosen``: instead the softmax over the ``k`` chosen logits alone (gpt-oss; the same weights as
+    renormalising, by another rounding: `ember.kernels.moe_reference.topk_softmax_routing`'s);
+    ``round_through_dtype``: rounded to the logits' dtype and back (transformers' Qwen3-MoE and gpt-oss cast the
+    weights to the hidden states' dtype)."""
     m, e = router_logits.shape
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be between 1 and the {e} experts, got {top_k}")
@@ -61,6 +69,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         _softmax_topk_kernel[(m,)](
             logits, w, ids, logits.stride(0), e,
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
-            RENORMALIZE=renormalize, ROUND=round_through_dtype, num_warps=1 if e <= 256 else 4, num_stages=1,
+            RENORMALIZE=renormalize, ROUND=round_through_dtype, CHOSEN_ONLY=softmax_of_chosen,
+            num_warps=1 if e <= 256 else 4, num_stages=1,
         )
     return w, ids

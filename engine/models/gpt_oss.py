@@ -98,13 +98,16 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.activation = partial(moe_reference.clamped_swiglu, limit=self.swiglu[0], alpha=self.swiglu[1])
 
     def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
-        topk_w, topk_ids = moe_reference.topk_softmax_routing(self.router(x), self.top_k)
+        logits = self.router(x)
         ex = self.experts
         w13, w2 = ex.stacks()
         if nvfp4_loading.use_triton(x.device):
-            from ember.kernels import moe
+            from ember.kernels import moe, moe_routing
 
+            topk_w, topk_ids = moe_routing.softmax_topk(logits, self.top_k, False, round_through_dtype=True,
+                                                        softmax_of_chosen=True)
             return moe.fused_moe(x, w13, w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2, swiglu=self.swiglu)
+        topk_w, topk_ids = moe_reference.topk_softmax_routing(logits, self.top_k)
         return moe_reference.fused_moe(x, w13, w2, topk_w, topk_ids, b13=ex.b13, b2=ex.b2,
                                        activation=self.activation)
 

@@ -34,6 +34,17 @@ def test_router_rounds_the_weights_through_the_logits_dtype(dtype):
     assert torch.equal(w, want_w.to(dtype).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_router_takes_gpt_oss_softmax_over_the_chosen_logits(dtype):
+    g = torch.Generator().manual_seed(9)
+    logits = (torch.randn(5, 32, generator=g) * 3).to(dtype)
+    w, ids = softmax_topk(logits, 4, False, round_through_dtype=True, softmax_of_chosen=True)
+    want_w, want_ids = ref.topk_softmax_routing(logits, 4)
+    assert torch.equal(ids, want_ids)
+    exact = dtype == torch.float16  # float32 weights may differ in the last bits; rounded to fp16, not at all
+    torch.testing.assert_close(w, want_w, rtol=0 if exact else 2e-6, atol=0 if exact else 1e-7)
+
+
 def test_router_breaks_ties_toward_the_lower_expert_and_never_repeats_one():
     logits = torch.zeros(2, 16)
     logits[1, 3] = logits[1, 9] = 5.0
