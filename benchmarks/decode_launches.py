@@ -56,7 +56,8 @@ class LaunchCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if self.active and name not in NO_KERNEL:
-            same = isinstance(out, torch.Tensor) and out.data_ptr() == args[0].data_ptr()
+            same = isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor) and out.data_ptr() == args[
+                0].data_ptr()
             if name not in MAYBE_NO_COPY or not same:
                 self.launches[name] += 1
         return out
