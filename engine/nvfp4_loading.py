@@ -264,7 +264,10 @@ class NVFP4Linear(nn.Module):
         if use_triton(x.device):
             from ember.kernels import moe
 
-            ys = [moe.nvfp4_linear(x, p) for p in self.partitions()]
+            parts = self.partitions()
+            if len(parts) == 1:  # one launch, the bias added in its epilogue
+                return moe.nvfp4_linear(x, parts[0], self.bias)
+            ys = [moe.nvfp4_linear(x, p) for p in parts]
         else:
             ys = [moe_reference.nvfp4_linear(x, p) for p in self.partitions()]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)

@@ -165,6 +165,17 @@ def _grouped_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
+def _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M: tl.constexpr, DENSE: tl.constexpr):
+    """Row tile ``pid_m``'s rows (pair indices in sorted order; padding reads as ``M*k``) and its expert; ``DENSE``
+    (a plain linear): rows ``pid_m * BLOCK_M ...`` in order and expert 0, no metadata read."""
+    if DENSE:
+        return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), 0
+    else:
+        return (tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)),
+                tl.load(expert_ids_ptr + pid_m).to(tl.int64))
+
+
+@triton.jit
 def _e4m3_to_f32(u):
     """E4M3FN bytes (as int32) -> float32, exactly: the byte's bits moved into an fp16 as :func:`_e4m3_words` does,
     times ``2**8`` (no NaN handling: scales are finite, and the NaN code reads as 480)."""
@@ -364,7 +375,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
-    PRECISION: tl.constexpr = "tf32", HALF_DECODE: tl.constexpr = False,
+    PRECISION: tl.constexpr = "tf32", HALF_DECODE: tl.constexpr = False, DENSE: tl.constexpr = False,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
@@ -372,14 +383,14 @@ def _moe_gemm_kernel(
     ``tl.dot_scaled`` against the ``A_FORMAT`` (bf16/fp16) activations instead of dequantizing them. ``FP8_BN > 0``:
     e4m3 weights with a float32 scale per ``FP8_BN x FP8_BK`` block (W8A16). ``CLAMPED_SWIGLU`` is gpt-oss's GLU
     instead of SiLU-and-mul. ``PRECISION`` is ``tl.dot``'s input precision: ``"ieee"`` for fp32 activations, whose
-    models get fp32 products as in the torch path, not TF32's 10-bit mantissas."""
+    models get fp32 products as in the torch path, not TF32's 10-bit mantissas. ``DENSE``: one expert and the rows
+    in order (a plain linear: ``EM`` is the row count, and no routing metadata is read)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-
-    tok = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if not DENSE:
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE)
     tok_mask = tok < num_valid
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -452,17 +463,18 @@ def _moe_gemm_w4a4_kernel(
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DENSE: tl.constexpr = False,
 ):
     """W4A4 variant: A is packed E2M1 ``[rows, K/2]`` with E4M3 scales ``[rows, K/16]``; ``tl.dot_scaled``; the
     epilogue multiplies column ``n`` by ``alpha[e, n >= second_off]`` (``input_scale * weight_scale_2``; gate and up
-    may differ). No fused SiLU: Triton 3.6 cannot compile two block-scaled accumulators for sm_100. Blackwell only."""
+    may differ). No fused SiLU: Triton 3.6 cannot compile two block-scaled accumulators for sm_100. Blackwell only.
+    ``DENSE`` as in :func:`_moe_gemm_kernel`."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_ptr):
-        return
-
-    tok = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if not DENSE:
+        if pid_m * BLOCK_M >= tl.load(num_post_ptr):
+            return
+    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE)
     tok_mask = tok < num_valid
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_kp = tl.arange(0, BLOCK_K // 2)
@@ -552,10 +564,12 @@ def _invoke(
     bias: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     dot_scaled: bool = False,
+    dense: bool = False,
 ) -> None:
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
     per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
-    SiLU."""
+    SiLU. ``dense``: a one-expert stack over the ``num_valid`` rows of ``a`` in order (``sorted_ids``,
+    ``expert_ids`` and ``num_post`` are not read)."""
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
@@ -587,10 +601,11 @@ def _invoke(
         k = b.shape[-1]
         s_strides = (0, 0, 0)
         s2_strides = (0, 0)
-    _moe_gemm_kernel[_grid(sorted_ids.numel(), n, cfg)](
+    em = num_valid if dense else sorted_ids.numel()
+    _moe_gemm_kernel[_grid(em, n, cfg)](
         a, b, scale, s2, c, topk_weights if topk_weights is not None else c,
         sorted_ids, expert_ids, num_post,
-        n, k, sorted_ids.numel(), num_valid, n,
+        n, k, em, num_valid, n,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         *s_strides,
@@ -607,7 +622,7 @@ def _invoke(
         SCALE_E8M0=mx, HAS_BIAS=bias is not None, CLAMPED_SWIGLU=swiglu is not None,
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
         FP8_BN=fp8[0], FP8_BK=fp8[1], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        HALF_DECODE=isinstance(w, NVFP4Tensor) and a.dtype in (torch.float16, torch.bfloat16),
+        HALF_DECODE=isinstance(w, NVFP4Tensor) and a.dtype in (torch.float16, torch.bfloat16), DENSE=dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -683,20 +698,16 @@ def block_fp8_linear(
 
 def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None,
                        config: GemmConfig | None) -> torch.Tensor:
+    """One launch: the grouped GEMM in its dense mode (rows in order, no routing metadata), the bias added to the
+    float32 accumulator."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
     cfg = config or linear_config(m, x.device)
-    cap = triton.cdiv(max(m, 1), cfg.block_m) * cfg.block_m
-    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
-    sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
-    expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
-    num_post = torch.full((1,), cap, dtype=torch.int32, device=x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        _invoke(x2, stack, out, None, sorted_ids, expert_ids, num_post, n, 1, False, m, cfg)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
+        _invoke(x2, stack, out, None, out, out, out, n, 1, False, m, cfg, dense=True,
+                bias=None if bias is None else bias.reshape(1, n))
     return out.view(*lead, n)
 
 
@@ -799,24 +810,26 @@ def dot_scaled_nvfp4_works(device_str: str = "cpu") -> bool:
 def _launch_w4a4(
     aq: torch.Tensor, a_s: torch.Tensor, w: NVFP4Tensor, alpha: torch.Tensor, c: torch.Tensor,
     topk_weights: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_post: torch.Tensor, a_row_div: int, num_valid: int, cfg: GemmConfig,
+    num_post: torch.Tensor, a_row_div: int, num_valid: int, cfg: GemmConfig, dense: bool = False,
 ) -> None:
-    """One W4A4 launch; ``alpha [E, P]``: with ``P == 2`` the second half of the output columns uses column 1."""
+    """One W4A4 launch; ``alpha [E, P]``: with ``P == 2`` the second half of the output columns uses column 1;
+    ``dense``: a one-expert stack over the ``num_valid`` rows in order (no routing metadata read)."""
     b, s = w.weight, w.weight_scale
     n = b.shape[1]
     alpha = alpha.reshape(b.shape[0], -1).contiguous()
     two = alpha.shape[1] > 1
-    _moe_gemm_w4a4_kernel[_grid(sorted_ids.numel(), n, cfg)](
+    em = num_valid if dense else sorted_ids.numel()
+    _moe_gemm_w4a4_kernel[_grid(em, n, cfg)](
         aq, a_s, b, s, alpha, c, topk_weights if topk_weights is not None else c,
         sorted_ids, expert_ids, num_post,
-        n, b.shape[-1] * 2, sorted_ids.numel(), num_valid, n // 2 if two else n,
+        n, b.shape[-1] * 2, em, num_valid, n // 2 if two else n,
         aq.stride(0), aq.stride(1), a_s.stride(0), a_s.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         s.stride(0), s.stride(1), s.stride(2),
         alpha.stride(0), alpha.stride(1) if two else 0,
         c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DENSE=dense,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -834,16 +847,12 @@ def _dynamic_scale(x: torch.Tensor) -> torch.Tensor:
 def _w4a4_dense(x: torch.Tensor, w: NVFP4Tensor, input_scale: torch.Tensor) -> torch.Tensor:
     m = x.shape[0]
     cfg = w4a4_config(GemmConfig())
-    cap = triton.cdiv(m, cfg.block_m) * cfg.block_m
-    sorted_ids = torch.full((cap,), m, dtype=torch.int32, device=x.device)
-    sorted_ids[:m] = torch.arange(m, dtype=torch.int32, device=x.device)
-    expert_ids = torch.zeros(cap // cfg.block_m, dtype=torch.int32, device=x.device)
-    num_post = torch.full((1,), cap, dtype=torch.int32, device=x.device)
     aq, a_s = nvfp4.quantize_activations(x, input_scale)
     stack = NVFP4Tensor(w.weight.unsqueeze(0), w.weight_scale.unsqueeze(0), w.weight_scale_2.reshape(1))
     alpha = (input_scale.float() * w.weight_scale_2.float()).reshape(1)
     out = torch.empty(m, w.weight.shape[0], dtype=torch.float32, device=x.device)
-    _launch_w4a4(aq, a_s, stack, alpha, out, None, sorted_ids, expert_ids, num_post, 1, m, cfg)
+    if m:
+        _launch_w4a4(aq, a_s, stack, alpha, out, None, out, out, out, 1, m, cfg, dense=True)
     return out
 
 

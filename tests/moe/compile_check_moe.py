@@ -54,6 +54,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
                                      config=moe.block_fp8_config(moe.linear_config(m, cuda)))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
+                if m in (1, 4096):  # the dense W4A4 GEMM (the probe that turns W4A4 on runs it)
+                    moe._w4a4_dense(x, nvfp4.quantize(w2[0]), torch.tensor(1.0))
     for m in (1, 4096):  # the routing sort: the GPU's one-launch kernel (the CPU tensors here take the torch path)
         moe_align.align_triton(torch.randint(0, 128, (m, 8), generator=g), 16, 128)
     for experts, k in ((8, 2), (128, 8), (512, 10)):  # the router: tiny, Qwen3-30B-A3B, Qwen3-Next

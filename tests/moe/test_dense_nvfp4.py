@@ -42,3 +42,31 @@ def test_dense_greedy_equals_dequantized_reference(dense_dirs):
     ps = prompts(6, seed=4)
     ps, expected = clear_margin(ps, hf_greedy(dense_dirs[1], ps), need=4)
     assert ember_greedy(dense_dirs[0], ps) == expected
+
+
+@pytest.mark.parametrize("shared_scale", [True, False], ids=["one-partition", "three-partitions"])
+def test_packed_linear_with_bias_is_the_same_on_the_kernel_path(shared_scale, monkeypatch):
+    """A fused q/k/v NVFP4 linear with a bias (Qwen2's) gives on the Triton kernel (one launch, the bias added in
+    its epilogue; per-partition launches when the partitions' tensor scales differ) what the torch reference
+    gives."""
+    from ember.kernels import nvfp4
+
+    g = torch.Generator().manual_seed(3)
+    sizes, k = [48, 16, 16], 64
+    parts = [nvfp4.quantize(torch.randn(n, k, generator=g)) for n in sizes]
+    bias = torch.nn.Parameter(torch.randn(sum(sizes), generator=g).half(), requires_grad=False)
+    lin = NVFP4Linear(sizes, k, bias, torch.device("cpu"))
+    with torch.no_grad():
+        lin.weight.copy_(torch.cat([p.weight for p in parts]))
+        lin.weight_scale.copy_(torch.cat([p.weight_scale.view(torch.uint8) for p in parts]))
+        lin.weight_scale_2.copy_(torch.stack([parts[0].weight_scale_2.reshape(()) if shared_scale
+                                              else p.weight_scale_2.reshape(()) for p in parts]))
+    x = torch.randn(5, k, generator=g).half()
+    monkeypatch.setenv("EMBER_MOE", "reference")
+    want = lin(x)
+    lin._parts = None
+    monkeypatch.setenv("EMBER_MOE", "triton")
+    got = lin(x)
+    assert len(lin.partitions()) == (1 if shared_scale else 3)
+    assert got.dtype == torch.float16 and got.shape == (5, 80)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-3
