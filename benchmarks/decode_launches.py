@@ -5,7 +5,8 @@
 
 A CUDA-graph replay of a decode step costs a few microseconds per launch however little the launch does, so the
 count of launches per layer is a number to push down between device runs. The engine runs a tiny Qwen3 (q/k norms),
-a tiny Gemma 3 (zero-centred q/k norms, sliding windows) and a tiny Qwen3-MoE (two of three layers MoE) with the CUDA
+a tiny Gemma 3 (zero-centred q/k norms, sliding windows), a tiny Qwen3-MoE (two of three layers MoE) and the tiny
+Qwen3 quantized to NVFP4 (its linears W4A16 through the grouped GEMM) with the CUDA
 path's kernels (Triton attention, row and MoE kernels, under ``TRITON_INTERPRET=1``), once with the fused attention
 prologue (`ember.kernels.qk_norm_rope_cache`) and once without, and counts one decode forward's Triton launches and
 the aten ops that would launch a kernel (views and ``empty`` do not; ``reshape``, ``to``, ``contiguous`` count only
@@ -31,7 +32,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from ember.engine import demo  # noqa: E402
+from ember.engine import demo, quantize  # noqa: E402
 from ember.engine.engine import Engine  # noqa: E402
 from ember.engine.models.layers import Attention  # noqa: E402
 from ember.engine.params import SamplingParams  # noqa: E402
@@ -121,6 +122,8 @@ def main() -> None:
     models = {"Qwen3 (q/k norms)": save_tiny_qwen3(tmp / "qwen3", tmp / "demo", seed=0),
               "Gemma 3 (offset q/k norms)": save_tiny_gemma3(tmp / "gemma3", tmp / "demo", seed=0),
               "Qwen3-MoE (2 of 3 layers MoE)": save_tiny_moe(tmp / "moe", tmp / "demo", seed=0)}
+    if quantize.main([str(models["Qwen3 (q/k norms)"]), str(tmp / "qwen3-nvfp4")]) == 0:
+        models["Qwen3 NVFP4 (W4A16 linears)"] = tmp / "qwen3-nvfp4"
     print(f"Device launches in one decode forward of {a.batch} sequences (CUDA path's kernels, counted on a CPU)\n")
     print("| model | prologue | launches per step | per attention layer | most frequent |")
     print("| --- | --- | ---: | ---: | --- |")
