@@ -67,6 +67,9 @@ class GemmConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1
+    """Dense linears only: K split over this many programs per output tile, their float32 partials summed by one
+    more launch (:func:`_combine`). Small-M decode is latency-bound (a few tiles, each walking all of K)."""
 
 
 def _interpreting() -> bool:
@@ -130,11 +133,31 @@ def _table_config(m: int, device: torch.device) -> GemmConfig:
     return GemmConfig(128, 128, 64, 8, 8, 3)
 
 
-def linear_config(num_tokens: int, device: torch.device) -> GemmConfig:
-    """Dense NVFP4 linear: one weight, so small-M decode needs narrow N tiles to occupy the SMs."""
+def linear_config(num_tokens: int, device: torch.device, n: int = 0, k: int = 0) -> GemmConfig:
+    """Dense NVFP4 linear: one weight, so small-M decode needs narrow N tiles to occupy the SMs, and, given the
+    weight's ``n`` x ``k``, K split (``split_k``) until about four programs per SM, each walking at least four K
+    steps. (The H200 timed a 4096 x 4096 NVFP4 linear at M=1 at 0.052 ms, 128 programs of 32 K steps, where its
+    bytes need 2 us: latency, not bandwidth or instructions.)"""
     if device.type != "cuda" or _interpreting() or num_tokens > 64:
         return default_config(num_tokens, 1, 1, device, nvfp4=True)
-    return GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 2)
+    cfg = GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 2)
+    if num_tokens > 16 or not n or not k:
+        return cfg
+    tiles, steps, split = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k), 1
+    while tiles * split * 2 <= 4 * _num_sms(device) and steps // (split * 2) >= 4:
+        split *= 2
+    return replace(cfg, split_k=split)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_str: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(device_str)).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """The device's SM count (asked once per device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(f"cuda:{index}")
 
 
 def moe_align_block_size(
@@ -376,6 +399,7 @@ def _moe_gemm_kernel(
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
     PRECISION: tl.constexpr = "tf32", HALF_DECODE: tl.constexpr = False, DENSE: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, stride_cs=0,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
@@ -384,7 +408,9 @@ def _moe_gemm_kernel(
     e4m3 weights with a float32 scale per ``FP8_BN x FP8_BK`` block (W8A16). ``CLAMPED_SWIGLU`` is gpt-oss's GLU
     instead of SiLU-and-mul. ``PRECISION`` is ``tl.dot``'s input precision: ``"ieee"`` for fp32 activations, whose
     models get fp32 products as in the torch path, not TF32's 10-bit mantissas. ``DENSE``: one expert and the rows
-    in order (a plain linear: ``EM`` is the row count, and no routing metadata is read)."""
+    in order (a plain linear: ``EM`` is the row count, and no routing metadata is read). ``SPLIT_K``: program
+    ``(tile, s)`` takes the ``s``-th of ``SPLIT_K`` runs of K steps and writes its (linear-epilogue) float32 partial
+    at ``C + s * stride_cs``."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if not DENSE:
         if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -396,12 +422,20 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     dtype = a_ptr.dtype.element_ty
 
-    a_ptrs = a_ptr + (tok // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    k_steps = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_end = k_steps
+    if SPLIT_K > 1:
+        per_split = tl.cdiv(k_steps, SPLIT_K)
+        k_first = tl.program_id(1) * per_split
+        k_end = tl.minimum(k_first + per_split, k_steps)
+    a_ptrs = a_ptr + (tok // A_ROW_DIV).to(tl.int64)[:, None] * stride_am + (
+        k_first * BLOCK_K + offs_k)[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be
     s_base = bs_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+    for k0 in range(k_first, k_end):
         kk = k0 * BLOCK_K + offs_k
         k_mask = kk < K
         a = tl.load(a_ptrs, mask=tok_mask[:, None] & k_mask[None, :], other=0.0)
@@ -447,6 +481,8 @@ def _moe_gemm_kernel(
         w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
         acc = acc * w[:, None]
     c_ptrs = c_ptr + tok.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if SPLIT_K > 1:
+        c_ptrs += tl.program_id(1) * stride_cs
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
 
 
@@ -509,26 +545,31 @@ def _moe_gemm_w4a4_kernel(
 
 
 @triton.jit
-def _combine_kernel(src_ptr, out_ptr, h, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``out[t] = sum_j src[t * TOP_K + j]`` in float32, in slot order, cast to ``out``'s dtype."""
+def _combine_kernel(src_ptr, out_ptr, bias_ptr, h, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """``out[t] = sum_j src[t * TOP_K + j] (+ bias)`` in float32, in order, cast to ``out``'s dtype."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < h
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(src_ptr + (t * TOP_K + j) * h + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weighted combine: each token's ``top_k`` routed rows of ``pairs`` (float32 ``[M*k, H]``, already
-    multiplied by their routing weights) summed into ``[M, H]`` of ``dtype``, one launch (a sum and a cast in
-    torch)."""
+def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's ``top_k`` consecutive float32 rows of ``pairs`` ``[M*k, H]`` summed (plus ``bias``) into
+    ``[M, H]`` of ``dtype``, one launch: the MoE's weighted combine (rows already multiplied by their routing
+    weights; a sum and a cast in torch) and a split-K linear's partials."""
     h = pairs.shape[1]
     out = torch.empty(m, h, dtype=dtype, device=pairs.device)
     if m:
         block = min(512, triton.next_power_of_2(h))
-        _combine_kernel[(m, triton.cdiv(h, block))](pairs, out, h, TOP_K=top_k, BLOCK_H=block, num_warps=4,
+        _combine_kernel[(m, triton.cdiv(h, block))](pairs, out, bias if bias is not None else out, h, TOP_K=top_k,
+                                                   BLOCK_H=block, HAS_BIAS=bias is not None, num_warps=4,
                                                    num_stages=1)
     return out
 
@@ -565,11 +606,13 @@ def _invoke(
     swiglu: tuple[float, float] | None = None,
     dot_scaled: bool = False,
     dense: bool = False,
+    split_k: int = 1,
 ) -> None:
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
     per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
     SiLU. ``dense``: a one-expert stack over the ``num_valid`` rows of ``a`` in order (``sorted_ids``,
-    ``expert_ids`` and ``num_post`` are not read)."""
+    ``expert_ids`` and ``num_post`` are not read). ``split_k > 1``: ``c`` is float32 ``[rows, split_k, N']``,
+    one partial per split (no bias, no fused SiLU)."""
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
@@ -602,7 +645,12 @@ def _invoke(
         s_strides = (0, 0, 0)
         s2_strides = (0, 0)
     em = num_valid if dense else sorted_ids.numel()
-    _moe_gemm_kernel[_grid(em, n, cfg)](
+    c_strides, split_stride = (c.stride(0), c.stride(1)), 0
+    if split_k > 1:
+        if bias is not None or fuse_silu or c.dtype != torch.float32 or c.dim() != 3:
+            raise ValueError("split-K writes float32 [rows, splits, N] partials, with no bias and no fused SiLU")
+        c_strides, split_stride = (c.stride(0), c.stride(2)), c.stride(1)
+    _moe_gemm_kernel[_grid(em, n, cfg) + (split_k,)](
         a, b, scale, s2, c, topk_weights if topk_weights is not None else c,
         sorted_ids, expert_ids, num_post,
         n, k, em, num_valid, n,
@@ -610,7 +658,7 @@ def _invoke(
         b.stride(0), b.stride(1), b.stride(2),
         *s_strides,
         *s2_strides,
-        c.stride(0), c.stride(1),
+        *c_strides,
         bias if bias is not None else c, bias.stride(0) if bias is not None else 0,
         float(swiglu[0]) if swiglu else 0.0, float(swiglu[1]) if swiglu else 0.0,
         A_ROW_DIV=a_row_div,
@@ -623,6 +671,7 @@ def _invoke(
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
         FP8_BN=fp8[0], FP8_BK=fp8[1], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         HALF_DECODE=isinstance(w, NVFP4Tensor) and a.dtype in (torch.float16, torch.bfloat16), DENSE=dense,
+        SPLIT_K=split_k, stride_cs=split_stride,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -693,21 +742,29 @@ def block_fp8_linear(
     """``x @ dequant(w).T (+ bias)`` for a 2-D block-FP8 weight, through the grouped GEMM with one expert (W8A16)."""
     stack = FP8BlockTensor(w.weight.unsqueeze(0), w.scale.unsqueeze(0), w.block)
     m = x.numel() // x.shape[-1]
-    return _one_expert_linear(x, stack, w.weight.shape[0], bias, config or block_fp8_config(linear_config(m, x.device)))
+    n, k = w.weight.shape
+    return _one_expert_linear(x, stack, n, bias, config or block_fp8_config(linear_config(m, x.device, n, k)))
 
 
 def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None,
                        config: GemmConfig | None) -> torch.Tensor:
     """One launch: the grouped GEMM in its dense mode (rows in order, no routing metadata), the bias added to the
-    float32 accumulator."""
+    float32 accumulator; with ``split_k`` (:func:`linear_config`), float32 partials and one more launch to sum them
+    (:func:`_combine`, the bias added there)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
-    cfg = config or linear_config(m, x.device)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        _invoke(x2, stack, out, None, out, out, out, n, 1, False, m, cfg, dense=True,
-                bias=None if bias is None else bias.reshape(1, n))
+    cfg = config or linear_config(m, x.device, n, x.shape[-1])
+    bias2 = None if bias is None else bias.reshape(1, n)
+    if m and cfg.split_k > 1:
+        partials = torch.empty(m, cfg.split_k, n, dtype=torch.float32, device=x.device)
+        _invoke(x2, stack, partials, None, partials, partials, partials, n, 1, False, m, cfg, dense=True,
+                split_k=cfg.split_k)
+        out = _combine(partials.view(m * cfg.split_k, n), m, cfg.split_k, x.dtype, bias2)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m:
+            _invoke(x2, stack, out, None, out, out, out, n, 1, False, m, cfg, dense=True, bias=bias2)
     return out.view(*lead, n)
 
 

@@ -12,7 +12,7 @@ Python's launch cost; at decode sizes ``nvfp4_by_kernel`` splits the NVFP4 MoE's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -229,6 +229,15 @@ def run(ctx: Ctx) -> None:
                     bf16_ms=graph_ms(lambda: F.linear(x, wb), rep=50, warmup=10))
         rep.log(f"  nvfp4 linear {n_out}x{k_in} M={m:<5} {r['nvfp4_ms']:.4f} ms (fp8 {r['fp8_ms']:.4f} ms, "
                 f"F.linear {r['bf16_ms']:.4f} ms, floor {floor:.4f} ms)")
+        split = moe.linear_config(m, ctx.device, n_out, k_in).split_k
+        if split > 1:  # what the default's split K buys: the same launch unsplit
+            one = replace(moe.linear_config(m, ctx.device, n_out, k_in), split_k=1)
+            r.update(split_k=split, nvfp4_unsplit_ms=graph_ms(lambda: moe.nvfp4_linear(x, qw, config=one), rep=50,
+                                                              warmup=10),
+                     fp8_unsplit_ms=graph_ms(lambda: moe.block_fp8_linear(x, fw, config=moe.block_fp8_config(one)),
+                                             rep=50, warmup=10))
+            rep.log(f"    split K {split}; unsplit: nvfp4 {r['nvfp4_unsplit_ms']:.4f} ms, fp8 "
+                    f"{r['fp8_unsplit_ms']:.4f} ms")
     rep.save()
     sweep(ctx)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -48,10 +49,11 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
             moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
             moe.fused_moe(x, c13, c2, tw, ti, config=fp8_cfg)
-            moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=moe.linear_config(m, cuda))
-            for block in ((128, 128), (1, fp8_block.CHANNEL)):
-                moe.block_fp8_linear(x, fp8_block.quantize(w2[0], block),
-                                     config=moe.block_fp8_config(moe.linear_config(m, cuda)))
+            for split in (1, 4) if m <= 16 else (1,):  # decode sizes split K (the GPU's choice needs its SMs)
+                lin = replace(moe.linear_config(m, cuda), split_k=split)
+                moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=lin)
+                for block in ((128, 128), (1, fp8_block.CHANNEL)):
+                    moe.block_fp8_linear(x, fp8_block.quantize(w2[0], block), config=moe.block_fp8_config(lin))
             if w4a4 and dt == torch.bfloat16:
                 moe.fused_moe_nvfp4_w4a4(x, q13, q2, tw, ti, config=moe.w4a4_config(cfg))
                 if m in (1, 4096):  # the dense W4A4 GEMM (the probe that turns W4A4 on runs it)

@@ -109,6 +109,44 @@ def test_nvfp4_linear_matches_reference(m, n, k):
     assert rel_err(got, ref.nvfp4_linear(x.float(), w, bias)) < 2e-3
 
 
+@pytest.mark.parametrize("split", [2, 3, 8], ids=["split2", "split3-uneven", "split8-some-empty"])
+def test_split_k_linears_sum_their_partials_to_the_unsplit_result(split):
+    """Split K (decode-size dense linears on a GPU): each program takes a run of K steps and the partials are summed
+    with the bias by one more launch; 3 splits of 5 K steps are uneven, 8 leave some splits without a step."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(split)
+    n, k = 72, 320  # 5 K steps of 64
+    x = torch.randn(3, k, generator=g).half()
+    bias = torch.randn(n, generator=g)
+    w = nvfp4.quantize(torch.randn(n, k, generator=g))
+    one = moe.nvfp4_linear(x, w, bias, config=CFG)
+    got = moe.nvfp4_linear(x, w, bias, config=replace(CFG, split_k=split))
+    assert got.dtype == torch.float16 and got.shape == (3, n)
+    assert rel_err(got, one) < 1e-3 and rel_err(got, ref.nvfp4_linear(x.float(), w, bias)) < 2e-3
+    f = fp8_block.quantize(torch.randn(n, k, generator=g), (16, 32))
+    want = moe.block_fp8_linear(x, f, bias, config=moe.block_fp8_config(CFG))
+    assert rel_err(moe.block_fp8_linear(x, f, bias, config=moe.block_fp8_config(replace(CFG, split_k=split))),
+                   want) < 1e-3
+    eye = torch.eye(k, dtype=torch.float16)  # x = I: one product per output, so the split sum is exact
+    assert torch.equal(moe.nvfp4_linear(eye, w, config=replace(CFG, split_k=split)),
+                       w.dequantize().T.to(torch.float16))
+
+
+def test_decode_linears_split_k_until_the_gpu_is_busy(monkeypatch):
+    """The GPU's choice for a 4096 x 4096 linear at M=1 on 132 SMs: 128 N tiles of 32 K steps split 4 ways (512
+    programs of 8 steps); a wide gate/up projection already fills the GPU; prefill sizes never split."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(moe, "_interpreting", lambda: False)
+    monkeypatch.setattr(moe, "_num_sms", lambda device: 132)
+    assert moe.linear_config(1, cuda, 4096, 4096).split_k == 4
+    assert moe.linear_config(16, cuda, 4096, 12288).split_k == 4
+    assert moe.linear_config(1, cuda, 24576, 4096).split_k == 1
+    assert moe.linear_config(1, cuda, 4096, 512).split_k == 1  # 4 K steps: nothing to split
+    assert moe.linear_config(64, cuda, 4096, 4096).split_k == 1
+    assert moe.linear_config(1, torch.device("cpu"), 4096, 4096).split_k == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16-16-bit-decode"])
 def test_w4a16_tile_decode_is_exact_for_every_code_and_scale(dtype):
     """x = I: the kernel's output is its dequantized weight tile, bit for bit (nibble order, 16-wide scale groups,
