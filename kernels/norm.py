@@ -1,4 +1,5 @@
-"""Triton RMSNorm and fused residual-add + RMSNorm: one program per row, fp32 statistics (reference: `reference_ops`).
+"""Triton RMSNorm, fused residual-add + RMSNorm and Qwen3-Next's gated RMSNorm: one program per row, fp32
+statistics (reference: `reference_ops`).
 
 ``offset=True`` is the zero-centred form (Gemma, Qwen3-Next): the weight applies as ``1 + w``, in fp32."""
 from __future__ import annotations
@@ -70,3 +71,33 @@ def fused_add_rms_norm(
             BLOCK_N=triton.next_power_of_2(n), HAS_RESIDUAL=True, OFFSET=offset, num_warps=_num_warps(n), num_stages=1,
         )
     return out.view(x.shape), res_out.view(residual.shape)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, stride_o, n, eps,
+                           BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < n
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (w * normed).to(dt).to(tl.float32) * (g / (1.0 + tl.exp(-g)))
+    tl.store(out_ptr + row * stride_o + offs, y.to(dt), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rmsnorm(x) * silu(gate)`` over the last dimension in ``gate``'s dtype, one launch: ``x`` (any
+    float dtype, e.g. the delta rule's float32 output) rounded to that dtype first, the norm rounded before the
+    weight, the product before the gate, as the torch code (`reference_ops.gated_rms_norm`) rounds."""
+    n = x.shape[-1]
+    x2, g2 = _rows(x), _rows(gate)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if x2.shape[0]:
+        _gated_rms_norm_kernel[(x2.shape[0],)](
+            x2, g2, weight, out, x2.stride(0), g2.stride(0), out.stride(0), n, float(eps),
+            BLOCK_N=triton.next_power_of_2(n), num_warps=_num_warps(n), num_stages=1,
+        )
+    return out.view(gate.shape)

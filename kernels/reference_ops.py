@@ -1,5 +1,5 @@
-"""Plain torch references for the row-wise kernels (RMSNorm, neox rotary, SiLU- and GELU-tanh-and-mul, the fused
-attention prologue); also usable on CPU.
+"""Plain torch references for the row-wise kernels (RMSNorm, gated RMSNorm, neox rotary, SiLU- and GELU-tanh-and-mul,
+the fused attention prologue); also usable on CPU.
 
 Each computes in fp32 and returns the input dtype, as the Triton kernels in `norm`, `rotary` and `activation` do.
 """
@@ -27,6 +27,14 @@ def fused_add_rms_norm(
     """
     new_residual = (x.float() + residual.float()).to(residual.dtype)
     return rms_norm(new_residual, weight, eps, offset).to(x.dtype), new_residual
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated norm ``weight * rmsnorm(x) * silu(gate)`` in ``gate``'s dtype: ``x`` rounded to it, the norm
+    rounded before the weight, the weighted norm before the fp32 gate (transformers' rounding)."""
+    xf = x.to(gate.dtype).float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(gate.dtype)
+    return (weight * normed * torch.nn.functional.silu(gate.float())).to(gate.dtype)
 
 
 def rotary_cos_sin_cache(rotary_dim: int, max_position: int, base: float, dtype: torch.dtype = torch.float32,

@@ -142,6 +142,10 @@ def row_kernel_checks(ctx: Ctx) -> None:
         ref_out, ref_res = reference_ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6, offset=True)
         ctx.report.check("fused_add_offset_rms_norm (out)", out, ref_out, tol)
         ctx.report.check("fused_add_offset_rms_norm (residual)", res, ref_res, tol)
+    with ctx.case("gated_rms_norm"):  # Qwen3-Next's: the delta rule's float32 output, gated by silu(z)
+        core, z = rnd(t, hd).float() * 3, rnd(t, hd)
+        ctx.report.check("gated_rms_norm", norm.gated_rms_norm(core, z, w[:hd], 1e-6),
+                         reference_ops.gated_rms_norm(core, z, w[:hd], 1e-6), tol)
     with ctx.case("rotary_neox"):
         cache = reference_ops.rotary_cos_sin_cache(hd, 40960, 1e6, device=ctx.device)
         pos = torch.randint(0, 40960, (t,), generator=g, device=ctx.device)

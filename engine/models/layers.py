@@ -36,9 +36,10 @@ def row_ops_backend(device: torch.device) -> str:
 
 def use_triton_row_ops(model: nn.Module, enabled: bool) -> None:
     """Run ``model``'s norms, rotary embedding and gated-MLP activations through the Triton kernels (or the torch
-    code)."""
+    code): every module whose class declares a boolean ``triton`` flag (`RMSNorm`, `OffsetRMSNorm`,
+    `RotaryEmbedding`, `GatedMLP` and their kin in the model files)."""
     for m in model.modules():
-        if isinstance(m, (RMSNorm, OffsetRMSNorm, RotaryEmbedding, GatedMLP)):
+        if isinstance(getattr(type(m), "triton", None), bool):
             m.triton = enabled
 
 

@@ -44,7 +44,10 @@ def qkv_channel_parts(cfg: ModelConfig) -> tuple[int, int, int]:
 
 
 class GatedRMSNorm(nn.Module):
-    """``w * rmsnorm(x) * silu(gate)`` over the last dimension (the norm in fp32, cast back before the weight)."""
+    """``w * rmsnorm(x) * silu(gate)`` over the last dimension in ``gate``'s dtype (``x`` rounded to it first, the
+    norm in fp32, cast back before the weight); one Triton launch on the Triton row-ops path."""
+
+    triton = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -52,9 +55,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        from ember.kernels import norm, reference_ops
+
+        return (norm if self.triton else reference_ops).gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedAttention(Attention):
@@ -140,7 +143,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
                            is_triton_backend(backend))
-        out = self.norm(core.to(x.dtype), z)
+        out = self.norm(core, z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -106,6 +106,9 @@ def test_zero_centred_norms_and_gelu_mlp_match_the_torch_path(model, norms, mlps
     assert all(m.triton for m in mods)
     assert not any(m.triton for m in ref_eng.runner.model.modules() if isinstance(m, kinds))
     assert {k for k, n in calls.items() if n} == kernels
+    flagged = [m for m in eng.runner.model.modules() if isinstance(getattr(type(m), "triton", None), bool)]
+    assert all(m.triton for m in flagged)  # every row-op module, Qwen3-Next's gated norms included
+    assert sum(type(m).__name__ == "GatedRMSNorm" for m in flagged) == (2 if model == "qwen3_next_dir" else 0)
     assert all(len(v) == 6 for v in want.values())
     assert got == want
     assert len(got_logits) == len(want_logits)

@@ -47,7 +47,8 @@ class _Recorder:
 
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
-            (norm, ("_rms_norm_kernel",)), (activation, ("_act_and_mul_kernel",)), (rotary, ("_rotary_kernel",)),
+            (norm, ("_rms_norm_kernel", "_gated_rms_norm_kernel")), (activation, ("_act_and_mul_kernel",)),
+            (rotary, ("_rotary_kernel",)),
             (qk_norm_rope_cache, ("_qk_norm_rope_cache_kernel",)),
             (gated_delta_decode, ("_decode_kernel",)), (gated_delta_scan, ("_scan_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
@@ -100,6 +101,7 @@ def _drive(launches: list, quick: bool) -> None:
         for offset in (False, True):
             norm.rms_norm(x, x[0], 1e-6, offset=offset)
             norm.fused_add_rms_norm(x, x, x[0], 1e-6, offset=offset)
+        norm.gated_rms_norm(x.float().view(-1, 128), x.view(-1, 128), x[0, :128], 1e-6)  # Qwen3-Next's, dv 128
         activation.silu_and_mul(x)
         activation.gelu_tanh_and_mul(x)
         cache = reference_ops.rotary_cos_sin_cache(64, 32, 1e6)

@@ -122,3 +122,18 @@ def test_gelu_tanh_and_mul_matches_reference(inter, block, dtype):
     out = activation.gelu_tanh_and_mul(x, block=block)
     assert out.shape == (2, 5, inter) and out.dtype == dtype and torch.isfinite(out).all()
     assert _rel_err(out, reference_ops.gelu_tanh_and_mul(x)) < 1e-3
+
+
+@DTYPES
+@pytest.mark.parametrize("x_dtype", [torch.float32, None], ids=["x-fp32", "x-same"])
+def test_gated_rms_norm_matches_reference(dtype, x_dtype):
+    """Qwen3-Next's gated norm: the delta rule's float32 output (or a tensor already in the model dtype) normed,
+    weighted and gated by ``silu(z)`` in ``z``'s dtype, rounded as the torch code rounds."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 4, 128, generator=g) * 3).to(x_dtype or dtype)
+    z = torch.randn(6, 4, 128, generator=g).to(dtype)
+    w = (torch.randn(128, generator=g) * 0.5 + 1).to(dtype)
+    out = norm.gated_rms_norm(x, z, w, 1e-6)
+    want = reference_ops.gated_rms_norm(x, z, w, 1e-6)
+    assert out.shape == z.shape and out.dtype == dtype
+    assert _rel_err(out, want) < (1e-6 if dtype == torch.float32 else 2e-3)
