@@ -1,11 +1,11 @@
 """Section 1: every kernel against its torch reference on random inputs, by relative error (bf16 on a GPU, fp16 under
 the interpreter): paged attention (prefill, mixed chunked prefill + cached prefix + decode, decode 2D and split-KV
 incl. empty segments, GQA 4/8, FP8 KV, sliding window + sinks, soft-cap, chunked), ``reshape_and_cache`` (bf16, FP8;
-padding slots untouched), RMSNorm, fused add+RMSNorm, rotary, the fused q/k-norm + RoPE + KV write (with its decode
-time against the unfused chain's), SiLU-and-mul, Qwen3-Next's gated-delta decode (state in
-place), the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and gpt-oss's clamped GLU)
-and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element fails. Each check is isolated: one that
-raises is recorded with its traceback and the next one runs."""
+padding slots untouched), RMSNorm, fused add+RMSNorm, Qwen3-Next's gated RMSNorm, rotary, the fused q/k-norm + RoPE +
+KV write (with its decode time against the unfused chain's), SiLU-and-mul, Qwen3-Next's gated-delta decode (state in
+place) and conv decode step, the fused MoE (bf16, NVFP4 W4A16, W4A4 where the device has it, MXFP4 with biases and
+gpt-oss's clamped GLU), the MoE router and the dense NVFP4 linear. Outputs start as NaN, so an unwritten element
+fails. Each check is isolated: one that raises is recorded with its traceback and the next one runs."""
 from __future__ import annotations
 
 import torch
@@ -242,6 +242,25 @@ def gated_delta_checks(ctx: Ctx) -> None:
         out = gated_delta_decode(q, k, v, decay, beta, keep, work, slots)
         ctx.report.check("gated_delta_decode out", out, ref_o, 2e-3)
         ctx.report.check("gated_delta_decode state", work[slots], ref_s, 2e-3)
+    with ctx.case("causal_conv_decode"):  # the conv's decode step (one launch) against the model's torch step
+        from types import SimpleNamespace
+
+        from ember.engine.attention import RecurrentMetadata
+        from ember.engine.models.qwen3_next import GatedDeltaNet
+
+        channels = 2 * hk * dk + hv * dv
+        mixed = rnd(b + 3, channels).to(ctx.dtype)
+        weight = (rnd(channels, 1, 4) * 0.5).to(ctx.dtype)
+        windows = rnd(b + 8, channels, 3).to(ctx.dtype)
+        rec = RecurrentMetadata(torch.arange(b, device=ctx.device) + 3, slots, keep, [])
+        outs, kept = [], []
+        for kernel in (False, True):
+            w = windows.clone()
+            layer = SimpleNamespace(conv1d=SimpleNamespace(weight=weight), conv_state=w, channels=channels, kernel=4)
+            outs.append(GatedDeltaNet._conv(layer, mixed, rec, triton=kernel)[3:])
+            kept.append(w)
+        ctx.report.check("causal_conv_decode out", outs[1], outs[0], _tol(ctx))
+        ctx.report.check_equal("causal_conv_decode windows", bool(torch.equal(kept[1], kept[0])), True)
     with ctx.case("gated_delta_scan"):  # the chunked prefill's block walk in Triton (tf32 dots) vs the torch loop
         t = ctx.pick(40, 1000, 1000)
         pq, pk, pv = rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hv, dv).to(ctx.dtype)

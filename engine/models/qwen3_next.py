@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         self._copy_states(rec.restores)
         mixed, z, b, a = self._project(x)
-        q, k, v = self._conv(mixed, rec).split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = self._conv(mixed, rec, is_triton_backend(backend)).split([hk * dk, hk * dk, hv * dv], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
@@ -153,11 +153,19 @@ class GatedDeltaNet(nn.Module):
             self.conv_state[dst] = self.conv_state[src]
             self.ssm_state[dst] = self.ssm_state[src]
 
-    def _conv(self, mixed: torch.Tensor, rec: RecurrentMetadata) -> torch.Tensor:
-        """The depthwise causal conv (+ SiLU) of every token, continuing each sequence's window."""
-        w = self.conv1d.weight[:, 0, :].float()  # [C, K]
+    def _conv(self, mixed: torch.Tensor, rec: RecurrentMetadata, triton: bool = False) -> torch.Tensor:
+        """The depthwise causal conv (+ SiLU) of every token, continuing each sequence's window; with the Triton
+        backend one launch for the step's decode tokens (`ember.kernels.causal_conv_decode`)."""
         out = torch.empty_like(mixed)
-        if rec.decode_tokens.numel():
+        if rec.decode_tokens.numel() and triton:
+            from ember.kernels.causal_conv_decode import causal_conv_decode
+
+            causal_conv_decode(mixed, out, rec.decode_tokens, rec.decode_slots, rec.decode_keep, self.conv_state,
+                               self.conv1d.weight[:, 0, :])
+        if not rec.prefills and triton:
+            return out
+        w = self.conv1d.weight[:, 0, :].float()  # [C, K]
+        if rec.decode_tokens.numel() and not triton:
             idx, slots = rec.decode_tokens, rec.decode_slots
             prev = self.conv_state[slots] * rec.decode_keep[:, None, None].to(mixed.dtype)
             window = torch.cat((prev, mixed[idx].unsqueeze(-1)), dim=-1)  # [D, C, K]

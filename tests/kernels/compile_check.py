@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ember.kernels import (activation, attention, gated_delta_decode, gated_delta_scan, norm, qk_norm_rope_cache,
-                           reference_ops, rotary)
+from ember.kernels import (activation, attention, causal_conv_decode, gated_delta_decode, gated_delta_scan, norm,
+                           qk_norm_rope_cache, reference_ops, rotary)
 
 HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
        "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel", "gated_delta_scan._scan_kernel")
@@ -50,7 +50,8 @@ LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "
             (norm, ("_rms_norm_kernel", "_gated_rms_norm_kernel")), (activation, ("_act_and_mul_kernel",)),
             (rotary, ("_rotary_kernel",)),
             (qk_norm_rope_cache, ("_qk_norm_rope_cache_kernel",)),
-            (gated_delta_decode, ("_decode_kernel",)), (gated_delta_scan, ("_scan_kernel",)))
+            (gated_delta_decode, ("_decode_kernel",)), (causal_conv_decode, ("_conv_decode_kernel",)),
+            (gated_delta_scan, ("_scan_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
@@ -109,6 +110,10 @@ def _drive(launches: list, quick: bool) -> None:
         rotary.rotary_neox(torch.arange(4), qkv[:, :32], qkv[:, 32:40], cache)
         # Qwen3-Next-80B's linear attention per rank at TP 1 and 2: 16/8 key heads, 32/16 value heads, dims 128
         for hk, hv in ((16, 32), (8, 16)):
+            channels = (2 * hk + hv) * 128
+            mixed, conv_w = torch.zeros(3, channels, dtype=dt), torch.zeros(channels, 4, dtype=dt)
+            causal_conv_decode.causal_conv_decode(mixed, mixed.clone(), torch.arange(3), torch.arange(3), torch.ones(3),
+                                                  torch.zeros(5, channels, 3, dtype=dt), conv_w)
             q = torch.randn(3, hk, 128, generator=g).to(dt)
             gated_delta_decode.gated_delta_decode(q, q, torch.randn(3, hv, 128).to(dt), torch.zeros(3, hv),
                                                   torch.zeros(3, hv, dtype=dt), torch.ones(3),
