@@ -133,16 +133,25 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rec: RecurrentMetadata, backend: ModuleType) -> torch.Tensor:
         """With the Triton attention backend, one-token chunks update their states in place through
-        `ember.kernels.gated_delta_decode`; otherwise through the torch step."""
+        `ember.kernels.gated_delta_decode` (with their gates formed in it when the whole step decodes); otherwise
+        through the torch step."""
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         self._copy_states(rec.restores)
         mixed, z, b, a = self._project(x)
-        q, k, v = self._conv(mixed, rec, is_triton_backend(backend)).split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g, beta, rec,
-                           is_triton_backend(backend))
+        triton = is_triton_backend(backend)
+        q, k, v = self._conv(mixed, rec, triton).split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+        if triton and not rec.prefills and rec.decode_tokens.numel() == t:
+            # every row decodes (so the rows are the decode tokens in order): one launch, the gates formed in it
+            from ember.kernels.gated_delta_decode import gated_delta_decode
+
+            core = gated_delta_decode(q, k, v, a, b, rec.decode_keep, self.ssm_state, rec.decode_slots,
+                                      gates=(self.A_log, self.dt_bias))
+        else:
+            beta = b.sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            core = self._delta(q, k, v, g, beta, rec, triton)
         out = self.norm(core, z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)

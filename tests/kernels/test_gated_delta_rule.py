@@ -108,6 +108,29 @@ def test_triton_decode_updates_the_slots_like_the_reference(dtype, dk, dv, block
     assert torch.equal(state[2:4], before[2:4])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_decode_forms_qwen3_next_gates_as_the_model_does(dtype):
+    """With ``gates=(A_log, dt_bias)`` the kernel takes Qwen3-Next's raw ``a`` and ``b`` and forms ``g = -exp(A_log) *
+    softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` (in ``b``'s dtype) as the model's torch code does, including
+    softplus past its threshold (20) and far below zero."""
+    from ember.kernels.gated_delta_decode import gated_delta_decode
+
+    g = torch.Generator().manual_seed(11)
+    d, hk, hv, dk, dv = 4, 2, 4, 16, 8
+    q, k = torch.randn(d, hk, dk, generator=g).to(dtype), torch.randn(d, hk, dk, generator=g).to(dtype)
+    v = torch.randn(d, hv, dv, generator=g).to(dtype)
+    a, b = (torch.randn(d, hv, generator=g) * 4).to(dtype), (torch.randn(d, hv, generator=g) * 3).to(dtype)
+    a[0, 0], a[1, 1] = 30.0, -40.0
+    a_log, dt_bias = torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g)
+    state = torch.randn(5, hv, dk, dv, generator=g)
+    slots, keep = torch.tensor([3, 0, 4, 1]), torch.tensor([1.0, 1.0, 0.0, 1.0])
+    gates = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    want_state = state.clone()
+    want = gated_delta_decode(q, k, v, gates, b.sigmoid(), keep, want_state, slots)
+    got = gated_delta_decode(q, k, v, a, b, keep, state, slots, gates=(a_log, dt_bias))
+    assert _rel(got, want) < 1e-5 and _rel(state, want_state) < 1e-5
+
+
 @pytest.mark.parametrize("n,dk,dv,batch,chunk", [(37, 16, 8, 1, 16), (130, 24, 40, 3, 64), (5, 16, 16, 2, 4)])
 def test_triton_block_scan_equals_the_torch_walk(n, dk, dv, batch, chunk):
     """The chunked rule with its block walk in the Triton scan kernel (interpreter on CPU, fp32 dots; blocks of 16 or
