@@ -75,10 +75,12 @@ class GatedAttention(Attention):
         t = x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, gate = qg.reshape(t, self.hq, 2 * self.d).split(self.d, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.reshape(t, self.hkv, self.d))
-        q, k = rope(meta.positions, q, k)
-        out = self.attend(q, k, v.reshape(t, self.hkv, self.d), meta, kv, backend)
+        k, v = k.reshape(t, self.hkv, self.d), v.reshape(t, self.hkv, self.d)
+        if self._fused_prologue(rope, backend):  # q read in place between the heads' gates
+            out = self._attention(self._norm_rope_and_cache(q, k, v, meta, rope, kv), meta, kv, backend)
+        else:
+            q, k = rope(meta.positions, self.q_norm(q), self.k_norm(k))
+            out = self.attend(q, k, v, meta, kv, backend)
         out = self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -23,6 +23,18 @@ def gemma3_dir(tmp_path_factory, demo_model_dir):
     return save_tiny_gemma3(tmp_path_factory.mktemp("prologue-gemma3"), demo_model_dir, seed=4)
 
 
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory, demo_model_dir):
+    from transformers import Qwen3NextForCausalLM
+
+    from tests.moe.conftest import save_hybrid
+    from tests.moe.test_qwen3_next import tiny_next_config
+
+    torch.manual_seed(6)
+    return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp_path_factory.mktemp("prologue-next"),
+                       demo_model_dir)
+
+
 def _generate(path, monkeypatch, kernels: str, kv_cache_dtype: str | None = None
               ) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
     monkeypatch.setenv("EMBER_ROW_OPS", kernels)
@@ -59,7 +71,8 @@ def _count_prologues(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("model", ["qwen3_dir", "gemma3_dir"], ids=["qwen3-qk-norm", "gemma3-offset-norm-window"])
+@pytest.mark.parametrize("model", ["qwen3_dir", "gemma3_dir", "qwen3_next_dir"],
+                         ids=["qwen3-qk-norm", "gemma3-offset-norm-window", "qwen3-next-gated-partial-rotary"])
 def test_fused_prologue_generates_what_the_torch_path_generates(model, request, monkeypatch):
     path = request.getfixturevalue(model)
     _, want, want_logits = _generate(path, monkeypatch, "torch")
