@@ -6,7 +6,7 @@
 A CUDA-graph replay of a decode step costs a few microseconds per launch however little the launch does, so the
 count of launches per layer is a number to push down between device runs. The engine runs a tiny Qwen3 (q/k norms),
 a tiny Gemma 3 (zero-centred q/k norms, sliding windows), a tiny Qwen3-MoE (two of three layers MoE) and the tiny
-Qwen3 quantized to NVFP4 (its linears W4A16 through the grouped GEMM) with the CUDA
+Qwen3 quantized to NVFP4 (its linears W4A16 through the grouped GEMM), and a tiny Qwen3-Next (hybrid) with the CUDA
 path's kernels (Triton attention, row and MoE kernels, under ``TRITON_INTERPRET=1``), once with the fused attention
 prologue (`ember.kernels.qk_norm_rope_cache`) and once without, and counts one decode forward's Triton launches and
 the aten ops that would launch a kernel (views and ``empty`` do not; ``reshape``, ``to``, ``contiguous`` count only
@@ -86,27 +86,42 @@ def count(path: pathlib.Path, batch: int, fused: bool) -> tuple[collections.Coun
     InterpretedFunction.run = counted_run
     try:
         for i in range(batch):
-            eng.add_request(list(range(10 + i, 30 + i)), SamplingParams(max_tokens=4, temperature=0.0,
+            eng.add_request(list(range(10 + i, 30 + i)), SamplingParams(max_tokens=8, temperature=0.0,
                                                                            ignore_eos=True))
-        eng.step()  # the prefills
         forward = eng.runner.forward
+        counted = []
 
         def counted_forward(ids, meta):
-            counter.active = True
+            decode = meta.max_seqlen_q == 1 and meta.num_tokens == batch and not counted
+            counter.active = decode  # the first step whose every sequence decodes (after chunked prefills)
             try:
                 return forward(ids, meta)
             finally:
                 counter.active = False
+                counted.append(decode) if decode else None
 
         eng.runner.forward = counted_forward
         with counter:
-            eng.step()
+            while not counted and eng.has_unfinished():
+                eng.step()
+        if not counted:
+            raise RuntimeError(f"{path.name}: no decode-only step")
         layers = sum(isinstance(m, Attention) for m in eng.runner.model.modules())
     finally:
         InterpretedFunction.run = run
         Attention._fused_prologue = saved
         eng.shutdown()
     return counter.launches, layers
+
+
+def _tiny_qwen3_next(tmp: pathlib.Path) -> pathlib.Path:
+    from transformers import Qwen3NextForCausalLM
+
+    from tests.moe.conftest import save_hybrid
+    from tests.moe.test_qwen3_next import tiny_next_config
+
+    torch.manual_seed(0)
+    return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp / "qwen3-next", tmp / "demo")
 
 
 def main() -> None:
@@ -124,6 +139,7 @@ def main() -> None:
               "Qwen3-MoE (2 of 3 layers MoE)": save_tiny_moe(tmp / "moe", tmp / "demo", seed=0)}
     if quantize.main([str(models["Qwen3 (q/k norms)"]), str(tmp / "qwen3-nvfp4")]) == 0:
         models["Qwen3 NVFP4 (W4A16 linears)"] = tmp / "qwen3-nvfp4"
+    models["Qwen3-Next (2 linear-attention, 2 attention layers)"] = _tiny_qwen3_next(tmp)
     print(f"Device launches in one decode forward of {a.batch} sequences (CUDA path's kernels, counted on a CPU)\n")
     print("| model | prologue | launches per step | per attention layer | most frequent |")
     print("| --- | --- | ---: | ---: | --- |")
