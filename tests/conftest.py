@@ -81,3 +81,30 @@ def demo_model_dir(tmp_path_factory) -> pathlib.Path:
     path = tmp_path_factory.mktemp("demo-model")
     demo.build(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, demo_model_dir) -> pathlib.Path:
+    """A 2-layer random Qwen3 (q/k norms) for the tests that run the engine on the CUDA path's kernels."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), demo_model_dir, seed=7, intermediate_size=96)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, demo_model_dir) -> pathlib.Path:
+    """A random Gemma 3 (zero-centred norms, sliding windows, GELU-tanh MLP)."""
+    from tests.engine.test_gemma3 import save_tiny_gemma3
+
+    return save_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), demo_model_dir, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory, demo_model_dir) -> pathlib.Path:
+    """A random 4-layer Qwen3-Next (2 linear-attention, 2 gated-attention layers, MoE)."""
+    from transformers import Qwen3NextForCausalLM
+
+    from tests.moe.conftest import save_hybrid
+    from tests.moe.test_qwen3_next import tiny_next_config
+
+    torch.manual_seed(3)
+    return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp_path_factory.mktemp("tiny-qwen3-next"),
+                       demo_model_dir)

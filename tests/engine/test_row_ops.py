@@ -13,29 +13,6 @@ from ember.engine.models.gemma3 import GeluTanhMLP
 from ember.engine.models.layers import GatedMLP, OffsetRMSNorm, RMSNorm, RotaryEmbedding, row_ops_backend
 from ember.engine.params import SamplingParams
 from ember.kernels import activation, norm
-from tests.conftest import save_tiny_qwen3
-from tests.engine.test_gemma3 import save_tiny_gemma3
-from tests.moe.conftest import save_hybrid
-from tests.moe.test_qwen3_next import tiny_next_config
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, demo_model_dir):
-    return save_tiny_qwen3(tmp_path_factory.mktemp("row-ops-qwen3"), demo_model_dir, seed=7, intermediate_size=96)
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, demo_model_dir):
-    return save_tiny_gemma3(tmp_path_factory.mktemp("row-ops-gemma3"), demo_model_dir, seed=3)
-
-
-@pytest.fixture(scope="module")
-def qwen3_next_dir(tmp_path_factory, demo_model_dir):
-    from transformers import Qwen3NextForCausalLM
-
-    torch.manual_seed(3)
-    return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp_path_factory.mktemp("row-ops-next"),
-                       demo_model_dir)
 
 
 def _run(path, monkeypatch, ops: str) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
@@ -65,9 +42,9 @@ def _run(path, monkeypatch, ops: str) -> tuple[Engine, dict[str, list[int]], lis
     return eng, out, logits
 
 
-def test_triton_row_ops_match_the_torch_path(qwen3_dir, monkeypatch):
-    ref_eng, want, want_logits = _run(qwen3_dir, monkeypatch, "torch")
-    eng, got, got_logits = _run(qwen3_dir, monkeypatch, "triton")
+def test_triton_row_ops_match_the_torch_path(tiny_qwen3_dir, monkeypatch):
+    ref_eng, want, want_logits = _run(tiny_qwen3_dir, monkeypatch, "torch")
+    eng, got, got_logits = _run(tiny_qwen3_dir, monkeypatch, "triton")
     mods = [m for m in eng.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding, GatedMLP))]
     assert len(mods) == 2 * 5 + 2 and all(m.triton for m in mods)  # per layer: 4 norms, MLP; final norm, rope
     assert not any(m.triton for m in ref_eng.runner.model.modules() if isinstance(m, RMSNorm))
@@ -92,8 +69,8 @@ def _count_kernel_calls(monkeypatch) -> collections.Counter:
 
 @pytest.mark.parametrize("model,norms,mlps,kernels", [
     # per layer: 4 sandwich norms (the pre-norms add the residual), q/k norms
-    ("gemma3_dir", 7 * 6 + 1, 7, {"rms_norm", "fused_add_rms_norm", "gelu_tanh_and_mul"}),
-    ("qwen3_next_dir", 4 * 2 + 2 * 2 + 1, 0, {"rms_norm", "fused_add_rms_norm"}),  # 2 of 4 layers: q/k norms
+    ("tiny_gemma3_dir", 7 * 6 + 1, 7, {"rms_norm", "fused_add_rms_norm", "gelu_tanh_and_mul"}),
+    ("tiny_qwen3_next_dir", 4 * 2 + 2 * 2 + 1, 0, {"rms_norm", "fused_add_rms_norm"}),  # 2 of 4 layers: q/k norms
 ], ids=["gemma3", "qwen3_next"])
 def test_zero_centred_norms_and_gelu_mlp_match_the_torch_path(model, norms, mlps, kernels, request, monkeypatch):
     path = request.getfixturevalue(model)
@@ -108,7 +85,7 @@ def test_zero_centred_norms_and_gelu_mlp_match_the_torch_path(model, norms, mlps
     assert {k for k, n in calls.items() if n} == kernels
     flagged = [m for m in eng.runner.model.modules() if isinstance(getattr(type(m), "triton", None), bool)]
     assert all(m.triton for m in flagged)  # every row-op module, Qwen3-Next's gated norms included
-    assert sum(type(m).__name__ == "GatedRMSNorm" for m in flagged) == (2 if model == "qwen3_next_dir" else 0)
+    assert sum(type(m).__name__ == "GatedRMSNorm" for m in flagged) == (2 if model == "tiny_qwen3_next_dir" else 0)
     assert all(len(v) == 6 for v in want.values())
     assert got == want
     assert len(got_logits) == len(want_logits)

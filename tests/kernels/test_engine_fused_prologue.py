@@ -9,30 +9,6 @@ from ember.engine.engine import Engine
 from ember.engine.models.layers import Attention
 from ember.engine.params import SamplingParams
 from ember.kernels import qk_norm_rope_cache as prologue
-from tests.conftest import save_tiny_qwen3
-from tests.engine.test_gemma3 import save_tiny_gemma3
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, demo_model_dir):
-    return save_tiny_qwen3(tmp_path_factory.mktemp("prologue-qwen3"), demo_model_dir, seed=5, intermediate_size=96)
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, demo_model_dir):
-    return save_tiny_gemma3(tmp_path_factory.mktemp("prologue-gemma3"), demo_model_dir, seed=4)
-
-
-@pytest.fixture(scope="module")
-def qwen3_next_dir(tmp_path_factory, demo_model_dir):
-    from transformers import Qwen3NextForCausalLM
-
-    from tests.moe.conftest import save_hybrid
-    from tests.moe.test_qwen3_next import tiny_next_config
-
-    torch.manual_seed(6)
-    return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp_path_factory.mktemp("prologue-next"),
-                       demo_model_dir)
 
 
 def _generate(path, monkeypatch, kernels: str, kv_cache_dtype: str | None = None
@@ -71,7 +47,7 @@ def _count_prologues(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("model", ["qwen3_dir", "gemma3_dir", "qwen3_next_dir"],
+@pytest.mark.parametrize("model", ["tiny_qwen3_dir", "tiny_gemma3_dir", "tiny_qwen3_next_dir"],
                          ids=["qwen3-qk-norm", "gemma3-offset-norm-window", "qwen3-next-gated-partial-rotary"])
 def test_fused_prologue_generates_what_the_torch_path_generates(model, request, monkeypatch):
     path = request.getfixturevalue(model)
@@ -86,11 +62,11 @@ def test_fused_prologue_generates_what_the_torch_path_generates(model, request, 
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_fused_prologue_writes_the_fp8_cache_as_the_unfused_kernels_do(qwen3_dir, monkeypatch):
-    _, fused, fused_logits = _generate(qwen3_dir, monkeypatch, "triton", "fp8")
+def test_fused_prologue_writes_the_fp8_cache_as_the_unfused_kernels_do(tiny_qwen3_dir, monkeypatch):
+    _, fused, fused_logits = _generate(tiny_qwen3_dir, monkeypatch, "triton", "fp8")
     monkeypatch.setattr(Attention, "_fused_prologue", lambda self, rope, backend: False)
     calls = _count_prologues(monkeypatch)
-    _, unfused, unfused_logits = _generate(qwen3_dir, monkeypatch, "triton", "fp8")
+    _, unfused, unfused_logits = _generate(tiny_qwen3_dir, monkeypatch, "triton", "fp8")
     assert calls[0] == 0
     assert fused == unfused
     for a, b in zip(fused_logits, unfused_logits):
