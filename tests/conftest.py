@@ -3,6 +3,7 @@ import gzip
 import os
 import pathlib
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -108,3 +109,33 @@ def tiny_qwen3_next_dir(tmp_path_factory, demo_model_dir) -> pathlib.Path:
     torch.manual_seed(3)
     return save_hybrid(Qwen3NextForCausalLM(tiny_next_config()), tmp_path_factory.mktemp("tiny-qwen3-next"),
                        demo_model_dir)
+
+
+def greedy_with_logits(path: pathlib.Path, monkeypatch, row_ops: str, attention: str,
+                       kv_cache_dtype: str | None = None) -> tuple[Any, dict[str, list[int]], list[torch.Tensor]]:
+    """The engine (fp32, CPU) on ``row_ops`` / ``attention`` kernels (``triton``: the CUDA path's, interpreted):
+    three greedy requests of 6 tokens, one longer than a step's budget (chunked, mixed with decodes) and one reusing
+    its cached prefix; returns the engine, each request's tokens and every step's logits."""
+    from ember.engine.engine import Engine
+    from ember.engine.params import SamplingParams
+
+    monkeypatch.setenv("EMBER_ROW_OPS", row_ops)
+    monkeypatch.setenv("EMBER_ATTENTION", attention)
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+    eng = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                                 num_kv_blocks=32, dtype="float32", device="cpu", **extra)
+    logits: list[torch.Tensor] = []
+    execute = eng.runner.execute
+    eng.runner.execute = lambda out: logits.append(execute(out).clone()) or logits[-1]
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 1270, (9,), generator=g).tolist()
+    prompts = {"a": shared + torch.randint(0, 1270, (12,), generator=g).tolist(), "b": [5, 9, 11],
+               "c": shared + [40]}
+    out: dict[str, list[int]] = {k: [] for k in prompts}
+    for rid, ids in prompts.items():
+        eng.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), request_id=rid)
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+    return eng, out, logits

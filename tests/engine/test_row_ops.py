@@ -8,38 +8,14 @@ import collections
 import pytest
 import torch
 
-from ember.engine.engine import Engine
 from ember.engine.models.gemma3 import GeluTanhMLP
 from ember.engine.models.layers import GatedMLP, OffsetRMSNorm, RMSNorm, RotaryEmbedding, row_ops_backend
-from ember.engine.params import SamplingParams
 from ember.kernels import activation, norm
+from tests.conftest import greedy_with_logits
 
 
-def _run(path, monkeypatch, ops: str) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
-    monkeypatch.setenv("EMBER_ROW_OPS", ops)
-    monkeypatch.setenv("EMBER_ATTENTION", "torch")
-    eng = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
-                                 num_kv_blocks=32, dtype="float32", device="cpu")
-    logits: list[torch.Tensor] = []
-    execute = eng.runner.execute
-
-    def spy(out):
-        lg = execute(out)
-        logits.append(lg.clone())
-        return lg
-
-    eng.runner.execute = spy
-    g = torch.Generator().manual_seed(1)
-    prompts = {"a": torch.randint(0, 1270, (21,), generator=g).tolist(), "b": [5, 9, 11],
-               "c": torch.randint(0, 1270, (9,), generator=g).tolist()}
-    out = {k: [] for k in prompts}
-    for rid, ids in prompts.items():  # "a" is longer than a step's budget: chunked, mixed with decodes
-        eng.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), request_id=rid)
-    while eng.has_unfinished():
-        for o in eng.step():
-            assert o.error is None, o.error
-            out[o.request_id].extend(o.new_token_ids)
-    return eng, out, logits
+def _run(path, monkeypatch, ops: str):
+    return greedy_with_logits(path, monkeypatch, ops, "torch")
 
 
 def test_triton_row_ops_match_the_torch_path(tiny_qwen3_dir, monkeypatch):

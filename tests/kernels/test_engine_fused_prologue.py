@@ -5,34 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.engine.engine import Engine
 from ember.engine.models.layers import Attention
-from ember.engine.params import SamplingParams
 from ember.kernels import qk_norm_rope_cache as prologue
+from tests.conftest import greedy_with_logits
 
 
-def _generate(path, monkeypatch, kernels: str, kv_cache_dtype: str | None = None
-              ) -> tuple[Engine, dict[str, list[int]], list[torch.Tensor]]:
-    monkeypatch.setenv("EMBER_ROW_OPS", kernels)
-    monkeypatch.setenv("EMBER_ATTENTION", kernels)
-    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
-    eng = Engine.from_pretrained(path, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
-                                 num_kv_blocks=32, dtype="float32", device="cpu", **extra)
-    logits: list[torch.Tensor] = []
-    execute = eng.runner.execute
-    eng.runner.execute = lambda out: logits.append(execute(out).clone()) or logits[-1]
-    g = torch.Generator().manual_seed(2)
-    shared = torch.randint(0, 1270, (9,), generator=g).tolist()
-    prompts = {"a": shared + torch.randint(0, 1270, (12,), generator=g).tolist(), "b": [5, 9, 11],
-               "c": shared + [40]}  # "a" is chunked and mixed with decodes; "c" reuses "a"'s cached blocks
-    out: dict[str, list[int]] = {k: [] for k in prompts}
-    for rid, ids in prompts.items():
-        eng.add_request(ids, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), request_id=rid)
-    while eng.has_unfinished():
-        for o in eng.step():
-            assert o.error is None, o.error
-            out[o.request_id].extend(o.new_token_ids)
-    return eng, out, logits
+def _generate(path, monkeypatch, kernels: str, kv_cache_dtype: str | None = None):
+    return greedy_with_logits(path, monkeypatch, kernels, kernels, kv_cache_dtype)
 
 
 def _count_prologues(monkeypatch) -> list[int]:
@@ -56,7 +35,7 @@ def test_fused_prologue_generates_what_the_torch_path_generates(model, request, 
     eng, got, got_logits = _generate(path, monkeypatch, "triton")
     layers = sum(isinstance(m, Attention) for m in eng.runner.model.modules())
     assert calls[0] == layers * eng.num_steps  # one launch per attention layer per step, no unfused fallback
-    assert all(len(v) == 5 for v in want.values()) and got == want
+    assert all(len(v) == 6 for v in want.values()) and got == want
     assert len(got_logits) == len(want_logits)
     for a, b in zip(got_logits, want_logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
