@@ -1,6 +1,7 @@
 """The model wired to the Triton row kernels (RMSNorm and the zero-centred one, plain and fused with the residual
-add, neox rotary, SiLU- and GELU-tanh-and-mul; the interpreter on a CPU) generates the same greedy tokens, with
-logits within fp32 rounding, as the torch path; the choice follows the device and ``EMBER_ROW_OPS``."""
+add, Qwen3-Next's gated norm, neox rotary, SiLU- and GELU-tanh-and-mul; the interpreter on a CPU) generates the same
+greedy tokens, with logits within fp32 rounding, as the torch path; the choice follows the device and
+``EMBER_ROW_OPS``."""
 from __future__ import annotations
 
 import collections
