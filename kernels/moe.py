@@ -545,9 +545,10 @@ def _moe_gemm_w4a4_kernel(
 
 
 @triton.jit
-def _combine_kernel(src_ptr, out_ptr, bias_ptr, h, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
-    """``out[t] = sum_j src[t * TOP_K + j] (+ bias)`` in float32, in order, cast to ``out``'s dtype."""
+def _combine_kernel(src_ptr, out_ptr, bias_ptr, gate_ptr, shared_ptr, h, stride_gate, stride_shared,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """``out[t] = sum_j src[t * TOP_K + j] (+ bias) (+ sigmoid(gate[t]) * shared[t])`` in float32, in order, cast
+    to ``out``'s dtype."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < h
@@ -556,21 +557,29 @@ def _combine_kernel(src_ptr, out_ptr, bias_ptr, h, TOP_K: tl.constexpr, BLOCK_H:
         acc += tl.load(src_ptr + (t * TOP_K + j) * h + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
+        acc += tl.load(shared_ptr + t * stride_shared + offs, mask=mask, other=0.0).to(tl.float32) / (1.0 + tl.exp(-g))
     tl.store(out_ptr + t * h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype,
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype, bias: torch.Tensor | None = None,
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Each token's ``top_k`` consecutive float32 rows of ``pairs`` ``[M*k, H]`` summed (plus ``bias``) into
     ``[M, H]`` of ``dtype``, one launch: the MoE's weighted combine (rows already multiplied by their routing
-    weights; a sum and a cast in torch) and a split-K linear's partials."""
+    weights; a sum and a cast in torch) and a split-K linear's partials. ``shared = (gate [M, 1], value [M, H])``
+    adds a shared expert's ``sigmoid(gate) * value`` (Qwen2-MoE, Qwen3-Next) in the same launch."""
     h = pairs.shape[1]
     out = torch.empty(m, h, dtype=dtype, device=pairs.device)
     if m:
         block = min(512, triton.next_power_of_2(h))
-        _combine_kernel[(m, triton.cdiv(h, block))](pairs, out, bias if bias is not None else out, h, TOP_K=top_k,
-                                                   BLOCK_H=block, HAS_BIAS=bias is not None, num_warps=4,
-                                                   num_stages=1)
+        gate, value = shared if shared is not None else (out, out)
+        if value.stride(-1) != 1:
+            value = value.contiguous()
+        _combine_kernel[(m, triton.cdiv(h, block))](
+            pairs, out, bias if bias is not None else out, gate, value, h, gate.stride(0), value.stride(0),
+            TOP_K=top_k, BLOCK_H=block, HAS_BIAS=bias is not None, HAS_SHARED=shared is not None, num_warps=4,
+            num_stages=1)
     return out
 
 
@@ -688,6 +697,7 @@ def fused_moe(
     b2: torch.Tensor | None = None,
     swiglu: tuple[float, float] | None = None,
     dot_scaled: bool | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[M, H]`` = sum over each token's ``k`` experts of ``w * down(silu(gate(x)) * up(x))``.
 
@@ -698,6 +708,8 @@ def fused_moe(
     per-expert biases ``b13 [E, 2I]`` / ``b2 [E, H]`` and ``swiglu = (limit, alpha)`` for its clamped GLU
     (:func:`ember.kernels.moe_reference.clamped_swiglu`). MXFP4 stacks with bf16/fp16 activations use
     ``tl.dot_scaled`` where :func:`mxfp4_dot_scaled_available` says so (``dot_scaled`` forces it on or off).
+    ``shared = (gate [M, 1], value [M, H])``: a shared expert's output, added as ``sigmoid(gate) * value`` by the
+    combine.
     """
     m, h = x.shape
     top_k = topk_ids.shape[1]
@@ -725,7 +737,7 @@ def fused_moe(
     weights = topk_weights.reshape(-1).float().contiguous()
     _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2,
             dot_scaled=dot_scaled)
-    return _combine(out, m, top_k, x.dtype)
+    return _combine(out, m, top_k, x.dtype, shared=shared)
 
 
 def nvfp4_linear(
@@ -922,9 +934,11 @@ def fused_moe_nvfp4_w4a4(
     a13_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
     config: GemmConfig | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """W4A4 fused MoE: activations quantized per 16 with the static ``input_scale`` of each GEMM, or, where the
-    checkpoint has none (``ember quantize-nvfp4`` without data), a dynamic per-tensor ``amax/(6*448)``."""
+    checkpoint has none (``ember quantize-nvfp4`` without data), a dynamic per-tensor ``amax/(6*448)``; ``shared``
+    as in :func:`fused_moe`."""
     m, h = x.shape
     top_k = topk_ids.shape[1]
     e, n2 = w13.weight.shape[0], w13.weight.shape[1]
@@ -943,7 +957,7 @@ def fused_moe_nvfp4_w4a4(
     out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
     _launch_w4a4(iq, is_, w2, alpha2, out, topk_weights.reshape(-1).float().contiguous(), sorted_ids,
                  expert_ids, num_post, 1, m * top_k, cfg)
-    return _combine(out, m, top_k, x.dtype)
+    return _combine(out, m, top_k, x.dtype, shared=shared)
 
 
 def fused_moe_nvfp4(
@@ -956,10 +970,11 @@ def fused_moe_nvfp4(
     a2_scale: torch.Tensor | None = None,
     w4a4: bool | None = None,
     config: GemmConfig | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """NVFP4 fused MoE: W4A4 (``dot_scaled``) where :func:`w4a4_available` (or when forced with ``w4a4=True``),
-    otherwise W4A16 with in-kernel dequantization."""
+    otherwise W4A16 with in-kernel dequantization; ``shared`` as in :func:`fused_moe`."""
     use_w4a4 = w4a4_available(x.device) if w4a4 is None else w4a4
     if use_w4a4:
-        return fused_moe_nvfp4_w4a4(x, w13, w2, topk_weights, topk_ids, a13_scale, a2_scale, config)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+        return fused_moe_nvfp4_w4a4(x, w13, w2, topk_weights, topk_ids, a13_scale, a2_scale, config, shared=shared)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, config, shared=shared)

@@ -108,7 +108,10 @@ class SparseMoeBlock(nn.Module):
         out = self._experts_out(x)
         return out if self.tp is None else self.tp.all_reduce(out)
 
-    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
+    def _experts_out(self, x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """The routed experts' output (this rank's share under tensor parallelism); ``shared = (gate, value)``: plus
+        a shared expert's ``sigmoid(gate) * value``, added by the fused MoE's combine on the Triton path."""
         logits = self.gate(x)
         w13, w2 = self.experts.stacks()
         if nvfp4_loading.use_triton(x.device):
@@ -118,10 +121,11 @@ class SparseMoeBlock(nn.Module):
                                                         round_through_dtype=True)
             if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
                 return moe.fused_moe_nvfp4(x, w13, w2, topk_w, topk_ids,
-                                           self.experts.a13_scale, self.experts.a2_scale)
-            return moe.fused_moe(x, w13, w2, topk_w, topk_ids)
+                                           self.experts.a13_scale, self.experts.a2_scale, shared=shared)
+            return moe.fused_moe(x, w13, w2, topk_w, topk_ids, shared=shared)
         topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
-        return moe_reference.fused_moe(x, w13, w2, topk_w.to(logits.dtype).float(), topk_ids)
+        out = moe_reference.fused_moe(x, w13, w2, topk_w.to(logits.dtype).float(), topk_ids)
+        return out if shared is None else out + torch.sigmoid(shared[0]) * shared[1]
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -133,11 +137,11 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert = GatedMLP(dataclasses.replace(cfg, intermediate_size=width)) if width else None
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if width else None
 
-    def _experts_out(self, x: torch.Tensor) -> torch.Tensor:
-        out = super()._experts_out(x)
+    def _experts_out(self, x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
         if self.shared_expert is None:
-            return out
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert.local(x)  # reduced with out
+            return super()._experts_out(x)
+        return super()._experts_out(x, (self.shared_expert_gate(x), self.shared_expert.local(x)))  # reduced with it
 
 
 class Qwen3MoeDecoderLayer(DecoderLayer):

@@ -45,7 +45,8 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             cfg = moe.default_config(m, e, 2, cuda)
             if not quick:
                 moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
-            moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True))
+            moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True),
+                          shared=(x[:, :1], x) if m == 64 else None)  # Qwen3-Next's shared expert, in the combine
             fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
             moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
             moe.fused_moe(x, c13, c2, tw, ti, config=fp8_cfg)

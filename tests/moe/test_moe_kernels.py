@@ -86,6 +86,19 @@ def test_fused_moe_nvfp4_w4a16_matches_dequantized_reference(e, k, m, h, i):
     assert rel_err(got, ref.fused_moe(x.float(), w13, w2, tw, ti)) < 0.25
 
 
+def test_the_combine_adds_a_shared_expert_in_the_same_launch():
+    """Qwen2-MoE / Qwen3-Next: ``sigmoid(gate) * shared`` joins the routed experts' sum in float32 before the one
+    rounding to the activation dtype."""
+    x, w13, w2, tw, ti = make_case(8, 2, 13, 80, 48, seed=5)
+    g = torch.Generator().manual_seed(6)
+    gate, value = torch.randn(13, 1, generator=g).half(), torch.randn(13, 80, generator=g).half()
+    routed = moe.fused_moe(x, w13.half(), w2.half(), tw, ti, config=CFG)
+    got = moe.fused_moe(x, w13.half(), w2.half(), tw, ti, config=CFG, shared=(gate, value))
+    want = routed.float() + torch.sigmoid(gate.float()) * value.float()
+    assert got.dtype == torch.float16 and rel_err(got, want) < 1e-3
+    assert rel_err(got, routed) > 0.1  # the shared term is there
+
+
 def test_gate_and_up_may_carry_different_tensor_scales():
     x, w13, w2, tw, ti = make_case(8, 2, 20, 48, 32, seed=11)
     w13[:, 32:] *= 7.0  # up rows much larger: a separate weight_scale_2 for up
