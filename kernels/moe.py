@@ -217,11 +217,18 @@ def _block_scale_to_f32(s, SCALE_E8M0: tl.constexpr):
 
 
 @triton.jit
+def _halves(bits, DTYPE: tl.constexpr):
+    """The two 16-bit floats of type DTYPE (fp16 or bf16) a uint32 of bit pairs holds, low half first."""
+    return ((bits & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True),
+            (bits >> 16).to(tl.uint16).to(DTYPE, bitcast=True))
+
+
+@triton.jit
 def _f16_pair(bits, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
     """The two fp16 values a uint32 of fp16 bit pairs holds (low half first), in DTYPE, times float32 ``scale``
     (``UNSCALE``: times ``2**14`` first)."""
-    lo = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo, hi = _halves(bits, tl.float16)
+    lo, hi = lo.to(tl.float32), hi.to(tl.float32)
     if UNSCALE:
         lo = lo * 16384.0
         hi = hi * 16384.0
@@ -229,31 +236,13 @@ def _f16_pair(bits, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
 
 
 @triton.jit
-def _e2m1_words(w, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
-    """Decode uint32 words of packed E2M1 codes (byte ``j``: K elements ``2j`` (low nibble) and ``2j + 1``) into
-    the eight tensors of their elements 0..7 in DTYPE, each times ``scale * 2**-14`` (``UNSCALE``: ``scale``).
-
-    Each code is moved into the bit positions of an fp16 two at a time (bytes 0 and 2, or 1 and 3, share one
-    shift and one mask per half word): its magnitude bits become the fp16's two low exponent bits and top mantissa
-    bit, its sign the sign, so a normal code ``2**(e-1) * (1 + m/2)`` reads as ``2**(e-15) * (1 + m/2)`` and code 1
-    (0.5) as the subnormal ``2**-15``, which the conversion to float32 keeps: every value is exactly the code's
-    times ``2**-14``. Two shifts and two masks per pair of codes, against about ten integer ops per code for a
-    lookup by compares."""
-    mag: tl.constexpr = 0x0E000E00
-    sign: tl.constexpr = 0x80008000
-    e0, e4 = _f16_pair(((w << 9) & mag) | ((w << 12) & sign), scale, DTYPE, UNSCALE)
-    e1, e5 = _f16_pair(((w << 5) & mag) | ((w << 8) & sign), scale, DTYPE, UNSCALE)
-    e2, e6 = _f16_pair(((w << 1) & mag) | ((w << 4) & sign), scale, DTYPE, UNSCALE)
-    e3, e7 = _f16_pair(((w >> 3) & mag) | (w & sign), scale, DTYPE, UNSCALE)
-    return e0, e1, e2, e3, e4, e5, e6, e7
-
-
-@triton.jit
 def _e2m1_bits_16(w, BF16: tl.constexpr):
-    """The four uint32s of 16-bit float bit pairs that :func:`_e2m1_words_16` multiplies: codes (0, 4), (1, 5),
-    (2, 6) and (3, 7) of each word, each moved to the fp16 positions (``BF16`` False: the value times ``2**-14``)
-    or the bf16 ones (the value times ``2**-126``), with one shift and mask per half word as in
-    :func:`_e2m1_words`."""
+    """The four uint32s of 16-bit float bit pairs holding codes (0, 4), (1, 5), (2, 6) and (3, 7) of each word of
+    packed E2M1 codes (byte ``j``: K elements ``2j`` (low nibble) and ``2j + 1``), one shift and one mask per half
+    word: a code's magnitude bits become an fp16's two low exponent bits and top mantissa bit, its sign the sign
+    (``BF16`` False: a normal code ``2**(e-1) * (1 + m/2)`` reads as ``2**(e-15) * (1 + m/2)`` and code 1 (0.5) as
+    the subnormal ``2**-15``, so every value is the code's times ``2**-14``), or a bf16's (the code's times
+    ``2**-126``)."""
     sign: tl.constexpr = 0x80008000
     if BF16:
         mag: tl.constexpr = 0x01C001C0
@@ -266,10 +255,23 @@ def _e2m1_bits_16(w, BF16: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_words(w, scale, DTYPE: tl.constexpr, UNSCALE: tl.constexpr):
+    """Decode uint32 words of packed E2M1 codes into the eight tensors of their elements 0..7 in DTYPE, each times
+    ``scale * 2**-14`` (``UNSCALE``: ``scale``): the fp16 bit pairs of :func:`_e2m1_bits_16`, whose subnormal 0.5
+    the conversion to float32 keeps, scaled in float32. Two shifts and two masks per pair of codes, against about
+    ten integer ops per code for a lookup by compares."""
+    p04, p15, p26, p37 = _e2m1_bits_16(w, False)
+    e0, e4 = _f16_pair(p04, scale, DTYPE, UNSCALE)
+    e1, e5 = _f16_pair(p15, scale, DTYPE, UNSCALE)
+    e2, e6 = _f16_pair(p26, scale, DTYPE, UNSCALE)
+    e3, e7 = _f16_pair(p37, scale, DTYPE, UNSCALE)
+    return e0, e1, e2, e3, e4, e5, e6, e7
+
+
+@triton.jit
 def _half_pair(bits, scale16):
     """The two 16-bit floats (``scale16``'s dtype) a uint32 of bit pairs holds (low half first), times ``scale16``."""
-    lo = (bits & 0xFFFF).to(tl.uint16).to(scale16.dtype, bitcast=True)
-    hi = (bits >> 16).to(tl.uint16).to(scale16.dtype, bitcast=True)
+    lo, hi = _halves(bits, scale16.dtype)
     return lo * scale16, hi * scale16
 
 
