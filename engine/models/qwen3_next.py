@@ -135,25 +135,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rec: RecurrentMetadata, backend: ModuleType) -> torch.Tensor:
         """With the Triton attention backend, one-token chunks update their states in place through
-        `ember.kernels.gated_delta_decode` (with their gates formed in it when the whole step decodes); otherwise
-        through the torch step."""
+        `ember.kernels.gated_delta_decode`, their gates formed in it; otherwise through the torch step."""
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         self._copy_states(rec.restores)
         mixed, z, b, a = self._project(x)
         triton = is_triton_backend(backend)
         q, k, v = self._conv(mixed, rec, triton).split([hk * dk, hk * dk, hv * dv], dim=-1)
-        q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
-        if triton and not rec.prefills and rec.decode_tokens.numel() == t:
-            # every row decodes (so the rows are the decode tokens in order): one launch, the gates formed in it
-            from ember.kernels.gated_delta_decode import gated_delta_decode
-
-            core = gated_delta_decode(q, k, v, a, b, rec.decode_keep, self.ssm_state, rec.decode_slots,
-                                      gates=(self.A_log, self.dt_bias))
-        else:
-            beta = b.sigmoid()
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-            core = self._delta(q, k, v, g, beta, rec, triton)
+        core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), a, b, rec, triton)
         out = self.norm(core, z)
         out = self.out_proj(out.reshape(t, hv * dv))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -190,18 +179,30 @@ class GatedDeltaNet(nn.Module):
             out[s:e] = F.silu(y).t().to(mixed.dtype)
         return out
 
-    def _delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def _delta(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                rec: RecurrentMetadata, triton: bool) -> torch.Tensor:
-        """The gated delta rule over each sequence's state: fp32 ``[T, hv, dv]``."""
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if rec.decode_tokens.numel() and triton:
+        """The gated delta rule over each sequence's state, its gates ``g = -exp(A_log) * softplus(a + dt_bias)``
+        and ``beta = sigmoid(b)``: fp32 ``[T, hv, dv]``. With ``triton`` the decode rows go through one launch that
+        forms their gates itself, reading the rows in place when every row of the step decodes."""
+        idx = rec.decode_tokens
+        if idx.numel() and triton:
             from ember.kernels.gated_delta_decode import gated_delta_decode
 
-            idx = rec.decode_tokens
-            out[idx] = gated_delta_decode(q[idx], k[idx], v[idx], g[idx], beta[idx], rec.decode_keep,
-                                          self.ssm_state, rec.decode_slots)
-        elif rec.decode_tokens.numel():
-            idx, slots = rec.decode_tokens, rec.decode_slots
+            gates = (self.A_log, self.dt_bias)
+            if not rec.prefills and idx.numel() == q.shape[0]:  # every row decodes: the rows are idx, in order
+                return gated_delta_decode(q, k, v, a, b, rec.decode_keep, self.ssm_state, rec.decode_slots,
+                                          gates=gates)
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if idx.numel() and triton:
+            out[idx] = gated_delta_decode(q[idx], k[idx], v[idx], a[idx], b[idx], rec.decode_keep, self.ssm_state,
+                                          rec.decode_slots, gates=gates)
+        torch_decode = bool(idx.numel()) and not triton
+        if not (torch_decode or rec.prefills):
+            return out
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if torch_decode:
+            slots = rec.decode_slots
             fresh_to_zero = rec.decode_keep.log()[:, None]  # -inf where the token starts its sequence: full decay
             o, self.ssm_state[slots] = gated_delta_rule.decode_step(q[idx], k[idx], v[idx], g[idx] + fresh_to_zero,
                                                                     beta[idx], self.ssm_state[slots])
