@@ -68,8 +68,10 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1
-    """Dense linears only: K split over this many programs per output tile, their float32 partials summed by one
-    more launch (:func:`_combine`). Small-M decode is latency-bound (a few tiles, each walking all of K)."""
+    """K split over this many programs per output tile, each writing a float32 partial: a dense linear's are summed
+    by one more launch (:func:`_combine`); the MoE's gate/up partials by one more launch that also applies the GLU,
+    its down partials by the combine it runs anyway. Small-M decode is latency-bound (a few tiles, each walking all
+    of K)."""
 
 
 def _interpreting() -> bool:
@@ -143,10 +145,29 @@ def linear_config(num_tokens: int, device: torch.device, n: int = 0, k: int = 0)
     cfg = GemmConfig(16, 32 if num_tokens <= 16 else 64, 128, 1, 4, 2)
     if num_tokens > 16 or not n or not k:
         return cfg
-    tiles, steps, split = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k), 1
+    return replace(cfg, split_k=_k_split(triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k), device))
+
+
+def _k_split(tiles: int, steps: int, device: torch.device) -> int:
+    """How many ways to split K for ``tiles`` output tiles of ``steps`` K steps: doubled while the programs stay
+    within about four per SM and each keeps at least four K steps."""
+    split = 1
     while tiles * split * 2 <= 4 * _num_sms(device) and steps // (split * 2) >= 4:
         split *= 2
-    return replace(cfg, split_k=split)
+    return split
+
+
+def moe_splits(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, cfg: GemmConfig,
+               device: torch.device) -> tuple[int, int]:
+    """K splits of the fused MoE's gate/up and down GEMMs with packed weights at decode sizes (16-row tiles on a
+    GPU): ``min(M*k, E)`` row tiles at most hold routed pairs, so at M=1 with top-8 the gate/up GEMM of
+    Qwen3-30B-A3B's layer has 192 programs of 16 K steps for 132 SMs, each a long chain of decodes and MMAs.
+    ``(1, 1)`` elsewhere."""
+    if device.type != "cuda" or _interpreting() or cfg.block_m != 16:
+        return 1, 1
+    rows = min(num_tokens * top_k, num_experts)
+    return (_k_split(rows * triton.cdiv(inter, cfg.block_n), triton.cdiv(hidden, cfg.block_k), device),
+            _k_split(rows * triton.cdiv(hidden, cfg.block_n), triton.cdiv(inter, cfg.block_k), device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -411,8 +432,9 @@ def _moe_gemm_kernel(
     instead of SiLU-and-mul. ``PRECISION`` is ``tl.dot``'s input precision: ``"ieee"`` for fp32 activations, whose
     models get fp32 products as in the torch path, not TF32's 10-bit mantissas. ``DENSE``: one expert and the rows
     in order (a plain linear: ``EM`` is the row count, and no routing metadata is read). ``SPLIT_K``: program
-    ``(tile, s)`` takes the ``s``-th of ``SPLIT_K`` runs of K steps and writes its (linear-epilogue) float32 partial
-    at ``C + s * stride_cs``."""
+    ``(tile, s)`` takes the ``s``-th of ``SPLIT_K`` runs of K steps and writes its float32 partial at
+    ``C + s * stride_cs`` (scales, routing weight, and the bias in split 0 only; with ``FUSE_SILU`` the gate's and
+    the up's partials side by side, the activation left to :func:`_glu_partials_kernel`)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if not DENSE:
         if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -468,24 +490,56 @@ def _moe_gemm_kernel(
             if FUSE_SILU:
                 acc_up = acc_up * (tl.load(bs2_ptr + expert * stride_s2e + stride_s2p) * unscale)
     if HAS_BIAS:
-        bias_row = bias_ptr + expert * stride_bias_e
-        acc = acc + tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if FUSE_SILU:
-            acc_up = acc_up + tl.load(bias_row + offs_n + up_off, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if FUSE_SILU:
-        if CLAMPED_SWIGLU:
-            gate = tl.minimum(acc, swiglu_limit)
-            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
-            acc = (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+        if SPLIT_K > 1:  # the first split's partial carries the bias
+            keep = (tl.program_id(1) == 0).to(tl.float32)
         else:
-            acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
-        acc = acc * w[:, None]
+            keep = 1.0
+        bias_row = bias_ptr + expert * stride_bias_e
+        acc = acc + tl.load(bias_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :] * keep
+        if FUSE_SILU:
+            acc_up = acc_up + tl.load(bias_row + offs_n + up_off, mask=n_mask, other=0.0).to(tl.float32)[None, :] * keep
     c_ptrs = c_ptr + tok.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = tok_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         c_ptrs += tl.program_id(1) * stride_cs
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=tok_mask[:, None] & n_mask[None, :])
+    if FUSE_SILU and SPLIT_K > 1:  # the activation waits for the partials' sum (:func:`_glu_partials_kernel`)
+        tl.store(c_ptrs, acc, mask=c_mask)
+        tl.store(c_ptrs + up_off * stride_cn, acc_up, mask=c_mask)
+    else:
+        if FUSE_SILU:
+            acc = _glu(acc, acc_up, CLAMPED_SWIGLU, swiglu_limit, swiglu_alpha)
+        if MUL_ROUTED_WEIGHT:
+            w = tl.load(topk_w_ptr + tok, mask=tok_mask, other=0.0)
+            acc = acc * w[:, None]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _glu(gate, up, CLAMPED_SWIGLU: tl.constexpr, swiglu_limit, swiglu_alpha):
+    """``silu(gate) * up``, or gpt-oss's clamped GLU, in float32."""
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, swiglu_limit)
+        up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * swiglu_alpha))
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _glu_partials_kernel(p_ptr, out_ptr, n, swiglu_limit, swiglu_alpha, SPLIT_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr):
+    """``out[r] = glu(sum_s p[r, s, :n], sum_s p[r, s, n:])`` for float32 partials ``p [rows, SPLIT_K, 2n]``, summed
+    in order, cast to ``out``'s dtype (``[rows, n]``)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    row = p_ptr + r * SPLIT_K * 2 * n
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        gate += tl.load(row + s * 2 * n + offs, mask=mask, other=0.0)
+        up += tl.load(row + s * 2 * n + n + offs, mask=mask, other=0.0)
+    out = _glu(gate, up, CLAMPED_SWIGLU, swiglu_limit, swiglu_alpha)
+    tl.store(out_ptr + r * n + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -547,29 +601,27 @@ def _moe_gemm_w4a4_kernel(
 
 
 @triton.jit
-def _combine_kernel(src_ptr, out_ptr, bias_ptr, gate_ptr, shared_ptr, h, stride_gate, stride_shared,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """``out[t] = sum_j src[t * TOP_K + j] (+ bias) (+ sigmoid(gate[t]) * shared[t])`` in float32, in order, cast
-    to ``out``'s dtype."""
+def _combine_kernel(src_ptr, out_ptr, gate_ptr, shared_ptr, h, stride_gate, stride_shared,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """``out[t] = sum_j src[t * TOP_K + j] (+ sigmoid(gate[t]) * shared[t])`` in float32, in order, cast to
+    ``out``'s dtype."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < h
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(src_ptr + (t * TOP_K + j) * h + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SHARED:
         g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
         acc += tl.load(shared_ptr + t * stride_shared + offs, mask=mask, other=0.0).to(tl.float32) / (1.0 + tl.exp(-g))
     tl.store(out_ptr + t * h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype, bias: torch.Tensor | None = None,
+def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype,
              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Each token's ``top_k`` consecutive float32 rows of ``pairs`` ``[M*k, H]`` summed (plus ``bias``) into
-    ``[M, H]`` of ``dtype``, one launch: the MoE's weighted combine (rows already multiplied by their routing
-    weights; a sum and a cast in torch) and a split-K linear's partials. ``shared = (gate [M, 1], value [M, H])``
+    """Each token's ``top_k`` consecutive float32 rows of ``pairs`` ``[M*k, H]`` summed into ``[M, H]`` of
+    ``dtype``, one launch: the MoE's weighted combine (rows already multiplied by their routing weights; with split
+    K, ``k`` times the splits) and a split-K linear's partials. ``shared = (gate [M, 1], value [M, H])``
     adds a shared expert's ``sigmoid(gate) * value`` (Qwen2-MoE, Qwen3-Next) in the same launch."""
     h = pairs.shape[1]
     out = torch.empty(m, h, dtype=dtype, device=pairs.device)
@@ -579,9 +631,8 @@ def _combine(pairs: torch.Tensor, m: int, top_k: int, dtype: torch.dtype, bias: 
         if value.stride(-1) != 1:
             value = value.contiguous()
         _combine_kernel[(m, triton.cdiv(h, block))](
-            pairs, out, bias if bias is not None else out, gate, value, h, gate.stride(0), value.stride(0),
-            TOP_K=top_k, BLOCK_H=block, HAS_BIAS=bias is not None, HAS_SHARED=shared is not None, num_warps=4,
-            num_stages=1)
+            pairs, out, gate, value, h, gate.stride(0), value.stride(0),
+            TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4, num_stages=1)
     return out
 
 
@@ -622,8 +673,9 @@ def _invoke(
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
     per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
     SiLU. ``dense``: a one-expert stack over the ``num_valid`` rows of ``a`` in order (``sorted_ids``,
-    ``expert_ids`` and ``num_post`` are not read). ``split_k > 1``: ``c`` is float32 ``[rows, split_k, N']``,
-    one partial per split (no bias, no fused SiLU)."""
+    ``expert_ids`` and ``num_post`` are not read). ``split_k > 1``: ``c`` is float32 ``[rows, split_k, N']``, one
+    partial per split, the bias in the first; with ``fuse_silu``, ``[rows, split_k, 2N']``, the gate's and the up's
+    partials before the activation (:func:`_glu_partials`)."""
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
@@ -658,8 +710,8 @@ def _invoke(
     em = num_valid if dense else sorted_ids.numel()
     c_strides, split_stride = (c.stride(0), c.stride(1)), 0
     if split_k > 1:
-        if bias is not None or fuse_silu or c.dtype != torch.float32 or c.dim() != 3:
-            raise ValueError("split-K writes float32 [rows, splits, N] partials, with no bias and no fused SiLU")
+        if c.dtype != torch.float32 or c.dim() != 3 or c.shape[1] != split_k or c.shape[2] != n * (1 + fuse_silu):
+            raise ValueError("split-K writes float32 [rows, splits, N] partials ([rows, splits, 2N] gate/up ones)")
         c_strides, split_stride = (c.stride(0), c.stride(2)), c.stride(1)
     _moe_gemm_kernel[_grid(em, n, cfg) + (split_k,)](
         a, b, scale, s2, c, topk_weights if topk_weights is not None else c,
@@ -730,16 +782,40 @@ def fused_moe(
         dot_scaled = mxfp4_dot_scaled_available(x.device)
     if dot_scaled and cfg.block_k % 32:
         raise ValueError(f"MXFP4 dot_scaled needs block_k to be a multiple of 32, got {cfg.block_k}")
+    if config is not None:
+        s13 = s2 = cfg.split_k
+    else:
+        s13, s2 = moe_splits(m, top_k, e, h, inter_size, cfg, x.device) if packed else (1, 1)
     x = x.contiguous()
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
-    inter = torch.empty(m * top_k, inter_size, dtype=x.dtype, device=x.device)
-    _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, m * top_k, cfg,
-            bias=b13, swiglu=swiglu, dot_scaled=dot_scaled)
-    out = torch.empty(m * top_k, h, dtype=torch.float32, device=x.device)
+    pairs = m * top_k
+    if s13 > 1:
+        gate_up = torch.empty(pairs, s13, n2, dtype=torch.float32, device=x.device)
+        _invoke(x, w13, gate_up, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
+                bias=b13, dot_scaled=dot_scaled, split_k=s13)
+        inter = _glu_partials(gate_up, x.dtype, swiglu)
+    else:
+        inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
+        _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
+                bias=b13, swiglu=swiglu, dot_scaled=dot_scaled)
+    out = torch.empty(pairs, s2, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _invoke(inter, w2, out, weights, sorted_ids, expert_ids, num_post, h, 1, False, m * top_k, cfg, bias=b2,
-            dot_scaled=dot_scaled)
-    return _combine(out, m, top_k, x.dtype, shared=shared)
+    _invoke(inter, w2, out if s2 > 1 else out.view(pairs, h), weights, sorted_ids, expert_ids, num_post, h, 1, False,
+            pairs, cfg, bias=b2, dot_scaled=dot_scaled, split_k=s2)
+    return _combine(out.view(pairs * s2, h), m, top_k * s2, x.dtype, shared=shared)
+
+
+def _glu_partials(gate_up: torch.Tensor, dtype: torch.dtype, swiglu: tuple[float, float] | None) -> torch.Tensor:
+    """The split gate/up GEMM's float32 partials ``[rows, splits, 2I]`` summed and through the GLU: ``[rows, I]``
+    of ``dtype``, one launch."""
+    rows, splits, n2 = gate_up.shape
+    out = torch.empty(rows, n2 // 2, dtype=dtype, device=gate_up.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n2 // 2))
+        _glu_partials_kernel[(rows, triton.cdiv(n2 // 2, block))](
+            gate_up, out, n2 // 2, float(swiglu[0]) if swiglu else 0.0, float(swiglu[1]) if swiglu else 0.0,
+            SPLIT_K=splits, BLOCK_N=block, CLAMPED_SWIGLU=swiglu is not None, num_warps=4, num_stages=1)
+    return out
 
 
 def nvfp4_linear(
@@ -763,8 +839,8 @@ def block_fp8_linear(
 def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None,
                        config: GemmConfig | None) -> torch.Tensor:
     """One launch: the grouped GEMM in its dense mode (rows in order, no routing metadata), the bias added to the
-    float32 accumulator; with ``split_k`` (:func:`linear_config`), float32 partials and one more launch to sum them
-    (:func:`_combine`, the bias added there)."""
+    float32 accumulator; with ``split_k`` (:func:`linear_config`), float32 partials (the bias in the first) and one
+    more launch to sum them (:func:`_combine`)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m = x2.shape[0]
@@ -773,8 +849,8 @@ def _one_expert_linear(x: torch.Tensor, stack, n: int, bias: torch.Tensor | None
     if m and cfg.split_k > 1:
         partials = torch.empty(m, cfg.split_k, n, dtype=torch.float32, device=x.device)
         _invoke(x2, stack, partials, None, partials, partials, partials, n, 1, False, m, cfg, dense=True,
-                split_k=cfg.split_k)
-        out = _combine(partials.view(m * cfg.split_k, n), m, cfg.split_k, x.dtype, bias2)
+                bias=bias2, split_k=cfg.split_k)
+        out = _combine(partials.view(m * cfg.split_k, n), m, cfg.split_k, x.dtype)
     else:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m:

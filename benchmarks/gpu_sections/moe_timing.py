@@ -194,6 +194,17 @@ def run(ctx: Ctx) -> None:
         if w4a4:
             row["w4a4_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True), rep=50,
                                       warmup=10)
+        packed = moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True)
+        splits = moe.moe_splits(m, w.k, w.e, w.h, w.i, packed, ctx.device)
+        if splits != (1, 1):  # what the default's split K buys: the same tiles unsplit (split_k=1 on both GEMMs)
+            row["splits"] = list(splits)
+            row["nvfp4_unsplit_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False,
+                                                                           config=packed), rep=50, warmup=10)
+            row["fp8_unsplit_ms"] = graph_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti,
+                                                                   config=moe.block_fp8_config(packed)),
+                                             rep=50, warmup=10)
+            rep.log(f"    split K {splits[0]} (gate/up), {splits[1]} (down); unsplit: nvfp4 "
+                    f"{row['nvfp4_unsplit_ms']:.4f} ms, fp8 {row['fp8_unsplit_ms']:.4f} ms")
         row["bf16_over_floor"] = row["bf16_ms"] / row["floor_bf16_ms"]
         row["nvfp4_over_floor"] = row["nvfp4_ms"] / row["floor_nvfp4_ms"]
         row["fp8_over_floor"] = row["fp8_ms"] / row["floor_fp8_ms"]
@@ -242,12 +253,13 @@ def run(ctx: Ctx) -> None:
     sweep(ctx)
 
 
-SWEEP = ((16, 64, 128, 4, 2), (16, 128, 128, 4, 2), (16, 64, 256, 4, 2), (16, 32, 128, 4, 3), (16, 128, 64, 4, 3),
-         (16, 64, 128, 8, 2), (16, 64, 64, 4, 4), (16, 16, 128, 4, 3), (16, 32, 128, 2, 3), (16, 32, 256, 4, 2),
-         (16, 32, 64, 4, 4))
-"""NVFP4 W4A16 tiles tried at the decode sizes (block_m, block_n, block_k, warps, stages), full runs only. At M=1
-the default 16x32 tiles give only 192 programs for the gate/up GEMM on 132 SMs (8 experts x 24 column tiles): the
-16-column and 2-warp tiles try more programs or more of them per SM."""
+SWEEP = ((16, 64, 128, 4, 2, 1), (16, 128, 128, 4, 2, 1), (16, 64, 256, 4, 2, 1), (16, 32, 128, 4, 3, 1),
+         (16, 128, 64, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 4, 4, 1), (16, 16, 128, 4, 3, 1),
+         (16, 32, 128, 2, 3, 1), (16, 32, 256, 4, 2, 1), (16, 32, 64, 4, 4, 1), (16, 32, 128, 4, 3, 2),
+         (16, 32, 128, 4, 3, 4), (16, 64, 128, 4, 2, 4), (16, 16, 128, 4, 3, 2))
+"""NVFP4 W4A16 tiles tried at the decode sizes (block_m, block_n, block_k, warps, stages, split K of both GEMMs),
+full runs only. At M=1 the default 16x32 tiles give only 192 programs for the gate/up GEMM on 132 SMs (8 experts x
+24 column tiles): the 16-column, 2-warp and split-K rows try more programs or more of them per SM."""
 
 
 def sweep(ctx: Ctx) -> None:
@@ -258,9 +270,9 @@ def sweep(ctx: Ctx) -> None:
     for m in (1, 64):
         x, tw, ti = _inputs(ctx, w, m)
         default = moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True)
-        for bm, bn, bk, warps, stages in SWEEP:
+        for bm, bn, bk, warps, stages, split in SWEEP:
             ctx.deadline.check(f"moe sweep M={m}", 3.0)
-            cfg = moe.GemmConfig(bm, bn, bk, 1, warps, stages)
+            cfg = moe.GemmConfig(bm, bn, bk, 1, warps, stages, split)
             try:
                 ms = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False, config=cfg), rep=30,
                               warmup=5)
@@ -268,5 +280,5 @@ def sweep(ctx: Ctx) -> None:
                 ctx.report.row(kind="moe_sweep", M=m, config=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}")
                 continue
             ctx.report.row(kind="moe_sweep", M=m, config=str(cfg), default=cfg == default, ms=ms)
-            ctx.report.log(f"  moe sweep M={m:<3} nvfp4 {bm}x{bn}x{bk} w{warps}s{stages}: {ms:.4f} ms")
+            ctx.report.log(f"  moe sweep M={m:<3} nvfp4 {bm}x{bn}x{bk} w{warps}s{stages} split {split}: {ms:.4f} ms")
         ctx.report.save()

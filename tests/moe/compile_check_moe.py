@@ -21,6 +21,7 @@ from ember.kernels.nvfp4 import NVFP4Tensor
 from tests.kernels.compile_check import _Recorder, compile_launches
 
 _KERNELS = ((moe, "_moe_gemm_kernel"), (moe, "_moe_gemm_w4a4_kernel"), (moe, "_combine_kernel"),
+            (moe, "_glu_partials_kernel"),
             (moe_align, "_align_kernel"), (moe_routing, "_softmax_topk_kernel"))
 
 
@@ -45,11 +46,15 @@ def _drive(w4a4: bool, quick: bool = False) -> None:
             cfg = moe.default_config(m, e, 2, cuda)
             if not quick:
                 moe.fused_moe(x, w13.to(dt), w2.to(dt), tw, ti, config=cfg)
-            moe.fused_moe(x, q13, q2, tw, ti, config=moe.default_config(m, e, 2, cuda, nvfp4=True),
+            packed_cfg = moe.default_config(m, e, 2, cuda, nvfp4=True)
+            moe.fused_moe(x, q13, q2, tw, ti, config=packed_cfg,
                           shared=(x[:, :1], x) if m == 64 else None)  # Qwen3-Next's shared expert, in the combine
-            fp8_cfg = moe.block_fp8_config(moe.default_config(m, e, 2, cuda, nvfp4=True))
+            fp8_cfg = moe.block_fp8_config(packed_cfg)
             moe.fused_moe(x, f13, f2, tw, ti, config=fp8_cfg)
             moe.fused_moe(x, c13, c2, tw, ti, config=fp8_cfg)
+            if m == 1:  # decode-size MoEs split K (moe_splits): partial stores and the GLU of the partials
+                moe.fused_moe(x, q13, q2, tw, ti, config=replace(packed_cfg, split_k=2))
+                moe.fused_moe(x, f13, f2, tw, ti, config=replace(fp8_cfg, split_k=2))
             for split in (1, 4) if m <= 16 else (1,):  # decode sizes split K (the GPU's choice needs its SMs)
                 lin = replace(moe.linear_config(m, cuda), split_k=split)
                 moe.nvfp4_linear(x, nvfp4.quantize(w2[0]), config=lin)

@@ -146,6 +146,58 @@ def test_split_k_linears_sum_their_partials_to_the_unsplit_result(split):
                        w.dequantize().T.to(torch.float16))
 
 
+@pytest.mark.parametrize("weights,split", [("fp16", 3), ("nvfp4", 2), ("nvfp4", 8), ("block-fp8", 3),
+                                           ("mxfp4-bias-clamped-glu", 2), ("mxfp4-bias-clamped-glu", 3)])
+def test_split_k_fused_moe_equals_the_unsplit_launches(weights, split):
+    """A decode-size MoE may split K in both GEMMs: the gate/up partials are summed before the GLU (one more
+    launch), the down partials join the routed pairs in the combine; biases are added once. H = 320 is 5 K steps of
+    64 (3 splits are uneven, 8 leave some empty), I = 96 two steps with a partial one."""
+    from dataclasses import replace
+
+    from ember.kernels import mxfp4
+
+    x, w13, w2, tw, ti = make_case(16, 4, 5, 320, 96, seed=split)
+    kw = {}
+    if weights == "fp16":
+        s13, s2 = w13.half(), w2.half()
+    elif weights == "nvfp4":
+        s13, s2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+    elif weights == "block-fp8":
+        s13, s2 = fp8_block.quantize(w13, (32, 32)), fp8_block.quantize(w2, (32, 32))
+    else:
+        g = torch.Generator().manual_seed(1)
+        s13, s2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        kw = dict(b13=torch.randn(16, 192, generator=g) * 0.1, b2=torch.randn(16, 320, generator=g) * 0.1,
+                  swiglu=(7.0, 1.702))
+    cfg = moe.block_fp8_config(CFG) if weights == "block-fp8" else CFG
+    one = moe.fused_moe(x, s13, s2, tw, ti, config=cfg, **kw)
+    got = moe.fused_moe(x, s13, s2, tw, ti, config=replace(cfg, split_k=split), **kw)
+    assert got.dtype == torch.float16 and got.shape == one.shape
+    assert rel_err(got, one) < 1e-3
+    if kw:
+        want = ref.fused_moe(x.float(), s13, s2, tw, ti, b13=kw["b13"], b2=kw["b2"],
+                             activation=lambda t: ref.clamped_swiglu(t, 7.0, 1.702))
+    else:
+        want = ref.fused_moe(x.float(), s13 if weights != "fp16" else w13, s2 if weights != "fp16" else w2, tw, ti)
+    assert rel_err(got, want) < 2e-3
+
+
+def test_decode_moe_splits_k_where_few_experts_leave_the_gpu_idle(monkeypatch):
+    """Qwen3-30B-A3B's layer (E=128, H=2048, I=768, top-8) at the NVFP4 decode tile on 132 SMs: at M=1 the gate/up
+    GEMM's 192 programs of 16 K steps split in two; the down GEMM's 512 programs of 6 steps do not; by M=16 the
+    routed pairs touch enough experts to fill the GPU; prefill tiles and the CPU never split."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(moe, "_interpreting", lambda: False)
+    monkeypatch.setattr(moe, "_num_sms", lambda device: 132)
+    decode = moe.default_config(1, 128, 8, cuda, nvfp4=True)
+    assert (decode.block_m, decode.block_n, decode.block_k) == (16, 32, 128)
+    assert moe.moe_splits(1, 8, 128, 2048, 768, decode, cuda) == (2, 1)
+    assert moe.moe_splits(1, 1, 16, 5120, 8192, decode, cuda) == (2, 2)  # Llama 4 Scout: one expert per token
+    assert moe.moe_splits(16, 8, 128, 2048, 768, decode, cuda) == (1, 1)
+    assert moe.moe_splits(1, 8, 128, 2048, 768, moe.default_config(512, 128, 8, cuda, nvfp4=True), cuda) == (1, 1)
+    assert moe.moe_splits(1, 8, 128, 2048, 768, decode, torch.device("cpu")) == (1, 1)
+
+
 def test_decode_linears_split_k_until_the_gpu_is_busy(monkeypatch):
     """The GPU's choice for a 4096 x 4096 linear at M=1 on 132 SMs: 128 N tiles of 32 K steps split 4 ways (512
     programs of 8 steps); a wide gate/up projection already fills the GPU; prefill sizes never split."""
