@@ -47,3 +47,32 @@ def gelu_tanh_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """``gelu_tanh(x[..., :I]) * x[..., I:]`` (GELU's tanh approximation, fp32 math) for ``x`` ``[..., 2I]``; a new
     ``[..., I]`` tensor of ``x``'s dtype."""
     return _act_and_mul(x, block, "gelu_tanh")
+
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x_ptr, g_ptr, out_ptr, stride_x, stride_gt, stride_gh, stride_o, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + t * stride_x + h * D + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded, as torch's sigmoid
+    tl.store(out_ptr + t * stride_o + h * D + offs, (x * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` for ``x [T, H*D]`` (rows contiguous) and ``gate [T, H, D]``, a strided view (each head's
+    gate read in place, as Qwen3-Next's attention output gate between its heads' queries): a new ``[T, H*D]`` of
+    ``x``'s dtype, rounded as torch rounds ``x * torch.sigmoid(gate)`` (the sigmoid to the dtype, then the product),
+    in one launch."""
+    t, h, d = gate.shape
+    if x.shape != (t, h * d) or x.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("sigmoid_gate_mul needs x [T, H*D] and gate [T, H, D], each with contiguous last dims")
+    out = torch.empty(t, h * d, dtype=x.dtype, device=x.device)
+    if t:
+        _sigmoid_gate_kernel[(t, h)](x, gate, out, x.stride(0), gate.stride(0), gate.stride(1), out.stride(0), D=d,
+                                     BLOCK_D=triton.next_power_of_2(d), num_warps=4, num_stages=1)
+    return out

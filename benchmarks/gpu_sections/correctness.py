@@ -261,6 +261,21 @@ def gated_delta_checks(ctx: Ctx) -> None:
             kept.append(w)
         ctx.report.check("causal_conv_decode out", outs[1], outs[0], _tol(ctx))
         ctx.report.check_equal("causal_conv_decode windows", bool(torch.equal(kept[1], kept[0])), True)
+    with ctx.case("gdn projections split"):  # the grouped in_proj outputs rearranged in one launch: copies, exact
+        from types import SimpleNamespace
+
+        from ember.engine.models.qwen3_next import GatedDeltaNet
+        from ember.kernels import activation
+
+        r = hv // hk
+        qkvz, ba = rnd(b, hk * (2 * dk + 2 * r * dv)).to(ctx.dtype), rnd(b, hk * 2 * r).to(ctx.dtype)
+        layer = SimpleNamespace(hk=hk, hv=hv, dk=dk, dv=dv, in_proj_qkvz=lambda x: qkvz, in_proj_ba=lambda x: ba)
+        parts = [GatedDeltaNet._project(layer, qkvz, triton=kernel) for kernel in (False, True)]
+        ctx.report.check_equal("gdn projections split", all(torch.equal(x, y) for x, y in zip(*parts)), True)
+        qg = rnd(b, 2 * hk, 2 * dk).to(ctx.dtype)  # Qwen3-Next's attention: each head's query, then its gate
+        att = rnd(b, 2 * hk * dk).to(ctx.dtype)
+        ctx.report.check("sigmoid_gate_mul", activation.sigmoid_gate_mul(att, qg[..., dk:]),
+                         att * torch.sigmoid(qg[..., dk:].reshape(b, -1)), _tol(ctx))
     with ctx.case("gated_delta_scan"):  # the chunked prefill's block walk in Triton (tf32 dots) vs the torch loop
         t = ctx.pick(40, 1000, 1000)
         pq, pk, pv = rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hk, dk).to(ctx.dtype), rnd(2, t, hv, dv).to(ctx.dtype)

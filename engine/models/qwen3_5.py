@@ -30,7 +30,9 @@ class SplitGatedDeltaNet(qwen3_next.GatedDeltaNet):
         self.in_proj_b = nn.Linear(hidden, self.hv, bias=False)
         self.in_proj_a = nn.Linear(hidden, self.hv, bias=False)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, triton: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each part from its own projection: already in the layouts the layer consumes, on either backend."""
         return (self.in_proj_qkv(x), self.in_proj_z(x).view(x.shape[0], self.hv, self.dv), self.in_proj_b(x),
                 self.in_proj_a(x))
 

@@ -81,7 +81,14 @@ class GatedAttention(Attention):
         else:
             q, k = rope(meta.positions, self.q_norm(q), self.k_norm(k))
             out = self.attend(q, k, v, meta, kv, backend)
-        out = self.o_proj(out.reshape(t, self.hq * self.d) * torch.sigmoid(gate.reshape(t, self.hq * self.d)))
+        out = out.reshape(t, self.hq * self.d)
+        if is_triton_backend(backend):  # the gate read in place, one launch (torch: a copy, a sigmoid, a product)
+            from ember.kernels import activation
+
+            out = activation.sigmoid_gate_mul(out, gate)
+        else:
+            out = out * torch.sigmoid(gate.reshape(t, self.hq * self.d))
+        out = self.o_proj(out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -115,14 +122,21 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(hidden, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
         self.in_proj_ba = nn.Linear(hidden, 2 * self.hv, bias=False)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, triton: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q|k|v [T, C] in the conv's channel order, z [T, hv, dv], b [T, hv], a [T, hv])``: Qwen3-Next's
-        projections are grouped per key head (its q, k, then its value heads' v and z; b then a)."""
+        projections are grouped per key head (its q, k, then its value heads' v and z; b then a). With ``triton``
+        one launch rearranges them (`ember.kernels.gdn_projections`), where torch takes seven."""
         t = x.shape[0]
         hk, dk, dv = self.hk, self.dk, self.dv
         r = self.hv // hk
-        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        if triton:
+            from ember.kernels.gdn_projections import split_projections
+
+            return split_projections(qkvz, ba, hk, dk, self.hv, dv)
+        q, k, v, z = qkvz.view(t, hk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], -1)
+        b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return mixed, z.reshape(t, self.hv, dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
@@ -139,8 +153,8 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         self._copy_states(rec.restores)
-        mixed, z, b, a = self._project(x)
         triton = is_triton_backend(backend)
+        mixed, z, b, a = self._project(x, triton)
         q, k, v = self._conv(mixed, rec, triton).split([hk * dk, hk * dk, hv * dv], dim=-1)
         core = self._delta(q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), a, b, rec, triton)
         out = self.norm(core, z)

@@ -25,8 +25,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ember.kernels import (activation, attention, causal_conv_decode, gated_delta_decode, gated_delta_scan, norm,
-                           qk_norm_rope_cache, reference_ops, rotary)
+from ember.kernels import (activation, attention, causal_conv_decode, gated_delta_decode, gated_delta_scan,
+                           gdn_projections, norm, qk_norm_rope_cache, reference_ops, rotary)
 
 HOT = ("attention._unified_attention_2d", "attention._unified_attention_3d", "moe._moe_gemm_kernel",
        "moe._moe_gemm_w4a4_kernel", "gated_delta_decode._decode_kernel", "gated_delta_scan._scan_kernel")
@@ -47,11 +47,12 @@ class _Recorder:
 
 LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "_unified_attention_3d",
                          "_reduce_segments")),
-            (norm, ("_rms_norm_kernel", "_gated_rms_norm_kernel")), (activation, ("_act_and_mul_kernel",)),
+            (norm, ("_rms_norm_kernel", "_gated_rms_norm_kernel")),
+            (activation, ("_act_and_mul_kernel", "_sigmoid_gate_kernel")),
             (rotary, ("_rotary_kernel",)),
             (qk_norm_rope_cache, ("_qk_norm_rope_cache_kernel",)),
             (gated_delta_decode, ("_decode_kernel",)), (causal_conv_decode, ("_conv_decode_kernel",)),
-            (gated_delta_scan, ("_scan_kernel",)))
+            (gated_delta_scan, ("_scan_kernel",)), (gdn_projections, ("_split_kernel",)))
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
@@ -118,6 +119,11 @@ def _drive(launches: list, quick: bool) -> None:
             gated_delta_decode.gated_delta_decode(q, q, torch.randn(3, hv, 128).to(dt), torch.zeros(3, hv),
                                                   torch.zeros(3, hv, dtype=dt), torch.ones(3),
                                                   torch.zeros(5, hv, 128, 128), torch.tensor([0, 2, 4]))
+            r = hv // hk
+            gdn_projections.split_projections(torch.zeros(3, hk * (256 + 256 * r), dtype=dt),
+                                              torch.zeros(3, hk * 2 * r, dtype=dt), hk, 128, hv, 128)
+        qg = torch.zeros(3, 16, 512, dtype=dt)  # Qwen3-Next-80B's gated attention: 16 heads of 256, query then gate
+        activation.sigmoid_gate_mul(torch.zeros(3, 16 * 256, dtype=dt), qg[..., 256:])
     for c in (16, 32):  # the chunked prefill's block walk (fp32 whatever the model dtype), head dims 128
         blocks = (2, 4, 3, c)
         gated_delta_scan.scan(torch.zeros(*blocks, 128), torch.zeros(*blocks, 128), torch.zeros(*blocks, 128),
