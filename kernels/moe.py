@@ -98,7 +98,13 @@ def default_config(
 
     fp32 activations (fp32 models) take IEEE products on FMA units and double every staged tile: tiles of at most
     32 x 64 x 64 in 2 stages stay inside Hopper's 227 KiB of shared memory (the 16-bit table needs up to 288 KiB in
-    fp32) and spill nothing."""
+    fp32) and spill nothing.
+
+    Packed weights on a GPU with few routed pairs for the experts (``M*k*4 <= E``: most pairs have an expert to
+    themselves) take one program per pair (``block_m`` 1, :func:`fused_moe`): a 16-row tile would hold one real row
+    and fifteen of padding, and the routing sort that builds the tiles is a launch of its own."""
+    if nvfp4 and num_tokens * top_k * 4 <= num_experts and device.type == "cuda" and not _interpreting():
+        return GemmConfig(1, 32, 128, 1, 4, 3)
     cfg = _table_config(num_tokens, device)
     if dtype.itemsize >= 4:
         cfg = replace(cfg, block_m=min(cfg.block_m, 32), block_n=min(cfg.block_n, 64), block_k=min(cfg.block_k, 64),
@@ -159,13 +165,13 @@ def _k_split(tiles: int, steps: int, device: torch.device) -> int:
 
 def moe_splits(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, cfg: GemmConfig,
                device: torch.device) -> tuple[int, int]:
-    """K splits of the fused MoE's gate/up and down GEMMs with packed weights at decode sizes (16-row tiles on a
-    GPU): ``min(M*k, E)`` row tiles at most hold routed pairs, so at M=1 with top-8 the gate/up GEMM of
-    Qwen3-30B-A3B's layer has 192 programs of 16 K steps for 132 SMs, each a long chain of decodes and MMAs.
-    ``(1, 1)`` elsewhere."""
-    if device.type != "cuda" or _interpreting() or cfg.block_m != 16:
+    """K splits of the fused MoE's gate/up and down GEMMs with packed weights at decode sizes on a GPU: one program
+    row per routed pair (``block_m`` 1), or at most ``min(M*k, E)`` 16-row tiles holding pairs. At M=1 with top-8
+    the gate/up GEMM of Qwen3-30B-A3B's layer has 192 programs of 16 K steps for 132 SMs, each a long chain of
+    decodes and products. ``(1, 1)`` elsewhere."""
+    if device.type != "cuda" or _interpreting() or cfg.block_m not in (1, 16):
         return 1, 1
-    rows = min(num_tokens * top_k, num_experts)
+    rows = num_tokens * top_k if cfg.block_m == 1 else min(num_tokens * top_k, num_experts)
     return (_k_split(rows * triton.cdiv(inter, cfg.block_n), triton.cdiv(hidden, cfg.block_k), device),
             _k_split(rows * triton.cdiv(hidden, cfg.block_n), triton.cdiv(inter, cfg.block_k), device))
 
@@ -209,11 +215,15 @@ def _grouped_tile(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROU
 
 
 @triton.jit
-def _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M: tl.constexpr, DENSE: tl.constexpr):
+def _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M: tl.constexpr, DENSE: tl.constexpr,
+               PAIRS: tl.constexpr):
     """Row tile ``pid_m``'s rows (pair indices in sorted order; padding reads as ``M*k``) and its expert; ``DENSE``
-    (a plain linear): rows ``pid_m * BLOCK_M ...`` in order and expert 0, no metadata read."""
+    (a plain linear): rows ``pid_m * BLOCK_M ...`` in order and expert 0, no metadata read; ``PAIRS`` (one routed
+    pair per program): pair ``pid_m`` and its expert, ``expert_ids`` being the flat top-k IDs."""
     if DENSE:
         return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), 0
+    elif PAIRS:
+        return pid_m + tl.arange(0, 1), tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     else:
         return (tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)),
                 tl.load(expert_ids_ptr + pid_m).to(tl.int64))
@@ -422,7 +432,7 @@ def _moe_gemm_kernel(
     SCALE_E8M0: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
     DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
     PRECISION: tl.constexpr = "tf32", HALF_DECODE: tl.constexpr = False, DENSE: tl.constexpr = False,
-    SPLIT_K: tl.constexpr = 1, stride_cs=0,
+    SPLIT_K: tl.constexpr = 1, stride_cs=0, PAIRS: tl.constexpr = False,
 ):
     """C[pair, n] = act(A[pair // A_ROW_DIV] @ W[expert(pair)][n]^T + bias) (* routing weight), rows in sorted
     order. ``NVFP4`` packed weights have E4M3 scales per ``SCALE_GROUP`` and a tensor scale, or with ``SCALE_E8M0``
@@ -434,12 +444,14 @@ def _moe_gemm_kernel(
     in order (a plain linear: ``EM`` is the row count, and no routing metadata is read). ``SPLIT_K``: program
     ``(tile, s)`` takes the ``s``-th of ``SPLIT_K`` runs of K steps and writes its float32 partial at
     ``C + s * stride_cs`` (scales, routing weight, and the bias in split 0 only; with ``FUSE_SILU`` the gate's and
-    the up's partials side by side, the activation left to :func:`_glu_partials_kernel`)."""
+    the up's partials side by side, the activation left to :func:`_glu_partials_kernel`). ``PAIRS`` (``BLOCK_M``
+    1): one routed pair per program, its expert read from ``expert_ids`` (the flat top-k IDs; no routing sort), the
+    products summed in float32 on FMA units (``tl.dot`` needs 16 rows; at decode sizes 15 of them were padding)."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
-    if not DENSE:
+    if not (DENSE or PAIRS):
         if pid_m * BLOCK_M >= tl.load(num_post_ptr):
             return
-    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE)
+    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE, PAIRS)
     tok_mask = tok < num_valid
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -459,6 +471,9 @@ def _moe_gemm_kernel(
     s_base = bs_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PAIRS:  # per-(k, n) float32 products, summed over k once after the loop
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc_k_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_first, k_end):
         kk = k0 * BLOCK_K + offs_k
         k_mask = kk < K
@@ -475,13 +490,24 @@ def _moe_gemm_kernel(
             b = _load_b_tile(b_base, s_base, offs_n, n_mask, k0, K,
                              stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K, SCALE_GROUP,
                              SCALE_E8M0, FP8_BN, FP8_BK, HALF_DECODE)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if PAIRS:
+                a_col = tl.sum(a.to(tl.float32), axis=0)[:, None]  # the pair's one row, as a [BLOCK_K, 1] column
+                acc_k += a_col * b.to(tl.float32)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if FUSE_SILU:
                 b_up = _load_b_tile(b_base, s_base, offs_n + up_off, n_mask, k0, K,
                                     stride_bn, stride_bk, stride_sn, stride_sk, NVFP4, dtype, BLOCK_N, BLOCK_K,
                                     SCALE_GROUP, SCALE_E8M0, FP8_BN, FP8_BK, HALF_DECODE)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+                if PAIRS:
+                    acc_k_up += a_col * b_up.to(tl.float32)
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
+    if PAIRS:
+        acc = tl.sum(acc_k, axis=0)[None, :]
+        if FUSE_SILU:
+            acc_up = tl.sum(acc_k_up, axis=0)[None, :]
 
     if NVFP4:
         if not SCALE_E8M0:
@@ -565,7 +591,7 @@ def _moe_gemm_w4a4_kernel(
     if not DENSE:
         if pid_m * BLOCK_M >= tl.load(num_post_ptr):
             return
-    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE)
+    tok, expert = _tile_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, BLOCK_M, DENSE, False)
     tok_mask = tok < num_valid
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -669,13 +695,15 @@ def _invoke(
     dot_scaled: bool = False,
     dense: bool = False,
     split_k: int = 1,
+    pairs: bool = False,
 ) -> None:
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
     per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
     SiLU. ``dense``: a one-expert stack over the ``num_valid`` rows of ``a`` in order (``sorted_ids``,
     ``expert_ids`` and ``num_post`` are not read). ``split_k > 1``: ``c`` is float32 ``[rows, split_k, N']``, one
     partial per split, the bias in the first; with ``fuse_silu``, ``[rows, split_k, 2N']``, the gate's and the up's
-    partials before the activation (:func:`_glu_partials`)."""
+    partials before the activation (:func:`_glu_partials`). ``pairs``: one program per routed pair (``cfg.block_m``
+    1), ``expert_ids`` the flat top-k IDs (``sorted_ids`` and ``num_post`` are not read)."""
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
@@ -707,7 +735,9 @@ def _invoke(
         k = b.shape[-1]
         s_strides = (0, 0, 0)
         s2_strides = (0, 0)
-    em = num_valid if dense else sorted_ids.numel()
+    if pairs and (cfg.block_m != 1 or dot_scaled):
+        raise ValueError("one program per routed pair needs block_m 1 and no dot_scaled")
+    em = num_valid if dense or pairs else sorted_ids.numel()
     c_strides, split_stride = (c.stride(0), c.stride(1)), 0
     if split_k > 1:
         if c.dtype != torch.float32 or c.dim() != 3 or c.shape[1] != split_k or c.shape[2] != n * (1 + fuse_silu):
@@ -734,7 +764,7 @@ def _invoke(
         DOT_SCALED=dot_scaled, A_FORMAT="bf16" if a.dtype == torch.bfloat16 else "fp16",
         FP8_BN=fp8[0], FP8_BK=fp8[1], PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         HALF_DECODE=isinstance(w, NVFP4Tensor) and a.dtype in (torch.float16, torch.bfloat16), DENSE=dense,
-        SPLIT_K=split_k, stride_cs=split_stride,
+        SPLIT_K=split_k, stride_cs=split_stride, PAIRS=pairs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -778,8 +808,8 @@ def fused_moe(
         cfg = block_fp8_config(cfg)
     if not isinstance(w13, MXFP4Tensor) or x.dtype not in (torch.bfloat16, torch.float16):
         dot_scaled = False
-    elif dot_scaled is None:
-        dot_scaled = mxfp4_dot_scaled_available(x.device)
+    elif dot_scaled is None:  # (one program per pair decodes on FMA units: tl.dot_scaled needs 16 rows)
+        dot_scaled = cfg.block_m > 1 and mxfp4_dot_scaled_available(x.device)
     if dot_scaled and cfg.block_k % 32:
         raise ValueError(f"MXFP4 dot_scaled needs block_k to be a multiple of 32, got {cfg.block_k}")
     if config is not None:
@@ -787,21 +817,25 @@ def fused_moe(
     else:
         s13, s2 = moe_splits(m, top_k, e, h, inter_size, cfg, x.device) if packed else (1, 1)
     x = x.contiguous()
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
+    by_pair = cfg.block_m == 1
+    if by_pair:  # one program per routed pair: its expert straight from the top-k IDs, nothing to sort
+        sorted_ids = expert_ids = num_post = topk_ids.reshape(-1).contiguous()
+    else:
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
     pairs = m * top_k
     if s13 > 1:
         gate_up = torch.empty(pairs, s13, n2, dtype=torch.float32, device=x.device)
         _invoke(x, w13, gate_up, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
-                bias=b13, dot_scaled=dot_scaled, split_k=s13)
+                bias=b13, dot_scaled=dot_scaled, split_k=s13, pairs=by_pair)
         inter = _glu_partials(gate_up, x.dtype, swiglu)
     else:
         inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
         _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
-                bias=b13, swiglu=swiglu, dot_scaled=dot_scaled)
+                bias=b13, swiglu=swiglu, dot_scaled=dot_scaled, pairs=by_pair)
     out = torch.empty(pairs, s2, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _invoke(inter, w2, out if s2 > 1 else out.view(pairs, h), weights, sorted_ids, expert_ids, num_post, h, 1, False,
-            pairs, cfg, bias=b2, dot_scaled=dot_scaled, split_k=s2)
+            pairs, cfg, bias=b2, dot_scaled=dot_scaled, split_k=s2, pairs=by_pair)
     return _combine(out.view(pairs * s2, h), m, top_k * s2, x.dtype, shared=shared)
 
 

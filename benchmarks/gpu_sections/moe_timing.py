@@ -189,7 +189,7 @@ def run(ctx: Ctx) -> None:
                                    warmup=10)
         row["nvfp4_eager_ms"] = bench_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False), rep=50,
                                          warmup=10)
-        block_m = moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True).block_m
+        block_m = max(16, moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True).block_m)  # (1: no sort runs)
         row["align_ms"] = graph_ms(lambda: moe.moe_align_block_size(ti, block_m, w.e), rep=50, warmup=10)
         if w4a4:
             row["w4a4_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=True), rep=50,
@@ -205,6 +205,15 @@ def run(ctx: Ctx) -> None:
                                              rep=50, warmup=10)
             rep.log(f"    split K {splits[0]} (gate/up), {splits[1]} (down); unsplit: nvfp4 "
                     f"{row['nvfp4_unsplit_ms']:.4f} ms, fp8 {row['fp8_unsplit_ms']:.4f} ms")
+        if packed.block_m == 1:  # what one program per routed pair buys: the 16-row tiles after the routing sort
+            tiles = replace(packed, block_m=16)
+            row["nvfp4_tiles_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False,
+                                                                         config=tiles), rep=50, warmup=10)
+            row["fp8_tiles_ms"] = graph_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti,
+                                                                 config=moe.block_fp8_config(tiles)),
+                                           rep=50, warmup=10)
+            rep.log(f"    one program per pair; 16-row tiles unsplit: nvfp4 {row['nvfp4_tiles_ms']:.4f} ms, fp8 "
+                    f"{row['fp8_tiles_ms']:.4f} ms")
         row["bf16_over_floor"] = row["bf16_ms"] / row["floor_bf16_ms"]
         row["nvfp4_over_floor"] = row["nvfp4_ms"] / row["floor_nvfp4_ms"]
         row["fp8_over_floor"] = row["fp8_ms"] / row["floor_fp8_ms"]
@@ -253,13 +262,15 @@ def run(ctx: Ctx) -> None:
     sweep(ctx)
 
 
-SWEEP = ((16, 64, 128, 4, 2, 1), (16, 128, 128, 4, 2, 1), (16, 64, 256, 4, 2, 1), (16, 32, 128, 4, 3, 1),
-         (16, 128, 64, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 4, 4, 1), (16, 16, 128, 4, 3, 1),
-         (16, 32, 128, 2, 3, 1), (16, 32, 256, 4, 2, 1), (16, 32, 64, 4, 4, 1), (16, 32, 128, 4, 3, 2),
-         (16, 32, 128, 4, 3, 4), (16, 64, 128, 4, 2, 4), (16, 16, 128, 4, 3, 2))
-"""NVFP4 W4A16 tiles tried at the decode sizes (block_m, block_n, block_k, warps, stages, split K of both GEMMs),
-full runs only. At M=1 the default 16x32 tiles give only 192 programs for the gate/up GEMM on 132 SMs (8 experts x
-24 column tiles): the 16-column, 2-warp and split-K rows try more programs or more of them per SM."""
+SWEEP = ((1, 32, 128, 4, 3, 1), (1, 32, 128, 4, 3, 2), (1, 64, 128, 4, 3, 1), (1, 16, 128, 4, 3, 1),
+         (1, 32, 256, 4, 2, 1), (16, 64, 128, 4, 2, 1), (16, 128, 128, 4, 2, 1), (16, 64, 256, 4, 2, 1),
+         (16, 32, 128, 4, 3, 1), (16, 128, 64, 4, 3, 1), (16, 64, 128, 8, 2, 1), (16, 64, 64, 4, 4, 1),
+         (16, 16, 128, 4, 3, 1), (16, 32, 128, 2, 3, 1), (16, 32, 256, 4, 2, 1), (16, 32, 64, 4, 4, 1),
+         (16, 32, 128, 4, 3, 2), (16, 32, 128, 4, 3, 4), (16, 64, 128, 4, 2, 4), (16, 16, 128, 4, 3, 2))
+"""NVFP4 W4A16 tiles tried at the decode sizes (block_m, block_n, block_k, warps, stages, split K of both GEMMs;
+block_m 1 is one program per routed pair), full runs only. At M=1 the 16x32 tiles give only 192 programs for the
+gate/up GEMM on 132 SMs (8 experts x 24 column tiles): the 16-column, 2-warp and split-K rows try more programs or
+more of them per SM."""
 
 
 def sweep(ctx: Ctx) -> None:

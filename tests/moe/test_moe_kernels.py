@@ -182,6 +182,55 @@ def test_split_k_fused_moe_equals_the_unsplit_launches(weights, split):
     assert rel_err(got, want) < 2e-3
 
 
+@pytest.mark.parametrize("weights,split", [("nvfp4", 1), ("nvfp4", 3), ("block-fp8", 1), ("fp16", 2),
+                                           ("mxfp4-bias-clamped-glu", 1)])
+def test_one_program_per_routed_pair_equals_the_sorted_tiles(weights, split, monkeypatch):
+    """``block_m`` 1 (decode sizes with few pairs per expert): each program takes one routed pair and its expert
+    straight from the top-k IDs, products summed on FMA units, no routing sort launched; the same MoE as the sorted
+    16-row tiles, also with K split. Two tokens share expert 3 (two programs read its weights)."""
+    from dataclasses import replace
+
+    from ember.kernels import mxfp4
+
+    x, w13, w2, tw, _ = make_case(16, 2, 3, 320, 96, seed=7)
+    ti = torch.tensor([[3, 9], [3, 0], [15, 4]])
+    kw = {}
+    if weights == "fp16":
+        s13, s2 = w13.half(), w2.half()
+    elif weights == "nvfp4":
+        s13, s2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
+    elif weights == "block-fp8":
+        s13, s2 = fp8_block.quantize(w13, (32, 32)), fp8_block.quantize(w2, (32, 32))
+    else:
+        g = torch.Generator().manual_seed(2)
+        s13, s2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        kw = dict(b13=torch.randn(16, 192, generator=g) * 0.1, b2=torch.randn(16, 320, generator=g) * 0.1,
+                  swiglu=(7.0, 1.702))
+    cfg = moe.block_fp8_config(CFG) if weights == "block-fp8" else CFG
+    tiles = moe.fused_moe(x, s13, s2, tw, ti, config=cfg, **kw)
+    aligned = []
+    align = moe.moe_align_block_size
+    monkeypatch.setattr(moe, "moe_align_block_size", lambda *a: aligned.append(a) or align(*a))
+    got = moe.fused_moe(x, s13, s2, tw, ti, config=replace(cfg, block_m=1, split_k=split), **kw)
+    assert aligned == [] and got.dtype == torch.float16
+    assert rel_err(got, tiles) < 1e-3
+
+
+def test_decode_sizes_with_few_pairs_per_expert_take_one_program_per_pair(monkeypatch):
+    """On a GPU, packed experts: Qwen3-30B-A3B (E=128, top-8) runs one program per pair up to M=4 (32 pairs for
+    128 experts), 16-row tiles from M=5; Qwen3-Next (E=512, top-10) up to M=12; bf16 experts and the CPU never."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(moe, "_interpreting", lambda: False)
+    monkeypatch.setattr(moe, "_num_sms", lambda device: 132)
+    assert moe.default_config(4, 128, 8, cuda, nvfp4=True).block_m == 1
+    assert moe.default_config(5, 128, 8, cuda, nvfp4=True).block_m == 16
+    assert moe.default_config(12, 512, 10, cuda, nvfp4=True).block_m == 1
+    assert moe.default_config(1, 128, 8, cuda).block_m == 16
+    assert moe.default_config(1, 128, 8, torch.device("cpu"), nvfp4=True).block_m == 16
+    pair = moe.default_config(1, 128, 8, cuda, nvfp4=True)
+    assert moe.moe_splits(1, 8, 128, 2048, 768, pair, cuda) == (2, 1)  # 8 pairs x 24 column tiles, 16 K steps
+
+
 def test_decode_moe_splits_k_where_few_experts_leave_the_gpu_idle(monkeypatch):
     """Qwen3-30B-A3B's layer (E=128, H=2048, I=768, top-8) at the NVFP4 decode tile on 132 SMs: at M=1 the gate/up
     GEMM's 192 programs of 16 K steps split in two; the down GEMM's 512 programs of 6 steps do not; by M=16 the
@@ -189,7 +238,7 @@ def test_decode_moe_splits_k_where_few_experts_leave_the_gpu_idle(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(moe, "_interpreting", lambda: False)
     monkeypatch.setattr(moe, "_num_sms", lambda device: 132)
-    decode = moe.default_config(1, 128, 8, cuda, nvfp4=True)
+    decode = moe.default_config(16, 128, 8, cuda, nvfp4=True)  # the 16-row decode tile
     assert (decode.block_m, decode.block_n, decode.block_k) == (16, 32, 128)
     assert moe.moe_splits(1, 8, 128, 2048, 768, decode, cuda) == (2, 1)
     assert moe.moe_splits(1, 1, 16, 5120, 8192, decode, cuda) == (2, 2)  # Llama 4 Scout: one expert per token
