@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ember.engine.attention import AttentionMetadata, RecurrentMetadata, get_backend, is_triton_backend
+from ember.engine.block_rows import block_row
 from ember.engine.config import ModelConfig
 from ember.engine.cuda_graphs import DecodeGraphRunner
 from ember.engine.lora import LoRAStack
@@ -108,8 +109,8 @@ class ModelRunner:
         chunks = out.chunks
         b = len(chunks)
         t = sum(c.num_tokens for c in chunks)
-        tables = [c.seq.block_ids[: (c.start + c.num_tokens + bs - 1) // bs] for c in chunks]
-        width = max(len(tb) for tb in tables)
+        used = [(c.start + c.num_tokens + bs - 1) // bs for c in chunks]  # blocks each chunk's positions reach
+        width = max(used)
         s = sum(1 + len(c.draft) for c in chunks if c.samples)  # a speculative chunk samples every position
         scored = [c.prompt_rows for c in chunks]
         s += sum(q for _, q in scored)  # prompt-logprob rows follow the sampling rows
@@ -123,27 +124,28 @@ class ModelRunner:
         h32 = self._staged32.host(2 * b + 1 + b * width)
         cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
         cu[0] = 0
+        table[:] = 0
         row = j = 0
         k = k0 = s - sum(q for _, q in scored)  # next prompt-logprob row's index in `li`
         max_q = max_k = 0
         for i, chunk in enumerate(chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             end = start + n
-            blocks = tables[i]
+            nb = used[i]
+            blocks = block_row(seq)
             if n == 1:
                 ids[row] = seq.token_ids_slice(start, end)[0]
                 pos[row] = start
-                slots[row] = blocks[start // bs] * bs + start % bs
+                slots[row] = int(blocks[start // bs]) * bs + start % bs
             else:
                 ids[row:row + n] = seq.token_ids_slice(start, end) + list(chunk.draft)
                 p = np.arange(start, end)
                 pos[row:row + n] = p
-                slots[row:row + n] = np.asarray(blocks, dtype=np.int64)[p // bs] * bs + p % bs
+                slots[row:row + n] = blocks[p // bs].astype(np.int64) * bs + p % bs
             row += n
             cu[i + 1] = row
             lens[i] = end
-            table[i, :len(blocks)] = blocks
-            table[i, len(blocks):] = 0
+            table[i, :nb] = blocks[:nb]
             if chunk.draft:
                 li[j:j + n] = np.arange(row - n, row)
                 j += n

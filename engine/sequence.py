@@ -37,6 +37,8 @@ class Sequence:
     """Tokens (from the start of ``all_token_ids``) whose KV is in the cache."""
     block_ids: list[int] = field(default_factory=list)
     """The block table, in order: position ``p`` lives in block ``block_ids[p // block_size]``."""
+    block_mirror: tuple | None = field(default=None, repr=False)
+    """The model runner's int32 copy of ``block_ids`` and the list it mirrors (`ember.engine.block_rows`)."""
     num_cached_tokens: int = 0
     """Prompt tokens served by the prefix cache at the first admission."""
     arrival: int = -1
