@@ -695,15 +695,14 @@ def _invoke(
     dot_scaled: bool = False,
     dense: bool = False,
     split_k: int = 1,
-    pairs: bool = False,
 ) -> None:
     """One grouped-GEMM launch over a dense (``[E, N', K]``), NVFP4, MXFP4 or block-FP8 weight stack; optional
     per-expert ``bias [E, N']`` and, with ``fuse_silu``, gpt-oss's clamped GLU ``swiglu = (limit, alpha)`` instead of
     SiLU. ``dense``: a one-expert stack over the ``num_valid`` rows of ``a`` in order (``sorted_ids``,
     ``expert_ids`` and ``num_post`` are not read). ``split_k > 1``: ``c`` is float32 ``[rows, split_k, N']``, one
     partial per split, the bias in the first; with ``fuse_silu``, ``[rows, split_k, 2N']``, the gate's and the up's
-    partials before the activation (:func:`_glu_partials`). ``pairs``: one program per routed pair (``cfg.block_m``
-    1), ``expert_ids`` the flat top-k IDs (``sorted_ids`` and ``num_post`` are not read)."""
+    partials before the activation (:func:`_glu_partials`). ``cfg.block_m`` 1: one program per routed pair,
+    ``expert_ids`` the flat top-k IDs (``sorted_ids`` and ``num_post`` are not read)."""
     mx = isinstance(w, MXFP4Tensor)
     fp8 = w.block if isinstance(w, FP8BlockTensor) else (0, 0)
     if isinstance(w, FP8BlockTensor):
@@ -735,8 +734,9 @@ def _invoke(
         k = b.shape[-1]
         s_strides = (0, 0, 0)
         s2_strides = (0, 0)
-    if pairs and (cfg.block_m != 1 or dot_scaled):
-        raise ValueError("one program per routed pair needs block_m 1 and no dot_scaled")
+    pairs = cfg.block_m == 1 and not dense
+    if pairs and dot_scaled:
+        raise ValueError("one program per routed pair (block_m 1) cannot use dot_scaled")
     em = num_valid if dense or pairs else sorted_ids.numel()
     c_strides, split_stride = (c.stride(0), c.stride(1)), 0
     if split_k > 1:
@@ -817,8 +817,7 @@ def fused_moe(
     else:
         s13, s2 = moe_splits(m, top_k, e, h, inter_size, cfg, x.device) if packed else (1, 1)
     x = x.contiguous()
-    by_pair = cfg.block_m == 1
-    if by_pair:  # one program per routed pair: its expert straight from the top-k IDs, nothing to sort
+    if cfg.block_m == 1:  # one program per routed pair: its expert straight from the top-k IDs, nothing to sort
         sorted_ids = expert_ids = num_post = topk_ids.reshape(-1).contiguous()
     else:
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.block_m, e)
@@ -826,16 +825,16 @@ def fused_moe(
     if s13 > 1:
         gate_up = torch.empty(pairs, s13, n2, dtype=torch.float32, device=x.device)
         _invoke(x, w13, gate_up, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
-                bias=b13, dot_scaled=dot_scaled, split_k=s13, pairs=by_pair)
+                bias=b13, dot_scaled=dot_scaled, split_k=s13)
         inter = _glu_partials(gate_up, x.dtype, swiglu)
     else:
         inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
         _invoke(x, w13, inter, None, sorted_ids, expert_ids, num_post, inter_size, top_k, True, pairs, cfg,
-                bias=b13, swiglu=swiglu, dot_scaled=dot_scaled, pairs=by_pair)
+                bias=b13, swiglu=swiglu, dot_scaled=dot_scaled)
     out = torch.empty(pairs, s2, h, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _invoke(inter, w2, out if s2 > 1 else out.view(pairs, h), weights, sorted_ids, expert_ids, num_post, h, 1, False,
-            pairs, cfg, bias=b2, dot_scaled=dot_scaled, split_k=s2, pairs=by_pair)
+            pairs, cfg, bias=b2, dot_scaled=dot_scaled, split_k=s2)
     return _combine(out.view(pairs * s2, h), m, top_k * s2, x.dtype, shared=shared)
 
 

@@ -196,24 +196,21 @@ def run(ctx: Ctx) -> None:
                                       warmup=10)
         packed = moe.default_config(m, w.e, w.k, ctx.device, nvfp4=True)
         splits = moe.moe_splits(m, w.k, w.e, w.h, w.i, packed, ctx.device)
+        def packed_ms(name: str, cfg: moe.GemmConfig) -> str:
+            """NVFP4 and block-FP8 MoE times with an explicit config (its split K on both GEMMs) into the row."""
+            row[f"nvfp4_{name}_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False,
+                                                                           config=cfg), rep=50, warmup=10)
+            row[f"fp8_{name}_ms"] = graph_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti,
+                                                                   config=moe.block_fp8_config(cfg)),
+                                             rep=50, warmup=10)
+            return f"nvfp4 {row[f'nvfp4_{name}_ms']:.4f} ms, fp8 {row[f'fp8_{name}_ms']:.4f} ms"
+
         if splits != (1, 1):  # what the default's split K buys: the same tiles unsplit (split_k=1 on both GEMMs)
             row["splits"] = list(splits)
-            row["nvfp4_unsplit_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False,
-                                                                           config=packed), rep=50, warmup=10)
-            row["fp8_unsplit_ms"] = graph_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti,
-                                                                   config=moe.block_fp8_config(packed)),
-                                             rep=50, warmup=10)
-            rep.log(f"    split K {splits[0]} (gate/up), {splits[1]} (down); unsplit: nvfp4 "
-                    f"{row['nvfp4_unsplit_ms']:.4f} ms, fp8 {row['fp8_unsplit_ms']:.4f} ms")
+            rep.log(f"    split K {splits[0]} (gate/up), {splits[1]} (down); unsplit: {packed_ms('unsplit', packed)}")
         if packed.block_m == 1:  # what one program per routed pair buys: the 16-row tiles after the routing sort
-            tiles = replace(packed, block_m=16)
-            row["nvfp4_tiles_ms"] = graph_ms(lambda: moe.fused_moe_nvfp4(x, w.q13, w.q2, tw, ti, w4a4=False,
-                                                                         config=tiles), rep=50, warmup=10)
-            row["fp8_tiles_ms"] = graph_ms(lambda: moe.fused_moe(x, w.f13, w.f2, tw, ti,
-                                                                 config=moe.block_fp8_config(tiles)),
-                                           rep=50, warmup=10)
-            rep.log(f"    one program per pair; 16-row tiles unsplit: nvfp4 {row['nvfp4_tiles_ms']:.4f} ms, fp8 "
-                    f"{row['fp8_tiles_ms']:.4f} ms")
+            rep.log("    one program per pair; 16-row tiles unsplit: "
+                    f"{packed_ms('tiles', replace(packed, block_m=16))}")
         row["bf16_over_floor"] = row["bf16_ms"] / row["floor_bf16_ms"]
         row["nvfp4_over_floor"] = row["nvfp4_ms"] / row["floor_nvfp4_ms"]
         row["fp8_over_floor"] = row["fp8_ms"] / row["floor_fp8_ms"]

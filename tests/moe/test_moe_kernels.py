@@ -146,6 +146,23 @@ def test_split_k_linears_sum_their_partials_to_the_unsplit_result(split):
                        w.dequantize().T.to(torch.float16))
 
 
+def _stacks(weights: str, w13: torch.Tensor, w2: torch.Tensor, seed: int):
+    """``(w13, w2, config, extra fused_moe arguments)`` of one weight format: fp16 stacks, NVFP4, block FP8 (32 x 32
+    blocks, with its K-step limit) or MXFP4 with gpt-oss's biases and clamped GLU."""
+    from ember.kernels import mxfp4
+
+    if weights == "fp16":
+        return w13.half(), w2.half(), CFG, {}
+    if weights == "nvfp4":
+        return quantize_stack(w13, 2), quantize_stack(w2, 1), CFG, {}
+    if weights == "block-fp8":
+        return fp8_block.quantize(w13, (32, 32)), fp8_block.quantize(w2, (32, 32)), moe.block_fp8_config(CFG), {}
+    g = torch.Generator().manual_seed(seed)
+    e, n2, h = w13.shape[0], w13.shape[1], w2.shape[1]
+    return mxfp4.quantize(w13), mxfp4.quantize(w2), CFG, dict(
+        b13=torch.randn(e, n2, generator=g) * 0.1, b2=torch.randn(e, h, generator=g) * 0.1, swiglu=(7.0, 1.702))
+
+
 @pytest.mark.parametrize("weights,split", [("fp16", 3), ("nvfp4", 2), ("nvfp4", 8), ("block-fp8", 3),
                                            ("mxfp4-bias-clamped-glu", 2), ("mxfp4-bias-clamped-glu", 3)])
 def test_split_k_fused_moe_equals_the_unsplit_launches(weights, split):
@@ -154,22 +171,8 @@ def test_split_k_fused_moe_equals_the_unsplit_launches(weights, split):
     64 (3 splits are uneven, 8 leave some empty), I = 96 two steps with a partial one."""
     from dataclasses import replace
 
-    from ember.kernels import mxfp4
-
     x, w13, w2, tw, ti = make_case(16, 4, 5, 320, 96, seed=split)
-    kw = {}
-    if weights == "fp16":
-        s13, s2 = w13.half(), w2.half()
-    elif weights == "nvfp4":
-        s13, s2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
-    elif weights == "block-fp8":
-        s13, s2 = fp8_block.quantize(w13, (32, 32)), fp8_block.quantize(w2, (32, 32))
-    else:
-        g = torch.Generator().manual_seed(1)
-        s13, s2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
-        kw = dict(b13=torch.randn(16, 192, generator=g) * 0.1, b2=torch.randn(16, 320, generator=g) * 0.1,
-                  swiglu=(7.0, 1.702))
-    cfg = moe.block_fp8_config(CFG) if weights == "block-fp8" else CFG
+    s13, s2, cfg, kw = _stacks(weights, w13, w2, seed=1)
     one = moe.fused_moe(x, s13, s2, tw, ti, config=cfg, **kw)
     got = moe.fused_moe(x, s13, s2, tw, ti, config=replace(cfg, split_k=split), **kw)
     assert got.dtype == torch.float16 and got.shape == one.shape
@@ -190,23 +193,9 @@ def test_one_program_per_routed_pair_equals_the_sorted_tiles(weights, split, mon
     16-row tiles, also with K split. Two tokens share expert 3 (two programs read its weights)."""
     from dataclasses import replace
 
-    from ember.kernels import mxfp4
-
     x, w13, w2, tw, _ = make_case(16, 2, 3, 320, 96, seed=7)
     ti = torch.tensor([[3, 9], [3, 0], [15, 4]])
-    kw = {}
-    if weights == "fp16":
-        s13, s2 = w13.half(), w2.half()
-    elif weights == "nvfp4":
-        s13, s2 = quantize_stack(w13, 2), quantize_stack(w2, 1)
-    elif weights == "block-fp8":
-        s13, s2 = fp8_block.quantize(w13, (32, 32)), fp8_block.quantize(w2, (32, 32))
-    else:
-        g = torch.Generator().manual_seed(2)
-        s13, s2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
-        kw = dict(b13=torch.randn(16, 192, generator=g) * 0.1, b2=torch.randn(16, 320, generator=g) * 0.1,
-                  swiglu=(7.0, 1.702))
-    cfg = moe.block_fp8_config(CFG) if weights == "block-fp8" else CFG
+    s13, s2, cfg, kw = _stacks(weights, w13, w2, seed=2)
     tiles = moe.fused_moe(x, s13, s2, tw, ti, config=cfg, **kw)
     aligned = []
     align = moe.moe_align_block_size
