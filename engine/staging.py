@@ -5,9 +5,12 @@ device twin. A step fills the host buffer through a persistent numpy view (no te
 copies the filled prefix with ``non_blocking=True`` and returns a view of the device buffer. On a CPU the device
 buffer is the host buffer itself (nothing to copy).
 
-Reuse rule: the host buffer must not be refilled while an earlier copy out of it may still be pending. `upload`
-records a CUDA event after its copy and the next `host` call waits on it if it has not completed; in the steady
-state the engine has already read the step's sampled tokens (which waits for the whole step), so nothing waits.
+Reuse rule: a host buffer must not be refilled while an earlier copy out of it may still be pending. On CUDA there
+are two host buffers, used in turn: `upload` records a CUDA event after its copy, and a `host` call waits on the
+event of the buffer it is about to refill (the copy before last) if that has not completed. The engine reads each
+step's sampled tokens before it prepares the step after next (with asynchronous scheduling, the next step is
+prepared while this one runs), so in the steady state nothing waits. The device buffer is one: copies into it and
+the kernels that read it are ordered on the stream.
 """
 from __future__ import annotations
 
@@ -22,17 +25,24 @@ class Staging:
         self.dtype = dtype
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
-        self._event: torch.cuda.Event | None = None
-        self._alloc(capacity)
+        n = 2 if self._pin else 1
+        self._hosts: list[torch.Tensor] = [torch.empty(0, dtype=dtype)] * n
+        self._nps: list[np.ndarray] = [self._hosts[0].numpy()] * n
+        self._events: list[torch.cuda.Event | None] = [None] * n
+        self._turn = 0
+        self._dev = torch.empty(0, dtype=dtype, device=self.device) if self._pin else None
+        for i in range(n):
+            self._alloc(i, capacity)
 
-    def _alloc(self, capacity: int) -> None:
-        self._host = torch.empty(capacity, dtype=self.dtype, pin_memory=self._pin)
-        self._np = self._host.numpy()
-        self._dev = torch.empty(capacity, dtype=self.dtype, device=self.device) if self._pin else self._host
+    def _alloc(self, i: int, capacity: int) -> None:
+        self._hosts[i] = torch.empty(capacity, dtype=self.dtype, pin_memory=self._pin)
+        self._nps[i] = self._hosts[i].numpy()
+        if self._pin and self._dev.shape[0] < capacity:
+            self._dev = torch.empty(capacity, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
-        return self._host.shape[0]
+        return self._hosts[self._turn].shape[0]
 
     def host(self, n: int) -> np.ndarray:
         """The numpy view of the first ``n`` host elements, to fill (after any pending copy out of them)."""
@@ -43,20 +53,25 @@ class Staging:
         return self._reserve(n)[0]
 
     def _reserve(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
-        if self._event is not None:
-            if not self._event.query():  # only a step that read nothing back can get here with a copy in flight
-                self._event.synchronize()
-            self._event = None
-        if n > self.capacity:
-            self._alloc(1 << (n - 1).bit_length())
-        return self._host[:n], self._np[:n]
+        i = self._turn = (self._turn + 1) % len(self._hosts)
+        event = self._events[i]
+        if event is not None:
+            if not event.query():  # only a step that read nothing back for two steps can get here with a copy pending
+                event.synchronize()
+            self._events[i] = None
+        if n > self._hosts[i].shape[0]:
+            self._alloc(i, 1 << (n - 1).bit_length())
+        return self._hosts[i][:n], self._nps[i][:n]
 
     def upload(self, n: int) -> torch.Tensor:
-        """The first ``n`` elements on the device (a non-blocking copy from pinned memory on CUDA)."""
+        """The first ``n`` elements of the buffer `host` last returned, on the device (a non-blocking copy from
+        pinned memory on CUDA)."""
+        host = self._hosts[self._turn]
         if not self._pin:
-            return self._dev[:n]
+            return host[:n]
         dev = self._dev[:n]
-        dev.copy_(self._host[:n], non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(self.device))
+        dev.copy_(host[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._events[self._turn] = event
         return dev
