@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -32,6 +33,17 @@ from ember.engine.scheduler import SchedulerOutput
 from ember.engine.staging import Staging
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CarriedTokens:
+    """Inputs of a step that the step before it sampled and the host has not read yet (asynchronous scheduling):
+    flat input row ``rows[i]`` takes ``tokens[sampled_rows[i]]``, copied on the device."""
+
+    rows: list[int]
+    sampled_rows: list[int]
+    tokens: torch.Tensor
+    """The earlier step's sampled token IDs (int64 ``[S]``, on the device)."""
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -101,8 +113,10 @@ class ModelRunner:
         ]
         self.num_blocks = num_blocks
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flat input ids ``[T]`` and the step's metadata; sampling rows follow the order of ``out.chunks``.
+    def prepare(self, out: SchedulerOutput, carried: CarriedTokens | None = None
+                ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Flat input ids ``[T]`` and the step's metadata; sampling rows follow the order of ``out.chunks``. The
+        ``carried`` rows' ids come from the previous step's tokens on the device (their host value is a placeholder).
 
         The tensors are views of persistent device buffers, valid until the next `prepare`."""
         bs = self.block_size
@@ -115,11 +129,16 @@ class ModelRunner:
         scored = [c.prompt_rows for c in chunks]
         s += sum(q for _, q in scored)  # prompt-logprob rows follow the sampling rows
         r = sum(1 for c in chunks if c.num_tokens == 1) if self.recurrent else 0
-        # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s] | recurrent decode rows [3r]
-        n64 = 3 * t + s + 3 * r
+        c = len(carried.rows) if carried is not None else 0
+        # int64 buffer: ids [t] | positions [t] | slots [t] | logits indices [s] | recurrent decode rows [3r] |
+        # carried rows [c] | their sampled rows [c]
+        n64 = 3 * t + s + 3 * r + 2 * c
         h64 = self._staged64.host(n64)
         ids, pos, slots, li = h64[:t], h64[t:2 * t], h64[2 * t:3 * t], h64[3 * t:3 * t + s]
-        prefills = self._fill_recurrent(chunks, h64[3 * t + s:]) if self.recurrent else []
+        prefills = self._fill_recurrent(chunks, h64[3 * t + s:3 * t + s + 3 * r]) if self.recurrent else []
+        if c:
+            h64[n64 - 2 * c:n64 - c] = carried.rows
+            h64[n64 - c:] = carried.sampled_rows
         # int32 buffer: query starts [b+1] | seq lens [b] | block table [b, width]
         h32 = self._staged32.host(2 * b + 1 + b * width)
         cu, lens, table = h32[:b + 1], h32[b + 1:2 * b + 1], h32[2 * b + 1:].reshape(b, width)
@@ -159,6 +178,8 @@ class ModelRunner:
             max_q, max_k = max(max_q, n), max(max_k, end)
         d64 = self._staged64.upload(n64)
         d32 = self._staged32.upload(2 * b + 1 + b * width)
+        if c:
+            d64[:t].index_copy_(0, d64[n64 - 2 * c:n64 - c], carried.tokens.index_select(0, d64[n64 - c:]))
         meta = AttentionMetadata(
             query_start_loc=d32[:b + 1],
             seq_lens=d32[b + 1:2 * b + 1],
@@ -180,7 +201,7 @@ class ModelRunner:
             if self.graphs is not None and t == b:  # a decode step: a graph may replay it
                 meta.lora_row_slots = self.lora.row_slots(slots)
         if self.recurrent:
-            rec = d64[3 * t + s:].view(3, r)
+            rec = d64[3 * t + s:3 * t + s + 3 * r].view(3, r)
             meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
                                                out.state_saves)
         return d64[:t], meta
@@ -206,10 +227,10 @@ class ModelRunner:
         return prefills
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, carried: CarriedTokens | None = None) -> torch.Tensor:
         """Logits ``[S, vocab]`` (fp32) for the chunks that sample, in chunk order. The hidden states of the rows
         that score prompt tokens (`ScheduledChunk.prompt_rows`) stay for `scoring_logits`."""
-        input_ids, meta = self.prepare(out)
+        input_ids, meta = self.prepare(out, carried)
         return self.forward(input_ids, meta)
 
     @torch.inference_mode()

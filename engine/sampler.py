@@ -16,12 +16,14 @@ penalties read per-request token counts kept on the device (`ember.engine.penalt
 chosen with ``torch.where`` (which rows draw is known from the requests, never read back). The only read is one
 transfer at the end: the sampled IDs, packed with the "no token allowed" flags of constrained rows and the logprobs
 when any row asks for them. Every shape depends on the batch and the requests' settings only, never on device
-values.
+values. Asked to defer (asynchronous scheduling), the sampler starts that transfer into pinned memory and returns at
+once: `DeferredSample` keeps the tokens on the device for the next step's inputs and reads them when asked.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import torch
 
@@ -43,6 +45,22 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
     errors: dict[int, str] = field(default_factory=dict)
     """Rows that could not sample (their constraint failed or allowed no token), with the reason."""
+
+
+@dataclass
+class DeferredSample:
+    """A step's sampling whose one read has started but not been waited for: ``tokens`` (int64 ``[S]``, on the
+    device) can feed the next step's inputs now; `result` waits for this step's transfer alone and unpacks it."""
+
+    tokens: torch.Tensor
+    _host: torch.Tensor
+    _done: torch.cuda.Event | None
+    _unpack: Callable[[list[list[float]]], SamplerOutput]
+
+    def result(self) -> SamplerOutput:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._unpack(self._host.tolist())
 
 
 def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) -> None:
@@ -168,10 +186,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: set[int],
-                 ahead: Seq[Seq[int]] | None = None) -> SamplerOutput:
+                 ahead: Seq[Seq[int]] | None = None, defer: bool = False) -> SamplerOutput | DeferredSample:
         """One token per row of ``logits``; ``seqs[i]`` is row ``i``'s sequence. ``ahead[i]``: the draft tokens
         between that sequence's end and row ``i``'s position (rows of a speculative chunk, in order; () for a
-        sequence's own next token)."""
+        sequence's own next token). With ``defer`` (no constrained rows), a `DeferredSample` instead."""
         n, v = logits.shape
         ahead = ahead or [()] * n
         params = [s.params for s in seqs]
@@ -273,11 +291,20 @@ class Sampler:
             if k > 0:
                 top_v, top_i = logprobs_all.topk(k, dim=-1)
                 cols += [top_v, top_i]
-        if len(cols) == 1:
-            rows = [[t] for t in tokens.tolist()]
-        else:
-            rows = torch.cat([c.double() for c in cols], dim=1).tolist()
-        return self._unpack(rows, seqs, con_rows, errors, lp_rows, k, dead is not None)
+        unpack = functools.partial(self._unpack, seqs=seqs, con_rows=con_rows, errors=errors, lp_rows=lp_rows, k=k,
+                                   has_dead=dead is not None)
+        table = tokens.unsqueeze(1) if len(cols) == 1 else torch.cat([c.double() for c in cols], dim=1)
+        if not defer:
+            return unpack(table.tolist())
+        if con_rows:
+            raise ValueError("a step with constrained rows cannot defer its read: the grammar needs each token")
+        if self.device.type != "cuda":
+            return DeferredSample(tokens, table, None, unpack)
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return DeferredSample(tokens, host, done, unpack)
 
     def _fill_bitmasks(self, constraints: list[Constraint], v: int, con_rows: list[int],
                        errors: dict[int, str]) -> torch.Tensor:

@@ -126,7 +126,7 @@ def greedy_with_logits(path: pathlib.Path, monkeypatch, row_ops: str, attention:
                                  num_kv_blocks=32, dtype="float32", device="cpu", **extra)
     logits: list[torch.Tensor] = []
     execute = eng.runner.execute
-    eng.runner.execute = lambda out: logits.append(execute(out).clone()) or logits[-1]
+    eng.runner.execute = lambda out, *carried: logits.append(execute(out, *carried).clone()) or logits[-1]
     g = torch.Generator().manual_seed(2)
     shared = torch.randint(0, 1270, (9,), generator=g).tolist()
     prompts = {"a": shared + torch.randint(0, 1270, (12,), generator=g).tolist(), "b": [5, 9, 11],

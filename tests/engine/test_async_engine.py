@@ -117,11 +117,11 @@ def test_failing_step_errors_the_request_and_loop_survives(aengine, monkeypatch)
     real = runner.execute
     calls = {"n": 0}
 
-    def flaky(out):
+    def flaky(out, *carried):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real(out)
+        return real(out, *carried)
 
     monkeypatch.setattr(runner, "execute", flaky)
 

@@ -84,9 +84,9 @@ def test_chunked_prefill_after_a_prefix_hit_matches_an_uncached_run(qwen3_dir, m
         chunks: list[tuple[int, int]] = []
         execute = eng.runner.execute
 
-        def spy(out):
+        def spy(out, *carried):
             chunks.extend((c.start, c.num_tokens) for c in out.chunks if c.num_tokens > 1)
-            return execute(out)
+            return execute(out, *carried)
 
         eng.runner.execute = spy
         toks = []

@@ -106,8 +106,8 @@ def _greedy(eng: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], lis
     logits: list[torch.Tensor] = []
     execute = eng.runner.execute
 
-    def spy(out):
-        lg = execute(out)
+    def spy(out, *carried):
+        lg = execute(out, *carried)
         logits.append(lg.clone())
         return lg
 
