@@ -133,6 +133,10 @@ class EngineArgs:
                                               "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
     tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N")
     enforce_eager: bool = _opt(False, "decode without CUDA graphs (on CUDA they are captured for decode batches)")
+    async_scheduling: bool = _opt(False, "overlap the host's work for the next step (scheduling, inputs, outputs "
+                                         "and stop checks) with the device's current step: the next step is "
+                                         "launched before this one's tokens are read (vLLM's flag; steps with "
+                                         "grammars, bad words, speculation or scored prompts run in order)")
     dtype: str | None = _opt(None, "weight/activation dtype: float32, float16 or bfloat16 (also vLLM's float, "
                                    "half, auto); default (and auto): bfloat16 on CUDA, float32 on CPU",
                              choices=("auto", "float32", "float", "float16", "half", "bfloat16"))
@@ -170,6 +174,7 @@ class EngineArgs:
                 "dtype": None if self.dtype == "auto" else self.dtype,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
+                "async_scheduling": self.async_scheduling,
                 "kv_cache_dtype": self.kv_cache_dtype, "quantization": self.quantization,
                 "hf_overrides": parse_json_object(self.hf_overrides) if self.hf_overrides else None,
                 "lora_modules": tuple(parse_lora_module(m) for m in self.lora_modules), "max_loras": self.max_loras,

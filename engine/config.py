@@ -219,6 +219,7 @@ class EngineConfig:
     device: torch.device | None = None
     tensor_parallel_size: int = 1  # ranks that split every layer (ember.engine.distributed)
     enforce_eager: bool = False  # never capture CUDA graphs for decode steps (they are captured on CUDA otherwise)
+    async_scheduling: bool = False  # launch the next step before reading this one's tokens (`Engine.step`)
     kv_cache_dtype: str = "auto"  # "fp8": an e4m3 KV cache (half the bytes of bf16), per-layer scales
     quantization: str | None = None  # "fp8": quantize an unquantized checkpoint's projections to FP8 as they load
     state_snapshots: int | None = None  # hybrid models' saved states for prefix caching (None: max_num_seqs)

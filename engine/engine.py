@@ -1,7 +1,9 @@
 """The synchronous engine: add requests (token IDs + SamplingParams), step, get each request's new tokens.
 
 One `step()` = schedule -> one forward over every scheduled chunk -> sample -> stop checks. Text never enters here:
-the output pipeline decodes and may end a request early through `abort`.
+the output pipeline decodes and may end a request early through `abort`. With ``async_scheduling`` a step may be
+launched before the previous one's tokens are read; their stop checks and outputs then come in the next `step()`
+(`ember.engine.overlap`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
+from ember.engine.overlap import PLACEHOLDER, InFlightStep, carried_tokens, defer_blocker
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
@@ -197,6 +200,16 @@ class Engine:
         self.score_head: torch.nn.Module | None = getattr(getattr(self.runner, "model", None), "score", None)
         """A classifier's head (`ember.engine.models.classifier`): its pooling requests end in logits."""
         self._pending: list[RequestOutput] = []
+        self._inflight: InFlightStep | None = None
+        """The last step, launched but not read yet (asynchronous scheduling)."""
+        self.async_scheduling = config.async_scheduling and self.scheduler.snapshots is None
+        """Steps may run ahead of their tokens; not with recurrent-state snapshots, which key a state by the
+        tokens of the block it ends."""
+        if config.async_scheduling and not self.async_scheduling:
+            log.info("async scheduling is off: the recurrent-state snapshots of prefix caching key each state by "
+                     "tokens a step would still hold on the device (serve with --state-snapshots 0 to overlap)")
+        self.num_deferred_steps = 0
+        """Steps launched before the previous one's tokens were read."""
         self.last_batch_size = 0
         self.num_steps = 0
 
@@ -207,7 +220,7 @@ class Engine:
                         enable_prefix_caching: bool = True, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, bitmask_filler: BitmaskFiller | None = None,
                         enable_chunked_prefill: bool = True, gpu_memory_utilization: float = 0.9,
-                        tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                        tensor_parallel_size: int = 1, enforce_eager: bool = False, async_scheduling: bool = False,
                         kv_cache_dtype: str = "auto", state_snapshots: int | None = None,
                         quantization: str | None = None, hf_overrides: dict[str, Any] | None = None,
                         lora_modules: tuple[tuple[str, str], ...] = (), max_loras: int = 1,
@@ -221,7 +234,8 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, dtype=parse_dtype(dtype),
             device=torch.device(device) if device is not None else None, tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager, kv_cache_dtype=kv_cache_dtype, state_snapshots=state_snapshots,
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling, kv_cache_dtype=kv_cache_dtype,
+            state_snapshots=state_snapshots,
             quantization=quantization, hf_overrides=hf_overrides, lora_modules=tuple(lora_modules),
             max_loras=max_loras, max_lora_rank=max_lora_rank, enable_lora=enable_lora, seed=seed, tokenizer=tokenizer,
             max_logprobs=max_logprobs, scheduling_policy=scheduling_policy, speculative_config=speculative_config,
@@ -378,6 +392,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._inflight is not None:
+                outputs.extend(self._resolve())
             return outputs
         self.num_steps += 1
         now = time.monotonic()
@@ -389,27 +405,40 @@ class Engine:
         except Exception as e:  # a failed forward ends the requests it carried, never the engine
             log.exception("engine step failed")
             msg = f"engine step failed: {type(e).__name__}: {e}"
-            for chunk in sched.chunks:
+            unread = self._inflight.chunks if self._inflight is not None else []
+            self._inflight = None
+            for chunk in [*unread, *sched.chunks]:
                 seq = chunk.seq
                 if seq.status is not SequenceStatus.FINISHED:
                     outputs.append(self._finish(seq, [], None, "error", error=msg))
         return outputs
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        logits = self.runner.execute(sched)
+        logits = self.runner.execute(sched, carried_tokens(sched, self._inflight))
         self.last_batch_size = self.runner.last_batch_size
         chunks = [c for c in sched.chunks if c.samples]
         outputs: list[RequestOutput] = []
-        if self.runner.scoring_hidden is not None:
+        scores = self.runner.scoring_hidden is not None
+        if scores:
             self._keep_rows(sched)
         if not chunks:
+            if self._inflight is not None:
+                outputs = self._resolve()
             self.scheduler.update(sched, {})
             return self._finish_pooled(sched, outputs)
         # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated, each
         # row ahead of it by the drafts before that position
         ahead = [c.draft[:j] for c in chunks for j in range(1 + len(c.draft))] if any(c.draft for c in chunks) else None
+        defer = self.async_scheduling and defer_blocker(sched, chunks, self.max_model_len, scores) is None
         result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids,
-                              ahead)
+                              ahead, defer=defer)
+        if self._inflight is not None:  # the previous step's tokens: read while this step computes
+            outputs = self._resolve()
+        if defer:
+            self.scheduler.update(sched, {c.seq.request_id: PLACEHOLDER for c in chunks})
+            self._inflight = InFlightStep(chunks, [c.seq.num_output_tokens - 1 for c in chunks], result)
+            self.num_deferred_steps += 1
+            return outputs
         sampled: dict[str, int | list[int]] = {}
         spec_ends: dict[str, tuple[FinishReason | None, int | None]] = {}
         starts = list(itertools.accumulate((1 + len(c.draft) for c in chunks), initial=0))
@@ -454,6 +483,26 @@ class Engine:
                 outputs.append(self._finish(seq, kept, lp, reason, stop_token_id=stop_tok))
         if self.speculative is not None:
             self._propose(chunks)
+        return outputs
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Read the in-flight step's tokens into its sequences' placeholders; their outputs and stop checks (a
+        sequence aborted since is skipped; one preempted since keeps its token for its recompute)."""
+        step, self._inflight = self._inflight, None
+        result = step.sample.result()
+        outputs: list[RequestOutput] = []
+        for i, (c, at) in enumerate(zip(step.chunks, step.at)):
+            seq = c.seq
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            tok = result.token_ids[i]
+            seq.output_token_ids[at] = tok
+            lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
+            reason, stop_tok = self._stop_reason(seq, tok, at + 1, seq.num_prompt_tokens + at + 1)
+            if reason is None:
+                outputs.append(self._output(seq, [tok], lp))
+            else:
+                outputs.append(self._finish(seq, [tok], lp, reason, stop_token_id=stop_tok))
         return outputs
 
     def _verify(self, seq: Sequence, draft: tuple[int, ...], sampled: list[int]
@@ -585,6 +634,7 @@ class Engine:
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with finish_reason "error" (used when the step loop itself breaks)."""
         outs, self._pending = self._pending, []
+        self._inflight = None
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             outs.append(self._finish(seq, [], None, "error", error=message))
         return outs

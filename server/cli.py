@@ -64,7 +64,6 @@ _NO_EFFECT_SWITCHES = (
     "--disable-log-stats",  # nor periodic engine stats (GET /metrics serves them)
     "--disable-custom-all-reduce",  # tensor parallelism reduces with NCCL's all-reduce only
     "--enable-prompt-tokens-details",  # usage always carries prompt_tokens_details.cached_tokens
-    "--async-scheduling",  # each step is scheduled once the previous one's tokens are read
     "--enable-expert-parallel",  # MoE experts are split across the tensor-parallel ranks; the outputs are the same
 )
 _NO_EFFECT_VALUES = {

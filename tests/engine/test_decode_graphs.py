@@ -43,9 +43,9 @@ def _staggered(engine: Engine, lens: tuple[int, ...],
     steps: list[tuple[bool, int, bool]] = []
     execute = runner.execute
 
-    def spy(out):
+    def spy(out, carried=None):
         before = runner.num_graph_steps
-        logits = execute(out)
+        logits = execute(out, carried)
         decode = all(c.num_tokens == 1 and c.samples for c in out.chunks)
         steps.append((decode, len(out.chunks), runner.num_graph_steps > before))
         return logits
@@ -66,8 +66,9 @@ def _staggered(engine: Engine, lens: tuple[int, ...],
     return [out[r] for r in order], steps
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, backend):
+@pytest.mark.parametrize("backend,async_scheduling", [("torch", False), ("triton", False), ("torch", True)])
+def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, backend, async_scheduling):
+    """With asynchronous scheduling the graph's input rows take the previous step's tokens on the device."""
     monkeypatch.setenv("EMBER_ATTENTION", backend)
     lens, max_tokens, captured = WORKLOADS[backend]
     plain = _engine(qwen3_dir)
@@ -75,7 +76,7 @@ def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, b
     want, plain_steps = _staggered(plain, lens, max_tokens)
     assert not any(took for _, _, took in plain_steps)
 
-    eng = _engine(qwen3_dir)
+    eng = _engine(qwen3_dir, async_scheduling=async_scheduling)
     eng.runner.capture_decode_graphs(captured, eng.max_model_len)
     sizes = eng.runner.graphs.sizes
     assert sizes == [1, 2, 4, 6][: len(sizes)] and sizes[-1] == captured
@@ -90,17 +91,18 @@ def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, b
     assert any(not d for d, _, _ in steps)  # prefill and mixed steps ran eagerly
     assert eng.runner.num_graph_steps == sum(took for _, _, took in steps)
     assert eng.runner.num_eager_steps == len(steps) - eng.runner.num_graph_steps
+    assert (eng.num_deferred_steps > len(steps) // 2) == async_scheduling
 
 
 def test_graph_path_under_tensor_parallelism_matches_one_process(qwen3_dir, monkeypatch):
     """The driver broadcasts the capture, so both ranks route each decode step alike and meet the same
-    all-reduces."""
+    all-reduces; under asynchronous scheduling the workers get the inputs the previous step sampled."""
     import multiprocessing as mp
 
     monkeypatch.setenv("EMBER_ATTENTION", "torch")
     lens, max_tokens, captured = WORKLOADS["triton"]
     want, _ = _staggered(_engine(qwen3_dir), lens, max_tokens)
-    eng = _engine(qwen3_dir, tensor_parallel_size=2)
+    eng = _engine(qwen3_dir, tensor_parallel_size=2, async_scheduling=True)
     try:
         assert eng.cuda_graphs is False
         eng.runner.capture_decode_graphs(captured, eng.max_model_len)
@@ -109,6 +111,7 @@ def test_graph_path_under_tensor_parallelism_matches_one_process(qwen3_dir, monk
         eng.shutdown()
     assert got == want
     assert eng.runner.num_graph_steps == sum(took for _, _, took in steps) > 0
+    assert eng.num_deferred_steps > 0
     assert not mp.active_children()
 
 
@@ -166,17 +169,18 @@ def test_serve_flags_reach_the_engine(demo_model_dir):
     c = cli.serve_config(parser.parse_args(["serve", "--gpu-memory-utilization", "0.55", "--enforce-eager"]))
     assert (c.gpu_memory_utilization, c.enforce_eager) == (0.55, True)
     c = cli.serve_config(parser.parse_args(["serve"]))
-    assert (c.gpu_memory_utilization, c.enforce_eager) == (0.9, False)
+    assert (c.gpu_memory_utilization, c.enforce_eager, c.async_scheduling) == (0.9, False, False)
     for bad in ("0", "1.5", "most"):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--gpu-memory-utilization", bad])
 
     c = cli.serve_config(parser.parse_args([
         "serve", str(demo_model_dir), "--kv-cache-blocks", "8", "--max-num-seqs", "2",
-        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--in-process"]))
+        "--gpu-memory-utilization", "0.5", "--enforce-eager", "--async-scheduling", "--in-process"]))
     rt = load_runtime(c)
     try:
         config = rt.engine.engine.config
-        assert (config.gpu_memory_utilization, config.enforce_eager) == (0.5, True)
+        assert (config.gpu_memory_utilization, config.enforce_eager, config.async_scheduling) == (0.5, True, True)
+        assert rt.engine.engine.async_scheduling
     finally:
         rt.engine.shutdown()

@@ -65,6 +65,7 @@ def test_serve_options_map_to_the_config(capsys):
     assert (docker.seed, docker.in_process, docker.uvicorn_log_level, docker.disable_uvicorn_access_log) == (
         0, True, "warning", True)
     assert docker.engine_options()["dtype"] is None and docker.kv_cache_dtype == "fp8_e4m3"
+    assert docker.engine_options()["async_scheduling"] is True
     named = serve_config(parser.parse_args(["serve", "--served-model-name", "qwen", "gpt-4o", "qwen", "o1"]))
     assert (named.served_model_name, named.served_model_aliases) == ("qwen", ("gpt-4o", "o1"))
     assert docker.hf_token == "hf_x" and "hf_x" not in repr(docker) and docker.disable_fastapi_docs

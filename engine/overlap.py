@@ -1,0 +1,80 @@
+"""Asynchronous scheduling: which steps may run ahead of their own tokens, and how the next step reads them.
+
+With ``async_scheduling`` the engine launches step N+1 before it reads step N's sampled tokens, so the host's work
+between steps (recording tokens, stop checks, outputs, scheduling, metadata) runs while the device computes instead
+of between its steps. A deferred step appends `PLACEHOLDER` to each sampling sequence, which keeps every count
+right (positions, KV slots, ``min_tokens``, seeded draws, penalty counts, the scheduler's lengths) while the value is
+unknown; step N+1's input row for that position takes the token on the device (`CarriedTokens`), and the engine
+writes the real value over the placeholder when it reads step N, before anything hashes or shows it.
+
+A sequence that step N ends (a stop token) is computed once more in step N+1 and that row is dropped. What needs the
+value of the token before the next one can be sampled keeps a step in order (`defer_blocker`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.engine.model_runner import CarriedTokens
+from ember.engine.sampler import DeferredSample
+from ember.engine.scheduler import ScheduledChunk, SchedulerOutput
+from ember.engine.sequence import Sequence
+
+PLACEHOLDER = -1
+"""The output token a deferred step appends until its value is read."""
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose tokens are not read yet: sampler row ``i`` belongs to ``chunks[i]``, whose sequence's
+    output token ``at[i]`` is its placeholder."""
+
+    chunks: list[ScheduledChunk]
+    at: list[int]
+    sample: DeferredSample
+
+    def rows(self) -> dict[Sequence, int]:
+        return {c.seq: i for i, c in enumerate(self.chunks)}
+
+
+def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], max_model_len: int,
+                  scores_prompt: bool) -> str | None:
+    """Why this step must read its tokens before the next one is scheduled (None: it may run ahead)."""
+    if scores_prompt:
+        return "prompt rows are scored or pooled"
+    for c in sched.chunks:
+        p = c.seq.params
+        if p.pooling is not None:
+            return "a pooling request"
+    for c in sampling:
+        seq, p = c.seq, c.seq.params
+        if c.draft or seq.drafter is not None:
+            return "speculative decoding drafts from the tokens"
+        if seq.constraint is not None:
+            return "a grammar needs each token before it masks the next"
+        if p.bad_words_ids:
+            return "bad words are matched against the tokens"
+        if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
+            return "a request reaches max_tokens"  # known now: finish it without computing one more
+        if seq.num_tokens + 1 >= max_model_len:
+            return "a request reaches max_model_len"
+    return None
+
+
+def carried_tokens(sched: SchedulerOutput, inflight: InFlightStep | None) -> CarriedTokens | None:
+    """The input rows of ``sched`` whose tokens ``inflight`` sampled: each such sequence runs as a one-token decode
+    of its placeholder."""
+    if inflight is None:
+        return None
+    src = inflight.rows()
+    rows, sampled_rows = [], []
+    row = 0
+    for c in sched.chunks:
+        i = src.get(c.seq)
+        if i is not None:
+            if c.num_tokens != 1 or c.start != c.seq.num_tokens - 1:
+                raise RuntimeError(f"request {c.seq.request_id!r}: scheduled at {c.start} for {c.num_tokens} tokens "
+                                   f"while its token at {c.seq.num_tokens - 1} is still on the device")
+            rows.append(row)
+            sampled_rows.append(i)
+        row += c.num_tokens
+    return CarriedTokens(rows, sampled_rows, inflight.sample.tokens) if rows else None

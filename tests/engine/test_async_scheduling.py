@@ -1,0 +1,145 @@
+"""Asynchronous scheduling (`async_scheduling`): each step is launched before the previous step's tokens are read,
+and every request still gets the tokens, logprobs and finish reason the in-order engine gives it, through stop
+tokens, min_tokens, max_tokens, penalties, seeds, late arrivals, prefix-cache hits, preemption and aborts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.engine import Engine
+from ember.engine.params import SamplingParams
+from ember.engine.sampler import DeferredSample
+from tests.engine.test_host_syncs import SyncCounter
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1270, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(path, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]], *, async_scheduling: bool,
+         abort: dict[int, str] | None = None, **kw) -> tuple[dict[str, dict], Engine]:
+    """Add each request at its step, abort some at theirs, step until done: request -> tokens, finish, logprobs."""
+    kw.setdefault("num_kv_blocks", 256)
+    eng = Engine.from_pretrained(path, async_scheduling=async_scheduling, **kw)
+    got: dict[str, dict] = {}
+    step = 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for rid, prompt, params in arrivals.get(step, []):
+            eng.add_request(prompt, params, request_id=rid)
+            got[rid] = {"tokens": [], "finish": None, "logprobs": [], "stop": None}
+        if abort and step in abort:
+            eng.abort(abort[step])
+        for o in eng.step():
+            r = got[o.request_id]
+            assert r["finish"] is None, f"{o.request_id} got output after it finished"
+            r["tokens"] += o.new_token_ids
+            r["logprobs"] += [(lp.token_id, round(lp.logprob, 4), [t for t, _ in lp.top]) for lp in o.logprobs or []]
+            if o.finished:
+                r["finish"], r["stop"] = o.finish_reason, o.stop_token_id
+        step += 1
+        assert step < 500
+    eng.scheduler.check_integrity()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return got, eng
+
+
+def _greedy_tokens(path, prompt: list[int], n: int) -> list[int]:
+    got, _ = _run(path, {0: [("g", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]},
+                  async_scheduling=False)
+    return got["g"]["tokens"]
+
+
+def test_every_request_gets_what_the_in_order_engine_gives_it(demo_model_dir):
+    stop_prompt, min_prompt = _ids(21, 1), _ids(17, 2)
+    stop_at = _greedy_tokens(demo_model_dir, stop_prompt, 12)[5]  # stops the request mid-stream
+    early = _greedy_tokens(demo_model_dir, min_prompt, 12)[1]  # banned until min_tokens, then it may end the request
+    shared = _ids(40, 3)
+    arrivals = {
+        0: [("greedy", _ids(30, 4), SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True)),
+            ("seeded", _ids(12, 5), SamplingParams(max_tokens=12, temperature=0.8, top_k=50, top_p=0.9, seed=7,
+                                                   ignore_eos=True)),
+            ("penalised", _ids(25, 6), SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=1.3,
+                                                      presence_penalty=0.5, frequency_penalty=0.3, ignore_eos=True)),
+            ("stop", stop_prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at])),
+            ("shared-a", shared + _ids(5, 7), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))],
+        2: [("logprobs", _ids(9, 8), SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True)),
+            ("min", min_prompt, SamplingParams(max_tokens=12, temperature=0.0, min_tokens=4, stop_token_ids=[early]))],
+        6: [("shared-b", shared + _ids(9, 9), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+            ("one", _ids(8, 10), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))],
+    }
+    want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
+    assert got == want
+    assert want["stop"]["finish"] == "stop" and want["stop"]["stop"] == stop_at and len(want["stop"]["tokens"]) <= 6
+    assert want["min"]["finish"] in ("stop", "length") and len(want["min"]["tokens"]) >= 4
+    assert eng.kv.prefix_hits >= 32  # shared-b reused shared-a's blocks, registered while tokens were in flight
+    assert eng.num_deferred_steps > 10
+
+
+def test_preemption_and_abort_under_async_scheduling(demo_model_dir):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [(f"r{i}", _ids(20 + 5 * i, 20 + i), params) for i in range(4)],
+                3: [("late", _ids(15, 30), params)]}
+    # 14 blocks of 16 tokens for five requests of up to 75 tokens: they preempt each other
+    want, ref = _run(demo_model_dir, arrivals, async_scheduling=False, num_kv_blocks=14)
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True, num_kv_blocks=14)
+    assert ref.scheduler.num_preemptions > 0 and eng.scheduler.num_preemptions > 0
+    assert got == want
+
+    aborted, eng = _run(demo_model_dir, arrivals, async_scheduling=True, num_kv_blocks=14, abort={8: "r1"})
+    assert aborted["r1"]["finish"] == "abort"
+    assert aborted["r1"]["tokens"] == want["r1"]["tokens"][:len(aborted["r1"]["tokens"])]
+    assert {k: v for k, v in aborted.items() if k != "r1"} == {k: v for k, v in want.items() if k != "r1"}
+
+
+def test_the_next_step_is_launched_before_this_ones_tokens_are_read(demo_model_dir, monkeypatch):
+    eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, async_scheduling=True)
+    log: list[str] = []
+    forward = eng.runner.forward
+    monkeypatch.setattr(eng.runner, "forward", lambda *a: (log.append("launch"), forward(*a))[1])
+    result = DeferredSample.result
+    monkeypatch.setattr(DeferredSample, "result", lambda self: (log.append("read"), result(self))[1])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(_ids(10 + i, 40 + i), params)
+    counter = SyncCounter(monkeypatch)
+    reads = []
+    while eng.has_unfinished():
+        _, calls = counter.step(eng)
+        reads.append(dict(calls))
+    # every step after the prefill is launched before the step before it is read; the last (max_tokens) reads its
+    # own tokens at once
+    assert log == ["launch"] + ["launch", "read"] * 9
+    # one device -> host read per decode step and nothing else; the last reads its own tokens and the step's before
+    assert reads[1:] == [{"tolist": 1}] * 8 + [{"tolist": 2}]
+
+
+@pytest.mark.parametrize("blocked", ["bad_words", "prompt_logprobs"])
+def test_a_step_that_needs_its_tokens_first_runs_in_order(demo_model_dir, blocked):
+    params = {"bad_words": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, bad_words_ids=[[5, 6]]),
+              "prompt_logprobs": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1)}
+    arrivals = {0: [("plain", _ids(12, 50), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))],
+                3: [("blocked", _ids(12, 51), params[blocked])]}
+    want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
+    assert got == want
+    assert 0 < eng.num_deferred_steps < eng.num_steps - 1
+
+
+def test_a_hybrid_model_keeps_its_recurrent_state_right(tiny_qwen3_next_dir):
+    """Qwen3-Next's linear-attention state is advanced by the row a stopped request still computes, in a slot the
+    request then gives back; its next owner starts clean. With state snapshots (prefix caching) the engine keeps
+    steps in order: a snapshot is keyed by tokens still on the device."""
+    stop_prompt = _ids(14, 61)
+    stop_at = _run(tiny_qwen3_next_dir, {0: [("g", stop_prompt, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                ignore_eos=True))]},
+                   async_scheduling=False, enable_prefix_caching=False, max_num_seqs=2)[0]["g"]["tokens"][3]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("a", _ids(10, 60), greedy),
+                    ("stop", stop_prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at]))],
+                2: [("b", _ids(7, 62), greedy)]}  # waits for a slot (max_num_seqs 2): it takes the stopped one's
+    want, _ = _run(tiny_qwen3_next_dir, arrivals, async_scheduling=False, enable_prefix_caching=False, max_num_seqs=2)
+    got, eng = _run(tiny_qwen3_next_dir, arrivals, async_scheduling=True, enable_prefix_caching=False, max_num_seqs=2)
+    assert got == want and want["stop"]["finish"] == "stop"
+    assert eng.num_deferred_steps > 0
+    assert not Engine.from_pretrained(tiny_qwen3_next_dir, num_kv_blocks=64, async_scheduling=True).async_scheduling
