@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host time per decode step, by stage: what a GPU waits for between two steps.
 
-    python benchmarks/step_host.py [--batches 8,32,128] [--contexts 128,2048]
+    python benchmarks/step_host.py [--batches 8,32,128] [--contexts 128,2048] [--async-scheduling]
 
 Without asynchronous scheduling the device idles while the host records a step's tokens, builds its outputs,
 schedules the next step and writes its metadata: that time adds to every step however fast the forward is. This
@@ -9,6 +9,8 @@ runs the real engine on a one-layer random Qwen3 (hidden 32, vocab 1024, fp32, C
 sampler's device work are small, decodes with B sequences at a context of about C tokens (greedy, EOS ignored), and
 prints the milliseconds per step of `Scheduler.schedule`, `ModelRunner.prepare`, the forward, the sampler (on a
 CPU its argmax over the logits is in it), `Scheduler.update` and the rest of `Engine.step` (outputs, stop checks).
+With ``--async-scheduling`` each row is measured again with it on: the same host work, which a GPU would then
+overlap with its step (a CPU computes synchronously, so here the column shows only what the bookkeeping costs).
 Host-side numbers move with the machine and its load: compare rows of one run.
 """
 from __future__ import annotations
@@ -59,7 +61,8 @@ class _Timed:
         return getattr(self._fn, name)
 
 
-def measure(path: pathlib.Path, batch: int, context: int, steps: int) -> dict[str, float]:
+def measure(path: pathlib.Path, batch: int, context: int, steps: int, async_scheduling: bool = False
+            ) -> dict[str, float]:
     """Milliseconds per decode step by stage, over ``steps`` steps once every sequence decodes."""
     from ember.engine.engine import Engine
     from ember.engine.params import SamplingParams
@@ -67,7 +70,8 @@ def measure(path: pathlib.Path, batch: int, context: int, steps: int) -> dict[st
     max_len = context + steps + 64
     eng = Engine.from_pretrained(str(path), max_num_seqs=batch, max_model_len=max_len,
                                  max_num_batched_tokens=max(2048, context), device="cpu",
-                                 num_kv_blocks=batch * (max_len // 16 + 2))  # every sequence runs at once
+                                 num_kv_blocks=batch * (max_len // 16 + 2),  # every sequence runs at once
+                                 async_scheduling=async_scheduling)
     totals: dict[str, float] = defaultdict(float)
     eng.scheduler.schedule = _Timed(eng.scheduler.schedule, totals, "schedule")
     eng.scheduler.update = _Timed(eng.scheduler.update, totals, "update")
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--batches", default="8,32", help="decoding sequences per step")
     ap.add_argument("--contexts", default="128,2048", help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per row")
+    ap.add_argument("--async-scheduling", action="store_true", help="also measure each row with it on")
     a = ap.parse_args()
     torch.set_num_threads(1)
     batches = [int(x) for x in a.batches.split(",")]
@@ -105,14 +110,17 @@ def main() -> None:
     build_model(path, max(contexts) + a.steps + 128)
     print("Host milliseconds per decode step (one-layer model on the CPU; the forward and sampler columns include "
           "their small CPU compute)\n")
-    print("| B | context | schedule | prepare | update | rest (outputs, stops) | host total | sampler | forward |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| B | context | async | schedule | prepare | update | rest (outputs, stops) | host total | sampler | "
+          "forward |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for context in contexts:
         for batch in batches:
-            r = measure(path, batch, context, a.steps)
-            host = r["schedule"] + r["prepare"] + r["update"] + r["rest"]
-            print(f"| {batch} | {context} | {r['schedule']:.3f} | {r['prepare']:.3f} | {r['update']:.3f} | "
-                  f"{r['rest']:.3f} | {host:.3f} | {r['sampler']:.3f} | {r['forward']:.3f} |")
+            for overlap in (False, True) if a.async_scheduling else (False,):
+                r = measure(path, batch, context, a.steps, overlap)
+                host = r["schedule"] + r["prepare"] + r["update"] + r["rest"]
+                print(f"| {batch} | {context} | {'on' if overlap else 'off'} | {r['schedule']:.3f} | "
+                      f"{r['prepare']:.3f} | {r['update']:.3f} | {r['rest']:.3f} | {host:.3f} | {r['sampler']:.3f} | "
+                      f"{r['forward']:.3f} |")
     shutil.rmtree(path, ignore_errors=True)
 
 

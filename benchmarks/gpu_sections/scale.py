@@ -156,6 +156,17 @@ def engine_e2e(ctx: Ctx) -> dict | None:
             rep.save()
             if b == target_b:
                 at_target = row
+        if at_target is not None and ctx.deadline.left() > PEER_RESERVE_S:
+            eng.async_scheduling = True  # the same engine, each step launched before the last one is read
+            row = rep.row(kind="ember-async", **_decode_rate(eng, target_b, prompt_len, new_tokens))
+            eng.async_scheduling = False
+            rep.log(f"  ember e2e B={target_b:<4} {row['tok_s']:9.1f} decode tok/s with async scheduling "
+                    f"({row['tok_s'] / at_target['tok_s']:.2f}x in order; first tokens equal: "
+                    f"{row['first_tokens'] == at_target['first_tokens']})")
+            rep.add_check("async scheduling: same greedy tokens", row["first_tokens"] == at_target["first_tokens"])
+            _split_step(ctx, row)
+            rep.save()
+            at_target = {**row, "in_order_tok_s": at_target["tok_s"]}
         return at_target
     finally:
         eng.shutdown()
@@ -205,8 +216,10 @@ def transformers_peer(ctx: Ctx, ours: dict) -> None:
     rep.log(f"  transformers B={peer['batch']} {peer['tok_s']:9.1f} decode tok/s (compile {peer['compile']}, "
             f"warm-up {peer['warmup_s']:.1f} s); first prompt's greedy tokens agree on {same}/"
             f"{len(peer['first_tokens'])}")
-    rep.target(f"e2e decode B={ours['B']} / {'compiled ' if peer['compile'] else 'eager '}transformers", ratio,
-               f">= {E2E_TARGET}", ratio >= E2E_TARGET, ours_tok_s=ours["tok_s"], peer_tok_s=peer["tok_s"])
+    how = " (async scheduling)" if "in_order_tok_s" in ours else ""
+    rep.target(f"e2e decode B={ours['B']}{how} / {'compiled ' if peer['compile'] else 'eager '}transformers", ratio,
+               f">= {E2E_TARGET}", ratio >= E2E_TARGET, ours_tok_s=ours["tok_s"], peer_tok_s=peer["tok_s"],
+               in_order_ratio=ours.get("in_order_tok_s", ours["tok_s"]) / peer["tok_s"])
 
 
 def run(ctx: Ctx) -> None:
