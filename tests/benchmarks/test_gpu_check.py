@@ -86,7 +86,7 @@ def test_quick_run_with_a_failing_check_and_a_raising_section(gpu_check, tmp_pat
     targets = {t["name"].split(" ")[0] for t in summary["targets"]}
     assert targets == {"decode", "NVFP4", "graph", "e2e"}  # every target's code path ran (values mean nothing here)
     table = capsys.readouterr().out
-    assert "FAIL silu_and_mul" in table and "e2e decode B=2 /" in table
+    assert "FAIL silu_and_mul" in table and "e2e decode B=2 (async scheduling) /" in table
     log = (tmp_path / "gpu_check.log").read_text()
     assert "sections 6.. go on in a fresh process" in log and "== 6_scale" in log and "FAIL silu_and_mul" in log
     assert len(calls) == 5  # the fresh process ran section 6
