@@ -27,7 +27,8 @@ from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
-from ember.engine.overlap import PLACEHOLDER, InFlightStep, carried_tokens, defer_blocker
+from ember.engine.overlap import (PLACEHOLDER, InFlightStep, carried_tokens, defer_blocker, grammar_reads_first,
+                                  still_running)
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
@@ -426,6 +427,14 @@ class Engine:
                 outputs = self._resolve()
             self.scheduler.update(sched, {})
             return self._finish_pooled(sched, outputs)
+        if grammar_reads_first(chunks, self._inflight):
+            # a grammar masks this step's row from its state after the previous step's token: read that step now
+            # (this step's forward is already queued), and what the read ends does not sample here
+            outputs = self._resolve()
+            chunks, logits = still_running(chunks, logits)
+            if not chunks:
+                self.scheduler.update(sched, {})
+                return self._finish_pooled(sched, outputs)
         # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated, each
         # row ahead of it by the drafts before that position
         ahead = [c.draft[:j] for c in chunks for j in range(1 + len(c.draft))] if any(c.draft for c in chunks) else None
@@ -433,7 +442,7 @@ class Engine:
         result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids,
                               ahead, defer=defer)
         if self._inflight is not None:  # the previous step's tokens: read while this step computes
-            outputs = self._resolve()
+            outputs.extend(self._resolve())
         if defer:
             self.scheduler.update(sched, {c.seq.request_id: PLACEHOLDER for c in chunks})
             self._inflight = InFlightStep(chunks, [c.seq.num_output_tokens - 1 for c in chunks], result)
@@ -495,7 +504,15 @@ class Engine:
             seq = c.seq
             if seq.status is SequenceStatus.FINISHED:
                 continue
+            if i in result.errors:
+                outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
+                continue
             tok = result.token_ids[i]
+            if seq.constraint is not None:
+                err = self._accept(seq, tok)
+                if err is not None:
+                    outputs.append(self._finish(seq, [], None, "error", error=err))
+                    continue
             seq.output_token_ids[at] = tok
             lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
             reason, stop_tok = self._stop_reason(seq, tok, at + 1, seq.num_prompt_tokens + at + 1)

@@ -7,17 +7,22 @@ right (positions, KV slots, ``min_tokens``, seeded draws, penalty counts, the sc
 unknown; step N+1's input row for that position takes the token on the device (`CarriedTokens`), and the engine
 writes the real value over the placeholder when it reads step N, before anything hashes or shows it.
 
-A sequence that step N ends (a stop token) is computed once more in step N+1 and that row is dropped. What needs the
-value of the token before the next one can be sampled keeps a step in order (`defer_blocker`).
+A sequence that step N ends (a stop token) is computed once more in step N+1 and that row is dropped. A grammar
+needs each token before it masks the next: step N+1 then reads step N after launching its forward and before its
+sampler (`grammar_reads_first`), so the grammar's work still runs while the device computes. What needs the value of
+the token before the next step can be scheduled keeps a step in order (`defer_blocker`).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+
+import torch
 
 from ember.engine.model_runner import CarriedTokens
 from ember.engine.sampler import DeferredSample
 from ember.engine.scheduler import ScheduledChunk, SchedulerOutput
-from ember.engine.sequence import Sequence
+from ember.engine.sequence import Sequence, SequenceStatus
 
 PLACEHOLDER = -1
 """The output token a deferred step appends until its value is read."""
@@ -49,8 +54,6 @@ def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], max_mo
         seq, p = c.seq, c.seq.params
         if c.draft or seq.drafter is not None:
             return "speculative decoding drafts from the tokens"
-        if seq.constraint is not None:
-            return "a grammar needs each token before it masks the next"
         if p.bad_words_ids:
             return "bad words are matched against the tokens"
         if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
@@ -78,3 +81,27 @@ def carried_tokens(sched: SchedulerOutput, inflight: InFlightStep | None) -> Car
             sampled_rows.append(i)
         row += c.num_tokens
     return CarriedTokens(rows, sampled_rows, inflight.sample.tokens) if rows else None
+
+
+def grammar_reads_first(chunks: list[ScheduledChunk], inflight: InFlightStep | None) -> bool:
+    """Whether a constrained sequence of this step's sampling ``chunks`` has its previous token in ``inflight``: its
+    grammar must accept that token before this step's bitmask is filled."""
+    if inflight is None:
+        return False
+    src = inflight.rows()
+    return any(c.seq.constraint is not None and c.seq in src for c in chunks)
+
+
+def still_running(chunks: list[ScheduledChunk], logits: torch.Tensor
+                  ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+    """The sampling ``chunks`` whose sequences have not finished since they were scheduled, with their logits rows
+    (one per sampled position); the same objects when none has."""
+    if all(c.seq.status is not SequenceStatus.FINISHED for c in chunks):
+        return chunks, logits
+    starts = list(itertools.accumulate((1 + len(c.draft) for c in chunks), initial=0))
+    keep = [(c, range(a, b)) for c, a, b in zip(chunks, starts, starts[1:])
+            if c.seq.status is not SequenceStatus.FINISHED]
+    rows = torch.tensor([r for _, span in keep for r in span], dtype=torch.long)
+    if logits.is_cuda:  # a pageable upload would wait for the forward queued before it
+        rows = rows.pin_memory().to(logits.device, non_blocking=True)
+    return [c for c, _ in keep], logits.index_select(0, rows)

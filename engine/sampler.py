@@ -189,7 +189,8 @@ class Sampler:
                  ahead: Seq[Seq[int]] | None = None, defer: bool = False) -> SamplerOutput | DeferredSample:
         """One token per row of ``logits``; ``seqs[i]`` is row ``i``'s sequence. ``ahead[i]``: the draft tokens
         between that sequence's end and row ``i``'s position (rows of a speculative chunk, in order; () for a
-        sequence's own next token). With ``defer`` (no constrained rows), a `DeferredSample` instead."""
+        sequence's own next token). With ``defer``, a `DeferredSample` instead (a constrained row's grammar must
+        accept its token before the sequence's next row is masked)."""
         n, v = logits.shape
         ahead = ahead or [()] * n
         params = [s.params for s in seqs]
@@ -296,8 +297,6 @@ class Sampler:
         table = tokens.unsqueeze(1) if len(cols) == 1 else torch.cat([c.double() for c in cols], dim=1)
         if not defer:
             return unpack(table.tolist())
-        if con_rows:
-            raise ValueError("a step with constrained rows cannot defer its read: the grammar needs each token")
         if self.device.type != "cuda":
             return DeferredSample(tokens, table, None, unpack)
         host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)

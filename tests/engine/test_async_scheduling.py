@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ember.engine.engine import Engine
+from ember.engine.model_runner import ModelRunner
 from ember.engine.params import SamplingParams
 from ember.engine.sampler import DeferredSample
 from tests.engine.test_host_syncs import SyncCounter
@@ -18,21 +19,48 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 1270, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(path, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]], *, async_scheduling: bool,
+class Alternating:
+    """A grammar whose next allowed tokens depend on the last one it accepted: tokens of ``a`` and of ``b`` in turn,
+    ``length`` of them. Masking a row before accepting the token before it allows the wrong half, so the request
+    then fails ("error")."""
+
+    def __init__(self, a: list[int], b: list[int], length: int) -> None:
+        self.sets, self.length, self.accepted = (a, b), length, 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = torch.zeros(bitmask.shape[1], dtype=torch.int64)
+        for t in self.sets[self.accepted % 2]:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+    def accept_token(self, token_id: int) -> bool:
+        ok = token_id in self.sets[self.accepted % 2]
+        self.accepted += ok
+        return ok
+
+    def is_terminated(self) -> bool:
+        return self.accepted >= self.length
+
+    def error_message(self) -> str | None:
+        return f"token {self.accepted} is not in its half"
+
+
+def _run(path, arrivals: dict[int, list[tuple]], *, async_scheduling: bool,
          abort: dict[int, list[str]] | None = None, **kw) -> tuple[dict[str, dict], Engine]:
-    """Add each request at its step, abort some at theirs, step until done: request -> tokens, finish, logprobs."""
+    """Add each request (id, prompt, params[, grammar factory]) at its step, abort some at theirs, step until done:
+    request -> tokens, finish, logprobs."""
     kw.setdefault("num_kv_blocks", 256)
     eng = Engine.from_pretrained(path, async_scheduling=async_scheduling, **kw)
     return _drive(eng, arrivals, abort), eng
 
 
-def _drive(eng: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+def _drive(eng: Engine, arrivals: dict[int, list[tuple]],
            abort: dict[int, list[str]] | None = None) -> dict[str, dict]:
     got: dict[str, dict] = {}
     step = 0
     while step <= max(arrivals) or eng.has_unfinished():
-        for rid, prompt, params in arrivals.get(step, []):
-            eng.add_request(prompt, params, request_id=rid)
+        for rid, prompt, params, *grammar in arrivals.get(step, []):
+            eng.add_request(prompt, params, request_id=rid, constraint=grammar[0]() if grammar else None)
             got[rid] = {"tokens": [], "finish": None, "logprobs": [], "stop": None}
         for rid in (abort or {}).get(step, []):
             eng.abort(rid)
@@ -133,6 +161,44 @@ def test_a_step_that_needs_its_tokens_first_runs_in_order(demo_model_dir, blocke
     assert 0 < eng.num_deferred_steps < eng.num_steps - 1
 
 
+def test_a_grammar_sees_each_token_before_it_masks_the_next_while_steps_overlap(demo_model_dir, monkeypatch):
+    a, b = [3, 64, 65, 900], [7, 8, 1279]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    arrivals = {0: [("plain", _ids(12, 70), greedy), ("json", _ids(9, 71), seeded, lambda: Alternating(a, b, 9))],
+                2: [("late", _ids(20, 72), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                     lambda: Alternating(b, a, 30))]}
+    want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
+    log: list[str] = []
+    forward, result = ModelRunner.forward, DeferredSample.result
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, *a: (log.append("launch"), forward(self, *a))[1])
+    monkeypatch.setattr(DeferredSample, "result", lambda self: (log.append("read"), result(self))[1])
+    fill = Alternating.fill_bitmask
+    monkeypatch.setattr(Alternating, "fill_bitmask", lambda self, m, r: (log.append("mask"), fill(self, m, r))[1])
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
+    assert got == want
+    assert want["json"]["finish"] == "stop" and len(want["json"]["tokens"]) == 9
+    assert all(t in (a, b)[i % 2] for i, t in enumerate(want["json"]["tokens"]))
+    assert want["late"]["finish"] == "length" and all(t in (b, a)[i % 2] for i, t in enumerate(want["late"]["tokens"]))
+    # steps with grammars overlap too: each step's forward is launched, then the step before it read, then masked
+    steps = " ".join(log).split("launch")[1:]
+    assert eng.num_deferred_steps >= 8 and sum(s.startswith(" read mask") for s in steps) >= 8
+    assert all(s.index("read") < s.index("mask") for s in steps if "read" in s and "mask" in s)
+
+
+def test_a_grammar_that_rejects_a_token_ends_its_request_as_in_order(demo_model_dir):
+    class Refuses(Alternating):
+        def accept_token(self, token_id: int) -> bool:
+            return self.accepted < 4 and super().accept_token(token_id)
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    arrivals = {0: [("plain", _ids(12, 80), params), ("refused", _ids(8, 81), params, lambda: Refuses([5], [6], 9))]}
+    want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
+    assert got == want and want["refused"]["finish"] == "error" and want["refused"]["tokens"] == [5, 6, 5, 6]
+    assert eng.num_deferred_steps > 0
+
+
 def test_a_hybrid_model_keeps_its_recurrent_state_right(tiny_qwen3_next_dir):
     """Qwen3-Next's linear-attention state is advanced by the row a stopped request still computes, in a slot the
     request then gives back; its next owner starts clean. With state snapshots (prefix caching) the engine keeps
@@ -158,7 +224,8 @@ _SHARED = list(range(100, 132))  # two blocks that requests share, so prefix hit
 @st.composite
 def _workloads(draw) -> tuple[dict, dict]:
     """Up to six requests arriving over six steps: greedy, seeded, penalised or with logprobs; each samples among a
-    few allowed tokens, so its stop token (one of them, or none) ends it early often; some are aborted."""
+    few allowed tokens, so its stop token (one of them, or none) ends it early often; some follow a grammar; some
+    are aborted."""
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
     for i in range(draw(st.integers(1, 6))):
@@ -173,7 +240,11 @@ def _workloads(draw) -> tuple[dict, dict]:
                                         dict(temperature=0.0, logprobs=2),
                                         dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7,
                                              frequency_penalty=0.4)])))
-        arrivals.setdefault(draw(st.integers(0, 5)), []).append((f"r{i}", prompt, SamplingParams(**kw)))
+        request = (f"r{i}", prompt, SamplingParams(**kw))
+        if draw(st.integers(0, 3)) == 0:  # a grammar over the allowed tokens, alternating between two halves
+            half, length = len(allowed) // 2, draw(st.integers(1, 12))
+            request += (lambda a=allowed[:half], b=allowed[half:], n=length: Alternating(a, b, n),)
+        arrivals.setdefault(draw(st.integers(0, 5)), []).append(request)
         if draw(st.integers(0, 3)) == 0:
             aborts.setdefault(draw(st.integers(0, 12)), []).append(f"r{i}")
     return arrivals, aborts
