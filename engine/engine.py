@@ -466,12 +466,8 @@ class Engine:
                     sampled[seq.request_id], spec_ends[seq.request_id] = kept, why
                 continue
             tok = result.token_ids[i]
-            if seq.constraint is not None:
-                err = self._accept(seq, tok)
-                if err is not None:
-                    outputs.append(self._finish(seq, [], None, "error", error=err))
-                    continue
-            sampled[seq.request_id] = tok
+            if self._accepted(seq, tok, outputs):
+                sampled[seq.request_id] = tok
         self.scheduler.update(sched, sampled)
         self._finish_pooled(sched, outputs)
         for c, i in zip(chunks, starts):
@@ -508,11 +504,8 @@ class Engine:
                 outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
                 continue
             tok = result.token_ids[i]
-            if seq.constraint is not None:
-                err = self._accept(seq, tok)
-                if err is not None:
-                    outputs.append(self._finish(seq, [], None, "error", error=err))
-                    continue
+            if not self._accepted(seq, tok, outputs):
+                continue
             seq.output_token_ids[at] = tok
             lp = [result.logprobs[i]] if seq.params.logprobs is not None else None
             reason, stop_tok = self._stop_reason(seq, tok, at + 1, seq.num_prompt_tokens + at + 1)
@@ -547,6 +540,14 @@ class Engine:
             if why[0] is not None:
                 return tokens[:m], why, None
         return tokens, (None, None), None
+
+    def _accepted(self, seq: Sequence, tok: int, outputs: list[RequestOutput]) -> bool:
+        """Whether ``seq``'s constraint, if it has one, accepts ``tok``; when it refuses, ``seq`` ends with "error"
+        (its output appended to ``outputs``)."""
+        err = self._accept(seq, tok) if seq.constraint is not None else None
+        if err is not None:
+            outputs.append(self._finish(seq, [], None, "error", error=err))
+        return err is None
 
     @staticmethod
     def _accept(seq: Sequence, tok: int) -> str | None:
