@@ -27,13 +27,12 @@ from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
-from ember.engine.overlap import (PLACEHOLDER, InFlightStep, carried_tokens, defer_blocker, grammar_reads_first,
-                                  still_running)
+from ember.engine.overlap import InFlightStep, carried_tokens, defer_blocker, grammar_reads_first, still_running
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
-from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from ember.engine.speculative import Drafter, NgramIndex, parse_speculative_config, speculates
 from ember.engine.state_snapshots import StateSnapshots
 
@@ -438,7 +437,7 @@ class Engine:
         # one sampler row per sampled position: a speculative chunk's every position, its sequence repeated, each
         # row ahead of it by the drafts before that position
         ahead = [c.draft[:j] for c in chunks for j in range(1 + len(c.draft))] if any(c.draft for c in chunks) else None
-        defer = self.async_scheduling and defer_blocker(sched, chunks, self.max_model_len, scores) is None
+        defer = self.async_scheduling and defer_blocker(sched, chunks, scores) is None
         result = self.sampler(logits, [c.seq for c in chunks for _ in range(1 + len(c.draft))], self.eos_token_ids,
                               ahead, defer=defer)
         if self._inflight is not None:  # the previous step's tokens: read while this step computes

@@ -2,12 +2,14 @@
 
 With ``async_scheduling`` the engine launches step N+1 before it reads step N's sampled tokens, so the host's work
 between steps (recording tokens, stop checks, outputs, scheduling, metadata) runs while the device computes instead
-of between its steps. A deferred step appends `PLACEHOLDER` to each sampling sequence, which keeps every count
+of between its steps. A deferred step appends `sequence.PLACEHOLDER` to each sampling sequence, which keeps every count
 right (positions, KV slots, ``min_tokens``, seeded draws, penalty counts, the scheduler's lengths) while the value is
 unknown; step N+1's input row for that position takes the token on the device (`CarriedTokens`), and the engine
 writes the real value over the placeholder when it reads step N, before anything hashes or shows it.
 
-A sequence that step N ends (a stop token) is computed once more in step N+1 and that row is dropped. A grammar
+A sequence that step N ends by a stop token is computed once more in step N+1 and that row is dropped; one that
+step N ends by length (``max_tokens``, ``max_model_len``) is known to end from the count, so the scheduler leaves
+it out of step N+1 and the read finishes it. A grammar
 needs each token before it masks the next: step N+1 then reads step N after launching its forward and before its
 sampler (`grammar_reads_first`), so the grammar's work still runs while the device computes. What needs the value of
 the token before the next step can be scheduled keeps a step in order (`defer_blocker`).
@@ -24,9 +26,6 @@ from ember.engine.sampler import DeferredSample
 from ember.engine.scheduler import ScheduledChunk, SchedulerOutput
 from ember.engine.sequence import Sequence, SequenceStatus
 
-PLACEHOLDER = -1
-"""The output token a deferred step appends until its value is read."""
-
 
 @dataclass
 class InFlightStep:
@@ -41,8 +40,7 @@ class InFlightStep:
         return {c.seq: i for i, c in enumerate(self.chunks)}
 
 
-def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], max_model_len: int,
-                  scores_prompt: bool) -> str | None:
+def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], scores_prompt: bool) -> str | None:
     """Why this step must read its tokens before the next one is scheduled (None: it may run ahead)."""
     if scores_prompt:
         return "prompt rows are scored or pooled"
@@ -56,10 +54,6 @@ def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], max_mo
             return "speculative decoding drafts from the tokens"
         if p.bad_words_ids:
             return "bad words are matched against the tokens"
-        if p.max_tokens is not None and seq.num_output_tokens + 1 >= p.max_tokens:
-            return "a request reaches max_tokens"  # known now: finish it without computing one more
-        if seq.num_tokens + 1 >= max_model_len:
-            return "a request reaches max_model_len"
     return None
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from ember.engine import pooling
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.params import FinishReason
-from ember.engine.sequence import Sequence, SequenceStatus
+from ember.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from ember.engine.state_snapshots import StateSnapshots
 
 
@@ -199,7 +199,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not running:  # preempted earlier in this loop
+            if seq.status is not running or self._ends_when_read(seq):  # preempted earlier in this loop, or done
                 continue
             start, num_tokens = seq.num_computed_tokens, seq.num_tokens
             if seq.draft and start == num_tokens - 1:  # a speculative decode, when its blocks are free
@@ -317,6 +317,16 @@ class Scheduler:
         prompt's last token (0: none)."""
         bs = self.kv.block_size
         return (seq.num_prompt_tokens - 1) // bs * bs
+
+    def _ends_when_read(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s last token is still on the device (asynchronous scheduling) and ends it by length
+        whatever its value: ``max_tokens`` or ``max_model_len`` reached. Another step would compute a row that
+        nothing reads; the engine finishes ``seq`` when it reads that token."""
+        out = seq.output_token_ids
+        if not out or out[-1] != PLACEHOLDER:
+            return False
+        limit = seq.params.max_tokens
+        return (limit is not None and len(out) >= limit) or seq.num_tokens >= self.max_model_len
 
     def _cap(self, seq: Sequence, start: int, n: int) -> int:
         """``n`` new positions from ``start``, cut to end at the snapshot boundary when they would cross it. The cut

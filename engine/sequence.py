@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # constraint.py imports torch; the scheduling core stays pure
     from ember.engine.constraint import Constraint
 
 
+PLACEHOLDER = -1
+"""The output token a step launched ahead of its read (asynchronous scheduling) appends until its value is read."""
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

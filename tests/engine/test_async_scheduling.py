@@ -142,11 +142,36 @@ def test_the_next_step_is_launched_before_this_ones_tokens_are_read(demo_model_d
     while eng.has_unfinished():
         _, calls = counter.step(eng)
         reads.append(dict(calls))
-    # every step after the prefill is launched before the step before it is read; the last (max_tokens) reads its
-    # own tokens at once
-    assert log == ["launch"] + ["launch", "read"] * 9
-    # one device -> host read per decode step and nothing else; the last reads its own tokens and the step's before
-    assert reads[1:] == [{"tolist": 1}] * 8 + [{"tolist": 2}]
+    # every step after the prefill is launched before the step before it is read, the one that reaches max_tokens
+    # too: the requests' ends are known from the count, so the step after it schedules nothing and only reads it
+    assert log == ["launch"] + ["launch", "read"] * 9 + ["read"]
+    # one device -> host read per step and nothing else
+    assert reads[1:] == [{"tolist": 1}] * 10
+
+
+def test_requests_that_end_by_length_keep_every_step_overlapped(demo_model_dir):
+    """``max_tokens`` and ``max_model_len`` end a request whatever its last token is: the step that samples that
+    token runs ahead like any other, and the steps after it leave the request out (no row is computed for it)."""
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    arrivals = {0: [("short", _ids(10, 60), params(3)), ("long", _ids(12, 61), params(9)),
+                    ("context", _ids(30, 62), params(None))],
+                2: [("late", _ids(8, 63), params(4)), ("one", _ids(6, 64), params(1))]}
+    runs = {}
+    for async_scheduling in (False, True):
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, max_model_len=40,
+                                     async_scheduling=async_scheduling)
+        rows: list[int] = []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: (lambda out: rows.append(sum(c.num_tokens for c in out.chunks)) or out)(
+            schedule())
+        runs[async_scheduling] = _drive(eng, arrivals), eng, sum(rows)
+    (want, _, want_rows), (got, eng, got_rows) = runs[False], runs[True]
+    assert got == want
+    assert want["context"]["finish"] == "length" and len(want["context"]["tokens"]) == 10  # max_model_len 40
+    assert eng.num_deferred_steps == eng.num_steps
+    assert got_rows == want_rows  # each prompt, then one row per output token but the last
 
 
 @pytest.mark.parametrize("blocked", ["bad_words", "prompt_logprobs"])
@@ -158,7 +183,7 @@ def test_a_step_that_needs_its_tokens_first_runs_in_order(demo_model_dir, blocke
     want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
     got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
     assert got == want
-    assert 0 < eng.num_deferred_steps < eng.num_steps - 1
+    assert 0 < eng.num_deferred_steps < eng.num_steps  # (without the blocked request every step runs ahead)
 
 
 def test_a_grammar_sees_each_token_before_it_masks_the_next_while_steps_overlap(demo_model_dir, monkeypatch):
@@ -252,9 +277,11 @@ def _workloads(draw) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def engine_pairs(demo_model_dir) -> dict[int, tuple[Engine, Engine]]:
-    """In-order and asynchronous engines, with room for every request and with 8 blocks (they preempt each other)."""
-    return {blocks: (Engine.from_pretrained(demo_model_dir, num_kv_blocks=blocks),
-                     Engine.from_pretrained(demo_model_dir, num_kv_blocks=blocks, async_scheduling=True))
+    """In-order and asynchronous engines, with room for every request and with 8 blocks (they preempt each other);
+    a 72-token context, so long prompts end by ``max_model_len`` before their ``max_tokens``."""
+    return {blocks: (Engine.from_pretrained(demo_model_dir, num_kv_blocks=blocks, max_model_len=72),
+                     Engine.from_pretrained(demo_model_dir, num_kv_blocks=blocks, max_model_len=72,
+                                            async_scheduling=True))
             for blocks in (8, 256)}
 
 
