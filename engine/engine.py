@@ -27,7 +27,7 @@ from ember.engine.lora import LoRAStack
 from ember.engine.model_runner import ModelRunner, kv_bytes_per_block
 from ember.engine.models import classifier, get_model_class
 from ember.engine.models.layers import RotaryEmbedding
-from ember.engine.overlap import InFlightStep, carried_tokens, defer_blocker, grammar_reads_first, still_running
+from ember.engine.overlap import InFlightStep, carried_tokens, defer_blocker, reads_before_sampling, still_running
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
 from ember.engine.sampler import Sampler, validate_params
@@ -426,9 +426,9 @@ class Engine:
                 outputs = self._resolve()
             self.scheduler.update(sched, {})
             return self._finish_pooled(sched, outputs)
-        if grammar_reads_first(chunks, self._inflight):
-            # a grammar masks this step's row from its state after the previous step's token: read that step now
-            # (this step's forward is already queued), and what the read ends does not sample here
+        if reads_before_sampling(chunks, self._inflight):
+            # a grammar masks this step's row from its state after the previous step's token, bad words ban from the
+            # tokens: read that step now (this step's forward is already queued); what the read ends does not sample
             outputs = self._resolve()
             chunks, logits = still_running(chunks, logits)
             if not chunks:

@@ -9,10 +9,10 @@ writes the real value over the placeholder when it reads step N, before anything
 
 A sequence that step N ends by a stop token is computed once more in step N+1 and that row is dropped; one that
 step N ends by length (``max_tokens``, ``max_model_len``) is known to end from the count, so the scheduler leaves
-it out of step N+1 and the read finishes it. A grammar
-needs each token before it masks the next: step N+1 then reads step N after launching its forward and before its
-sampler (`grammar_reads_first`), so the grammar's work still runs while the device computes. What needs the value of
-the token before the next step can be scheduled keeps a step in order (`defer_blocker`).
+it out of step N+1 and the read finishes it. A grammar needs each token before it masks the next, and bad words
+before they ban the next: step N+1 then reads step N after launching its forward and before its sampler
+(`reads_before_sampling`), so that work still runs while the device computes. What needs the value of the token
+before the next step can be scheduled keeps a step in order (`defer_blocker`).
 """
 from __future__ import annotations
 
@@ -49,11 +49,8 @@ def defer_blocker(sched: SchedulerOutput, sampling: list[ScheduledChunk], scores
         if p.pooling is not None:
             return "a pooling request"
     for c in sampling:
-        seq, p = c.seq, c.seq.params
-        if c.draft or seq.drafter is not None:
+        if c.draft or c.seq.drafter is not None:
             return "speculative decoding drafts from the tokens"
-        if p.bad_words_ids:
-            return "bad words are matched against the tokens"
     return None
 
 
@@ -77,13 +74,14 @@ def carried_tokens(sched: SchedulerOutput, inflight: InFlightStep | None) -> Car
     return CarriedTokens(rows, sampled_rows, inflight.sample.tokens) if rows else None
 
 
-def grammar_reads_first(chunks: list[ScheduledChunk], inflight: InFlightStep | None) -> bool:
-    """Whether a constrained sequence of this step's sampling ``chunks`` has its previous token in ``inflight``: its
-    grammar must accept that token before this step's bitmask is filled."""
+def reads_before_sampling(chunks: list[ScheduledChunk], inflight: InFlightStep | None) -> bool:
+    """Whether a sequence of this step's sampling ``chunks`` whose next token depends on its last has that token in
+    ``inflight``: its grammar must accept it before this step's bitmask is filled, or its bad words be matched
+    against it before this step bans their last tokens."""
     if inflight is None:
         return False
     src = inflight.rows()
-    return any(c.seq.constraint is not None and c.seq in src for c in chunks)
+    return any((c.seq.constraint is not None or c.seq.params.bad_words_ids) and c.seq in src for c in chunks)
 
 
 def still_running(chunks: list[ScheduledChunk], logits: torch.Tensor

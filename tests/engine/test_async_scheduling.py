@@ -174,16 +174,30 @@ def test_requests_that_end_by_length_keep_every_step_overlapped(demo_model_dir):
     assert got_rows == want_rows  # each prompt, then one row per output token but the last
 
 
-@pytest.mark.parametrize("blocked", ["bad_words", "prompt_logprobs"])
-def test_a_step_that_needs_its_tokens_first_runs_in_order(demo_model_dir, blocked):
-    params = {"bad_words": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, bad_words_ids=[[5, 6]]),
-              "prompt_logprobs": SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1)}
+def test_a_step_that_scores_its_prompt_runs_in_order(demo_model_dir):
     arrivals = {0: [("plain", _ids(12, 50), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))],
-                3: [("blocked", _ids(12, 51), params[blocked])]}
+                3: [("scored", _ids(12, 51), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                            prompt_logprobs=1))]}
     want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
     got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
     assert got == want
-    assert 0 < eng.num_deferred_steps < eng.num_steps  # (without the blocked request every step runs ahead)
+    assert 0 < eng.num_deferred_steps < eng.num_steps  # (without the scored prompt every step runs ahead)
+
+
+def test_bad_words_are_matched_against_each_token_while_steps_overlap(demo_model_dir):
+    """A bad word bans its last token right after its other tokens: the step after them reads them (after launching
+    its forward) before it bans, so the tokens are the in-order engine's and every step still runs ahead."""
+    prompt = _ids(14, 52)
+    free = _greedy_tokens(demo_model_dir, prompt, 10)
+    word = [free[3], free[4]]  # greedy decoding would complete it: the ban changes the reply from the 5th token on
+    arrivals = {0: [("plain", _ids(12, 53), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)),
+                    ("banned", prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                      bad_words_ids=[word]))]}
+    want, _ = _run(demo_model_dir, arrivals, async_scheduling=False)
+    got, eng = _run(demo_model_dir, arrivals, async_scheduling=True)
+    assert got == want
+    assert want["banned"]["tokens"][:4] == free[:4] and want["banned"]["tokens"][4] != free[4]
+    assert eng.num_deferred_steps == eng.num_steps
 
 
 def test_a_grammar_sees_each_token_before_it_masks_the_next_while_steps_overlap(demo_model_dir, monkeypatch):
@@ -249,8 +263,8 @@ _SHARED = list(range(100, 132))  # two blocks that requests share, so prefix hit
 @st.composite
 def _workloads(draw) -> tuple[dict, dict]:
     """Up to six requests arriving over six steps: greedy, seeded, penalised or with logprobs; each samples among a
-    few allowed tokens, so its stop token (one of them, or none) ends it early often; some follow a grammar; some
-    are aborted."""
+    few allowed tokens, so its stop token (one of them, or none) ends it early often; some have a bad word, some
+    follow a grammar; some are aborted."""
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
     for i in range(draw(st.integers(1, 6))):
@@ -261,6 +275,8 @@ def _workloads(draw) -> tuple[dict, dict]:
         max_tokens = draw(st.integers(1, 40))
         kw = dict(max_tokens=max_tokens, min_tokens=draw(st.integers(0, min(3, max_tokens))),
                   allowed_token_ids=allowed, stop_token_ids=draw(st.lists(st.sampled_from(allowed), max_size=1)))
+        if len(allowed) >= 3 and draw(st.integers(0, 3)) == 0:  # its last token is banned right after the others
+            kw["bad_words_ids"] = [draw(st.lists(st.sampled_from(allowed), min_size=2, max_size=3))]
         kw.update(draw(st.sampled_from([dict(temperature=0.0), dict(temperature=1.0, seed=i),
                                         dict(temperature=0.0, logprobs=2),
                                         dict(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.7,
