@@ -30,7 +30,7 @@ from ember.engine.models.layers import RotaryEmbedding
 from ember.engine.overlap import InFlightStep, carried_tokens, defer_blocker, reads_before_sampling, still_running
 from ember.engine.params import FinishReason, RequestOutput, SamplingParams
 from ember.engine.prompt_logprobs import score_rows
-from ember.engine.sampler import Sampler, validate_params
+from ember.engine.sampler import Sampler, SamplerOutput, validate_params
 from ember.engine.scheduler import Scheduler, SchedulerOutput
 from ember.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from ember.engine.speculative import Drafter, NgramIndex, parse_speculative_config, speculates
@@ -453,7 +453,7 @@ class Engine:
         for c, i, end in zip(chunks, starts, starts[1:]):
             seq = c.seq
             if i in result.errors:
-                outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
+                outputs.append(self._unsampled(seq, result, i))
                 continue
             if c.draft:
                 # rows past one that could not sample (its constraint allows nothing there) are not checked
@@ -500,7 +500,7 @@ class Engine:
             if seq.status is SequenceStatus.FINISHED:
                 continue
             if i in result.errors:
-                outputs.append(self._finish(seq, [], None, "error", error=result.errors[i]))
+                outputs.append(self._unsampled(seq, result, i))
                 continue
             tok = result.token_ids[i]
             if not self._accepted(seq, tok, outputs):
@@ -539,6 +539,13 @@ class Engine:
             if why[0] is not None:
                 return tokens[:m], why, None
         return tokens, (None, None), None
+
+    def _unsampled(self, seq: Sequence, result: SamplerOutput, row: int) -> RequestOutput:
+        """End ``seq``, whose sampler row ``row`` could not sample, with "error" (``rejected`` where its own settings
+        left no token)."""
+        out = self._finish(seq, [], None, "error", error=result.errors[row])
+        out.rejected = row in result.rejected
+        return out
 
     def _accepted(self, seq: Sequence, tok: int, outputs: list[RequestOutput]) -> bool:
         """Whether ``seq``'s constraint, if it has one, accepts ``tok``; when it refuses, ``seq`` ends with "error"

@@ -74,3 +74,4 @@ class RequestOutput:
     queue_seconds: float | None = None  # from add_request to the first step that scheduled it (None: not yet)
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (with the first output), when requested
     embedding: list[float] | None = None  # the pooled hidden state (fp32, not normalized): a pooling request's end
+    rejected: bool = False  # with "error": the request's own settings caused it (a client error, not the server's)

@@ -45,6 +45,8 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
     errors: dict[int, str] = field(default_factory=dict)
     """Rows that could not sample (their constraint failed or allowed no token), with the reason."""
+    rejected: set[int] = field(default_factory=set)
+    """The rows of ``errors`` whose request's own settings (allowed tokens, bad words, min_tokens) left no token."""
 
 
 @dataclass
@@ -112,6 +114,16 @@ def position_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) >> 1
+
+
+def _no_token_left(seq: Sequence) -> str:
+    """Why ``seq``'s row has no token it may sample."""
+    c = seq.constraint
+    if c is not None:
+        msg = c.error_message() if hasattr(c, "error_message") else None
+        return msg or "the constraint allows no next token"
+    return ("no token may be sampled here: allowed_token_ids, bad_words and min_tokens (which bans the stop "
+            "tokens until then) exclude every one")
 
 
 def _completing_bad_words(output: list[int], words: Seq[Seq[int]]) -> set[int]:
@@ -222,10 +234,14 @@ class Sampler:
         pen_seqs = [seqs[i] for i in pen_rows]
         sample_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_EPS]
         con_rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        # rows whose allowed tokens, bans (bad words, stop tokens before min_tokens) may leave none (constrained
+        # rows are checked after their bitmask)
+        hard_rows = sorted(set(allow_rows).union(ban_rows).difference(con_rows)) if allow_rows or ban_rows else []
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         for name, values in (("bias_rows", bias_rows), ("bias_cols", bias_cols), ("ban_rows", ban_rows),
                              ("ban_cols", ban_cols), ("pen_rows", pen_rows), ("con_rows", con_rows),
-                             ("allow_rows", allow_rows), ("allow_at", allow_at), ("allow_cols", allow_cols)):
+                             ("allow_rows", allow_rows), ("allow_at", allow_at), ("allow_cols", allow_cols),
+                             ("hard_rows", hard_rows)):
             if values:
                 up.add(name, values)
         if pen_rows:
@@ -268,8 +284,13 @@ class Sampler:
                                      dev["rb_prompt_slots"], dev["rb_prompt_ids"])
             self._apply_penalties(logits, dev["pen_rows"], dev["pen_slots"], cfg, dev)
         dead = None
+        if con_rows or hard_rows:
+            dead = torch.zeros(n, device=logits.device)
+        if hard_rows:
+            dead.index_put_((dev["hard_rows"],), self._zero_dead(logits, dev["hard_rows"]))
         if con_rows:
-            dead = self._apply_bitmask(logits, dev["con_rows"], bitmask, filler_failed=bool(errors))
+            dead.index_put_((dev["con_rows"],), self._apply_bitmask(logits, dev["con_rows"], bitmask,
+                                                                    filler_failed=bool(errors)))
 
         logprobs_all = torch.log_softmax(logits, dim=-1) if lp_rows else None
         tokens = logits.argmax(dim=-1)
@@ -286,14 +307,14 @@ class Sampler:
         cols = [tokens.unsqueeze(1)]
         k = max((params[i].logprobs for i in lp_rows), default=0)
         if dead is not None:
-            cols.append(torch.zeros(n, 1, device=logits.device).index_put_((dev["con_rows"],), dead.unsqueeze(1)))
+            cols.append(dead.unsqueeze(1))
         if logprobs_all is not None:
             cols.append(logprobs_all.gather(1, tokens.unsqueeze(1)))
             if k > 0:
                 top_v, top_i = logprobs_all.topk(k, dim=-1)
                 cols += [top_v, top_i]
-        unpack = functools.partial(self._unpack, seqs=seqs, con_rows=con_rows, errors=errors, lp_rows=lp_rows, k=k,
-                                   has_dead=dead is not None)
+        unpack = functools.partial(self._unpack, seqs=seqs, dead_rows=con_rows + hard_rows, errors=errors,
+                                   lp_rows=lp_rows, k=k, has_dead=dead is not None)
         table = tokens.unsqueeze(1) if len(cols) == 1 else torch.cat([c.double() for c in cols], dim=1)
         if not defer:
             return unpack(table.tolist())
@@ -330,6 +351,15 @@ class Sampler:
         dead = torch.isneginf(sub).all(dim=1)
         zero = torch.ones_like(dead) if filler_failed else dead
         logits[rows] = torch.where(zero.unsqueeze(1), 0.0, sub)
+        return dead.float()
+
+    @staticmethod
+    def _zero_dead(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """1.0 per row of ``rows`` that has no token left (its logits become 0 so the draw stays finite; the request
+        ends with an error), else 0.0."""
+        sub = logits[rows]
+        dead = torch.isneginf(sub).all(dim=1)
+        logits[rows] = torch.where(dead.unsqueeze(1), 0.0, sub)
         return dead.float()
 
     @staticmethod
@@ -408,17 +438,18 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
-    def _unpack(rows: list[list[float]], seqs: Seq[Sequence], con_rows: list[int], errors: dict[int, str],
+    def _unpack(rows: list[list[float]], seqs: Seq[Sequence], dead_rows: list[int], errors: dict[int, str],
                 lp_rows: list[int], k: int, has_dead: bool) -> SamplerOutput:
         """Host lists from the one read -> tokens, errors of rows left with no allowed token, logprobs."""
         n = len(rows)
         tokens = [int(r[0]) for r in rows]
+        rejected = set()
         if has_dead:
-            for i in con_rows:
+            for i in dead_rows:
                 if rows[i][1] and i not in errors:
-                    c = seqs[i].constraint
-                    msg = c.error_message() if hasattr(c, "error_message") else None
-                    errors[i] = msg or "the constraint allows no next token"
+                    errors[i] = _no_token_left(seqs[i])
+                    if seqs[i].constraint is None:
+                        rejected.add(i)
         for i in errors:
             tokens[i] = -1
         lps: list[TokenLogprob | None] = [None] * n
@@ -430,4 +461,4 @@ class Sampler:
             kk = seqs[i].params.logprobs
             top = [(int(r[first + 1 + k + m]), r[first + 1 + m]) for m in range(kk)] if kk else []
             lps[i] = TokenLogprob(token_id=tokens[i], logprob=r[first], top=top)
-        return SamplerOutput(token_ids=tokens, logprobs=lps, errors=errors)
+        return SamplerOutput(token_ids=tokens, logprobs=lps, errors=errors, rejected=rejected)

@@ -270,6 +270,11 @@ class Run:
             self.rejected = step.end.rejected and (self.rejected or not self.errors)
             self.errors.append(step.end.error or "generation failed")
 
+    @property
+    def error_status(self) -> int:
+        """The HTTP status of this run's errors: 400 where the request's own settings failed it, else 500."""
+        return 400 if self.rejected else 500
+
     def raise_for_errors(self) -> None:
         if self.errors:
             if self.rejected:
@@ -306,5 +311,5 @@ async def collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def stream_error(message: str) -> str:
-    return sse_line(openai_error_body(ApiError(500, message)))
+def stream_error(message: str, status: int = 500) -> str:
+    return sse_line(openai_error_body(ApiError(status, message)))

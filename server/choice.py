@@ -27,7 +27,7 @@ class ChoiceEnd:
     reason: EndReason
     stop_string: str | None = None
     error: str | None = None
-    rejected: bool = False  # the engine refused the request before generating (e.g. it can never fit the KV cache)
+    rejected: bool = False  # the request's own settings failed it (it can never fit the KV cache, no token allowed)
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: not known)
 
 

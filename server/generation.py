@@ -192,7 +192,7 @@ def _end_reason(engine_reason: str | None) -> str:
 
 def _end(out: RequestOutput) -> ChoiceEnd:
     return ChoiceEnd(_end_reason(out.finish_reason), error=out.error,  # type: ignore[arg-type]
-                     cached_tokens=out.num_cached_tokens)
+                     cached_tokens=out.num_cached_tokens, rejected=out.rejected)
 
 
 async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None

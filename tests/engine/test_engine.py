@@ -259,6 +259,29 @@ def test_bad_words_ban_the_token_that_would_complete_them(demo_model_dir):
     assert all(got[i:i + 2] != pair for i in range(len(got) - 1))
 
 
+@pytest.mark.parametrize("settings,sampled", [
+    (dict(bad_words_ids=[[5], [6, 6]]), [6]),  # 5 always banned, 6 after a 6
+    (dict(bad_words_ids=[[5], [6, 6]], temperature=1.0, seed=3), [6]),
+    (dict(allowed_token_ids=[5], min_tokens=2, stop_token_ids=[5]), []),  # the one token is a stop before min_tokens
+], ids=["bad-words-greedy", "bad-words-seeded", "min-tokens"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-order", "async"])
+def test_a_request_whose_settings_leave_no_token_ends_with_a_client_error(demo_model_dir, settings, sampled,
+                                                                           async_scheduling):
+    """Where allowed_token_ids, bad words and min_tokens together ban every token, the request ends with "error",
+    marked as its own settings' fault (the server answers 400), after the tokens it could sample: it never emits a
+    token it banned. The request beside it is untouched."""
+    eng = _engine(demo_model_dir, async_scheduling=async_scheduling)
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True, allowed_token_ids=[5, 6])
+    stuck = eng.add_request(_ids(9, 40), SamplingParams(**{**kw, **settings}))
+    free = eng.add_request(_ids(12, 41), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    done = _drain(eng)
+    end = done[stuck][-1]
+    assert _tokens(done[stuck]) == sampled
+    assert end.finish_reason == "error" and end.rejected and "allowed_token_ids, bad_words and min_tokens" in end.error
+    alone = eng.add_request(_ids(12, 41), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert _tokens(done[free]) == _tokens(_drain(eng)[alone]) and not done[free][-1].rejected
+
+
 def test_cache_salt_shares_prefix_blocks_only_within_a_salt(demo_model_dir):
     eng = _engine(demo_model_dir)
     prompt = _ids(64, 33)

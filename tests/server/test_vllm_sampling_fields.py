@@ -35,6 +35,22 @@ def test_bad_words_never_appear(demo_server):
     assert word_id in free and word_id not in banned
 
 
+def test_settings_that_ban_every_token_are_a_client_error(demo_server):
+    """allowed_token_ids whose one token is a stop token banned until min_tokens: no token may be sampled. The
+    reply is a 400 naming the settings (a stream ends with an invalid_request_error event), never a token outside
+    allowed_token_ids."""
+    body = dict(prompt="Once", max_tokens=4, allowed_token_ids=[300], stop_token_ids=[300], min_tokens=2)
+    r = _post(demo_server, "/v1/completions", **body)
+    assert r.status_code == 400, r.text
+    assert "allowed_token_ids, bad_words and min_tokens" in r.json()["error"]["message"]
+    with httpx.stream("POST", demo_server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"invalid_request_error"' in events[-1] and "min_tokens" in events[-1]
+    chat = _post(demo_server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                 **{k: v for k, v in body.items() if k != "prompt"})
+    assert chat.status_code == 400 and chat.json()["error"]["type"] == "invalid_request_error", chat.text
+
+
 def test_cache_salt_keeps_cached_prefixes_apart(demo_server):
     client = demo_server.openai()
     long = "Once upon a time there was a little robot who loved to read. " * 6
