@@ -287,7 +287,7 @@ class Sampler:
         if con_rows or hard_rows:
             dead = torch.zeros(n, device=logits.device)
         if hard_rows:
-            dead.index_put_((dev["hard_rows"],), self._zero_dead(logits, dev["hard_rows"]))
+            dead.index_put_((dev["hard_rows"],), self._zero_dead(logits, dev["hard_rows"], logits[dev["hard_rows"]]))
         if con_rows:
             dead.index_put_((dev["con_rows"],), self._apply_bitmask(logits, dev["con_rows"], bitmask,
                                                                     filler_failed=bool(errors)))
@@ -347,19 +347,18 @@ class Sampler:
         where no token is left (its logits become 0 so the draw stays finite; the request ends with an error).
         When the filler failed (its error is already known) every constrained row is zeroed."""
         allowed = ((bitmask[:, self._word_of] >> self._bit_of) & 1).bool()
-        sub = logits[rows].masked_fill(~allowed, float("-inf"))
-        dead = torch.isneginf(sub).all(dim=1)
-        zero = torch.ones_like(dead) if filler_failed else dead
-        logits[rows] = torch.where(zero.unsqueeze(1), 0.0, sub)
-        return dead.float()
+        return self._zero_dead(logits, rows, logits[rows].masked_fill(~allowed, float("-inf")),
+                               zero_all=filler_failed)
 
     @staticmethod
-    def _zero_dead(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """1.0 per row of ``rows`` that has no token left (its logits become 0 so the draw stays finite; the request
-        ends with an error), else 0.0."""
-        sub = logits[rows]
+    def _zero_dead(logits: torch.Tensor, rows: torch.Tensor, sub: torch.Tensor, zero_all: bool = False
+                   ) -> torch.Tensor:
+        """Write ``sub`` (the new logits of ``rows``) into ``logits``; 1.0 per row that has no token left (its logits
+        become 0 so the draw stays finite; the request ends with an error), else 0.0. ``zero_all`` zeroes every row
+        (their error is already known)."""
         dead = torch.isneginf(sub).all(dim=1)
-        logits[rows] = torch.where(dead.unsqueeze(1), 0.0, sub)
+        zero = torch.ones_like(dead) if zero_all else dead
+        logits[rows] = torch.where(zero.unsqueeze(1), 0.0, sub)
         return dead.float()
 
     @staticmethod
