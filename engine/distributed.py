@@ -2,9 +2,13 @@
 
 Rank 0 (the driver) owns the scheduler, the sampler and the API; ranks 1..N-1 (workers, spawned processes) each hold
 a shard of every layer and its share of the KV heads. Every model-runner call on the driver (allocate the KV cache,
-profile, forward) is first broadcast as a `RunnerCommand`, so all ranks run the same forwards and meet at the same
-all-reduces. Attention heads and MLP (and expert) intermediate channels are split evenly: column-parallel projections
-(q/k/v, gate/up) keep rows ``[rank*n/N, (rank+1)*n/N)``, row-parallel ones (o, down) keep those columns and
+profile, run a step) is first broadcast as a `RunnerCommand`, so all ranks run the same forwards and meet at the
+same all-reduces. A step travels as the host buffers the driver staged its inputs in (`ModelRunner.stage`), and the
+tokens it carries from the step still in flight (asynchronous scheduling) by a device broadcast: no rank reads the
+device back to start a step.
+
+Attention heads and MLP (and expert) intermediate channels are split evenly: column-parallel projections (q/k/v,
+gate/up) keep rows ``[rank*n/N, (rank+1)*n/N)``, row-parallel ones (o, down) keep those columns and
 all-reduce their output (their bias is loaded on rank 0 only, so it is added once); embeddings, norms, routers and
 the LM head are replicated. Each rank reads only its slice of every tensor from the safetensors files. Quantized
 checkpoints split alike: NVFP4 block scales with their packed weight (whole 16-input blocks), per-tensor scales
@@ -30,9 +34,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from ember.engine import fp8_loading, loader
-from ember.engine.attention import AttentionMetadata, RecurrentMetadata
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig
-from ember.engine.model_runner import ModelRunner
+from ember.engine.model_runner import CarriedTokens, ModelRunner, StagedStep
+from ember.engine.scheduler import SchedulerOutput
 from ember.kernels import fp8_block
 
 log = logging.getLogger(__name__)
@@ -416,26 +420,6 @@ def _load_shard(model_dir: str, spec: ShardSpec, tp: TensorParallel,
     return attach(model, tp), cfg
 
 
-def _host(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.cpu()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_host(v) for v in x)
-    if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
-        return dataclasses.replace(x, **{f.name: _host(getattr(x, f.name)) for f in dataclasses.fields(x)})
-    return x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, (AttentionMetadata, RecurrentMetadata)):
-        return dataclasses.replace(x, **{f.name: _to(getattr(x, f.name), device) for f in dataclasses.fields(x)})
-    return x
-
-
 def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: ShardSpec) -> None:
     """A worker: load this rank's shard, report, then replay the driver's runner commands until told to stop."""
     torch.set_num_threads(spec.num_threads)
@@ -447,7 +431,7 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
         runner, error = None, None
         try:
             model, cfg = _load_shard(model_dir, spec, tp, device)
-            runner = ModelRunner(model, cfg, spec.block_size, device, spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+            runner = WorkerRunner(model, cfg, spec.block_size, device, spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
             runner.shard = (rank, world_size)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -458,9 +442,26 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
             cmd: RunnerCommand | None = tp.broadcast(None)
             if cmd is None:
                 break
-            getattr(runner, cmd.method)(*(_to(a, device) for a in cmd.args))
+            getattr(runner, cmd.method)(*cmd.args)
     finally:
         dist.destroy_process_group()
+
+
+class WorkerRunner(ModelRunner):
+    """A worker rank's model runner: runs the steps the driver staged, with the carried tokens it broadcasts."""
+
+    @torch.inference_mode()
+    def run_staged(self, st: StagedStep) -> None:
+        """Load the driver's host buffers into this rank's staging and run the forward (logits stay unused)."""
+        self._staged64.host(st.h64.shape[0])[:] = st.h64
+        self._staged32.host(st.h32.shape[0])[:] = st.h32
+        self.forward(*self.load(st))
+
+    def carried_values(self, carried: CarriedTokens | None, sampled_rows: torch.Tensor) -> torch.Tensor:
+        """The driver's carried tokens, broadcast device to device (no host read on either side)."""
+        values = torch.empty(sampled_rows.shape[0], dtype=torch.int64, device=self.device)
+        dist.broadcast(values, src=0)
+        return values
 
 
 class DriverRunner(ModelRunner):
@@ -472,7 +473,7 @@ class DriverRunner(ModelRunner):
         self.workers = workers
 
     def _send(self, method: str, *args: Any) -> None:
-        self.tp.broadcast(RunnerCommand(method, tuple(_host(a) for a in args)))
+        self.tp.broadcast(RunnerCommand(method, args))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._send("allocate_kv_cache", num_blocks)
@@ -493,9 +494,18 @@ class DriverRunner(ModelRunner):
         self._send("capture_decode_graphs", max_num_seqs, max_model_len)
         super().capture_decode_graphs(max_num_seqs, max_model_len)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self._send("forward", input_ids, meta)
-        return super().forward(input_ids, meta)
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, carried: CarriedTokens | None = None) -> torch.Tensor:
+        """Stage the step on the host and send those buffers, so no rank reads a device value back: the tokens the
+        previous step left on the device (asynchronous scheduling) follow by a device broadcast."""
+        st = self.stage(out, carried)
+        self._send("run_staged", st)
+        return self.forward(*self.load(st, carried))
+
+    def carried_values(self, carried: CarriedTokens | None, sampled_rows: torch.Tensor) -> torch.Tensor:
+        values = super().carried_values(carried, sampled_rows)
+        dist.broadcast(values, src=0)
+        return values
 
     def enable_lora(self, slots: int, max_rank: int) -> None:
         self._send("enable_lora", slots, max_rank)

@@ -11,7 +11,8 @@ Host syncs: `prepare` fills two persistent host buffers (int64: token IDs, posit
 recurrent models, the one-token chunks' token indices, state slots and keep flags; int32:
 query starts, sequence lengths, block table) and uploads each with one non-blocking copy from pinned memory
 (`ember.engine.staging`); nothing in `prepare` or the forward reads a device value back, so a decode step's only
-device -> host read is the sampler's.
+device -> host read is the sampler's. `prepare` is `stage` (host only: the buffers, a `StagedStep`) then `load` (the
+uploads and the metadata over them), the split a tensor-parallel driver sends its workers through.
 """
 from __future__ import annotations
 
@@ -44,6 +45,34 @@ class CarriedTokens:
     sampled_rows: list[int]
     tokens: torch.Tensor
     """The earlier step's sampled token IDs (int64 ``[S]``, on the device)."""
+
+
+@dataclass
+class StagedStep:
+    """A step's inputs on the host, as `ModelRunner.stage` wrote them into its staging buffers: what `load` turns
+    into the forward's tensors (a tensor-parallel worker gets a copy and loads it the same way)."""
+
+    h64: np.ndarray
+    """ids [T] | positions [T] | slots [T] | logits and score indices [S] | recurrent decode rows [3R] | carried rows
+    [C] | their sampled rows [C]"""
+    h32: np.ndarray
+    """query starts [B+1] | sequence lengths [B] | block table [B, width]"""
+    num_tokens: int
+    num_seqs: int
+    width: int
+    num_logits: int
+    num_rows: int
+    """Logits rows plus prompt-scoring rows."""
+    num_recurrent: int
+    num_carried: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    prefills: list[tuple[int, int, int, bool]]
+    state_restores: list[tuple[int, int]]
+    state_saves: list[tuple[int, int]]
+    token_type_starts: list[int] | None
+    lora: tuple[list[int], list[int]] | None
+    """Each chunk's adapter slot and token count, when the runner serves adapters."""
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -119,6 +148,10 @@ class ModelRunner:
         ``carried`` rows' ids come from the previous step's tokens on the device (their host value is a placeholder).
 
         The tensors are views of persistent device buffers, valid until the next `prepare`."""
+        return self.load(self.stage(out, carried), carried)
+
+    def stage(self, out: SchedulerOutput, carried: CarriedTokens | None = None) -> StagedStep:
+        """The host half of `prepare`: fill the staging buffers from the scheduler's chunks (no device work)."""
         bs = self.block_size
         chunks = out.chunks
         b = len(chunks)
@@ -176,35 +209,51 @@ class ModelRunner:
                 li[k:k + q] = np.arange(row - n + lo - start, row - n + lo - start + q)
                 k += q
             max_q, max_k = max(max_q, n), max(max_k, end)
+        token_types = None
+        if getattr(self.model, "reads_token_types", False):
+            token_types = [-1 if c.seq.params.token_type_start is None else c.seq.params.token_type_start
+                           for c in chunks]
+        lora = ([c.seq.lora_slot for c in chunks], [c.num_tokens for c in chunks]) if self.lora is not None else None
+        return StagedStep(h64, h32, t, b, width, k0, s, r, c, max_q, max_k, prefills, out.state_restores,
+                          out.state_saves, token_types, lora)
+
+    def load(self, st: StagedStep, carried: CarriedTokens | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The device half of `prepare`: upload the staging buffers `stage` filled and build the metadata over
+        them; ``carried`` supplies the carried rows' tokens (`carried_values`)."""
+        t, b, s, k0, r, c = st.num_tokens, st.num_seqs, st.num_rows, st.num_logits, st.num_recurrent, st.num_carried
+        n64 = st.h64.shape[0]
         d64 = self._staged64.upload(n64)
-        d32 = self._staged32.upload(2 * b + 1 + b * width)
+        d32 = self._staged32.upload(st.h32.shape[0])
         if c:
-            d64[:t].index_copy_(0, d64[n64 - 2 * c:n64 - c], carried.tokens.index_select(0, d64[n64 - c:]))
+            d64[:t].index_copy_(0, d64[n64 - 2 * c:n64 - c], self.carried_values(carried, d64[n64 - c:]))
         meta = AttentionMetadata(
             query_start_loc=d32[:b + 1],
             seq_lens=d32[b + 1:2 * b + 1],
-            block_table=d32[2 * b + 1:].view(b, width),
+            block_table=d32[2 * b + 1:].view(b, st.width),
             slot_mapping=d64[2 * t:3 * t],
             positions=d64[t:2 * t],
             logits_indices=d64[3 * t:3 * t + k0],
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
+            max_seqlen_q=st.max_seqlen_q,
+            max_seqlen_k=st.max_seqlen_k,
             score_indices=d64[3 * t + k0:3 * t + s] if s > k0 else None,
         )
-        if getattr(self.model, "reads_token_types", False):  # an encoder step: one small upload, no graphs
-            meta.token_type_starts = torch.tensor([-1 if c.seq.params.token_type_start is None
-                                                   else c.seq.params.token_type_start for c in chunks],
-                                                  dtype=torch.int64).to(self.device, non_blocking=True)
-        if self.lora is not None:
-            slots = [c.seq.lora_slot for c in chunks]
-            meta.lora_rows = self.lora.group_rows(slots, [c.num_tokens for c in chunks])
+        if st.token_type_starts is not None:  # an encoder step: one small upload, no graphs
+            meta.token_type_starts = torch.tensor(st.token_type_starts, dtype=torch.int64).to(self.device,
+                                                                                              non_blocking=True)
+        if st.lora is not None:
+            slots, counts = st.lora
+            meta.lora_rows = self.lora.group_rows(slots, counts)
             if self.graphs is not None and t == b:  # a decode step: a graph may replay it
                 meta.lora_row_slots = self.lora.row_slots(slots)
         if self.recurrent:
             rec = d64[3 * t + s:3 * t + s + 3 * r].view(3, r)
-            meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), prefills, out.state_restores,
-                                               out.state_saves)
+            meta.recurrent = RecurrentMetadata(rec[0], rec[1], rec[2].float(), st.prefills, st.state_restores,
+                                               st.state_saves)
         return d64[:t], meta
+
+    def carried_values(self, carried: CarriedTokens, sampled_rows: torch.Tensor) -> torch.Tensor:
+        """The tokens of the carried rows (int64 ``[c]``, on the device): the earlier step's ``sampled_rows``."""
+        return carried.tokens.index_select(0, sampled_rows)
 
     @staticmethod
     def _fill_recurrent(chunks: list, rows: np.ndarray) -> list[tuple[int, int, int, bool]]:
@@ -235,7 +284,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`execute` after `prepare`: the step a tensor-parallel driver replays on its workers.
+        """`execute` after `prepare`: the model over the loaded step (every tensor-parallel rank runs it).
 
         With decode graphs, a decode step's logits are a view of the graph's output buffer, valid until the next
         step."""

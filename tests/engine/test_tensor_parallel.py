@@ -172,6 +172,54 @@ def test_async_engine_with_two_ranks_matches_and_stops_its_workers(llama_dir):
     _assert_workers_exited(workers)
 
 
+def _all_at_once(engine: Engine, prompts: list[list[int]], counter=None) -> tuple[list[list[int]], list[dict]]:
+    """Greedy tokens of ``prompts`` added together, and the host reads of each step (with a ``SyncCounter``)."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    out, reads = {r: [] for r in ids}, []
+    while engine.has_unfinished():
+        outs, calls = counter.step(engine) if counter is not None else (engine.step(), {})
+        for o in outs:
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+        reads.append(dict(calls))
+    return [out[r] for r in ids], reads
+
+
+def test_overlapped_steps_under_tensor_parallelism_read_the_device_once(qwen3_dir, monkeypatch):
+    """With asynchronous scheduling the driver sends each step's host buffers, not device tensors, and the tokens
+    of the step in flight reach the worker by a device broadcast: every step reads the device at most once (its
+    sampled tokens), as in one process, and the tokens are one process's."""
+    from ember.engine.distributed import TensorParallel
+    from tests.engine.test_host_syncs import SyncCounter
+
+    prompts = _prompts()[:4]
+    expected, _ = _all_at_once(Engine.from_pretrained(qwen3_dir, **ENGINE_OPTIONS), prompts)
+    engine = Engine.from_pretrained(qwen3_dir, tensor_parallel_size=2, async_scheduling=True, **ENGINE_OPTIONS)
+    workers = list(engine.runner.workers)
+    counter = SyncCounter(monkeypatch)
+    broadcast = TensorParallel.broadcast
+
+    def unobserved(self, obj):  # pickling a command over the gloo control group touches only host tensors
+        active, counter.active = counter.active, False
+        try:
+            return broadcast(self, obj)
+        finally:
+            counter.active = active
+
+    monkeypatch.setattr(TensorParallel, "broadcast", unobserved)
+    try:
+        got, reads = _all_at_once(engine, prompts, counter)
+    finally:
+        engine.shutdown()
+    _assert_workers_exited(workers)
+    assert got == expected
+    assert engine.num_deferred_steps >= NEW_TOKENS
+    decode = reads[reads.index({"tolist": 1}):]  # the CPU attention backend reads back in prefill steps
+    assert all(r in ({}, {"tolist": 1}) for r in decode), reads
+    assert sum(r == {"tolist": 1} for r in decode) >= NEW_TOKENS
+
+
 @pytest.mark.parametrize("field,change,tp", [
     ("num_key_value_heads", {"num_key_value_heads": 1}, 2),
     ("num_attention_heads", {}, 3),
