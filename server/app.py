@@ -33,6 +33,7 @@ from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_con
                         check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
                         model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
                         truncate_prompt, vllm_sampling_extras)
+from .body_check import CheckedRoute
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
@@ -518,6 +519,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **docs)
+    app.router.route_class = CheckedRoute
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats),
                      responses=ResponseStore(config.responses_store_size))
     app.state.ember = st
