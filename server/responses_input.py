@@ -75,7 +75,7 @@ def _text(content: Any, where: str) -> Content:
             out.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS:
             raise bad_request(f"content part type {kind!r} is not supported by this text-only model",
                               param=f"{where}[{j}].type")
         key = "refusal" if kind == "refusal" else "text"
@@ -122,7 +122,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False) -> lis
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise bad_request(f"role {role!r} is not one of {', '.join(_ROLES)}", param=f"{where}.role")
             if "content" not in item:
                 raise bad_request("a message needs content", param=f"{where}.content")
