@@ -532,7 +532,7 @@ class Engine:
         tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
             if seq.constraint is not None:
-                err = self._accept(seq, tok)
+                err, _ = self._accept(seq, tok)
                 if err is not None:
                     return [], (None, None), err
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
@@ -541,8 +541,8 @@ class Engine:
         return tokens, (None, None), None
 
     def _unsampled(self, seq: Sequence, result: SamplerOutput, row: int) -> RequestOutput:
-        """End ``seq``, whose sampler row ``row`` could not sample, with "error" (``rejected`` where its own settings
-        left no token)."""
+        """End ``seq``, whose sampler row ``row`` could not sample, with "error" (``rejected``: its own settings and
+        grammar left no token)."""
         out = self._finish(seq, [], None, "error", error=result.errors[row])
         out.rejected = row in result.rejected
         return out
@@ -550,19 +550,23 @@ class Engine:
     def _accepted(self, seq: Sequence, tok: int, outputs: list[RequestOutput]) -> bool:
         """Whether ``seq``'s constraint, if it has one, accepts ``tok``; when it refuses, ``seq`` ends with "error"
         (its output appended to ``outputs``)."""
-        err = self._accept(seq, tok) if seq.constraint is not None else None
+        err, refused = self._accept(seq, tok) if seq.constraint is not None else (None, False)
         if err is not None:
-            outputs.append(self._finish(seq, [], None, "error", error=err))
+            out = self._finish(seq, [], None, "error", error=err)
+            out.rejected = refused
+            outputs.append(out)
         return err is None
 
     @staticmethod
-    def _accept(seq: Sequence, tok: int) -> str | None:
-        """Advance ``seq``'s constraint past ``tok``; why it refused (None: it accepted)."""
+    def _accept(seq: Sequence, tok: int) -> tuple[str | None, bool]:
+        """Advance ``seq``'s constraint past ``tok``: why it did not (None: it accepted), and whether it refused the
+        token (the request's grammar ends it: a client error) rather than failing."""
         try:
             ok = seq.constraint.accept_token(tok)
-            return None if ok else (seq.constraint.error_message() or f"the constraint rejected token {tok}")
+            return (None, False) if ok else (seq.constraint.error_message() or f"the constraint rejected token {tok}",
+                                             True)
         except Exception as e:
-            return f"constraint failed on token {tok}: {type(e).__name__}: {e}"
+            return f"constraint failed on token {tok}: {type(e).__name__}: {e}", False
 
     def _propose(self, chunks: list) -> None:
         """Draft tokens for the next step of each speculating sequence that sampled this step and still runs; none

@@ -117,13 +117,20 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def _no_token_left(seq: Sequence) -> str:
-    """Why ``seq``'s row has no token it may sample."""
+    """Why ``seq``'s row has no token it may sample: its grammar's own error, or the settings that together
+    exclude every token."""
     c = seq.constraint
+    msg = c.error_message() if c is not None and hasattr(c, "error_message") else None
+    if msg:
+        return msg
+    p = seq.params
+    limits = p.allowed_token_ids or p.bad_words_ids or seq.num_output_tokens < p.min_tokens
+    if c is not None and not limits:
+        return "no token may be sampled here: the structured-output constraint allows none"
+    settings = "allowed_token_ids, bad_words and min_tokens (which bans the stop tokens until then)"
     if c is not None:
-        msg = c.error_message() if hasattr(c, "error_message") else None
-        return msg or "the constraint allows no next token"
-    return ("no token may be sampled here: allowed_token_ids, bad_words and min_tokens (which bans the stop "
-            "tokens until then) exclude every one")
+        settings = "the structured-output constraint with " + settings
+    return f"no token may be sampled here: {settings} exclude every one"
 
 
 def _completing_bad_words(output: list[int], words: Seq[Seq[int]]) -> set[int]:
@@ -447,8 +454,7 @@ class Sampler:
             for i in dead_rows:
                 if rows[i][1] and i not in errors:
                     errors[i] = _no_token_left(seqs[i])
-                    if seqs[i].constraint is None:
-                        rejected.add(i)
+                    rejected.add(i)
         for i in errors:
             tokens[i] = -1
         lps: list[TokenLogprob | None] = [None] * n

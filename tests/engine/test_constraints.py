@@ -72,6 +72,7 @@ def test_rejected_token_ends_only_that_request_with_error(engine):
     outs = _drain(engine)
     assert outs[bad][-1].finish_reason == "error"
     assert outs[bad][-1].error == "rejected by the test grammar"
+    assert outs[bad][-1].rejected  # the request's grammar ended it: a client error
     assert sum(len(o.new_token_ids) for o in outs[bad]) == 2
     assert outs[ok][-1].finish_reason == "length"
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
@@ -83,7 +84,15 @@ def test_filler_failure_and_empty_mask_are_errors(engine):
     outs = _drain(engine)
     assert outs[boom][-1].finish_reason == "error" and "grammar exploded" in outs[boom][-1].error
     assert outs[none][-1].finish_reason == "error" and outs[none][-1].error
+    assert not outs[boom][-1].rejected  # the filler failed (every constrained row with it): the server's error
     assert not outs[boom][-1].new_token_ids and not outs[none][-1].new_token_ids
+
+
+def test_a_grammar_that_allows_no_token_is_the_requests_error(engine):
+    none = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5), constraint=AllowList([]))
+    end = _drain(engine)[none][-1]
+    assert end.finish_reason == "error" and end.rejected and not end.new_token_ids
+    assert "structured-output constraint allows none" in end.error
 
 
 def test_custom_bitmask_filler_is_used(demo_model_dir):

@@ -51,6 +51,21 @@ def test_settings_that_ban_every_token_are_a_client_error(demo_server):
     assert chat.status_code == 400 and chat.json()["error"]["type"] == "invalid_request_error", chat.text
 
 
+def test_a_grammar_that_allowed_token_ids_leave_nothing_to_is_a_client_error(demo_server):
+    """json_object with allowed_token_ids that hold no token JSON can start with: a 400 naming both, not a 500."""
+    body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=5, allowed_token_ids=[5],
+                response_format={"type": "json_object"}, chat_template_kwargs={"enable_thinking": False})
+    r = _post(demo_server, "/v1/chat/completions", **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "structured-output constraint with allowed_token_ids" in err["message"]
+    with httpx.stream("POST", demo_server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: {")]
+    assert '"invalid_request_error"' in events[-1] and "allowed_token_ids" in events[-1]
+
+
 def test_cache_salt_keeps_cached_prefixes_apart(demo_server):
     client = demo_server.openai()
     long = "Once upon a time there was a little robot who loved to read. " * 6
