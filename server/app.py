@@ -354,9 +354,11 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
 
 
 def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]:
+    """The stream events of one engine step; a message that ends in an error gets no message_delta/message_stop
+    (the error event that follows ends the stream, as Anthropic's do)."""
     run.note(step)
     out = enc.events(step.events, len(step.tokens))
-    if step.end is not None:
+    if step.end is not None and step.end.reason != "error":
         out += enc.finish(step.end)
     return out
 

@@ -152,3 +152,18 @@ def test_errors_are_typed(demo_server, keyed_server):
 def test_models_list_in_anthropic_shape(demo_server):
     page = demo_server.anthropic().models.list()
     assert [m.id for m in page.data] == [demo_server.model]
+
+
+def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_server):
+    """A schema whose every object must nest another (it can never close) fails once the grammar gives up: the stream
+    ends with an `error` event and no message_delta / message_stop before it, so the SDK raises instead of
+    yielding an empty end_turn message; the non-streaming reply is a 400 (the request's schema failed it)."""
+    body = {"model": demo_server.model, "max_tokens": 16, "messages": HI,
+            "output_config": {"format": {"type": "json_schema", "schema": {
+                "type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}}}}
+    with httpx.stream("POST", demo_server.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as s:
+        kinds = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-1] == "error", kinds
+    assert "message_delta" not in kinds and "message_stop" not in kinds
+    r = httpx.post(demo_server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
