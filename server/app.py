@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -326,10 +327,14 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     if tool_choice == "named":
         tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     fmt = body.output_config.format if body.output_config is not None else None
-    rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True}}
-    [constraint] = await build_constraints(
-        st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
-        parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
+    rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True},
+                                   "param": "output_config.format.schema"}
+    try:
+        [constraint] = await build_constraints(
+            st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
+    except ApiError as e:
+        raise _anthropic_tool_fields(e) from None
     check_capacity(st)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
@@ -351,6 +356,19 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     collected = await collect(request, noted_steps(st, req, run, not parallel))
     run.raise_for_errors()
     return JSONResponse(enc.body(collected))
+
+
+_OPENAI_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|parameters)")
+
+
+def _anthropic_tool_fields(err: ApiError) -> ApiError:
+    """``err`` naming the Anthropic tool fields (``tools[0].name``, ``tools[0].input_schema``) where the grammar
+    compiler named their OpenAI forms."""
+    def rename(m: re.Match) -> str:
+        return f"tools[{m.group(1)}].{'name' if m.group(2) == 'name' else 'input_schema'}"
+
+    return ApiError(err.status, _OPENAI_TOOL_FIELD.sub(rename, err.message),
+                    param=_OPENAI_TOOL_FIELD.sub(rename, err.param) if err.param else None, code=err.code)
 
 
 def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]:

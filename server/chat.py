@@ -183,6 +183,9 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
             if thinking:
                 set_reasoning(msg, "".join(thinking))
             if calls:
+                if i == len(messages) - 1:  # a continued reply cannot start after calls the template renders
+                    raise bad_request("the final assistant message ends with tool_use blocks: send their results "
+                                      "as tool_result blocks in a following user message", param=field)
                 msg["tool_calls"] = calls
             out.append(msg)
             continue

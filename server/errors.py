@@ -63,8 +63,10 @@ def openai_error_body(err: ApiError) -> dict[str, Any]:
 
 
 def anthropic_error_body(err: ApiError) -> dict[str, Any]:
+    """Anthropic's error shape, which has no ``param``: the message names the field itself."""
     etype = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": etype, "message": err.message}}
+    message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+    return {"type": "error", "error": {"type": etype, "message": message}}
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -76,27 +78,42 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|function-
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root and
-    without pydantic's union-member tags such as `str` or `list[...]` or model class names)."""
+    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root, without
+    pydantic's union-member tags such as `str` or `list[...]` or model class names, and without the tag value a
+    discriminated list's item carries after its index)."""
     parts = list(loc)
     if parts and parts[0] == "body":
         parts = parts[1:]
     out = ""
+    tagged = False  # the last tag was a discriminated union's: its item's tag value follows the index
     for p in parts:
         if isinstance(p, str) and _TYPE_TAG.match(p):
+            tagged = "tagged-union[" in p
             continue
         if isinstance(p, int):
             out += f"[{p}]"
-        else:
-            out += ("." if out else "") + str(p)
+            continue
+        if tagged:
+            tagged = False
+            continue
+        out += ("." if out else "") + str(p)
     return out
+
+
+def _first_error(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: the first, or the deepest error inside the field it names (a union whose string member
+    fails first while its list member names the bad item)."""
+    first = errors[0]
+    name = field_path(first.get("loc", ()))
+    inside = [e for e in errors[1:] if name and field_path(e.get("loc", ())).startswith((name + "[", name + "."))]
+    return max(inside, key=lambda e: len(field_path(e.get("loc", ())))) if inside else first
 
 
 def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     """A 400 from pydantic/FastAPI validation errors, naming the first bad field."""
     if not errors:
         return bad_request("Invalid request body")
-    first = errors[0]
+    first = _first_error(errors)
     loc = first.get("loc", ())
     name = field_path(loc)
     msg = str(first.get("msg", "invalid value"))
@@ -105,5 +122,5 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
         return bad_request(f"Request body is not valid JSON: {detail}", code="json_invalid")
     if not name:
         return bad_request(f"Invalid request body: {msg}")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return bad_request(f"Invalid value for '{name}': {msg}{more}", param=name)

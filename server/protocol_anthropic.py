@@ -4,7 +4,7 @@ Field names follow the Anthropic Messages API reference. Unknown fields are acce
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -32,7 +32,7 @@ class ToolUseBlock(_Lenient):
 class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock] | None = None
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
     is_error: bool | None = None
 
 
@@ -47,7 +47,10 @@ class RedactedThinkingBlock(_Lenient):
     data: str = ""
 
 
-ContentBlock = TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type")]
+"""A content block, chosen by its ``type`` (an unknown type is named as such, not as a failed string)."""
 
 
 class Message(_Lenient):
@@ -58,7 +61,7 @@ class Message(_Lenient):
 class ToolDef(_Lenient):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # required of custom tools (checked after the type)
     type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
 
 
@@ -104,6 +107,8 @@ class _MessagesBase(_Lenient):
         for i, t in enumerate(self.tools or ()):
             if t.type not in (None, "custom"):
                 raise ValueError(f"tools[{i}]: server tool type {t.type!r} is not supported")
+            if t.input_schema is None:
+                raise ValueError(f"tools[{i}].input_schema is required")
         if self.tool_choice is not None and self.tool_choice.type in ("any", "tool") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if self.tool_choice is not None and self.tool_choice.type == "tool":

@@ -167,3 +167,27 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
     assert "message_delta" not in kinds and "message_stop" not in kinds
     r = httpx.post(demo_server.url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+@pytest.mark.parametrize("extra,names", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, ["messages[0].content[0].text"]),
+    ({"messages": [{"role": "user", "content": [{"type": "txt", "text": "hi"}]}]}, ["messages[0].content[0]", "'txt'"]),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "source": {}}]}]},
+     ["messages[0].content[1].type", "'image'"]),
+    ({"tools": [{**WEATHER, "name": "bad name"}], "tool_choice": {"type": "any"}}, ["tools[0].name"]),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+     ["output_config.format.schema"]),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["server tool type 'web_search_20250305'"]),
+    ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+    ({"messages": [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                          "input": {}}]}]}, ["messages[1].content", "tool_result"]),
+])
+def test_bad_requests_name_the_anthropic_field(demo_server, extra, names):
+    """Anthropic errors carry no `param`: the message itself names the field, in the Messages API's own terms."""
+    body = {"model": demo_server.model, "max_tokens": 4, "messages": HI, **extra}
+    r = httpx.post(demo_server.url + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    message = r.json()["error"]["message"]
+    assert all(n in message for n in names), message
+    assert "function." not in message and "response_format" not in message
