@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from ember.parsers.initial import InitialState
 from ember.parsers.profiles import Profile
@@ -114,6 +115,59 @@ def _tools(tools: Sequence[Mapping] | None) -> list[_Tool]:
             raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema object")
         out.append(_Tool(name, dict(params), bool(fn.get("strict", False))))
     return out
+
+
+# ------------------------------------------------------------------------------------------ embedded tool schemas
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, never schemas: a ``$ref`` inside them is a value, not a reference."""
+
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+"""Keywords whose values map names (any string, ``const`` or ``$ref`` included) to schemas."""
+
+
+def _pointer(*tokens: str | int) -> str:
+    """The JSON pointer of ``tokens`` as a URI fragment (RFC 6901: ``~0``, ``~1``, then percent-encoding)."""
+    return "".join("/" + quote(str(t).replace("~", "~0").replace("/", "~1"), safe="!$&'()*+,;=:@~")
+                   for t in tokens)
+
+
+def _rebased(schema: Any, prefix: str) -> Any:
+    """A copy of ``schema`` that means the same once embedded at the JSON pointer ``prefix`` of a larger document:
+    each local reference (``#`` or ``#/...``) gets ``prefix`` in front. References under a nested ``$id`` (a
+    resource of its own, whose ``#`` is itself) and the values of data keywords are kept as they are."""
+    if isinstance(schema, list):
+        return [_rebased(s, prefix) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    own_id = schema.get("$id")
+    if isinstance(own_id, str) and not own_id.startswith("#"):
+        return dict(schema)
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + prefix + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: _rebased(sub, prefix) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, prefix)
+    return out
+
+
+def _has_local_refs(schema: Any) -> bool:
+    """Whether ``schema`` holds a local reference that moving it would change (`_rebased` would rewrite)."""
+    return _rebased(schema, "/x") != schema
+
+
+def _param_schema(tool: _Tool, name: str, schema: Mapping) -> Mapping:
+    """Parameter ``name``'s schema as a root of its own: ``schema`` itself, or (when the tool's schema holds local
+    references) a reference to it inside the whole tool schema, so ``#/$defs/...`` and ``#`` keep their meaning."""
+    if not _has_local_refs(tool.parameters):
+        return schema
+    return {"$defs": {"tool": _rebased(tool.parameters, _pointer("$defs", "tool"))},
+            "$ref": "#" + _pointer("$defs", "tool", "properties", name)}
 
 
 def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None]:
@@ -373,10 +427,7 @@ def _regex_literal(pattern: str, where: str = "response_format.regex") -> str:
 
 def _hermes_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
     """``<tool_call>\\n{"name": .., "arguments": {..}}\\n</tool_call>`` with one schema per tool keyed by name."""
-    entries = [{"type": "object",
-                "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = entries[0] if len(entries) == 1 else {"anyOf": entries}
+    schema = _wrapper_schema(tools, "arguments")
     g.add("call_json", _json_rule(schema, lenient=not all(t.strict for t in tools)))
     return g.add("call", f'{d.ref("tool_open")} "\\n" call_json "\\n" {d.ref("tool_close")}')
 
@@ -388,9 +439,11 @@ def _is_text_param(schema: Mapping) -> bool:
     return streams_as_string(types)
 
 
-def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, lazy: tuple[str, str] | None) -> str:
+def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, lazy: tuple[str, str] | None,
+               as_root: Mapping | None = None) -> str:
     """Rule for one tag-delimited argument value ending with ``close`` (a rule reference or literal): raw text where
-    the parser streams the value as a string (an enum/const of strings as its literals), else JSON of its schema.
+    the parser streams the value as a string (an enum/const of strings as its literals), else JSON of its schema
+    (of ``as_root``, the same schema as a root of its own, when given: see `_param_schema`).
     ``lazy`` = (closer regex, suffix literal) when the closer is text: a text value never contains the closer (the
     parser ends the value at its first occurrence) and ends lazily at the suffix; None when the closer is a token."""
     if _is_text_param(schema):
@@ -408,14 +461,15 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
         closer, suffix = lazy
         g.add(term, f"/(?s:.{span})/ & ~/(?s:.*){closer}(?s:.*)/")
         return g.add(rule, term, f"[suffix={suffix}]")
-    g.add(rule + "_json", _json_rule(schema, lenient=lenient))
+    g.add(rule + "_json", _json_rule(schema if as_root is None else as_root, lenient=lenient))
     return g.add(rule, f"{rule}_json {close}")
 
 
-def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: str, pad: str) -> str:
+def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: str, pad: str,
+                 as_root: Mapping | None = None) -> str:
     """Rule for one parameter value, ending with its ``pad + closer + "\\n"`` (Qwen3-Coder: ``\\n</parameter>\\n``)."""
     close = _lit(pad + closer + "\n")
-    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close))
+    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close), as_root)
 
 
 def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
@@ -460,7 +514,8 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool], many: bool) -> str:
             if not p or unwritable & set(p):
                 raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as "
                                    f"{key_open}{p}{tag_end}")
-            return f'{_lit(key_open + p + tag_end + pad)} {_coder_value(g, rule, ps, lenient, key_close, pad)}'
+            value = _coder_value(g, rule, ps, lenient, key_close, pad, _param_schema(t, p, ps))
+            return f'{_lit(key_open + p + tag_end + pad)} {value}'
 
         head = _lit(fn_open + t.name + tag_end + "\n")
         params = _param_set(g, k, t, param)
@@ -470,11 +525,12 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool], many: bool) -> str:
     return g.add("call", f'{d.ref("tool_open")} "\\n" {body} {d.ref("tool_close")}')
 
 
-def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool) -> str:
+def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool,
+               as_root: Mapping | None = None) -> str:
     """Rule for one GLM argument value, ending with its ``</arg_value>`` (a token, or text where the vocabulary lacks
     it)."""
     lazy = None if d.id("value_close") is not None else ("<\\/arg_value>", _lit(d.profile.terminals["value_close"]))
-    return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy)
+    return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy, as_root)
 
 
 def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
@@ -486,7 +542,7 @@ def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 
         def param(p: str, ps: Mapping, rule: str) -> str:
             return (f'{d.ref("key_open")} {_lit(p)} {d.ref("key_close")} "\\n" {d.ref("value_open")} '
-                    f'{_glm_value(g, d, rule, ps, lenient)} "\\n"')
+                    f'{_glm_value(g, d, rule, ps, lenient, _param_schema(t, p, ps))} "\\n"')
 
         params = _param_set(g, k, t, param)
         alts.append(g.add(f"t{k}_fn", f'{_lit(t.name + chr(10))} {params or ""}'.rstrip()))
@@ -523,21 +579,28 @@ def _harmony_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 
 
 def _wrapper_schema(tools: list[_Tool], args_key: str) -> dict:
-    """``{"name": NAME, args_key: {..}}`` with one schema per tool keyed by name (Llama 3 JSON, Mistral's list)."""
-    entries = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
-                "required": ["name", args_key], "additionalProperties": False} for t in tools]
-    return entries[0] if len(entries) == 1 else {"anyOf": entries}
+    """``{"name": NAME, args_key: {..}}`` with one schema per tool keyed by name (Hermes, Llama 3 JSON, Mistral's
+    list); each tool's local references still resolve inside its own schema."""
+    def entry(t: _Tool, at: tuple[str | int, ...]) -> dict:
+        args = _rebased(t.parameters, _pointer(*at, "properties", args_key))
+        return {"type": "object", "properties": {"name": {"const": t.name}, args_key: args},
+                "required": ["name", args_key], "additionalProperties": False}
+
+    if len(tools) == 1:
+        return entry(tools[0], ())
+    return {"anyOf": [entry(t, ("anyOf", k)) for k, t in enumerate(tools)]}
 
 
-def _python_value(g: _Lark, rule: str, schema: Mapping, lenient: bool) -> str:
+def _python_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, as_root: Mapping | None = None) -> str:
     """One pythonic keyword value: ``True``/``False``/``None`` for a boolean / null schema, else JSON of the schema
-    (JSON strings, numbers, lists and dicts are Python literals; the parser also reads a nested true/false/null)."""
+    (JSON strings, numbers, lists and dicts are Python literals; the parser also reads a nested true/false/null);
+    ``as_root`` as in `_tag_value`."""
     kind = schema.get("type")
     if kind == "boolean":
         return g.add(rule, '"True" | "False"')
     if kind == "null":
         return g.add(rule, '"None"')
-    return g.add(rule, _json_rule(schema, lenient=lenient))
+    return g.add(rule, _json_rule(schema if as_root is None else as_root, lenient=lenient))
 
 
 def _pythonic_call(g: _Lark, tools: list[_Tool]) -> str:
@@ -558,7 +621,8 @@ def _pythonic_call(g: _Lark, tools: list[_Tool]) -> str:
             if not isinstance(p, str) or not p.isidentifier():
                 raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} is not a Python identifier")
             ps = props[p] if isinstance(props[p], Mapping) else {}
-            items.append(f'{_lit(p + "=")} {_python_value(g, f"t{k}_v{b}", ps, not t.strict)}')
+            value = _python_value(g, f"t{k}_v{b}", ps, not t.strict, _param_schema(t, p, ps))
+            items.append(f'{_lit(p + "=")} {value}')
         # t{k}_f{i}: parameters i.. with nothing written yet; t{k}_s{i}: the same after a written one (", " first)
         after, first = '""', '""'
         for b in range(len(names) - 1, -1, -1):

@@ -12,7 +12,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,9 @@ from .compiler import GrammarError, GrammarPlan, ThinkingBudget
 __all__ = ["GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"]
 
 _MAX_MESSAGE = 600
+
+PROBE_STEPS = 8
+"""Tokens a newly compiled grammar is walked before it is admitted (`GrammarBackend._probe`)."""
 
 
 def build_ll_tokenizer(tokenizer: Any, *, vocab_size: int | None = None,
@@ -85,13 +88,16 @@ _STATE = ("_last", "in_reasoning", "_closed_once", "_may_open", "reasoning_token
 class GrammarConstraint:
     """One request's (one choice's) constraint: an llguidance matcher and/or a thinking budget.
 
-    Implements the engine's ``Constraint`` protocol. A rejected token ends the request with ``error_message()``; a
-    matcher that only allows EOS reports ``is_terminated()``.
+    Implements the engine's ``Constraint`` protocol. A rejected token, or a matcher that failed (a lexer that ran out
+    of fuel or states while computing a mask, after which llguidance would allow only EOS), ends the request with
+    ``error_message()``; a matcher that only allows EOS reports ``is_terminated()``. ``on_failure`` is called when
+    the matcher fails.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher | None, budget: ThinkingBudget | None, vocab_size: int,
-                 eos_ids: Iterable[int] = ()) -> None:
+                 eos_ids: Iterable[int] = (), on_failure: Callable[[], None] | None = None) -> None:
         self.matcher = matcher
+        self.on_failure = on_failure
         self.eos_ids = frozenset(eos_ids)
         self._last: int | None = None
         self.budget = budget
@@ -116,6 +122,7 @@ class GrammarConstraint:
             _only(bitmask, row, self.budget.close_id)
         elif self.matcher is not None and self._error is None:
             llgt.fill_next_token_bitmask(self.matcher, bitmask, row)
+            self.matcher_ok()
         else:
             bitmask[row].fill_(-1)
 
@@ -139,11 +146,27 @@ class GrammarConstraint:
             elif token_id == b.close_id and not self._closed_once:
                 self._may_open = False
         self._last = token_id
-        if self.matcher is not None and not self.matcher.consume_token(token_id):
-            self._error = f"structured output: token {token_id} rejected by the grammar: " \
-                          f"{_clean(self.matcher.get_error())}"
+        if self.matcher is None:
+            return True
+        if not self.matcher_ok():
             return False
-        return True
+        if not self.matcher.consume_token(token_id):
+            self._fail(f"structured output: token {token_id} rejected by the grammar: "
+                       f"{_clean(self.matcher.get_error())}")
+            return False
+        return self.matcher_ok()
+
+    def matcher_ok(self) -> bool:
+        """False (the request's error recorded) once the matcher has failed; it then masks all but EOS, which must
+        not pass for a completed answer."""
+        if self.matcher is not None and self._error is None and self.matcher.is_error():
+            self._fail(f"structured output: the grammar failed: {_clean(self.matcher.get_error())}")
+        return self._error is None
+
+    def _fail(self, message: str) -> None:
+        self._error = message
+        if self.on_failure is not None:
+            self.on_failure()
 
     def fill_bitmask_after(self, draft: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
         """The mask once ``draft`` were accepted (the engine's ``LookaheadConstraint``): the tokens are accepted,
@@ -175,6 +198,12 @@ class GrammarConstraint:
         return self._error
 
 
+def _allowed(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The tokens one int32 bitmask row allows, as a bool tensor of ``vocab_size``."""
+    bits = (row.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     bitmask[row].zero_()
     word, bit = divmod(token_id, 32)
@@ -195,6 +224,7 @@ class GrammarBackend:
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._specials: torch.Tensor | None = None
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer: Any, *, vocab_size: int | None = None, eos_ids: Iterable[int] = (),
@@ -234,11 +264,55 @@ class GrammarBackend:
         m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, **kwargs)
         if m.is_error():
             raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(m.get_error())}")
+        failure = self._probe(m)
+        if failure is not None:
+            raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(failure)}")
         with self._lock:
             self._cache[grammar] = m
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return m
+
+    def _probe(self, compiled: llguidance.LLMatcher) -> str | None:
+        """Why a copy of ``compiled`` fails within its first `PROBE_STEPS` tokens (None: it does not).
+
+        llguidance builds its lexer lazily, so a grammar whose lexer runs out of fuel or states fails only at the mask
+        that needs it; the probe catches what fails early on one path: at each step the first structure token the
+        mask allows (a delimiter such as ``</think>`` or ``<tool_call>``, which leads out of free text), else its
+        lowest token. Its copy shares ``compiled``'s lexer, which a failure leaves broken (the grammar is then not
+        cached)."""
+        probe = compiled.deep_copy()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.zeros(1, words, dtype=torch.int32)
+        for _ in range(PROBE_STEPS):
+            llgt.fill_next_token_bitmask(probe, bitmask, 0)
+            if probe.is_error():
+                return probe.get_error()
+            allowed = _allowed(bitmask[0], self.vocab_size) & ~self._eos_mask()
+            if probe.is_stopped() or not allowed.any():
+                return None
+            special = (allowed & self._special_mask()).nonzero()
+            token = int(special[0] if len(special) else allowed.nonzero()[0])
+            if not probe.consume_token(token):
+                return probe.get_error()
+        return None
+
+    def _special_mask(self) -> torch.Tensor:
+        if self._specials is None:
+            self._specials = torch.tensor([self.ll_tokenizer.is_special_token(i) for i in range(self.vocab_size)])
+        return self._specials
+
+    def _eos_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[list(self.eos_ids)] = True
+        return mask
+
+    def _forget(self, grammar: str, compiled: llguidance.LLMatcher) -> None:
+        """Drop ``grammar``'s cache entry while it is still ``compiled``: every copy of a compiled matcher shares its
+        lexer, which a failure in one of them leaves broken for all."""
+        with self._lock:
+            if self._cache.get(grammar) is compiled:
+                del self._cache[grammar]
 
     def cached(self, grammar: str) -> bool:
         """Whether ``grammar`` is compiled and cached (requests with the same source skip compilation)."""
@@ -251,8 +325,11 @@ class GrammarBackend:
         field = field or plan.field
         if plan.budget is not None and plan.budget.close_id >= self.vocab_size:
             raise GrammarError(f"{field}: close delimiter {plan.budget.close_id} is outside the vocabulary")
-        matcher = self._compiled(plan.grammar, field).deep_copy() if plan.grammar is not None else None
-        return GrammarConstraint(matcher, plan.budget, self.vocab_size, self.eos_ids)
+        if plan.grammar is None:
+            return GrammarConstraint(None, plan.budget, self.vocab_size, self.eos_ids)
+        compiled = self._compiled(plan.grammar, field)
+        return GrammarConstraint(compiled.deep_copy(), plan.budget, self.vocab_size, self.eos_ids,
+                                 on_failure=lambda: self._forget(plan.grammar, compiled))
 
     # ------------------------------------------------------------------------------------------------ steps
 
@@ -274,5 +351,7 @@ class GrammarBackend:
                     c.fill_bitmask(bitmask, row)
             if par:
                 llgt.fill_next_token_bitmask_par(self.executor, par, bitmask)
+                for _, row in par:
+                    constraints[row].matcher_ok()
 
         return fill

@@ -187,3 +187,41 @@ def test_tool_choice_required_and_named_parse_back_with_valid_arguments(engine, 
             assert "<function=" in text and "<parameter=" in text
         else:
             assert '{"name": ' in text
+
+
+REF_TOOLS = [
+    {"type": "function", "function": {"name": "ship", "strict": True, "parameters": {
+        "type": "object",
+        "$defs": {"City": {"type": "string", "enum": ["Oslo", "Rome"]}},
+        "definitions": {"Zip": {"type": "integer", "minimum": 100, "maximum": 999}},
+        "properties": {"city": {"$ref": "#/$defs/City"}, "zip": {"$ref": "#/definitions/Zip"},
+                       "alt": {"type": "array", "items": {"$ref": "#/properties/zip"}, "maxItems": 2}},
+        "required": ["city", "zip", "alt"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "tree", "strict": True, "parameters": {
+        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+        "required": ["v", "kids"], "additionalProperties": False}}},
+]
+
+
+def test_forced_calls_with_schema_references_generate_arguments_of_the_tools_own_schema(engine, backend, hf_tok):
+    """`$ref`s to `#/$defs`, `#/definitions`, `#/properties` and `#` (a tree) in forced calls: Hermes JSON, and XML
+    parameters (a parameter that is a bare `$ref` has no declared type, so Qwen3-Coder writes it as free text: only
+    the tree there)."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in REF_TOOLS}
+    reqs, cases = [], []
+    for family, names in (("qwen3", ["ship", "tree"]), ("qwen3_coder", ["tree"])):
+        setup = ParserSetup.from_tokenizer(hf_tok, family)
+        for name in names:
+            p = prompt(hf_tok, f"Call {name}.", "<think>\n\n</think>\n\n")
+            initial = setup.initial_state(p)
+            plan = compile_request(setup.profile, initial, setup.delimiter_ids, tools=REF_TOOLS,
+                                   tool_choice={"type": "function", "function": {"name": name}}, thinking=False)
+            reqs.append((p, SamplingParams(max_tokens=200, temperature=0.0), backend.constraint(plan)))
+            cases.append((setup, initial, name))
+    for (setup, initial, name), (ids, reason, error) in zip(cases, run(engine, reqs)):
+        text = hf_tok.decode(ids)
+        assert reason == "stop" and error is None, (error, text)
+        parsed = parse_all(setup.pipeline(initial=initial, tools=REF_TOOLS), ids)
+        assert [c.name for c in parsed.tool_calls] == [name] and not parsed.malformed, text
+        jsonschema.validate(json.loads(parsed.tool_calls[0].arguments), schemas[name])
