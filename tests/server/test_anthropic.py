@@ -155,16 +155,20 @@ def test_models_list_in_anthropic_shape(demo_server):
 
 
 def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_server):
-    """A schema whose every object must nest another (it can never close) fails once the grammar gives up: the stream
-    ends with an `error` event and no message_delta / message_stop before it, so the SDK raises instead of
-    yielding an empty end_turn message; the non-streaming reply is a 400 (the request's schema failed it)."""
-    body = {"model": demo_server.model, "max_tokens": 16, "messages": HI,
+    """A pattern whose lexer gives up only after its forced 40-character prefix fails mid-generation: the stream ends
+    with an `error` event and no message_delta / message_stop before it, so the SDK raises instead of yielding an
+    empty end_turn message; the non-streaming reply is a 400 (the request's schema failed it)."""
+    body = {"model": demo_server.model, "max_tokens": 60, "messages": HI,
             "output_config": {"format": {"type": "json_schema", "schema": {
-                "type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}}}}
+                "type": "string", "pattern": "^x{40}[ ]{0,8}b{100002}$"}}}}
     with httpx.stream("POST", demo_server.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as s:
         kinds = [line.removeprefix("event: ") for line in s.iter_lines() if line.startswith("event: ")]
-    assert kinds[0] == "message_start" and kinds[-1] == "error", kinds
+    assert kinds[0] == "message_start" and "content_block_delta" in kinds and kinds[-1] == "error", kinds
     assert "message_delta" not in kinds and "message_stop" not in kinds
+    with pytest.raises(anthropic.APIStatusError):
+        with demo_server.anthropic().messages.stream(**body) as stream:
+            for _ in stream:
+                pass
     r = httpx.post(demo_server.url + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
 
