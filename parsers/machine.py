@@ -95,6 +95,7 @@ class ParserMachine:
         self._out: list[Event] = []
         self._pending = ""            # text withheld as a possible prefix of a text terminal
         self._final = False
+        self._cut = False  # finish() of an output cut by a length limit
         self._finished = False
         self.bad_run = False          # inside a line of Malformed text between tags
         # reasoning
@@ -137,12 +138,14 @@ class ParserMachine:
             self._text(text)
         return out
 
-    def finish(self) -> list[Event]:
-        """Flush everything withheld into its channel and close an open tool call."""
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Flush everything withheld into its channel and close an open tool call. ``cut``: the output was cut by a
+        length limit, so structure it leaves unfinished (a call before its name) is Dropped, never content."""
         out = self._out = []
         if self._finished:
             return out
         self._final = True
+        self._cut = cut
         if self._pending:
             pending, self._pending = self._pending, ""
             self._text(pending)
@@ -221,9 +224,11 @@ class ParserMachine:
             self._out.append(Dropped(text, reason))
 
     def malformed(self, text: str, reason: str) -> None:
-        """``text`` broke the syntax: surfaced as content (a Malformed event)."""
+        """``text`` broke the syntax: surfaced as content (a Malformed event), unless a length limit cut it short
+        (Dropped: a call cut by max_tokens is never turned into content)."""
         if text:
-            self._out.append(Malformed(text, reason))
+            self._out.append(Dropped(text, f"{reason} (output cut by its length limit)") if self._cut
+                             else Malformed(text, reason))
 
     def args(self, fragment: str) -> None:
         """An arguments fragment of the open call."""

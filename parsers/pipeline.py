@@ -134,7 +134,7 @@ class OutputPipeline:
         events: list[Event] = []
         if not self.stopped:
             self._flush_text(events)
-        events += self._machine.finish()
+        events += self._machine.finish(cut=reason == "length")
         return events
 
     def abort(self) -> None:

@@ -104,13 +104,13 @@ def test_without_tools_the_markup_is_content(tok, setup):
     assert out.content == "a[TOOL_CALLS]f[ARGS]{}" and out.tool_calls == []
 
 
-def test_cut_short_calls_keep_what_streamed_and_a_cut_name_is_content(tok, setup):
+def test_cut_short_calls_keep_what_streamed_and_a_cut_name_is_dropped(tok, setup):
     out = parse(tok, setup, CALLS, "f", ARGS_, '{"a": [1, 2', reason="length")
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("f", '{"a": [1, 2')]
     out = parse(tok, setup, CALLS, '[{"name": "g", "arguments": {"b": "x', reason="length")
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("g", '{"b": "x')]
     out = parse(tok, setup, "x", CALLS, "get_wea", reason="length")
-    assert out.tool_calls == [] and out.content == "xget_wea"
+    assert out.tool_calls == [] and out.content == "x"  # a call cut before its name is never content
 
 
 def test_broken_calls_are_content_and_neighbours_parse():

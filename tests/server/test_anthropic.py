@@ -118,6 +118,21 @@ def test_forced_tool_use(any_server):
     assert follow.usage.input_tokens > msg.usage.input_tokens
 
 
+def test_a_forced_call_cut_by_max_tokens_is_never_text(demo_server):
+    """However early max_tokens cuts a forced call, the message holds no text block of call syntax: before the name is
+    complete it holds nothing, after it a tool_use with the arguments so far; stream and body agree."""
+    client = demo_server.anthropic()
+    for k in range(1, 9):
+        kw = dict(model=demo_server.model, max_tokens=k, extra_body={"temperature": 0}, tools=[WEATHER],
+                  tool_choice={"type": "tool", "name": "get_weather"}, messages=HI)
+        msg = client.messages.create(**kw)
+        assert msg.stop_reason == "max_tokens"
+        assert [b.type for b in msg.content] in ([], ["tool_use"]), (k, msg.content)
+        with client.messages.stream(**kw) as stream:
+            final = stream.get_final_message()
+        assert [(b.type, b.name) for b in final.content] == [(b.type, b.name) for b in msg.content], k
+
+
 def test_stop_sequence(demo_server):
     client = demo_server.anthropic()
     base = client.messages.create(model=demo_server.model, max_tokens=20, messages=HI, extra_body={"temperature": 0})
