@@ -14,7 +14,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .events import ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from .events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
+                     ToolCallStart)
 from .profiles.base import BAD_CALL, CONTENT, REASONING, TOOL_BETWEEN, TOOL_PREAMBLE, Profile, Rule
 from .tools import syntax_for
 from .tools.base import Action, Handler

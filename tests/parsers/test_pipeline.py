@@ -13,7 +13,7 @@ import re
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
+from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallStart)
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import DELIMITER, DROPPED, OutputPipeline, ParserSetup, parse_all

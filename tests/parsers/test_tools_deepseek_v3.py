@@ -56,8 +56,8 @@ def v31_call(name, args) -> list[str]:
 
 
 def test_markers_are_single_tokens_in_the_real_vocabulary_and_think_is_text(tok, setup):
-    for text, i in IDS.items():
-        assert tok.encode(text, add_special_tokens=False).ids == [i]
+    for marker, i in IDS.items():
+        assert tok.encode(marker, add_special_tokens=False).ids == [i]
     assert {t: setup.delimiter_ids[t] for t in IDS} == IDS
     assert "<think>" not in setup.delimiter_ids and "</think>" not in setup.delimiter_ids
 
