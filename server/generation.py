@@ -21,8 +21,9 @@ from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
 from ember.engine.args import parse_json_object
 from ember.engine.checkpoint import load_tokenizer
 from ember.engine.params import RequestOutput, SamplingParams
+from ember.parsers.events import ContentDelta, Event, ReasoningDelta
 from ember.parsers.initial import InitialState
-from ember.parsers.pipeline import OutputPipeline, ParserSetup
+from ember.parsers.pipeline import DELIMITER, OutputPipeline, ParserSetup
 from ember.parsers.profiles import Profile, detect_profile, get_profile
 from ember.parsers.tokens import TokenBytes
 
@@ -198,7 +199,8 @@ def _end(out: RequestOutput) -> ChoiceEnd:
 async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None
                      ) -> AsyncIterator[ChoiceStep]:
     """The steps of choice `index`: one per engine output (one engine step, or several merged when this consumer
-    lagged), the last one carrying `end`. A stop string ends the choice at the token that completed it."""
+    lagged), the last one carrying `end`. A stop string ends the choice at the token that completed it. A choice of
+    ``max_tokens`` 0 (an echo scoring its prompt) is one step: the prompt's scores, when asked, and a `length` end."""
     spec = req.choices[index]
     pipe = spec.pipeline
     rid = f"{req.request_id}-{index}"
@@ -207,12 +209,21 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     end: ChoiceEnd | None = None
     if rt.request_log is not None:
         rt.request_log.received(rid, spec.prompt_ids, spec.params, rt.tokenizer.decode)
+    prompt_only = spec.params.max_tokens == 0
     try:
-        gen = rt.engine.generate(spec.prompt_ids, spec.params, request_id=rid, constraint=spec.constraint)
+        params = dataclasses.replace(spec.params, max_tokens=1) if prompt_only else spec.params
+        gen = rt.engine.generate(spec.prompt_ids, params, request_id=rid, constraint=spec.constraint)
         async with aclosing(gen):
             async for out in gen:
                 if last_t is None and metrics is not None and out.queue_seconds is not None:
                     metrics.queue_time.observe(out.queue_seconds)  # the first output: waiting time is known
+                if prompt_only:
+                    if out.new_token_ids or out.finished or out.prompt_logprobs is not None:
+                        end = _prompt_end(out)
+                        yield ChoiceStep(index, [], pipe.finish(end.reason), end, finish_at=0,
+                                         prompt_logprobs=out.prompt_logprobs)
+                        return
+                    continue
                 new_ids = out.new_token_ids
                 if new_ids:
                     now = time.monotonic()
@@ -236,9 +247,11 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     ntok += 1
                     pstep = pipe.feed([tid])
                     lp = lps[k] if lps is not None and k < len(lps) else None
-                    channels = getattr(pstep, "token_channels", None) or [None]
+                    channel = (getattr(pstep, "token_channels", None) or [None])[0]
+                    if channel == DELIMITER:
+                        channel = surfaced_channel(pstep.events, rt.token_bytes.token_bytes(tid))
                     step.tokens.append(TokenInfo(tid, _floored(lp.logprob) if lp else None,
-                                                 [(t, _floored(v)) for t, v in lp.top] if lp else None, channels[0]))
+                                                 [(t, _floored(v)) for t, v in lp.top] if lp else None, channel))
                     step.events += pstep.events
                     if pstep.stopped:
                         step.finish_at = len(step.events)
@@ -280,6 +293,27 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             metrics.finished.labels(end.reason if end else "cancelled").inc()
             if last_t is not None:
                 metrics.e2e.observe(last_t - req.arrival)
+
+
+def _prompt_end(out: RequestOutput) -> ChoiceEnd:
+    """How a ``max_tokens: 0`` choice ends at its first engine output: by length, nothing generated (the token the
+    engine sampled is dropped), unless the engine failed or refused it."""
+    if out.finished and out.finish_reason in ("error", "abort"):
+        return _end(out)
+    return ChoiceEnd("length", cached_tokens=out.num_cached_tokens)
+
+
+def surfaced_channel(events: Sequence[Event], token_text: bytes) -> str | None:
+    """The channel of a delimiter token that the parser surfaced as text (it stood where it delimits nothing, e.g.
+    `</think>` with thinking off): the channel of the text it ended with, so its logprob comes with that text; None
+    for a delimiter that was consumed."""
+    last = events[-1] if events else None
+    text = token_text.decode("utf-8", "replace")
+    if isinstance(last, ContentDelta) and text and last.text.endswith(text):
+        return "content"
+    if isinstance(last, ReasoningDelta) and text and last.text.endswith(text):
+        return "reasoning"
+    return None
 
 
 def run_choices(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None = None) -> AsyncIterator[ChoiceStep]:

@@ -10,6 +10,7 @@ generated token ID rides in exactly one chunk (a token-only chunk when its text 
 """
 from __future__ import annotations
 
+import codecs
 import json
 from dataclasses import dataclass
 from json.encoder import encode_basestring
@@ -347,33 +348,36 @@ class CompletionChoiceEncoder:
         self.echo = echo
         self.prompt_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
-        self.offset = 0
+        self.offsets = TextOffsets()  # the generated tokens' `text_offset`s, after the echo
         self.num_tokens = 0
 
     def _add_logprob(self, lp: dict[str, list], token_id: int, logprob: float | None,
-                     top: Sequence[tuple[int, float]] | None, offset: int) -> str:
+                     top: Sequence[tuple[int, float]] | None, offsets: "TextOffsets") -> None:
         """Append one token to a legacy ``logprobs`` object (``top`` None: no alternatives, as for the prompt's
-        first token); returns the token's text."""
+        first token); its ``top_logprobs`` hold the token itself and the best ``top_logprobs`` others, as vLLM's."""
         s, raw = _token_str(self.tb, token_id)
         lp["tokens"].append(s)
         lp["token_logprobs"].append(logprob)
-        lp["top_logprobs"].append(None if top is None else {
-            _token_str(self.tb, tid)[0]: v for tid, v in top[:self.meta.top_logprobs]})
-        lp["text_offset"].append(offset)
-        return bytes(raw).decode("utf-8", errors="replace")
+        alternatives = None
+        if top is not None:
+            alternatives = {} if logprob is None else {s: logprob}
+            for tid, v in top[:self.meta.top_logprobs]:
+                alternatives.setdefault(_token_str(self.tb, tid)[0], v)
+        lp["top_logprobs"].append(alternatives)
+        lp["text_offset"].append(offsets.next(bytes(raw)))
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if self.meta.logprobs and tokens:
             lp = _legacy_logprobs()
-            for t in tokens:  # each token's offset: the echo, then the texts of the tokens before it (vLLM's rule)
-                self.offset += len(self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offset))
+            for t in tokens:
+                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offsets)
             choice["logprobs"] = lp
         if self.meta.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
         if not tokens:  # the echoed prompt
-            self.offset += len(text)
+            self.offsets.length += len(text)
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
                                  "model": self.meta.model, "choices": [choice]}
         if self.meta.include_usage:
@@ -399,11 +403,11 @@ class CompletionChoiceEncoder:
         chunk = self._chunk(self.echo or "", (), None, extra or None)
         if scored is not None and self.prompt_ids:
             lp = _legacy_logprobs()
-            offset = 0
+            offsets = TextOffsets()
             for k, tid in enumerate(self.prompt_ids):
                 info = scored[k - 1] if 0 < k <= len(scored) else None
-                offset += len(self._add_logprob(lp, tid, None if info is None else info.logprob,
-                                                None if info is None else info.top or [], offset))
+                self._add_logprob(lp, tid, None if info is None else info.logprob,
+                                  None if info is None else info.top or [], offsets)
             chunk["choices"][0]["logprobs"] = lp
         return chunk
 
@@ -425,6 +429,36 @@ class CompletionChoiceEncoder:
             reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
             chunks.append(self._chunk("", (), reason))
         return chunks
+
+
+class TextOffsets:
+    """Legacy ``text_offset``s: where, in the text that tokens' bytes decode to (after ``length`` characters already
+    there), each token's text starts, i.e. the character holding its first byte; a token inside a character split
+    across tokens shares that character's offset, and a token that completes no character advances nothing."""
+
+    __slots__ = ("_decoder", "length")
+
+    def __init__(self, length: int = 0) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.length = length
+
+    def next(self, raw: bytes) -> int:
+        """The offset of the token of bytes ``raw``, which comes after those already given."""
+        held = self._decoder.getstate()[0]
+        at = self.length
+        if held and raw and not _continues(held, raw[0]):
+            at += len(held.decode("utf-8", "replace"))  # the held bytes end as U+FFFD before this token's text
+        self.length += len(self._decoder.decode(raw))
+        return at
+
+
+def _continues(held: bytes, byte: int) -> bool:
+    """Whether ``byte`` extends the incomplete UTF-8 sequence ``held``."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(held + bytes((byte,)))
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _legacy_logprobs() -> dict[str, list]:

@@ -5,17 +5,51 @@ Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `mi
 `max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send,
 `allowed_token_ids`, `bad_words`, `cache_salt`, `truncate_prompt_tokens`, `priority` (with the priority scheduling
 policy); `use_beam_search: true` is refused).
-Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often.
+Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often. A request field given as JSON `null`
+takes its default, as OpenAI marks its optional fields nullable and vLLM accepts them so.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from functools import cache
+from types import NoneType
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+@cache
+def _null_means_default(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` (by name and alias) that have a default but whose type does not admit None."""
+    names = set()
+    for name, f in model.model_fields.items():
+        if not f.is_required() and not (f.annotation in (Any, NoneType) or NoneType in get_args(f.annotation)):
+            names.update(n for n in (name, f.alias) if n)
+    return frozenset(names)
+
+
+class _Request(_Lenient):
+    """A request body: a field sent as JSON null takes its default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        defaulted = _null_means_default(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+def field_error(field: str, message: str, value: Any = None) -> ValidationError:
+    """A validation error located at ``field`` (dotted for a nested one), for checks that span several fields: the
+    400 then names it in ``param``."""
+    return ValidationError.from_exception_data("request", [InitErrorDetails(
+        type=PydanticCustomError("value_error", "{message}", {"message": message}),
+        loc=tuple(field.split(".")), input=value)])
 
 
 class TextPart(_Lenient):
@@ -152,7 +186,7 @@ def _check_stop(v: str | list[str] | None) -> list[str]:
     return stops
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -240,22 +274,22 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
-            if not self.tools:
-                raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, NamedToolChoice):
-            names = {t.function.name for t in self.tools or ()}
-            if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+            raise field_error("top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
+        choice = self.tool_choice
+        if (isinstance(choice, NamedToolChoice) or choice == "required") and not self.tools:
+            raise field_error("tool_choice", "tool_choice needs tools", _dumped(choice))
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            name = choice.function.name
+            raise field_error("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools", name)
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+            raise field_error("continue_final_message",
+                              "continue_final_message and add_generation_prompt exclude each other", True)
         return self
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
     suffix: str | None = None
@@ -264,11 +298,14 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _consistency(self) -> "CompletionRequest":
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise field_error("suffix", "suffix is not supported", self.suffix)
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise field_error("best_of", "best_of other than n is not supported", self.best_of)
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise ValueError("prompt must not be empty")
+            raise field_error("prompt", "prompt must not be empty", [])
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error("max_tokens", "max_tokens 0 generates nothing: it needs echo: true (to return the "
+                                            "prompt and, with logprobs, its scores)", 0)
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -279,3 +316,8 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+def _dumped(value: Any) -> Any:
+    """A request value as it came in JSON (for an error's ``input``)."""
+    return value.model_dump() if isinstance(value, BaseModel) else value

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .errors import bad_request
-from .protocol_openai import JsonSchemaSpec, _Lenient
+from .protocol_openai import JsonSchemaSpec, _Lenient, _Request
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KNOWN_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
@@ -49,13 +49,15 @@ class TextFormat(_Lenient):
         return self
 
     def response_format(self) -> dict[str, Any] | None:
-        """The chat `response_format` the grammar backend compiles; None for plain text."""
+        """The chat `response_format` the grammar backend compiles, naming `text.format` as its field (in errors);
+        None for plain text."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return {"type": "json_object"}
+            return {"type": "json_object", "param": "text.format"}
         spec = JsonSchemaSpec(name=self.name, schema=self.schema_, strict=self.strict)
-        return {"type": "json_schema", "json_schema": spec.model_dump(by_alias=True, exclude_none=True)}
+        return {"type": "json_schema", "json_schema": spec.model_dump(by_alias=True, exclude_none=True),
+                "param": "text.format"}
 
 
 class TextConfig(_Lenient):
@@ -68,7 +70,7 @@ class ReasoningConfig(_Lenient):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -36,7 +36,8 @@ class TokenizeRequest(po._Lenient):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+            raise po.field_error("continue_final_message",
+                                 "continue_final_message and add_generation_prompt exclude each other", True)
         return self
 
 

@@ -1,0 +1,75 @@
+"""Legacy `/v1/completions` logprobs as OpenAI and vLLM clients read them: `text_offset` indexes the returned text
+(also across characters split over several tokens), each position's `top_logprobs` holds its own token, and
+`max_tokens: 0` with `echo` scores a prompt without generating."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+
+def _offsets_index_the_text(text: str, tokens: list[str], offsets: list[int]) -> None:
+    assert offsets == sorted(offsets)
+    for tok, at in zip(tokens, offsets):
+        if "\ufffd" not in tok:  # a token of whole characters is found where its offset points
+            assert text[at:at + len(tok)] == tok, (tok, at, text)
+
+
+@pytest.mark.parametrize("prompt", ["café au lait", "日本語 😀 ok"])
+def test_text_offsets_point_into_the_text_across_split_characters(demo_server, prompt):
+    client = demo_server.openai()
+    ask = dict(model=demo_server.model, prompt=prompt, echo=True, logprobs=1, max_tokens=8, temperature=1.0, seed=3)
+    c = client.completions.create(**ask).choices[0]
+    lp = c.logprobs
+    n_prompt = len(demo_server.tokenizer.encode(prompt))
+    _offsets_index_the_text(c.text, lp.tokens, lp.text_offset)
+    assert lp.text_offset[n_prompt] == len(prompt)  # the first generated token starts right after the echo
+    streamed = [o for ch in client.completions.create(**ask, stream=True) for x in ch.choices if x.logprobs
+                for o in x.logprobs.text_offset]
+    assert streamed == lp.text_offset
+
+
+def test_a_character_split_over_tokens_has_one_offset(demo_server):
+    """`é` is two byte tokens in the demo vocabulary: both sit at 0, and what follows starts at 1."""
+    client = demo_server.openai()
+    assert len(demo_server.tokenizer.encode("é")) == 2
+    lp = client.completions.create(model=demo_server.model, prompt="é", echo=True, logprobs=0, max_tokens=2,
+                                   temperature=0).choices[0].logprobs
+    assert lp.text_offset[:3] == [0, 0, 1]
+
+
+def test_top_logprobs_hold_the_sampled_and_the_prompt_token(demo_server):
+    """OpenAI: "up to logprobs+1 elements"; vLLM puts the position's own token beside the best `logprobs` others."""
+    client = demo_server.openai()
+    prompt = "The capital of France is"
+    n_prompt = len(demo_server.tokenizer.encode(prompt))
+    for echo in (False, True):
+        lp = client.completions.create(model=demo_server.model, prompt=prompt, echo=echo, logprobs=2, max_tokens=12,
+                                       temperature=1.5, seed=1).choices[0].logprobs
+        scored = list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+        if echo:
+            assert scored[0][2] is None and len(scored) == n_prompt + 12
+            scored = scored[1:]
+        for token, logprob, top in scored:
+            assert top[token] == logprob and 2 <= len(top) <= 3
+        assert any(len(top) == 3 for _, _, top in scored)  # a token outside the best two comes on top of them
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt(demo_server):
+    client = demo_server.openai()
+    prompt = "Once upon a time"
+    ids = demo_server.tokenizer.encode(prompt)
+    scored = client.completions.create(model=demo_server.model, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    c = scored.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    one = client.completions.create(model=demo_server.model, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                    temperature=0).choices[0].logprobs
+    assert c.logprobs.tokens == one.tokens[:len(ids)]
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(one.token_logprobs[1:len(ids)], abs=1e-4)
+    streamed = list(client.completions.create(model=demo_server.model, prompt=prompt, echo=True, max_tokens=0,
+                                              stream=True))
+    assert "".join(x.text for ch in streamed for x in ch.choices) == prompt
+    assert [x.finish_reason for ch in streamed for x in ch.choices if x.finish_reason] == ["length"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=demo_server.model, prompt=prompt, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
