@@ -28,7 +28,7 @@ from urllib.parse import quote
 from ember.parsers.initial import InitialState
 from ember.parsers.profiles import Profile
 from ember.parsers.profiles.base import REASONING as REASONING_STATE
-from ember.parsers.xml_values import parameter_types, streams_as_string
+from ember.parsers.xml_values import resolved, schema_types, streams_as_string
 
 __all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
            "answer_field"]
@@ -432,21 +432,22 @@ def _hermes_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
     return g.add("call", f'{d.ref("tool_open")} "\\n" call_json "\\n" {d.ref("tool_close")}')
 
 
-def _is_text_param(schema: Mapping) -> bool:
+def _is_text_param(schema: Mapping, params: Mapping) -> bool:
     """A parameter whose value Qwen3-Coder writes raw, not as JSON: exactly the values the parser streams as a JSON
-    string (its schema allows a string or declares no type)."""
-    types = parameter_types([{"name": "t", "parameters": {"properties": {"p": schema}}}])["t"]["p"]
-    return streams_as_string(types)
+    string (its schema, local references followed in its tool's ``params``, allows a string or declares no type)."""
+    return streams_as_string(schema_types(schema, params))
 
 
 def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, lazy: tuple[str, str] | None,
-               as_root: Mapping | None = None) -> str:
+               as_root: Mapping | None = None, params: Mapping | None = None) -> str:
     """Rule for one tag-delimited argument value ending with ``close`` (a rule reference or literal): raw text where
     the parser streams the value as a string (an enum/const of strings as its literals), else JSON of its schema
-    (of ``as_root``, the same schema as a root of its own, when given: see `_param_schema`).
+    (of ``as_root``, the same schema as a root of its own, when given: see `_param_schema`); ``params`` is the tool's
+    parameters schema, where the value's local references resolve.
     ``lazy`` = (closer regex, suffix literal) when the closer is text: a text value never contains the closer (the
     parser ends the value at its first occurrence) and ends lazily at the suffix; None when the closer is a token."""
-    if _is_text_param(schema):
+    if _is_text_param(schema, params or {}):
+        schema = resolved(schema, params or {})
         values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
             [schema["const"]] if "const" in schema else None
         if values is not None and all(isinstance(v, str) for v in values):
@@ -466,10 +467,10 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
 
 
 def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: str, pad: str,
-                 as_root: Mapping | None = None) -> str:
+                 as_root: Mapping | None = None, params: Mapping | None = None) -> str:
     """Rule for one parameter value, ending with its ``pad + closer + "\\n"`` (Qwen3-Coder: ``\\n</parameter>\\n``)."""
     close = _lit(pad + closer + "\n")
-    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close), as_root)
+    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close), as_root, params)
 
 
 def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
@@ -514,7 +515,7 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool], many: bool) -> str:
             if not p or unwritable & set(p):
                 raise GrammarError(f"tools: function {t.name!r}: parameter name {p!r} cannot be written as "
                                    f"{key_open}{p}{tag_end}")
-            value = _coder_value(g, rule, ps, lenient, key_close, pad, _param_schema(t, p, ps))
+            value = _coder_value(g, rule, ps, lenient, key_close, pad, _param_schema(t, p, ps), t.parameters)
             return f'{_lit(key_open + p + tag_end + pad)} {value}'
 
         head = _lit(fn_open + t.name + tag_end + "\n")
@@ -526,11 +527,11 @@ def _coder_call(g: _Lark, d: _Delims, tools: list[_Tool], many: bool) -> str:
 
 
 def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool,
-               as_root: Mapping | None = None) -> str:
+               as_root: Mapping | None = None, params: Mapping | None = None) -> str:
     """Rule for one GLM argument value, ending with its ``</arg_value>`` (a token, or text where the vocabulary lacks
     it)."""
     lazy = None if d.id("value_close") is not None else ("<\\/arg_value>", _lit(d.profile.terminals["value_close"]))
-    return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy, as_root)
+    return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy, as_root, params)
 
 
 def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
@@ -542,7 +543,7 @@ def _glm_call(g: _Lark, d: _Delims, tools: list[_Tool]) -> str:
 
         def param(p: str, ps: Mapping, rule: str) -> str:
             return (f'{d.ref("key_open")} {_lit(p)} {d.ref("key_close")} "\\n" {d.ref("value_open")} '
-                    f'{_glm_value(g, d, rule, ps, lenient, _param_schema(t, p, ps))} "\\n"')
+                    f'{_glm_value(g, d, rule, ps, lenient, _param_schema(t, p, ps), t.parameters)} "\\n"')
 
         params = _param_set(g, k, t, param)
         alts.append(g.add(f"t{k}_fn", f'{_lit(t.name + chr(10))} {params or ""}'.rstrip()))

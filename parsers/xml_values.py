@@ -5,10 +5,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from urllib.parse import unquote
+
+
+_MAX_DEPTH = 64
+"""Subschemas and references followed inside one another for one value's types at most."""
+
+
+class _GiveUp(Exception):
+    """A reference met again while the types it names are being worked out, or subschemas nested past `_MAX_DEPTH`:
+    the value's types are left undeclared."""
 
 
 def parameter_types(tools: Sequence[dict] | None) -> dict[str, dict[str, tuple[str, ...]]]:
-    """tool name -> parameter name -> the JSON schema types declared for it (empty when undeclared)."""
+    """tool name -> parameter name -> the JSON schema types declared for it (empty when undeclared), local references
+    (`#`, `#/...`) followed within the tool's parameters schema."""
     out: dict[str, dict[str, tuple[str, ...]]] = {}
     for tool in tools or ():
         if not isinstance(tool, Mapping):
@@ -17,17 +28,47 @@ def parameter_types(tools: Sequence[dict] | None) -> dict[str, dict[str, tuple[s
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             continue
         params = fn.get("parameters") or {}
-        props = params.get("properties") if isinstance(params, Mapping) else None
-        types: dict[str, tuple[str, ...]] = {}
-        for key, schema in (props or {}).items():
-            types[key] = _schema_types(schema)
-        out[fn["name"]] = types
+        root = params if isinstance(params, Mapping) else {}
+        props = root.get("properties")
+        out[fn["name"]] = {key: schema_types(schema, root) for key, schema in (props or {}).items()}
     return out
 
 
-def _schema_types(schema: object) -> tuple[str, ...]:
+def schema_types(schema: object, root: Mapping) -> tuple[str, ...]:
+    """The JSON types ``schema`` declares (``type``, ``anyOf``/``oneOf``, ``enum``, ``const``, else its ``$ref`` or
+    ``allOf``), its local references resolved in ``root`` (the tool's parameters); empty when it declares none, or
+    when its references loop or do not resolve."""
+    try:
+        return _types(schema, root, {}, 0)
+    except _GiveUp:
+        return ()
+
+
+def resolved(schema: Mapping, root: Mapping) -> Mapping:
+    """``schema`` with its own chain of local references followed to the schema they name (``schema``'s other
+    keywords kept over it); ``schema`` itself when it has none, or they loop or do not resolve."""
+    out: dict = dict(schema)
+    seen: set[int] = set()
+    while isinstance(out.get("$ref"), str):
+        root = _resource(out, root)
+        target = _target(out.pop("$ref"), root)
+        if target is None or id(target) in seen:
+            return schema
+        seen.add(id(target))
+        out = {**target, **out}
+    return out
+
+
+_Named = dict[tuple[int, int], tuple[str, ...] | None]
+"""(target, root) -> the types a reference names there; None while they are being worked out."""
+
+
+def _types(schema: object, root: Mapping, named: _Named, depth: int) -> tuple[str, ...]:
     if not isinstance(schema, Mapping):
         return ()
+    if depth > _MAX_DEPTH:
+        raise _GiveUp
+    root = _resource(schema, root)
     t = schema.get("type")
     if isinstance(t, str):
         return (t,)
@@ -35,11 +76,61 @@ def _schema_types(schema: object) -> tuple[str, ...]:
         return tuple(x for x in t if isinstance(x, str))
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
-            return tuple(x for sub in schema[key] for x in _schema_types(sub))
+            return tuple(dict.fromkeys(x for sub in schema[key] for x in _types(sub, root, named, depth + 1)))
     if isinstance(schema.get("enum"), list) and schema["enum"]:
-        kinds = {_json_type(v) for v in schema["enum"]}
-        return tuple(sorted(kinds))
+        return _value_types(schema["enum"])
+    if "const" in schema:
+        return _value_types([schema["const"]])
+    if isinstance(schema.get("$ref"), str):
+        target = _target(schema["$ref"], root)
+        found = _named_types(target, root, named, depth + 1) if target is not None else ()
+        if found:
+            return found
+    for sub in schema.get("allOf") if isinstance(schema.get("allOf"), list) else ():
+        found = _types(sub, root, named, depth + 1)
+        if found:
+            return found
     return ()
+
+
+def _named_types(target: Mapping, root: Mapping, named: _Named, depth: int) -> tuple[str, ...]:
+    """The types of a reference's ``target``, worked out once per value however many references name it; a reference
+    back to a target still being worked out gives up."""
+    key = (id(target), id(root))
+    if key not in named:
+        named[key] = None
+        named[key] = _types(target, root, named, depth)
+    found = named[key]
+    if found is None:
+        raise _GiveUp
+    return found
+
+
+def _resource(schema: Mapping, root: Mapping) -> Mapping:
+    """The schema that ``#`` means inside ``schema``: itself where it has an ``$id`` of its own, else ``root``."""
+    own_id = schema.get("$id")
+    return schema if isinstance(own_id, str) and not own_id.startswith("#") else root
+
+
+def _target(ref: str, root: Mapping) -> Mapping | None:
+    """The schema a local reference names in ``root`` (an RFC 6901 pointer in a URI fragment), or None."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node: object = root
+    for token in unquote(ref[2:]).split("/") if ref != "#" else ():
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0") \
+                and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node if isinstance(node, Mapping) else None
+
+
+def _value_types(values: list) -> tuple[str, ...]:
+    return tuple(sorted({_json_type(v) for v in values}))
 
 
 def _json_type(v: object) -> str:

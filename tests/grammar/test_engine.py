@@ -192,11 +192,14 @@ def test_tool_choice_required_and_named_parse_back_with_valid_arguments(engine, 
 REF_TOOLS = [
     {"type": "function", "function": {"name": "ship", "strict": True, "parameters": {
         "type": "object",
-        "$defs": {"City": {"type": "string", "enum": ["Oslo", "Rome"]}},
+        "$defs": {"City": {"type": "string", "enum": ["Oslo", "Rome"]},
+                  "Stop": {"type": "object", "properties": {"at": {"$ref": "#/$defs/City"}}, "required": ["at"],
+                           "additionalProperties": False}},
         "definitions": {"Zip": {"type": "integer", "minimum": 100, "maximum": 999}},
         "properties": {"city": {"$ref": "#/$defs/City"}, "zip": {"$ref": "#/definitions/Zip"},
-                       "alt": {"type": "array", "items": {"$ref": "#/properties/zip"}, "maxItems": 2}},
-        "required": ["city", "zip", "alt"], "additionalProperties": False}}},
+                       "alt": {"type": "array", "items": {"$ref": "#/properties/zip"}, "maxItems": 2},
+                       "via": {"$ref": "#/$defs/Stop"}},
+        "required": ["city", "zip", "alt", "via"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "tree", "strict": True, "parameters": {
         "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
                                          "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
@@ -204,22 +207,23 @@ REF_TOOLS = [
 ]
 
 
-def test_forced_calls_with_schema_references_generate_arguments_of_the_tools_own_schema(engine, backend, hf_tok):
-    """`$ref`s to `#/$defs`, `#/definitions`, `#/properties` and `#` (a tree) in forced calls: Hermes JSON, and XML
-    parameters (a parameter that is a bare `$ref` has no declared type, so Qwen3-Coder writes it as free text: only
-    the tree there)."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_coder"])
+def test_forced_calls_with_schema_references_generate_arguments_of_the_tools_own_schema(engine, backend, hf_tok,
+                                                                                         family):
+    """`$ref`s to `#/$defs`, `#/definitions`, `#/properties` and `#` (a tree) in forced calls, as Hermes JSON and as
+    Qwen3-Coder XML parameters (where a parameter that is a bare `$ref` is typed by the schema it names: `via` is JSON
+    of an object, `city` one of its strings)."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in REF_TOOLS}
+    setup = ParserSetup.from_tokenizer(hf_tok, family)
     reqs, cases = [], []
-    for family, names in (("qwen3", ["ship", "tree"]), ("qwen3_coder", ["tree"])):
-        setup = ParserSetup.from_tokenizer(hf_tok, family)
-        for name in names:
-            p = prompt(hf_tok, f"Call {name}.", "<think>\n\n</think>\n\n")
-            initial = setup.initial_state(p)
-            plan = compile_request(setup.profile, initial, setup.delimiter_ids, tools=REF_TOOLS,
-                                   tool_choice={"type": "function", "function": {"name": name}}, thinking=False)
-            reqs.append((p, SamplingParams(max_tokens=200, temperature=0.0), backend.constraint(plan)))
-            cases.append((setup, initial, name))
-    for (setup, initial, name), (ids, reason, error) in zip(cases, run(engine, reqs)):
+    for name in schemas:
+        p = prompt(hf_tok, f"Call {name}.", "<think>\n\n</think>\n\n")
+        initial = setup.initial_state(p)
+        plan = compile_request(setup.profile, initial, setup.delimiter_ids, tools=REF_TOOLS,
+                               tool_choice={"type": "function", "function": {"name": name}}, thinking=False)
+        reqs.append((p, SamplingParams(max_tokens=200, temperature=0.0), backend.constraint(plan)))
+        cases.append((initial, name))
+    for (initial, name), (ids, reason, error) in zip(cases, run(engine, reqs)):
         text = hf_tok.decode(ids)
         assert reason == "stop" and error is None, (error, text)
         parsed = parse_all(setup.pipeline(initial=initial, tools=REF_TOOLS), ids)

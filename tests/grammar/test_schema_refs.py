@@ -90,6 +90,30 @@ def test_xml_parameters_resolve_references_against_the_tool_schema(hf_tok, backe
     assert not takes(hf_tok, c, call % json.dumps([{"v": "two"}]))
 
 
+XML_CALLS = {
+    "qwen3_coder": ("<tool_call>\n<function=ship>\n", "<parameter=%s>\n%s\n</parameter>\n",
+                    "</function>\n</tool_call>"),
+    "glm45": ("<tool_call>ship\n", "<arg_key>%s</arg_key>\n<arg_value>%s</arg_value>\n", "</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(XML_CALLS))
+def test_xml_parameters_that_are_bare_references_are_typed_by_the_schema_they_name(hf_tok, backend, family):
+    """``home`` is only ``{"$ref": "#/$defs/Addr"}``: an object, so JSON of the tool's Addr, never raw text (the
+    parser parses it as JSON); ``zip`` names a string, so it is raw text, as the parser streams it."""
+    head, param, tail = XML_CALLS[family]
+
+    def call(home: str) -> str:
+        return head + param % ("home", home) + param % ("zip", "123") + tail
+
+    choice = {"type": "tool", "name": "ship"}
+    assert takes(hf_tok, constraint(hf_tok, backend, family, tools=TOOLS, tool_choice=choice),
+                 call(json.dumps({"city": "Oslo"})))
+    for bad in ("Oslo", json.dumps({"city": 7}), json.dumps({"town": "Oslo"})):
+        c = constraint(hf_tok, backend, family, tools=TOOLS, tool_choice=choice)
+        assert not takes(hf_tok, c, call(bad)), bad
+
+
 def step(backend, c, token: int) -> bool:
     """One engine step: the batch's mask filled, then the sampled token accepted."""
     backend.bitmask_filler()([c], torch.zeros(1, (backend.vocab_size + 31) // 32, dtype=torch.int32))
