@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import secrets
 import time
+import weakref
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -29,6 +30,32 @@ from .response_store import ResponseStore
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class AdmittedChoices:
+    """Choices the front end admitted that have not ended. The engine's own counts arrive with its steps, so a burst
+    of requests between two steps would all see the same number waiting; admission counts what it let in itself."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def hold(self, req: GenRequest) -> None:
+        """Count ``req``'s choices until each one's run ends, or all of them when ``req`` is dropped unrun (a client
+        that left before its stream started)."""
+        left = [len(req.choices)]
+        self.count += left[0]
+
+        def end_one() -> None:
+            if left[0]:
+                left[0] -= 1
+                self.count -= 1
+
+        def end_all() -> None:
+            self.count -= left[0]
+            left[0] = 0
+
+        req.choice_ended = end_one
+        weakref.finalize(req, end_all)
+
+
 @dataclass
 class ServerState:
     """The app's state: the one place mutable server-wide data lives."""
@@ -40,6 +67,7 @@ class ServerState:
     background: BackgroundResponses = field(default_factory=BackgroundResponses)  # /v1/responses still running
     started: int = field(default_factory=lambda: int(time.time()))
     engine_dead: str | None = None  # why the engine stopped, once it died
+    admitted: AdmittedChoices = field(default_factory=AdmittedChoices)
 
 
 def state(request: Request) -> ServerState:
@@ -133,9 +161,12 @@ def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_
 
 
 def check_capacity(st: ServerState) -> None:
-    stats = st.runtime.engine.stats()
-    if stats.num_waiting >= st.config.max_waiting:
-        raise ApiError(503, f"The server is overloaded: {stats.num_waiting} requests are waiting; retry later",
+    """503 while ``max_waiting`` requests wait: those the engine last reported waiting, or, when more, the choices
+    admitted and not ended beyond what the engine can run at once (requests it has not reported yet)."""
+    waiting = max(st.runtime.engine.stats().num_waiting,
+                  st.admitted.count - st.runtime.model_info.max_num_seqs)
+    if waiting >= st.config.max_waiting:
+        raise ApiError(503, f"The server is overloaded: {waiting} requests are waiting; retry later",
                        code="overloaded")
 
 
@@ -244,8 +275,13 @@ def with_token_ids(response_format: dict, tokenizer: Any) -> dict:
     return {**response_format, "token_ids": {a: i for a, i in added.items() if a and any(a in t for t in texts)}}
 
 
-def new_request(choices: list[ChoiceSpec], stop: list[str], prefix: str, arrival: float) -> GenRequest:
-    return GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
+def new_request(st: ServerState, choices: list[ChoiceSpec], stop: list[str], prefix: str,
+                arrival: float) -> GenRequest:
+    """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end."""
+    check_capacity(st)
+    req = GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
+    st.admitted.hold(req)
+    return req
 
 
 

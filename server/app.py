@@ -30,7 +30,7 @@ from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
-from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints,
                         check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
                         model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
                         truncate_prompt, vllm_sampling_extras)
@@ -174,9 +174,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     for c, k in zip(choices, constraints):
         c.constraint = k
-    check_capacity(st)
+    req = new_request(st, choices, stop, "chatcmpl", arrival)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = new_request(choices, stop, "chatcmpl", arrival)
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
@@ -241,9 +240,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         tools=None, tool_choice=None, parallel_tool_calls=True, thinking_budget=None, thinking=False)
     for c, k in zip(choices, constraints):
         c.constraint = k
-    check_capacity(st)
+    req = new_request(st, choices, stop, "cmpl", arrival)
     st.metrics.prompt_tokens.inc(prompt_total)
-    req = new_request(choices, stop, "cmpl", arrival)
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
@@ -335,9 +333,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
     except ApiError as e:
         raise _anthropic_tool_fields(e) from None
-    check_capacity(st)
+    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
     enc = MessageEncoder(req.request_id.replace("-", "_"), model_label(st, lora), len(prompt_ids))
     run = Run()
 

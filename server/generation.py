@@ -15,7 +15,7 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
 from ember.engine.args import parse_json_object
@@ -178,6 +178,8 @@ class GenRequest:
     choices: list[ChoiceSpec]
     stop: list[str] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    choice_ended: Callable[[], None] = field(default=lambda: None, repr=False)
+    """Called once as each choice's run ends (the front end's count of admitted choices, `AdmittedChoices`)."""
 
 
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
@@ -285,6 +287,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
         yield ChoiceStep(index, [], [], end)
     finally:
+        req.choice_ended()
         if rt.request_log is not None:
             rt.request_log.finished(rid, end.reason if end else "cancelled", len(spec.prompt_ids), ntok, req.arrival,
                                     cached_tokens=end.cached_tokens if end else None, error=end.error if end else None)

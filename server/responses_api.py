@@ -20,7 +20,7 @@ from ember.engine.params import SamplingParams
 
 from . import chat
 from . import protocol_responses as pr
-from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_capacity,
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints,
                         check_generates, check_logprobs, check_model, collect, model_label, new_request, noted_steps,
                         state)
 from .errors import ApiError
@@ -112,9 +112,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
         st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
         thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
-    check_capacity(st)
+    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    req = new_request([ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
     response_id = req.request_id.replace("-", "_")
     store = body.store and st.responses.capacity > 0
     enc = ResponseEncoder(_head(body, response_id, model_label(st, lora), store, params), rt.token_bytes.token_bytes,

@@ -1,6 +1,8 @@
 """Limits that are checked at admission, before a stream starts: the KV cache's total size and min_tokens."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -52,3 +54,35 @@ def test_min_tokens_above_max_tokens_is_a_400_naming_the_field(small_cache_serve
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "min_tokens" and "min_tokens" in err["message"]
+
+
+def test_a_burst_beyond_max_waiting_is_refused_before_the_engine_reports_it(demo_model_dir):
+    """8 requests at once for 2 slots with max_waiting 1: the front end counts what it admitted (the engine's counts
+    come with its steps, which a burst outruns), so the burst gets 503s, OpenAI-shaped; once every request ended, or
+    its client left mid-stream, nothing stays counted."""
+    import asyncio
+
+    config = ServeConfig(model_dir=demo_model_dir, max_num_seqs=2, max_waiting=1, kv_cache_blocks=64)
+    runtime = load_runtime(config)
+    app = create_app(runtime, config)
+    server = BackgroundServer(app).start()
+    body = {"model": runtime.model_name, "prompt": "Once", "max_tokens": 300, "ignore_eos": True}
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(8)))
+
+    try:
+        replies = asyncio.run(burst())
+        codes = [r.status_code for r in replies]
+        assert codes.count(503) >= 4 and codes.count(200) >= 2, codes
+        refused = next(r for r in replies if r.status_code == 503).json()["error"]
+        assert refused["code"] == "overloaded" and refused["type"] == "server_error"
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            next(s.iter_lines())
+        deadline = time.monotonic() + 10
+        while app.state.ember.admitted.count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.state.ember.admitted.count == 0
+    finally:
+        server.stop()
