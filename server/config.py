@@ -56,6 +56,10 @@ class ServeConfig(EngineArgs):
     max_log_len: int | None = field(default=None, metadata={
         "help": "cut a logged prompt to this many characters and token IDs; default: whole", "metavar": "N"})
     max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
+    shutdown_timeout: float = field(default=5.0, metadata={
+        "help": "on SIGTERM or SIGINT, stop accepting and give the requests in flight this many seconds to finish; "
+                "then their connections are closed and the server exits (below Docker's 10 s stop grace)",
+        "metavar": "SECONDS"})
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = field(default="info", metadata={"help": "log level",
                                                      "choices": ("debug", "info", "warning", "error")})

@@ -215,6 +215,7 @@ def serve(config: ServeConfig) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
         access_log=not config.disable_uvicorn_access_log, root_path=config.root_path,
+        timeout_graceful_shutdown=config.shutdown_timeout,
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
         ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None))
     _freeze_heap()
