@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -111,3 +112,25 @@ def test_killing_the_engine_process_fails_requests_and_stops_the_server(demo_mod
         except httpx.TransportError:
             pass  # already gone
         assert proc.wait(timeout=30) != 0, log_tail()
+
+
+def test_sigterm_ends_a_stream_whose_client_stopped_reading_within_the_shutdown_timeout(demo_model_dir, tmp_path):
+    """A client that holds its stream open without reading would keep a draining server alive for as long as it
+    likes: after --shutdown-timeout the server closes such connections and exits."""
+    args = [str(demo_model_dir), "--max-num-seqs", "16", "--kv-cache-blocks", "4096", "--log-level", "warning",
+            "--shutdown-timeout", "1"]
+    with serving(args, tmp_path / "serve.log") as served:
+        # 16 choices of 3000 tokens: more than the socket buffers hold, and more than the time allowed
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True, "n": 16,
+                "stream": True}
+        with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()  # held open, and read no more
+            assert next(x for x in lines if x.startswith("data: "))
+            served.proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            try:
+                served.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+            assert served.proc.poll() is not None, "still running 20 s after SIGTERM\n" + served.log_tail()
+            assert time.monotonic() - sent < 8, served.log_tail()
