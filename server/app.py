@@ -404,17 +404,24 @@ async def list_models(request: Request, _: None = Depends(require_api_key)) -> d
     adapters = [n for n, _ in rt.model_info.lora_adapters]
     names = [rt.model_name, *rt.model_aliases, *adapters]
     if "anthropic-version" in request.headers:
-        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
-        return {"data": [{"type": "model", "id": n, "display_name": n, "created_at": created} for n in names],
-                "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        data = [_anthropic_model(st, n) for n in names]
+        return {"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
     cards = [_model_card(st, None, name) for name in [rt.model_name, *rt.model_aliases]]
     return {"object": "list", "data": cards + [_model_card(st, n) for n in adapters]}
 
 
 async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
+    """The model's card: OpenAI's shape, or Anthropic's when the request carries ``anthropic-version``."""
     st = state(request)
     lora = check_model(st, model_id)
+    if "anthropic-version" in request.headers:
+        return _anthropic_model(st, model_id)
     return _model_card(st, lora, None if lora else model_id)
+
+
+def _anthropic_model(st: ServerState, name: str) -> dict:
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.started))
+    return {"type": "model", "id": name, "display_name": name, "created_at": created}
 
 
 async def health(request: Request) -> Response:

@@ -164,9 +164,21 @@ def test_errors_are_typed(demo_server, keyed_server):
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
-def test_models_list_in_anthropic_shape(demo_server):
-    page = demo_server.anthropic().models.list()
+def test_models_list_and_retrieve_in_anthropic_shape(demo_server):
+    client = demo_server.anthropic()
+    page = client.models.list()
     assert [m.id for m in page.data] == [demo_server.model]
+    one = client.models.retrieve(demo_server.model)
+    assert (one.id, one.type, one.display_name) == (demo_server.model, "model", demo_server.model)
+    assert one.created_at == page.data[0].created_at
+
+
+def test_a_non_finite_number_is_named_as_such(demo_server):
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=30, headers={"content-type": "application/json"},
+                   content='{"model": "%s", "max_tokens": 4, "temperature": NaN, "messages": [{"role": "user", '
+                           '"content": "hi"}]}' % demo_server.model)
+    assert r.status_code == 400 and "'temperature'" in r.json()["error"]["message"]
+    assert "finite" in r.json()["error"]["message"], r.text
 
 
 def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_server):
