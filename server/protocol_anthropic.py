@@ -118,12 +118,15 @@ class _MessagesBase(_Lenient):
 
 
 class MessagesRequest(_MessagesBase):
-    max_tokens: int = Field(ge=1)
+    """Numbers and switches are taken only as JSON numbers and booleans, as Anthropic takes them (no ``"3"`` for 3,
+    no ``true`` for 1, no ``"yes"`` for true)."""
+
+    max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    stream: bool = Field(default=False, strict=True)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
+    top_k: int | None = Field(default=None, ge=-1, strict=True)
     metadata: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # extension: reproducible sampling
     output_config: OutputConfig | None = None

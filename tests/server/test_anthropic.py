@@ -210,6 +210,9 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
      ["output_config.format.schema"]),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["server tool type 'web_search_20250305'"]),
     ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+    ({"max_tokens": "3"}, ["'max_tokens'", "integer"]),
+    ({"max_tokens": True}, ["'max_tokens'"]),
+    ({"stream": "yes"}, ["'stream'", "boolean"]),
     ({"messages": [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
                                                           "input": {}}]}]}, ["messages[1].content", "tool_result"]),
 ])
