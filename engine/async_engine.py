@@ -182,6 +182,10 @@ class AsyncEngine:
             except ValueError as e:
                 loop.call_soon_threadsafe(settle, fut, e)
                 return
+            except Exception as e:  # an adapter the checks did not foresee fails its call, never the engine
+                log.exception("LoRA update %r failed", name)
+                loop.call_soon_threadsafe(settle, fut, ValueError(f"LoRA adapter {name!r}: {type(e).__name__}: {e}"))
+                return
             loop.call_soon_threadsafe(settle, fut, None, adapters)
 
     def _run(self) -> None:

@@ -146,6 +146,9 @@ class _Core:
                 self.events.send(wire.pack(["lora", token, None, apply_lora_update(self.engine, name, path)]))
             except ValueError as e:
                 self.events.send(wire.pack(["lora", token, str(e), None]))
+            except Exception as e:  # an adapter the checks did not foresee fails its call, never the engine
+                log.exception("LoRA update %r failed", name)
+                self.events.send(wire.pack(["lora", token, f"LoRA adapter {name!r}: {type(e).__name__}: {e}", None]))
         elif kind == "shutdown":
             self.stopping = True
 

@@ -51,6 +51,8 @@ def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
     except CheckpointError as e:
         raise ConfigError(f"LoRA adapter {name!r}: {e} (a PEFT adapter folder is expected)") from None
     where = f"LoRA adapter {name!r} ({path})"
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{where}: the file must hold a JSON object, not {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
     rank = cfg.get("r")
@@ -65,17 +67,27 @@ def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
             raise ConfigError(f"{where}: {what} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{where}: bias {cfg['bias']!r} is not supported (only 'none')")
-    alpha = float(cfg.get("lora_alpha", rank))
+    alpha = cfg.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ConfigError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
 
 
 def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors; ConfigError naming the file when it cannot be read (a Git LFS pointer, a truncated
+    download, not a tensor file)."""
     st, pt = folder / "adapter_model.safetensors", folder / "adapter_model.bin"
-    if st.exists():
-        return load_file(str(st))
-    if pt.exists():
-        return torch.load(str(pt), map_location="cpu", weights_only=True)
-    raise ConfigError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {folder}")
+    if not st.exists() and not pt.exists():
+        raise ConfigError(f"LoRA adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {folder}")
+    path = st if st.exists() else pt
+    try:
+        tensors = load_file(str(st)) if path is st else torch.load(str(pt), map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors and torch raise their own types for a malformed file
+        raise ConfigError(f"LoRA adapter {name!r}: {path} cannot be read ({type(e).__name__}: {e}); a Git LFS "
+                          f"pointer or a partial download looks like this") from None
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ConfigError(f"LoRA adapter {name!r}: {path} does not hold a mapping of tensors")
+    return tensors
 
 
 COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})

@@ -39,8 +39,9 @@ def _loaded(request: Request) -> list[str]:
 
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     rt = state(request).runtime
-    if not body.lora_name or body.lora_name == rt.model_name:
-        raise bad_request(f"lora_name must be a new name, not {body.lora_name!r}", param="lora_name")
+    if not body.lora_name or body.lora_name in (rt.model_name, *rt.model_aliases):
+        raise bad_request(f"lora_name must be a new name, not {body.lora_name!r} (a name of the served model)",
+                          param="lora_name")
     if body.lora_name in _loaded(request):
         raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
     try:

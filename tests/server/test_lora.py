@@ -99,8 +99,8 @@ def updating_server(demo_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-updating")
     base = save_tiny_qwen3(root / "base", demo_model_dir, seed=31)
     tensors = save_adapter(root / "sql", seed=7, rank=8, alpha=16, modules=ALL)
-    config = ServeConfig(model_dir=base, served_model_name="tiny", max_num_seqs=4, kv_cache_blocks=64,
-                         enable_lora=True, max_loras=1, runtime_lora_updating=True)
+    config = ServeConfig(model_dir=base, served_model_name="tiny", served_model_aliases=("gpt-4o",), max_num_seqs=4,
+                         kv_cache_blocks=64, enable_lora=True, max_loras=1, runtime_lora_updating=True)
     with served(config) as server:
         yield server, merged_copy(base, tensors, 2.0, root / "merged"), root / "sql"
 
@@ -110,7 +110,7 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
     load, unload = server.url + "/v1/load_lora_adapter", server.url + "/v1/unload_lora_adapter"
     r = httpx.post(load, json={"lora_name": "sql", "lora_path": str(folder)}, timeout=60)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
-    assert [m.id for m in server.openai().models.list().data] == ["tiny", "sql"]
+    assert [m.id for m in server.openai().models.list().data] == ["tiny", "gpt-4o", "sql"]
     prompt = server.tokenizer.encode("the quick brown fox")
     got = server.openai().completions.create(model="sql", prompt=prompt, max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
@@ -130,3 +130,37 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
     off, _, _ = lora_server
     assert httpx.post(off.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"},
                       timeout=60).status_code == 404
+
+
+@pytest.mark.parametrize("breakage", ["config is a list", "lora_alpha null", "weights are a Git LFS pointer"])
+def test_a_malformed_adapter_is_a_400_and_the_engine_keeps_serving(updating_server, tmp_path, breakage):
+    """Adapters broken in ways a user makes (a hand-edited config, an un-pulled LFS file) are refused naming
+    lora_path; the engine process survives (it used to die, taking the server with it)."""
+    import json
+    import shutil
+
+    server, _, folder = updating_server
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    if breakage == "config is a list":
+        (bad / "adapter_config.json").write_text("[1, 2]")
+    elif breakage == "lora_alpha null":
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": None}))
+    else:
+        (bad / "adapter_model.safetensors").write_text(
+            "version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 4096\n")
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert "'bad'" in r.json()["error"]["message"]
+    ok = server.openai().completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_an_adapter_cannot_take_a_served_models_alias(updating_server):
+    """A runtime adapter named like a --served-model-name alias would be listed twice and never reached."""
+    server, _, folder = updating_server
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "gpt-4o", "lora_path": str(folder)},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert [m.id for m in server.openai().models.list().data] == ["tiny", "gpt-4o"]
