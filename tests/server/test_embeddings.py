@@ -70,7 +70,7 @@ def test_truncation_and_special_tokens_change_what_is_embedded(demo_server, demo
 
 @pytest.mark.parametrize("body,param,code", [
     ({"input": []}, "input", None),
-    ({"input": ["ok", [1, 2]]}, "input", None),
+    ({"input": ["ok", [1, 2]]}, "input[1]", None),  # the item that breaks the list of strings
     ({"input": [[1, 2], [5, 99999]]}, "input[1]", None),
     ({"input": [3, -1]}, "input", None),
     ({"input": "x " * 5000}, "input", "context_length_exceeded"),
