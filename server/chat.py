@@ -218,8 +218,8 @@ def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]],
     if bad:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
     if template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request("this model has no chat template; use /v1/completions or start the server with "
-                          "--chat-template")
+        raise bad_request(f"this model has no chat template to render {field}: send the text itself (input, prompt) "
+                          "or start the server with --chat-template", param=field)
     try:
         text = tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,

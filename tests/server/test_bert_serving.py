@@ -104,3 +104,8 @@ def test_generation_routes_are_refused_naming_model(embedder):
         server.anthropic().messages.create(model="bge-like", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     r = httpx.post(server.url + "/v1/responses", json={"model": "bge-like", "input": "hi"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    # a conversation needs a chat template this encoder lacks: named, with what to send instead
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": "bge-like", "messages": [
+        {"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "chat template" in r.json()["error"]["message"] and "completions" not in r.json()["error"]["message"]
