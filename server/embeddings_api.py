@@ -33,6 +33,12 @@ MAX_INPUTS = 2048
 """Inputs one request may carry (the OpenAI API's limit)."""
 
 
+def check_count(n: int, most: int, what: str, param: str) -> None:
+    """A 400 naming ``param`` when the request sent more than ``most`` of ``what`` (it sent ``n``)."""
+    if n > most:
+        raise bad_request(f"at most {most} {what} per request, got {n}", param=param)
+
+
 class PoolingInputs(po._Lenient):
     """The inputs of a pooling route (embeddings, classify): ``input``, or vLLM's chat form ``messages``."""
 
@@ -78,6 +84,7 @@ class PoolingInputs(po._Lenient):
         if self.messages is not None:
             return [await asyncio.to_thread(_conversation_ids, rt, self)], ["messages"], False
         inputs = self.inputs()
+        check_count(len(inputs), MAX_INPUTS, "inputs", "input")
         params = ["input"] if self.single else [f"input[{i}]" for i in range(len(inputs))]
         return inputs, params, self.add_special_tokens is not False
 
@@ -96,28 +103,82 @@ def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
+def prompt_limit(rt: ModelRuntime) -> int:
+    """The most tokens one pooled prompt may have: the context, or the whole KV cache where that is smaller."""
+    return min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
+
+
+def align(full: list[int], parts: list[list[int]]) -> list[int] | None:
+    """Where each of ``parts`` (texts' tokens without special tokens, in order) starts in ``full`` (their encoding
+    with the special tokens a tokenizer adds before, between and after them); None where ``full`` does not hold the
+    parts in that order."""
+    after = [sum(map(len, parts[i + 1:])) for i in range(len(parts))]
+
+    def place(i: int, at: int) -> list[int] | None:
+        if i == len(parts):
+            return []
+        n = len(parts[i])
+        for s in range(at, len(full) - n - after[i] + 1):
+            if full[s:s + n] == parts[i] and (tail := place(i + 1, s + n)) is not None:
+                return [s, *tail]
+        return None
+
+    return place(0, 0)
+
+
+def too_few(keep: int, specials: int) -> ApiError:
+    """The 400 for a `truncate_prompt_tokens` that leaves no room for the tokenizer's own special tokens."""
+    return bad_request(f"truncate_prompt_tokens ({keep}) is less than the {specials} special tokens the tokenizer "
+                       f"adds to each input", param="truncate_prompt_tokens")
+
+
+def keep_last(full: list[int], content: list[int], keep: int) -> list[int]:
+    """``full`` (``content`` encoded with special tokens) cut to its last ``keep`` tokens, keeping the special tokens
+    the tokenizer added around the content: those and the content's last tokens (``full``'s plain last ``keep``
+    tokens where the special tokens cannot be told apart from the content)."""
+    if len(full) <= keep:
+        return full
+    at = align(full, [content])
+    if at is None:
+        return full[-keep:]
+    specials = len(full) - len(content)
+    if keep < specials:
+        raise too_few(keep, specials)
+    start, end = at[0], at[0] + len(content)
+    return full[:start] + content[len(content) - (keep - specials):] + full[end:]
+
+
 def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], params: list[str],
                  truncate: int | None, add_special_tokens: bool,
                  type_starts: list[int | None] | None = None) -> list[tuple[list[int], int | None]]:
-    """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit) and checked against the
-    context and the KV cache (a problem is a 400 naming ``params[i]``), with its first position of token type 1:
-    ``type_starts[i]`` for token lists (None: the model finds it), past the end for a text (one segment)."""
-    limit = min(rt.max_model_len, rt.model_info.kv_capacity_tokens)
+    """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit; a text keeps the special
+    tokens its encoding adds, as `keep_last` cuts it) and checked against the context and the KV cache (a problem is
+    a 400 naming ``params[i]``), with its first position of token type 1: ``type_starts[i]`` for token lists (None:
+    the model finds it), past the end for a text (one segment)."""
+    limit = prompt_limit(rt)
     keep = tokens_to_keep(truncate, limit)
     texts = [x for x in inputs if isinstance(x, str)]
-    encoded = iter(rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else ())
+    encoded: list[list[int]] = []
+    if texts:  # batched calls: the tokenizer's Rust side runs the texts in parallel
+        encoded = [list(x) for x in rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+    if keep and (long := [j for j, x in enumerate(encoded) if len(x) > keep]):
+        contents = (rt.tokenizer([texts[j] for j in long], add_special_tokens=False)["input_ids"]
+                    if add_special_tokens else [encoded[j] for j in long])
+        for j, content in zip(long, contents):
+            encoded[j] = keep_last(encoded[j], list(content), keep)
+    next_text = iter(encoded)
     out = []
     for i, (x, param) in enumerate(zip(inputs, params)):
         if isinstance(x, str):
-            ids = list(next(encoded))  # one batched call: the tokenizer's Rust side runs the texts in parallel
+            ids = next(next_text)
             start = len(ids)
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
             start = type_starts[i] if type_starts is not None else None
-        if keep and len(ids) > keep:
-            start = None if start is None else max(0, start - (len(ids) - keep))
-            ids = ids[-keep:]
+            if keep and len(ids) > keep:
+                start = None if start is None else max(0, start - (len(ids) - keep))
+                ids = ids[-keep:]
         if not ids:
             raise bad_request("an input must have at least one token", param=param)
         if len(ids) > limit:
@@ -198,8 +259,6 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
     rt = st.runtime
     if not inputs:
         raise bad_request(f"{params[0] if params else 'input'} must not be empty", param="input")
-    if len(inputs) > MAX_INPUTS:
-        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
     prompts = await asyncio.to_thread(_token_lists, rt, st, inputs, params, truncate, add_special_tokens,
                                       type_starts)
     check_capacity(st)

@@ -19,11 +19,14 @@ from fastapi import Request
 from pydantic import Field
 
 from . import protocol_openai as po
-from .admission import check_model, model_label, state
+from .admission import check_model, model_label, state, tokens_to_keep
 from .classify_api import activated
-from .embeddings_api import embed, pool
+from .embeddings_api import MAX_INPUTS, align, check_count, embed, keep_last, pool, prompt_limit, too_few
 from .errors import bad_request
 from .generation import ModelRuntime
+
+MAX_PAIRS = MAX_INPUTS - 1
+"""Texts one request may score against its query (``documents``, ``text_2``): with the query, `MAX_INPUTS`."""
 
 
 class ScoreRequest(po._Lenient):
@@ -70,23 +73,73 @@ def _cross_encoder(rt: ModelRuntime) -> bool:
     return bool(labels)
 
 
-def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str]) -> tuple[list[list[int]], list[int | None]]:
-    """Each pair's tokens as vLLM builds them, the two texts joined into one (a converted LM reranker) or the
-    tokenizer's pair encoding, with where its second text's token type begins (None: the tokenizer writes none)."""
+def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """How many tokens of two texts of ``n1`` and ``n2`` tokens a fast tokenizer's ``truncation="longest_first"`` keeps
+    within ``room`` tokens: the shorter whole where it takes at most half the room and the longer the rest, else half
+    each (the odd token to the longer)."""
+    if n1 + n2 <= room:
+        return n1, n2
+    short = min(n1, n2)
+    kept = (short, room - short) if 2 * short <= room else (room // 2, room // 2 + room % 2)
+    return kept if n1 <= n2 else (kept[1], kept[0])
+
+
+def _cut_pair(full: list[int], a: list[int], b: list[int], keep: int, side: str) -> list[int] | None:
+    """The positions of ``full`` (texts ``a`` and ``b`` encoded as a pair) that the pair keeps in ``keep`` tokens, as
+    ``tokenizer(a, b, truncation="longest_first", max_length=keep)`` cuts it: every special token, and the texts
+    trimmed at ``side`` (the tokenizer's ``truncation_side``); None where the texts cannot be found in ``full``."""
+    at = align(full, [a, b])
+    if at is None:
+        return None
+    specials = len(full) - len(a) - len(b)
+    if keep < specials:
+        raise too_few(keep, specials)
+    n1, n2 = longest_first(len(a), len(b), keep - specials)
+    cut = set()
+    for start, n, kept in ((at[0], len(a), n1), (at[1], len(b), n2)):
+        cut.update(range(start + kept, start + n) if side == "right" else range(start, start + n - kept))
+    return [j for j in range(len(full)) if j not in cut]
+
+
+def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str],
+              keep: int | None) -> tuple[list[list[int]], list[int | None]]:
+    """Each pair's tokens as vLLM builds them, with where its second text's token type begins (None: the tokenizer
+    writes none): the two texts joined into one (a converted LM reranker), cut as one text is (`keep_last`), or the
+    tokenizer's pair encoding, cut to ``keep`` tokens as `_cut_pair` says (its plain last ``keep`` tokens where the
+    texts cannot be found in it)."""
+    tok = rt.tokenizer
     if rt.model_info.joins_pairs:
-        ids = [list(x) for x in rt.tokenizer([a + b for a, b in zip(firsts, seconds)])["input_ids"]]
+        joined = [a + b for a, b in zip(firsts, seconds)]
+        ids = [list(x) for x in tok(joined)["input_ids"]]
+        if keep and (long := [i for i, x in enumerate(ids) if len(x) > keep]):
+            for i, content in zip(long, tok([joined[i] for i in long], add_special_tokens=False)["input_ids"]):
+                ids[i] = keep_last(ids[i], list(content), keep)
         return ids, [len(x) for x in ids]
-    enc = rt.tokenizer(firsts, seconds, return_token_type_ids=True)
-    types = enc.get("token_type_ids") or [None] * len(firsts)
-    return ([list(x) for x in enc["input_ids"]],
-            [None if t is None else next((j for j, v in enumerate(t) if v), len(t)) for t in types])
+    enc = tok(firsts, seconds, return_token_type_ids=True)
+    ids = [list(x) for x in enc["input_ids"]]
+    types = [list(t) for t in enc["token_type_ids"]] if enc.get("token_type_ids") else None
+    if keep and (long := [i for i, x in enumerate(ids) if len(x) > keep]):
+        side = getattr(tok, "truncation_side", "right")
+        texts_a = tok([firsts[i] for i in long], add_special_tokens=False)["input_ids"]
+        texts_b = tok([seconds[i] for i in long], add_special_tokens=False)["input_ids"]
+        for i, a, b in zip(long, texts_a, texts_b):
+            kept = _cut_pair(ids[i], list(a), list(b), keep, side)
+            if kept is None:
+                kept = list(range(len(ids[i]) - keep, len(ids[i])))
+            ids[i] = [ids[i][j] for j in kept]
+            if types is not None:
+                types[i] = [types[i][j] for j in kept]
+    if types is None:
+        return ids, [None] * len(ids)
+    return ids, [next((j for j, v in enumerate(t) if v), len(t)) for t in types]
 
 
 async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str], params: list[str],
                        truncate: int | None, lora: str | None) -> tuple[list[float], int, str]:
     """A cross-encoder's score of each (first, second) pair, their token count and the request id."""
-    ids, type_starts = await asyncio.to_thread(_pair_ids, rt, firsts, seconds)
-    logits, total, rid = await pool(request, ids, params, truncate=truncate, lora=lora, type_starts=type_starts)
+    keep = tokens_to_keep(truncate, prompt_limit(rt))
+    ids, type_starts = await asyncio.to_thread(_pair_ids, rt, firsts, seconds, keep)
+    logits, total, rid = await pool(request, ids, params, truncate=None, lora=lora, type_starts=type_starts)
     return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
 
 
@@ -94,6 +147,7 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     st = state(request)
     lora = check_model(st, body.model)
     left, right, pairs = _pairs(body)
+    check_count(len(right), MAX_PAIRS, "texts in text_2", "text_2")
     p1 = [f"text_1[{i}]" for i in range(len(left))] if isinstance(body.text_1, list) else ["text_1"]
     p2 = [f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"]
     if _cross_encoder(st.runtime):
@@ -115,6 +169,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     lora = check_model(st, body.model)
     if not body.documents:
         raise bad_request("documents must not be empty", param="documents")
+    check_count(len(body.documents), MAX_PAIRS, "documents", "documents")
     params = [f"documents[{i}]" for i in range(len(body.documents))]
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [body.query] * len(body.documents),
