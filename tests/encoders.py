@@ -63,3 +63,12 @@ def reference(model, tok, text: str, pair: str | None = None) -> torch.Tensor:
     with torch.no_grad():
         out = model(**enc)
     return out.logits[0] if hasattr(out, "logits") else out.last_hidden_state[0]
+
+
+def serve_encoder(path, name: str):
+    """The encoder saved at ``path`` served in-process as ``name`` (a `served` context: a `LiveServer`)."""
+    from ember.server.config import ServeConfig
+    from tests.server.conftest import served
+
+    return served(ServeConfig(model_dir=path, served_model_name=name, max_num_seqs=4, kv_cache_blocks=64,
+                              in_process=True))

@@ -10,22 +10,14 @@ import openai
 import pytest
 import torch
 
-from tests.encoders import reference, save_tiny_encoder
-from tests.server.conftest import served
-
-
-def _serve(path, name):
-    from ember.server.config import ServeConfig
-
-    return served(ServeConfig(model_dir=path, served_model_name=name, max_num_seqs=4, kv_cache_blocks=64,
-                              in_process=True))
+from tests.encoders import reference, save_tiny_encoder, serve_encoder
 
 
 @pytest.fixture(scope="module")
 def embedder(tmp_path_factory):
     path = tmp_path_factory.mktemp("bge-like")
     model, tok = save_tiny_encoder(path, "BertModel", seed=11, sentence_transformers="mean")
-    with _serve(path, "bge-like") as server:
+    with serve_encoder(path, "bge-like") as server:
         yield server, model, tok
 
 
@@ -33,7 +25,7 @@ def embedder(tmp_path_factory):
 def cross_encoder(tmp_path_factory):
     path = tmp_path_factory.mktemp("minilm-reranker")
     model, tok = save_tiny_encoder(path, "BertForSequenceClassification", seed=12, num_labels=1)
-    with _serve(path, "reranker") as server:
+    with serve_encoder(path, "reranker") as server:
         yield server, model, tok
 
 
@@ -68,7 +60,7 @@ def test_a_text_holding_a_separator_is_still_one_segment(embedder, cross_encoder
 
 def test_without_modules_json_an_encoder_embeds_its_cls_position(tmp_path, caplog):
     model, tok = save_tiny_encoder(tmp_path, "XLMRobertaModel", seed=13)
-    with caplog.at_level("INFO", logger="ember"), _serve(tmp_path, "xlmr") as server:
+    with caplog.at_level("INFO", logger="ember"), serve_encoder(tmp_path, "xlmr") as server:
         # llguidance cannot read this tokenizer, which matters only to a model that generates: no warning at start
         assert not [r for r in caplog.records if r.levelname == "WARNING" and "structured output" in r.getMessage()]
         r = httpx.post(server.url + "/v1/embeddings", json={"input": "the weather is cold today"}, timeout=60)

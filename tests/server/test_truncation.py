@@ -9,25 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.encoders import save_tiny_encoder
-from tests.server.conftest import served
+from tests.encoders import save_tiny_encoder, serve_encoder
 
 LONG = ("the weather is cold today and the cat sat on the mat while a dog ran in the park and cats and dogs like "
         "to play in paris which is the capital of france")
-
-
-def _serve(path, name):
-    from ember.server.config import ServeConfig
-
-    return served(ServeConfig(model_dir=path, served_model_name=name, max_num_seqs=4, kv_cache_blocks=64,
-                              in_process=True))
 
 
 @pytest.fixture(scope="module")
 def cls_embedder(tmp_path_factory):
     path = tmp_path_factory.mktemp("cls-bert")
     model, tok = save_tiny_encoder(path, "BertModel", seed=21, sentence_transformers="cls")
-    with _serve(path, "cls-bert") as server:
+    with serve_encoder(path, "cls-bert") as server:
         yield server, model, tok
 
 
@@ -36,7 +28,7 @@ def cross_encoder(tmp_path_factory):
     path = tmp_path_factory.mktemp("cross-encoder")
     model, tok = save_tiny_encoder(path, "BertForSequenceClassification", seed=22, num_labels=1,
                                    initializer_range=0.5)
-    with _serve(path, "reranker") as server:
+    with serve_encoder(path, "reranker") as server:
         yield server, model, tok
 
 
