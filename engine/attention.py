@@ -204,9 +204,20 @@ def _batched(q, k_cache, v_cache, out, starts, qlens, seq_lens, block_table, sca
         out[rows[keep]] = o[keep].to(out.dtype)
 
 
+def check_triton_device(device: torch.device, flag: str) -> None:
+    """ValueError naming ``flag`` unless Triton kernels can run for ``device``: on CUDA, or anywhere under the
+    interpreter (``TRITON_INTERPRET=1``, what the CPU tests use). Without this a CPU server started and then failed
+    every request ("0 active drivers")."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "") != "1":
+        raise ValueError(f"{flag} triton needs a CUDA device (this engine runs on {device.type}); choose torch, or "
+                         f"set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter (slow, for tests)")
+
+
 def backend_name(device: torch.device) -> str:
     """``"triton"`` on CUDA, ``"torch"`` on CPU; ``EMBER_ATTENTION`` (triton / torch / reference) overrides."""
     forced = os.environ.get("EMBER_ATTENTION", "").strip().lower()
+    if forced == "triton":
+        check_triton_device(device, "--attention-backend (EMBER_ATTENTION)")
     if forced in ("triton", "reference", "torch"):
         return forced
     if forced:

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ember.engine.attention import check_triton_device
 from ember.engine.config import ConfigError
 from ember.kernels import moe_reference
 from ember.kernels.nvfp4 import BLOCK, NVFP4Tensor
@@ -217,6 +218,8 @@ def plan_for_source(source: str, raw_config: dict[str, Any], shard_shape: ShardS
 def use_triton(device: torch.device) -> bool:
     """Triton MoE / NVFP4 kernels on CUDA, or anywhere with ``EMBER_MOE=triton``; the torch references otherwise."""
     forced = os.environ.get("EMBER_MOE", "").strip().lower()
+    if forced == "triton":
+        check_triton_device(device, "--moe-backend (EMBER_MOE)")
     if forced in ("triton", "reference", "torch"):
         return forced == "triton"
     if forced:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.engine.attention import AttentionMetadata, is_triton_backend
+from ember.engine.attention import AttentionMetadata, check_triton_device, is_triton_backend
 from ember.engine.config import ConfigError, ModelConfig
 
 
@@ -27,6 +27,8 @@ def row_ops_backend(device: torch.device) -> str:
     """``"triton"`` on CUDA, ``"torch"`` elsewhere; ``--row-ops-backend`` (``EMBER_ROW_OPS``: triton / torch)
     overrides."""
     forced = os.environ.get("EMBER_ROW_OPS", "").strip().lower()
+    if forced == "triton":
+        check_triton_device(device, "--row-ops-backend (EMBER_ROW_OPS)")
     if forced in ("triton", "torch"):
         return forced
     if forced:

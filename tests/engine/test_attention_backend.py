@@ -79,3 +79,30 @@ def test_engine_on_the_triton_backend_matches_torch(demo_model_dir, monkeypatch)
                 toks[o.request_id].extend(o.new_token_ids)
         results.append([toks[r] for r in rids])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("variable,flag", [("EMBER_ATTENTION", "--attention-backend"),
+                                           ("EMBER_ROW_OPS", "--row-ops-backend")])
+def test_triton_without_cuda_or_the_interpreter_is_refused_when_the_engine_starts(demo_model_dir, monkeypatch,
+                                                                                 variable, flag):
+    """A CPU engine told to run Triton kernels would start and then fail every step ("0 active drivers"): it is
+    refused at start, naming the flag, unless the interpreter runs the kernels."""
+    from ember.engine.engine import Engine
+
+    monkeypatch.setenv(variable, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=f"{flag} .*triton needs a CUDA device"):
+        Engine.from_pretrained(demo_model_dir, num_kv_blocks=16, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    Engine.from_pretrained(demo_model_dir, num_kv_blocks=16, device="cpu")
+
+
+def test_triton_moe_without_cuda_or_the_interpreter_is_refused(monkeypatch):
+    from ember.engine.nvfp4_loading import use_triton
+
+    monkeypatch.setenv("EMBER_MOE", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--moe-backend .*triton needs a CUDA device"):
+        use_triton(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(torch.device("cpu"))
