@@ -480,7 +480,8 @@ def _error_response(request: Request, err: ApiError) -> JSONResponse:
 
 
 class _RequestCounter:
-    """Pure ASGI middleware counting responses by endpoint and status (does not buffer streams)."""
+    """Pure ASGI middleware counting responses by endpoint (the matched route's path template, so a model id or a
+    response id does not make a label of its own; unknown paths are ``other``) and status; does not buffer streams."""
 
     def __init__(self, app: Any, metrics: Metrics):
         self.app = app
@@ -501,13 +502,9 @@ class _RequestCounter:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            path = scope.get("path", "")
-            endpoint = path if path in _ROUTES else "other"
+            route = scope.get("route")  # the route the router matched (its path template), none for unknown paths
+            endpoint = getattr(route, "path_format", None) or "other"
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
-
-
-_ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-           "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/health", "/metrics")
 
 
 async def _watch_engine(st: ServerState, exit_on_death: bool, poll_s: float = 0.2) -> None:

@@ -167,6 +167,18 @@ def test_new_routes_are_counted_in_metrics(demo_server, path):
     assert f'ember_requests_total{{endpoint="{path}",status="200"}}' in text
 
 
+def test_every_route_is_counted_under_its_path_template(demo_server):
+    """Each served route has its own label (a model id does not make a new one); unknown paths share `other`."""
+    assert _post(demo_server, "/v1/embeddings", {"input": "x"}).status_code == 200
+    assert httpx.get(f"{demo_server.url}/v1/models/{demo_server.model}", timeout=10).status_code == 200
+    assert httpx.get(demo_server.url + "/version", timeout=10).status_code == 200
+    assert httpx.get(demo_server.url + "/no/such/route", timeout=10).status_code == 404
+    text = httpx.get(demo_server.url + "/metrics", timeout=10).text
+    for label in ('endpoint="/v1/embeddings",status="200"', 'endpoint="/v1/models/{model_id}",status="200"',
+                  'endpoint="/version",status="200"', 'endpoint="other",status="404"'):
+        assert "ember_requests_total{" + label + "}" in text, label
+
+
 def test_response_role_names_the_reply_and_a_continuation_keeps_the_last_role(demo_runtime):
     """`--response-role` is the reply's role after a generation prompt (streamed and whole); without a generation
     prompt the model continues the last message, whose role the reply keeps (vLLM's rule)."""
