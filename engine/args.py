@@ -2,16 +2,19 @@
 
 Every setting is one dataclass field whose ``metadata`` says how it appears on the command line: ``help`` (required
 for a flag to exist), optionally ``flag`` (a non-default flag name), ``choices``, ``type`` (a parse function),
-``negatable`` (``--x/--no-x`` for a boolean), ``group`` (flags of one group are mutually exclusive), ``metavar`` and
-``positional``. `add_flags` turns any such dataclass into argparse arguments with the default shown in the help;
-`from_namespace` builds the dataclass back from the parsed arguments.
+``min`` / ``max`` (inclusive bounds of a number, which must then also be finite), ``requires`` (the boolean field a
+switch needs), ``negatable`` (``--x/--no-x`` for a boolean), ``group`` (flags of one group are mutually exclusive),
+``metavar`` and ``positional``. `add_flags` turns any such dataclass into argparse arguments with the default shown in
+the help; `from_namespace` builds the dataclass back from the parsed arguments.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -57,6 +60,52 @@ def checked_by(parse: Callable[[str], Any]) -> Callable[[str], str]:
     return check
 
 
+_DEVICE = re.compile(r"cpu|cuda(?::(\d+))?")
+
+
+def parse_device(text: str) -> str:
+    """`--device`: ``cpu``, ``cuda`` or ``cuda:N``, a CUDA device only where torch sees it; SettingValueError
+    otherwise."""
+    match = _DEVICE.fullmatch(text)
+    if match is None:
+        raise SettingValueError(f"{text!r} is not a device: cpu, cuda or cuda:N")
+    if text.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise SettingValueError(f"{text}: no CUDA device is available here (torch {torch.__version__}); "
+                                    f"use --device cpu")
+        if match[1] is not None and int(match[1]) >= count:
+            raise SettingValueError(f"{text}: torch sees {count} CUDA device{'s' if count > 1 else ''} here (cuda:0 "
+                                    f"to cuda:{count - 1})")
+    return text
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+"""A Hugging Face model id, ``ORG/NAME``."""
+
+
+def split_hub_id(value: str) -> tuple[str, str | None] | None:
+    """``(ORG/NAME, REVISION or None)`` of a Hugging Face model id written ``ORG/NAME[@REVISION]``; None when
+    ``value`` is not one."""
+    repo_id, at, suffix = value.partition("@")
+    if not HUB_ID.fullmatch(repo_id) or (at and not suffix):
+        return None
+    return repo_id, suffix or None
+
+
+def parse_tokenizer(text: str) -> str:
+    """`--tokenizer`: an existing folder or a Hugging Face id (``ORG/NAME[@REVISION]``), as `ember serve` reads
+    MODEL; SettingValueError otherwise."""
+    path = Path(text).expanduser()
+    if path.is_file():
+        raise SettingValueError(f"{text} is a file, not the tokenizer's folder")
+    if not path.is_dir() and split_hub_id(text) is None:
+        raise SettingValueError(f"{text}: no such directory, and not a Hugging Face model id (ORG/NAME[@REVISION])")
+    return text
+
+
 def parse_json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object; ValueError saying what is wrong otherwise."""
     try:
@@ -92,16 +141,16 @@ class EngineArgs:
     """How the engine core runs (names follow vLLM's flags). Defaults here are the only engine defaults."""
 
     max_model_len: int | None = _opt(None, "context length (prompt + output) in tokens; default: the model's "
-                                           "max_position_embeddings")
-    max_num_seqs: int = _opt(64, "sequences decoded together in one step")
-    max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step")
-    block_size: int = _opt(16, "tokens per KV-cache block")
+                                           "max_position_embeddings", min=1)
+    max_num_seqs: int = _opt(64, "sequences decoded together in one step", min=1)
+    max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step", min=1)
+    block_size: int = _opt(16, "tokens per KV-cache block", min=1)
     enable_chunked_prefill: bool = _opt(True, "split long prompts into chunks that share steps with decodes",
                                         negatable=True)
     enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of a prompt prefix seen before", negatable=True)
     state_snapshots: int | None = _opt(None, "hybrid models (Qwen3-Next, Qwen3.5): recurrent states saved at prompt "
                                              "boundaries and inside replies for prefix caching; default: "
-                                             "max_num_seqs", metavar="N")
+                                             "max_num_seqs; 0 turns their prefix caching off", metavar="N", min=0)
     kv_cache_dtype: str = _opt("auto", "KV-cache element type: 'auto' (the model dtype) or 'fp8' (e4m3; vLLM's "
                                        "'fp8_e4m3' too)", choices=("auto", "fp8", "fp8_e4m3"))
     quantization: str | None = _opt(None, "'fp8' quantizes an unquantized checkpoint as it loads (every decoder "
@@ -110,7 +159,8 @@ class EngineArgs:
                                           "vLLM (fp8, modelopt, modelopt_fp4, compressed-tensors, mxfp4)",
                                     choices=("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4"))
     tokenizer: str | None = _opt(None, "the tokenizer's folder (or Hugging Face id, fetched like the model's), when "
-                                       "it is not the model's; its chat template is then the default", metavar="PATH")
+                                       "it is not the model's; its chat template is then the default", metavar="PATH",
+                                 type=parse_tokenizer)
     hf_overrides: str | None = _opt(None, "JSON object of config.json fields to change before the model loads, as "
                                           "vLLM applies them, e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", "
                                           "\"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' or a "
@@ -123,24 +173,26 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "prepare the model for LoRA adapters loaded at runtime (vLLM's switch; the "
                                     "adapters of --lora-modules are served with or without it)")
     max_loras: int = _opt(1, "LoRA adapter slots on the device (at least one per --lora-modules adapter); every "
-                             "batch may mix all of them", metavar="N")
-    max_lora_rank: int = _opt(16, "the largest LoRA rank accepted", metavar="R")
-    kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks (default: sized from memory)",
-                                       group="kv-cache-size")
+                             "batch may mix all of them", metavar="N", min=1)
+    max_lora_rank: int = _opt(16, "the largest LoRA rank accepted", metavar="R", min=1)
+    kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks of --block-size tokens (default: sized from "
+                                             "memory)", group="kv-cache-size", min=1)
     kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
                                        group="kv-cache-size")
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and the KV cache "
                                               "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
-    tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N")
+    tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N",
+                                     min=1)
     enforce_eager: bool = _opt(False, "decode without CUDA graphs (on CUDA they are captured for decode batches)")
     async_scheduling: bool = _opt(False, "overlap the host's work for the next step (scheduling, inputs, outputs "
                                          "and stop checks) with the device's current step: the next step is "
                                          "launched before this one's tokens are read (vLLM's flag; steps with "
                                          "grammars, bad words, speculation or scored prompts run in order)")
-    dtype: str | None = _opt(None, "weight/activation dtype: float32, float16 or bfloat16 (also vLLM's float, "
-                                   "half, auto); default (and auto): bfloat16 on CUDA, float32 on CPU",
+    dtype: str | None = _opt(None, "weight/activation dtype: float32, float16 or bfloat16 (also vLLM's float and "
+                                   "half); default: auto, bfloat16 on CUDA and float32 on CPU",
                              choices=("auto", "float32", "float", "float16", "half", "bfloat16"))
-    device: str | None = _opt(None, "torch device for rank 0 (cuda, cuda:1, cpu); default: cuda when available")
+    device: str | None = _opt(None, "torch device for rank 0 (cuda, cuda:1, cpu); default: cuda when available",
+                              type=parse_device)
     attention_backend: str | None = _opt(None, "attention implementation; default: triton on CUDA, torch on CPU",
                                          choices=("triton", "torch", "reference"))
     moe_backend: str | None = _opt(None, "MoE / NVFP4 kernels; default: triton on CUDA, the torch reference on "
@@ -149,7 +201,7 @@ class EngineArgs:
                                              "kernels; default: triton on CUDA, torch on CPU",
                                        choices=("triton", "torch"))
     max_logprobs: int = _opt(20, "the most alternatives per token a request's logprobs, top_logprobs or "
-                                 "prompt_logprobs may ask for; -1: the whole vocabulary", metavar="N")
+                                 "prompt_logprobs may ask for; -1: the whole vocabulary", metavar="N", min=-1)
     seed: int | None = _opt(None, "seed torch's generator as the engine starts, so unseeded sampling repeats from "
                                   "run to run for the same requests in the same order (vLLM's --seed); a request's "
                                   "own seed is unaffected", metavar="N")
@@ -162,7 +214,7 @@ class EngineArgs:
                                                 "\"prompt_lookup_max\": 3}'",
                                           type=checked_by(lambda text: _speculative(text)), metavar="JSON")
     cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
-                                         "(left to the HTTP front end)")
+                                         "(left to the HTTP front end)", min=1)
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of `Engine.from_pretrained` (everything but the backends, see `apply_environment`)."""
@@ -220,16 +272,31 @@ T = TypeVar("T")
 
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.metadata.get("type")
-    if t is not None:
-        return t
-    ann = str(f.type)
-    if "Path" in ann:
-        return Path
-    if "float" in ann:
-        return float
-    if "int" in ann:
-        return int
-    return str
+    if t is None:
+        ann = str(f.type)
+        t = Path if "Path" in ann else float if "float" in ann else int if "int" in ann else str
+    if "min" in f.metadata or "max" in f.metadata:
+        return _bounded(t, f.metadata.get("min"), f.metadata.get("max"))
+    return t
+
+
+def _bounded(parse: Callable[[str], Any], low: float | None, high: float | None) -> Callable[[str], Any]:
+    """``parse`` that also refuses a value outside [low, high] (either may be None) or not finite."""
+    def check(text: str) -> Any:
+        value = parse(text)
+        if not math.isfinite(value):
+            raise SettingValueError(f"{text!r} is not a finite number")
+        if (low is not None and value < low) or (high is not None and value > high):
+            want = f"from {low} to {high}" if low is not None and high is not None else \
+                f"at least {low}" if low is not None else f"at most {high}"
+            raise SettingValueError(f"{text} is out of range: must be {want}")
+        return value
+    check.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid int value: 'x'" stays as it was
+    return check
+
+
+def _flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
 def _is_bool(f: dataclasses.Field) -> bool:
@@ -262,7 +329,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             if meta["group"] not in groups:
                 groups[meta["group"]] = parser.add_mutually_exclusive_group()
             target = groups[meta["group"]]
-        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        flag = _flag_name(f)
         kw: dict[str, Any] = {"dest": f.name, "default": default, "help": helptext}
         if _is_bool(f):
             kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
@@ -285,13 +352,19 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
     """``cls`` built from the parsed arguments (fields without a flag keep their defaults; repeated flags become
-    tuples)."""
+    tuples); SettingValueError, its message argparse's ``argument --x: ...``, for a switch given without the one it
+    ``requires``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in fields.values():
         if not hasattr(args, f.name):
             continue
         v = getattr(args, f.name)
         if f.metadata.get("action") in ("append", "extend"):
             v = tuple(v) if v is not None else f.default
         values[f.name] = v
+    for name, v in values.items():
+        needed = fields[name].metadata.get("requires")
+        if v and needed is not None and not values.get(needed):
+            raise SettingValueError(f"argument {_flag_name(fields[name])}: needs {_flag_name(fields[needed])}")
     return cls(**values)

@@ -19,7 +19,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """`ember serve`'s flags, generated from `ServeConfig`'s fields (its own and the inherited `EngineArgs`)."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs",
                        description="Serve MODEL: a Hugging Face model id (ORG/NAME[@REVISION], downloaded into the "
@@ -29,6 +29,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # the older spelling of --no-enable-prefix-caching
     _vllm_spellings(p)
+    return p
 
 
 def _vllm_spellings(p: argparse.ArgumentParser) -> None:
@@ -107,6 +108,8 @@ def _served_kind(flag: str, served: tuple[str, ...]):
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The `ServeConfig` of parsed `ember serve` arguments; SettingValueError (``argument --x: ...``) for flags that
+    contradict each other."""
     config = from_namespace(ServeConfig, args)
     if isinstance(config.served_model_name, list):  # --served-model-name NAME [NAME ...]
         config.served_model_name, *aliases = config.served_model_name
@@ -114,7 +117,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     flag = getattr(args, "model_flag", None)  # vLLM's --model MODEL
     if flag is not None:
         if config.model_dir is not None and config.model_dir != flag:
-            raise SystemExit(f"ember serve: error: MODEL given twice ({config.model_dir} and --model {flag})")
+            raise SettingValueError(f"argument --model: MODEL given twice ({config.model_dir} and --model {flag})")
         config.model_dir = flag
     for name in ("convert", "task"):
         value = getattr(args, f"{name}_flag", None)
@@ -142,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="ember", description="Ember: an OpenAI- and Anthropic-compatible server")
     parser.add_argument("--version", action="version", version=f"ember {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    serve_parser = _serve_parser(sub)
     sub.add_parser("convert-llama2c", help="convert a llama2.c checkpoint to a Hugging Face directory",
                    add_help=False)
     sub.add_parser("quantize-nvfp4", help="write an NVFP4 (ModelOpt format) copy of a checkpoint", add_help=False)
@@ -155,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(quantize.main(argv[1:]) or 0)
     args = parser.parse_args(argv)
-    return serve(serve_config(args))
+    try:
+        config = serve_config(args)
+    except SettingValueError as e:
+        serve_parser.error(str(e))
+    return serve(config)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,15 @@ class ServeConfig(EngineArgs):
         "help": "a Hugging Face model id (ORG/NAME[@REVISION]) or a checkpoint directory; default: the demo model",
         "positional": True, "metavar": "MODEL", "type": lambda text: parse_model_arg(text)})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=8000, metadata={"help": "TCP port to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port to listen on", "min": 0, "max": 65535})
     api_key: tuple[str, ...] = field(default=(), metadata={
         "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several; "
                 "default: none (no key needed)",
-        "action": "append"})
+        "action": "append", "type": lambda text: parse_api_key(text)})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name clients send, and more names that also reach the model (vLLM's several names; "
                 "responses carry the first); default: the Hugging Face id, or the directory's name",
-        "nargs": "+", "metavar": "NAME"})
+        "nargs": "+", "metavar": "NAME", "type": lambda text: parse_model_name(text)})
     served_model_aliases: tuple[str, ...] = ()  # the names after the first of --served-model-name (set by the CLI)
     reasoning_parser: str | None = field(default=None, metadata={
         "help": "parser profile for reasoning, or 'none'; default: detected from the chat template and model type",
@@ -54,12 +54,13 @@ class ServeConfig(EngineArgs):
         "help": "log one line per request as it reaches the engine (its prompt text and token IDs, and the sampling "
                 "settings that differ from their defaults) and one as it ends (reason, token counts, seconds)"})
     max_log_len: int | None = field(default=None, metadata={
-        "help": "cut a logged prompt to this many characters and token IDs; default: whole", "metavar": "N"})
-    max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait"})
+        "help": "cut a logged prompt to this many characters and token IDs; default: whole", "metavar": "N",
+        "min": 0})
+    max_waiting: int = field(default=1024, metadata={"help": "answer 503 while this many requests wait", "min": 1})
     shutdown_timeout: float = field(default=5.0, metadata={
         "help": "on SIGTERM or SIGINT, stop accepting and give the requests in flight this many seconds to finish; "
                 "then their connections are closed and the server exits (below Docker's 10 s stop grace)",
-        "metavar": "SECONDS"})
+        "metavar": "SECONDS", "min": 0})
     max_n: int = 16  # largest `n` a request may ask for
     log_level: str = field(default="info", metadata={"help": "log level",
                                                      "choices": ("debug", "info", "warning", "error")})
@@ -76,7 +77,7 @@ class ServeConfig(EngineArgs):
                 "default: none (CORS off)", "action": "append", "metavar": "ORIGIN"})
     responses_store_size: int = field(default=1024, metadata={
         "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
-                "GET /v1/responses/ID, least recently used out first; 0 stores none"})
+                "GET /v1/responses/ID, least recently used out first; 0 stores none", "min": 0})
     generation_config: str = field(default="auto", metadata={
         "help": "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take them "
                 "from: 'auto' (the model's generation_config.json, as vLLM does), 'vllm' (neutral values: "
@@ -84,7 +85,7 @@ class ServeConfig(EngineArgs):
         "type": lambda text: parse_generation_config(text)})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
-                "thinking); 0 switches it off"})
+                "thinking); 0 switches it off", "min": 0})
     pooler_config: str | None = field(default=None, metadata={
         "help": "how /v1/embeddings pools the hidden states, as JSON: {\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
                 "\"normalize\": true|false}; default: the checkpoint's sentence-transformers modules.json, else "
@@ -92,7 +93,8 @@ class ServeConfig(EngineArgs):
         "type": checked_by(lambda text: _pooler_config(text))})
     override_generation_config: str | None = field(default=None, metadata={
         "help": "JSON object of sampling defaults set over --generation-config's, e.g. '{\"temperature\": 0.5}' "
-                "(temperature, top_p, top_k, min_p, repetition_penalty); a request's own values still win",
+                "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); a request's own values "
+                "still win",
         "type": checked_by(lambda text: parse_override_generation_config(text)), "metavar": "JSON"})
     default_chat_template_kwargs: str | None = field(default=None, metadata={
         "help": "JSON object of chat-template variables every request gets unless its chat_template_kwargs set "
@@ -124,7 +126,7 @@ class ServeConfig(EngineArgs):
         "help": "do not serve the generated API docs (/docs, /redoc, /openapi.json)"})
     runtime_lora_updating: bool = field(default=False, metadata={
         "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora); vLLM's "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on"})
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true also turns them on", "requires": "enable_lora"})
     classifier_flag: str | None = None  # vLLM's `--convert classify` / `--task classify|score`, as given: the
     # checkpoint must then be a classifier (checked once it is loaded); not a flag of its own
 
@@ -136,6 +138,24 @@ def parse_override_generation_config(text: str) -> dict[str, Any]:
     value = parse_json_object(text)
     SamplingDefaults.from_generation_config(value, "the JSON", strict=True)
     return value
+
+
+def parse_api_key(text: str) -> str:
+    """`--api-key`: a key a client can send (an HTTP header drops the whitespace around its value); the message
+    never shows the key."""
+    if not text.strip():
+        raise SettingValueError("an empty key would refuse every request (leave the flag out to need no key)")
+    if text != text.strip():
+        raise SettingValueError("the key starts or ends with whitespace, which HTTP headers drop: no client could "
+                                "send it")
+    return text
+
+
+def parse_model_name(text: str) -> str:
+    """`--served-model-name`: a name a client can send, not empty or only whitespace."""
+    if not text.strip():
+        raise SettingValueError(f"{text!r} is empty; give the name clients send as 'model'")
+    return text
 
 
 def parse_existing_file(text: str) -> Path:

@@ -8,9 +8,10 @@ failure is a `ModelSourceError` whose message is one line: what was tried and ho
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from ember.engine.args import split_hub_id
 
 # What the engine and tokenizer read: weights, configs (config.json, generation_config.json, tokenizer_config.json,
 # the safetensors index, quantization configs), tokenizer files and chat templates.
@@ -20,9 +21,6 @@ ALLOW_PATTERNS: tuple[str, ...] = (
 
 TOKENIZER_PATTERNS: tuple[str, ...] = tuple(p for p in ALLOW_PATTERNS if p != "*.safetensors")
 """What `--tokenizer` fetches from the hub: everything the engine reads but the weights."""
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
 
 class ModelSourceError(Exception):
     """The model could not be found or fetched; the message is one line saying what was tried and the fix."""
@@ -49,9 +47,10 @@ def parse_model_ref(value: str, revision: str | None = None) -> ModelRef:
             raise ModelSourceError(f"--revision {revision} applies to Hugging Face model ids, not to the local "
                                    f"directory {value}")
         return ModelRef(path=p)
-    repo_id, _, suffix = value.partition("@")
-    if not _HUB_ID.fullmatch(repo_id) or (_ and not suffix):
+    hub = split_hub_id(value)
+    if hub is None:
         raise ModelSourceError(f"{value}: no such directory, and not a Hugging Face model id (ORG/NAME[@REVISION])")
+    repo_id, suffix = hub
     if suffix and revision is not None and suffix != revision:
         raise ModelSourceError(f"{value} names revision {suffix!r} but --revision is {revision!r}; give one")
     return ModelRef(repo_id=repo_id, revision=suffix or revision)

@@ -65,3 +65,47 @@ def test_serve_help_shows_the_engine_flags_and_the_old_alias_still_works(capsys)
     cli._serve_parser(parser.add_subparsers(dest="command"))
     assert cli.serve_config(parser.parse_args(["serve", "--no-prefix-caching"])).enable_prefix_caching is False
     assert cli.serve_config(parser.parse_args(["serve"])).in_process is False
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--max-num-seqs", "0"), ("--max-num-seqs", "-3"), ("--max-num-seqs", "many"), ("--max-num-batched-tokens", "0"),
+    ("--kv-cache-blocks", "0"), ("--kv-cache-blocks", "-1"), ("--block-size", "0"), ("--tensor-parallel-size", "0"),
+    ("--tensor-parallel-size", "-1"), ("--cpu-threads", "-2"), ("--cpu-threads", "0"), ("--max-lora-rank", "-4"),
+    ("--max-lora-rank", "0"), ("--max-loras", "0"), ("--max-logprobs", "-5"), ("--max-model-len", "0"),
+    ("--state-snapshots", "-1"), ("--device", "tpu"), ("--device", "cuda:abc"), ("--device", "cuda:-1"),
+    ("--device", "cpu:1"), ("--tokenizer", "/nonexistent"), ("--tokenizer", "no-such-folder")])
+def test_a_bad_value_is_refused_naming_its_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parser(EngineArgs).parse_args([flag, value])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"x: error: argument {flag}: ")
+
+
+def test_the_edge_values_still_parse():
+    args = from_namespace(EngineArgs, _parser(EngineArgs).parse_args([
+        "--max-logprobs", "-1", "--state-snapshots", "0", "--max-num-seqs", "1", "--block-size", "1",
+        "--max-model-len", "1", "--kv-cache-blocks", "1", "--cpu-threads", "1", "--device", "cpu",
+        "--tokenizer", "Qwen/Qwen3-8B@main"]))
+    assert (args.max_logprobs, args.state_snapshots, args.max_num_seqs, args.device) == (-1, 0, 1, "cpu")
+    assert args.tokenizer == "Qwen/Qwen3-8B@main"
+
+
+def test_a_cuda_device_must_exist(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("cuda", "cuda:1"):
+        assert _parser(EngineArgs).parse_args(["--device", device]).device == device
+    for count, device, said in ((2, "cuda:2", "sees 2 CUDA devices"), (0, "cuda", "no CUDA device")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        with pytest.raises(SystemExit) as e:
+            _parser(EngineArgs).parse_args(["--device", device])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --device:" in err and said in err
+
+
+def test_the_dtype_help_names_one_default():
+    text = " ".join(_parser(EngineArgs).format_help().split())
+    text = text[text.index("options:"):]
+    dtype = text[text.index("--dtype"):text.index("--device")]
+    assert "default: auto, bfloat16 on CUDA and float32 on CPU" in dtype and "default: none" not in dtype

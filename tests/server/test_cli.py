@@ -185,3 +185,53 @@ def test_parser_flags_pick_the_profile(demo_model_dir):
     assert (merged.tool_format, merged.reasoning.start_mode) == ("hermes", "always")
     assert (parse(merged).reasoning, parse(merged).content) == ("hmm", "Hi")
     assert choose_profile(None, None, None, "none").tool_format is None
+
+
+def _stub_serve(monkeypatch) -> list:
+    """`ember serve`'s parse only: the config it would serve with is collected, no server starts."""
+    from ember.server import cli
+
+    seen: list = []
+    monkeypatch.setattr(cli, "serve", lambda config: seen.append(config) or 0)
+    return seen
+
+
+@pytest.mark.parametrize("flags", [
+    ["--port", "70000"], ["--port", "-1"], ["--api-key", ""], ["--api-key", " key"], ["--served-model-name", ""],
+    ["--served-model-name", "qwen", "  "], ["--max-waiting", "0"], ["--max-waiting", "-1"],
+    ["--shutdown-timeout", "-1"], ["--shutdown-timeout", "nan"], ["--responses-store-size", "-1"],
+    ["--sse-keepalive-seconds", "-1"], ["--sse-keepalive-seconds", "nan"], ["--sse-keepalive-seconds", "inf"],
+    ["--max-log-len", "-1"], ["--max-num-seqs", "0"], ["--max-num-batched-tokens", "0"], ["--kv-cache-blocks", "0"],
+    ["--block-size", "0"], ["--tensor-parallel-size", "0"], ["--cpu-threads", "-2"], ["--max-lora-rank", "-4"],
+    ["--max-loras", "0"], ["--max-logprobs", "-5"], ["--max-model-len", "0"], ["--device", "tpu"],
+    ["--device", "cuda:abc"], ["--tokenizer", "/nonexistent"], ["--runtime-lora-updating"],
+    ["--model", "org/a", "org/b"]])
+def test_a_bad_flag_value_stops_at_parse_in_one_line_naming_the_flag(flags, monkeypatch, capsys):
+    seen = _stub_serve(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not seen
+    assert len(err.splitlines()) == 1 and err.startswith(f"ember serve: error: argument {flags[0]}: "), err
+
+
+def test_the_edge_values_of_the_checked_flags_still_parse(monkeypatch):
+    seen = _stub_serve(monkeypatch)
+    assert main(["serve", "--port", "0", "--max-logprobs", "-1", "--sse-keepalive-seconds", "0", "--shutdown-timeout",
+                 "0", "--responses-store-size", "0", "--max-waiting", "1", "--max-log-len", "0", "--api-key", "k",
+                 "--served-model-name", "my model", "--runtime-lora-updating", "--enable-lora"]) == 0
+    c = seen[-1]
+    assert (c.port, c.max_logprobs, c.sse_keepalive_seconds, c.shutdown_timeout, c.responses_store_size) == (
+        0, -1, 0.0, 0.0, 0)
+    assert (c.max_waiting, c.api_key, c.served_model_name, c.runtime_lora_updating) == (1, ("k",), "my model", True)
+    assert main(["serve", "--port", "65535"]) == 0 and seen[-1].port == 65535
+
+
+def test_the_help_says_what_the_flags_accept(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    out = out[out.index("options:"):]
+    override = out[out.index("--override-generation-config JSON"):out.index("--default-chat-template-kwargs JSON")]
+    assert "repetition_penalty, max_new_tokens" in override
+    assert "default: none" not in out[out.index("--dtype {"):out.index("--device")]
