@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,11 @@ _MAGIC_V1 = 0x616B3432
 
 
 def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(hyperparameters, tensors by llama2.c name); ValueError naming ``bin_path`` when it is not a llama2.c
+    checkpoint or is shorter than its header says."""
     raw = bin_path.read_bytes()
+    if len(raw) < 28:
+        raise ValueError(f"{bin_path}: not a llama2.c model.bin (only {len(raw)} bytes, shorter than its header)")
     (magic,) = struct.unpack_from("<I", raw, 0)
     if magic == _MAGIC_V1:
         version, = struct.unpack_from("<i", raw, 4)
@@ -39,6 +44,10 @@ def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         offset = 28
     hp = dict(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, vocab_size=vocab,
               seq_len=seq_len, shared_classifier=shared)
+    if min(dim, hidden, n_layers, n_heads, n_kv, vocab, seq_len) <= 0 or dim % n_heads or n_heads % n_kv or (
+            dim // n_heads) % 2:
+        shapes = ", ".join(f"{k}={v}" for k, v in hp.items() if k != "shared_classifier")
+        raise ValueError(f"{bin_path}: not a llama2.c model.bin (its header reads {shapes})")
     head = dim // n_heads
     kv_dim = n_kv * head
     data = np.frombuffer(raw, dtype="<f4", offset=offset)
@@ -48,7 +57,7 @@ def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         nonlocal pos
         n = int(np.prod(shape))
         if pos + n > data.size:
-            raise ValueError(f"{bin_path}: file too short for the header's shapes ({hp})")
+            raise ValueError(f"{bin_path}: file too short for the shapes its header gives ({hp}); truncated?")
         t = torch.from_numpy(data[pos:pos + n].copy()).reshape(shape)
         pos += n
         return t
@@ -114,6 +123,8 @@ def read_llama2c_tokenizer(path: Path, vocab_size: int) -> list[tuple[bytes, flo
             raise ValueError(f"{path}: holds fewer than {vocab_size} tokens (stopped at {i})")
         score, n = struct.unpack_from("<fi", raw, pos)
         pos += 8
+        if n < 0 or pos + n > len(raw):
+            raise ValueError(f"{path}: not a llama2.c tokenizer.bin (token {i} claims {n} bytes)")
         pieces.append((raw[pos:pos + n], score))
         pos += n
     return pieces
@@ -190,7 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("tokenizer_bin")
     ap.add_argument("out_dir")
     args = ap.parse_args(argv)
-    path = convert(args.model_bin, args.tokenizer_bin, args.out_dir)
+    try:
+        path = convert(args.model_bin, args.tokenizer_bin, args.out_dir)
+    except OSError as e:
+        print(f"ember convert-llama2c: error: {e.filename}: {e.strerror}" if e.filename and e.strerror else
+              f"ember convert-llama2c: error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"ember convert-llama2c: error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {path}")
     return 0
 

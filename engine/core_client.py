@@ -188,11 +188,16 @@ class ProcessEngineClient:
     # ---- internals ---------------------------------------------------------------------------------------------
 
     def _send(self, msg: list) -> None:
+        """Queue ``msg`` for the engine process without waiting; EngineDeadError once it is gone, even before the
+        receiver has seen it die (a PUSH socket with no peer would block the sender forever)."""
         data = wire.pack(msg)
         with self._send_lock:
             if self._dead is not None or self._commands.closed:
                 raise EngineDeadError(self._dead or "the engine is shut down")
-            self._commands.send(data, copy=False)
+            try:
+                self._commands.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # no high-water mark: only an engine no longer connected refuses a message
+                raise EngineDeadError(self._dead or "the engine process is gone") from None
 
     def _receive(self) -> None:
         poller = zmq.Poller()

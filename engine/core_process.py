@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,9 +28,11 @@ _IDLE_POLL_MS = 500
 
 def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, commands_addr: str,
          events_addr: str, log_level: str = "WARNING") -> None:
-    """Process entry point (spawned by `ProcessEngineClient`)."""
+    """Process entry point (spawned by `ProcessEngineClient`). SIGINT is ignored: Ctrl-C reaches the whole process
+    group, and the front end stops the engine itself once its own shutdown has drained the requests in flight."""
     import zmq
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -45,16 +48,25 @@ def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, c
     except BaseException as e:
         events.send(wire.pack(["fatal", f"{type(e).__name__}: {e}"]))
         log.debug("engine start-up failed:\n%s", traceback.format_exc())
-        events.close()
-        ctx.term()
-        sys.exit(1)
+        _close(ctx, events, commands)
+        logging.shutdown()
+        sys.stderr.flush()
+        # a failed build has reaped what it started: the interpreter's teardown (seconds, with torch loaded) would
+        # only hold back the front end's error line, which waits for this process to exit
+        os._exit(1)
     try:
         core.run(commands, parent)
     finally:
         core.close()
-        events.close()
-        commands.close(linger=0)
-        ctx.term()
+        _close(ctx, events, commands)
+
+
+def _close(ctx: Any, events: Any, commands: Any) -> None:
+    """Close both sockets, then the context: `term` blocks for as long as any socket of it is open. The events
+    socket lingers (up to its LINGER) so the last message still reaches the front end."""
+    events.close()
+    commands.close(linger=0)
+    ctx.term()
 
 
 class _Core:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ember.engine import loader
@@ -128,8 +128,13 @@ def quant_configs(exclude: list[str]) -> tuple[dict, dict]:
 
 
 def _read(f: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(f), framework="pt", device="cpu") as sf:
-        return _expand_fused_experts({name: sf.get_tensor(name) for name in sf.keys()})
+    """Every tensor of weight file ``f``, fused experts split; ValueError naming ``f`` when it is not readable
+    safetensors (truncated, or another format)."""
+    try:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            return _expand_fused_experts({name: sf.get_tensor(name) for name in sf.keys()})
+    except SafetensorError as e:
+        raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
@@ -139,7 +144,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
     partners may live in different shards), the second quantizes and writes one output shard per input shard.
     """
     src, dst = loader.checkpoint_dir(src), Path(dst)
-    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config = loader.read_json(src / "config.json")
     if config.get("quantization_config"):
         raise ValueError(f"{src / 'config.json'}: the checkpoint is already quantized")
     if dst.exists() and any(dst.glob("*.safetensors")):

@@ -5,18 +5,24 @@ not after the weights load); the model is resolved (local directory or Hugging F
 is rendered once (and once with a tool when tool calls are parsed) so a broken template stops the start, not every
 request. Each failure is a `StartupError`: one line naming the flag or file, no traceback unless
 `--log-level debug`; exit code 2 for a bad argument, 1 for a model that cannot be loaded.
+
+Once serving: SIGTERM or SIGINT drains the server and exits 0; the engine process dying stops it with exit code 1.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import gc
 import logging
+import os
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .config import ServeConfig
 
@@ -153,9 +159,7 @@ def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
         model_dir = resolve_model(config.model_dir, revision=config.revision, download_dir=config.download_dir,
                                   token=config.hf_token)
         if model_dir is None:
-            from ember.engine import demo
-
-            model_dir = demo.ensure()
+            model_dir = _demo_model()
         if config.tokenizer is not None:
             config = dataclasses.replace(config, tokenizer=str(resolve_tokenizer(
                 config.tokenizer, config.model_dir, model_dir, download_dir=config.download_dir,
@@ -178,10 +182,28 @@ def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
     return runtime, config, time.monotonic() - t0
 
 
+def _demo_model() -> Path:
+    """The demo checkpoint, built into the cache directory on first use; StartupError naming EMBER_CACHE_DIR
+    when that directory cannot hold it."""
+    from ember.engine import demo
+
+    path = demo.default_path()
+    try:
+        return demo.ensure(path)
+    except OSError as e:
+        cause = f"{e.strerror or e}: {e.filename}" if e.filename else (e.strerror or str(e))
+        setting = os.environ.get("EMBER_CACHE_DIR")
+        where = f"EMBER_CACHE_DIR={setting}: cannot" if setting else "cannot"
+        raise StartupError(f"{where} build the demo model in {path} ({cause}); set EMBER_CACHE_DIR to a writable "
+                           f"directory, or name a model to serve") from None
+
+
 def _freeze_heap() -> None:
     """Move everything start-up allocated (modules, the tokenizer, the app) out of the cyclic garbage collector's
     reach: the per-token garbage of the streams then triggers collections that scan only young objects, not the
-    whole heap of the imports (`gc.freeze`)."""
+    whole heap of the imports (`gc.freeze`). `serve` unfreezes it once the server has stopped: frozen objects are
+    never freed, not even at exit, and native extensions report those they own as leaks (triton's nanobind
+    bindings print some 30 lines of them)."""
     gc.collect()
     gc.freeze()
 
@@ -193,6 +215,7 @@ def serve(config: ServeConfig) -> int:
     try:
         check_tls(config)
         sock = bind_socket(config.host, config.port)
+        config = dataclasses.replace(config, port=sock.getsockname()[1])  # --port 0: the port it got
         try:
             runtime, config, seconds = _load(config)
             check_head(runtime, config)
@@ -205,19 +228,40 @@ def serve(config: ServeConfig) -> int:
     except StartupError as e:
         print(f"ember serve: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    import uvicorn
-
     from .app import create_app
 
     for line in summary_lines(runtime, config, config.model_dir, seconds):
         log.info("%s", line)
     app = create_app(runtime, config, exit_on_engine_death=True)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _uvicorn_server(app, config)
+    _freeze_heap()
+    server.run(sockets=[sock])
+    gc.unfreeze()
+    return 1 if app.state.ember.engine_dead else 0
+
+
+def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
+    """A `uvicorn.Server` for ``app`` whose SIGINT and SIGTERM start the graceful shutdown as usual but are not
+    raised again once it is done (uvicorn's own `capture_signals` does: the process would die of the signal, status
+    143, or 130 with a KeyboardInterrupt traceback), so `serve` returns its own exit status."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(uvicorn.Config(
         app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
         access_log=not config.disable_uvicorn_access_log, root_path=config.root_path,
         timeout_graceful_shutdown=config.shutdown_timeout,
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
         ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None))
-    _freeze_heap()
-    server.run(sockets=[sock])
-    return 1 if app.state.ember.engine_dead else 0

@@ -2,12 +2,15 @@
 greedy-decoded from BOS by Ember, equals llama2.c's documented output character for character."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from ember.engine import convert_llama2c
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from tests.conftest import shared_path
+from tests.server.processes import ember_cmd
 
 
 
@@ -49,3 +52,29 @@ def test_converted_tokenizer_round_trips_text(stories_dir):
     assert ids[0] == 1  # BOS
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert len(ids) < len(text) // 2  # merged pieces, not bytes
+
+
+def _convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*ember_cmd(), "convert-llama2c", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_files_that_cannot_be_converted_are_one_line(tmp_path):
+    """A missing file, a file that is not llama2.c's, a truncated model.bin and a tokenizer that is not one: each
+    `ember convert-llama2c: error: FILE: ...` on one line, exit 1, nothing written."""
+    src = shared_path("models", "stories260K")
+    truncated = tmp_path / "truncated.bin"
+    truncated.write_bytes((src / "stories260K.bin").read_bytes()[:4096])
+    not_llama2c = tmp_path / "config.json"
+    not_llama2c.write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}\n')
+    cases = [  # model.bin, tokenizer.bin, the file named, what is said about it
+        (tmp_path / "absent.bin", src / "tok512.bin", tmp_path / "absent.bin", "No such file or directory"),
+        (not_llama2c, src / "tok512.bin", not_llama2c, "not a llama2.c model.bin"),
+        (truncated, src / "tok512.bin", truncated, "file too short for the shapes its header gives"),
+        (src / "stories260K.bin", not_llama2c, not_llama2c, "not a llama2.c tokenizer.bin"),
+    ]
+    for model_bin, tokenizer_bin, culprit, message in cases:
+        r = _convert(str(model_bin), str(tokenizer_bin), str(tmp_path / "out"))
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.startswith(f"ember convert-llama2c: error: {culprit}: {message}"), r.stderr
+        assert r.stderr.count("\n") == 1, r.stderr
+        assert not (tmp_path / "out").exists()

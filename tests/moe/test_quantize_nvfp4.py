@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from ember.engine.nvfp4_loading import NVFP4Linear
 from ember.kernels import nvfp4
 from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
     hf_greedy, hf_logits, prompts, write_dequantized
+from tests.server.processes import ember_cmd
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +154,16 @@ def test_a_split_that_cuts_a_scale_block_is_refused_naming_the_tensor(tmp_path, 
                                           r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight_scale'"):
         Engine.from_pretrained(dst, dtype=torch.float32, device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
     assert not mp.active_children()
+
+
+def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path, demo_model_dir):
+    src = tmp_path / "truncated"
+    shutil.copytree(demo_model_dir, src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    r = subprocess.run([*ember_cmd(), "quantize-nvfp4", str(src), str(tmp_path / "q")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"ember quantize-nvfp4: error: {weights}: not a readable safetensors file ("), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "q").exists()

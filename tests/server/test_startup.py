@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -175,3 +176,78 @@ def test_asking_for_a_classifier_with_a_generative_checkpoint_stops_the_start(de
                   "--port", str(free_port()), "--log-level", "warning", "--in-process")
     assert r.returncode == 2
     assert "--task score: Qwen3ForCausalLM is not a classifier" in error_line(r)
+
+
+def _log_times(stderr: str, pattern: str) -> list[float]:
+    """The timestamps (seconds since the epoch) of the log lines matching ``pattern``."""
+    from datetime import datetime
+
+    stamps = re.findall(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) {pattern}", stderr, flags=re.M)
+    return [datetime.strptime(s, "%Y-%m-%d %H:%M:%S,%f").timestamp() for s in stamps]
+
+
+def test_an_engine_side_failure_is_reported_as_soon_as_the_engine_fails(demo_model_dir, tmp_path):
+    """The engine process reads config.json and refuses the architecture; `ember serve` says so in one line and
+    exits 1 at once, not after waiting for the failed engine process (it used to hang in zmq's term for 10 s)."""
+    import json
+    import shutil
+
+    bad = tmp_path / "unknown-arch"
+    shutil.copytree(demo_model_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    t0 = time.monotonic()
+    r = run_ember("serve", str(bad), "--kv-cache-blocks", "16", "--port", str(free_port()), "--log-level", "warning")
+    wall = time.monotonic() - t0
+    assert r.returncode == 1
+    line = error_line(r)
+    assert line.startswith(f"ember serve: error: cannot load {bad}: ")
+    assert "'NoSuchForCausalLM' is not supported" in line
+    assert wall < 60, wall
+    debug = run_ember("serve", str(bad), "--kv-cache-blocks", "16", "--port", str(free_port()), "--log-level", "debug")
+    assert debug.returncode == 1
+    (failed,) = _log_times(debug.stderr, "DEBUG ember.engine.core: engine start-up failed")
+    (reported,) = _log_times(debug.stderr, f"ERROR ember.server: loading {re.escape(str(bad))} failed")
+    assert reported - failed < 2, debug.stderr
+
+
+@pytest.mark.parametrize("cache", ["a-file", "/proc/ember"])
+def test_an_unusable_cache_dir_for_the_demo_model_is_one_line(tmp_path, cache):
+    if cache == "a-file":
+        cache = str(tmp_path / "a-file")
+        (tmp_path / "a-file").write_text("not a directory")
+    r = run_ember("serve", "--port", str(free_port()), env={"EMBER_CACHE_DIR": cache}, timeout=60)
+    assert r.returncode == 2
+    line = error_line(r)
+    assert line.startswith(f"ember serve: error: EMBER_CACHE_DIR={cache}: cannot build the demo model in "
+                           f"{cache}/demo ("), line
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
+def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_model_dir, tmp_path, stop):
+    """`--port 0` serves on a free port and says which; SIGTERM to the server (docker stop, Kubernetes) or SIGINT to
+    its whole process group (Ctrl-C in a terminal: the engine process gets it too) drains the server and exits 0,
+    with no traceback and no teardown noise."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*ember_cmd(), "serve", str(demo_model_dir), "--kv-cache-blocks", "16", "--port", "0"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"ready: OpenAI API at http://127\.0\.0\.1:(\d+)/v1", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        port = int(m.group(1))
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        if stop == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    assert "Traceback" not in text and "nanobind: leaked" not in text, text
