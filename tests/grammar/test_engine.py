@@ -225,6 +225,12 @@ def test_forced_calls_with_schema_references_generate_arguments_of_the_tools_own
         cases.append((initial, name))
     for (initial, name), (ids, reason, error) in zip(cases, run(engine, reqs)):
         text = hf_tok.decode(ids)
+        if name == "tree" and reason == "length":
+            # random weights may nest subtrees until max_tokens: each nested object is the tool's own node, never the
+            # call wrapper that an unrebased "#" resolved to
+            body = text.split("tree", 1)[1]
+            assert error is None and '"v"' in body and '"name"' not in body and '"arguments"' not in body, text
+            continue
         assert reason == "stop" and error is None, (error, text)
         parsed = parse_all(setup.pipeline(initial=initial, tools=REF_TOOLS), ids)
         assert [c.name for c in parsed.tool_calls] == [name] and not parsed.malformed, text
