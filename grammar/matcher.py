@@ -284,11 +284,12 @@ class GrammarBackend:
         probe = compiled.deep_copy()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(1, words, dtype=torch.int32)
+        not_eos = ~self._eos_mask()
         for _ in range(PROBE_STEPS):
             llgt.fill_next_token_bitmask(probe, bitmask, 0)
             if probe.is_error():
                 return probe.get_error()
-            allowed = _allowed(bitmask[0], self.vocab_size) & ~self._eos_mask()
+            allowed = _allowed(bitmask[0], self.vocab_size) & not_eos
             if probe.is_stopped() or not allowed.any():
                 return None
             special = (allowed & self._special_mask()).nonzero()
