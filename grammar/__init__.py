@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from .compiler import (JSON_OPTIONS, GrammarError, GrammarPlan, ThinkingBudget, answer_field, build_grammar,
-                       compile_request)
+                       check_tools, compile_request)
 
-__all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "build_grammar", "JSON_OPTIONS",
-           "answer_field",
+__all__ = ["GrammarError", "GrammarPlan", "ThinkingBudget", "compile_request", "check_tools", "build_grammar",
+           "JSON_OPTIONS", "answer_field",
            "GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"]
 
 _MATCHER_NAMES = frozenset({"GrammarBackend", "GrammarConstraint", "build_ll_tokenizer", "model_vocab_size"})

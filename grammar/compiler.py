@@ -195,6 +195,13 @@ def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str,
     raise GrammarError(f"tool_choice must be a string or an object, got {type(tool_choice).__name__}")
 
 
+def check_tools(tools: Sequence[Mapping] | None, tool_choice: str | Mapping | None = None) -> None:
+    """Raises the `GrammarError` that `compile_request` would raise for these ``tools`` and ``tool_choice`` (a bad
+    or repeated name, a choice naming no tool), without building a grammar: for endpoints that take tools but
+    generate nothing (Anthropic's count_tokens)."""
+    _choice(tool_choice, _tools(tools))
+
+
 def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) -> dict:
     """A copy of ``schema`` with our JSON layout (and leniency) as defaults under its top-level ``x-guidance``."""
     out = dict(schema)

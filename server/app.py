@@ -41,6 +41,7 @@ from .choice import ChoiceStep
 from .config import ServeConfig
 from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
                      validation_error)
+from ember.grammar import GrammarError, check_tools
 from ember.parsers.initial import InitialState
 
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run_choices, sampling_params, seeded
@@ -308,9 +309,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     check_generates(st)
     prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
     max_tokens = allowed_tokens(st, len(prompt_ids), body.max_tokens)
-    tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
-    tool_choice: Any = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
-    parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
+    tool_choice, parse_tools = _anthropic_tool_choice(st, body, tools)
     setup = rt.parser
     initial = setup.initial_state(prompt_ids)
     stop = list(body.stop_sequences or ())
@@ -355,6 +354,15 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     return JSONResponse(enc.body(collected))
 
 
+def _anthropic_tool_choice(st: ServerState, body: pa._MessagesBase,
+                           tools: list[dict] | None) -> tuple[str, list[dict] | None]:
+    """The request's tool choice in OpenAI's terms ("auto", "required", "named", "none") and the tools the
+    output is parsed for (None when none are)."""
+    tc = body.tool_choice.type if body.tool_choice is not None else ("auto" if tools else "none")
+    tool_choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[tc]
+    return tool_choice, tools if tool_choice != "none" and st.runtime.tools_enabled else None
+
+
 _OPENAI_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|parameters)")
 
 
@@ -381,7 +389,12 @@ def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]
 async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
     check_model(st, body.model)
-    prompt_ids, _tools, _kw = await _anthropic_prompt(st, body)
+    prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
+    _, parse_tools = _anthropic_tool_choice(st, body, tools)
+    try:
+        check_tools(parse_tools)  # the tool names /v1/messages would refuse
+    except GrammarError as e:
+        raise _anthropic_tool_fields(bad_request(e.message)) from None
     return {"input_tokens": len(prompt_ids)}
 
 

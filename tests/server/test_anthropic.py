@@ -225,3 +225,15 @@ def test_bad_requests_name_the_anthropic_field(demo_server, extra, names):
     message = r.json()["error"]["message"]
     assert all(n in message for n in names), message
     assert "function." not in message and "response_format" not in message
+
+
+@pytest.mark.parametrize("tools", [[{**WEATHER, "name": "bad name"}], [WEATHER, WEATHER]])
+def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools):
+    """A client that counts a prompt before sending it learns of a bad tool list from either endpoint, in the same
+    words."""
+    body = {"model": demo_server.model, "messages": HI, "tools": tools}
+    answers = [httpx.post(demo_server.url + path, json=extra | body, timeout=60)
+               for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {}))]
+    assert [r.status_code for r in answers] == [400, 400], [r.text for r in answers]
+    messages = [r.json()["error"]["message"] for r in answers]
+    assert messages[0] == messages[1] and "tools[" in messages[0] and "function." not in messages[0]
