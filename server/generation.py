@@ -103,6 +103,17 @@ class ModelRuntime:
     model_aliases: tuple[str, ...] = ()  # more names requests may give the served model (--served-model-name)
     content_format: cf.ContentFormat = "string"  # how the template receives message content
     request_log: RequestLog | None = None  # --enable-log-requests
+    stopping: str | None = None
+    """Why generation is being cut short (the server's shutdown deadline is near); set by `stop_generating`."""
+    in_flight: set[str] = field(default_factory=set, repr=False)
+    """Engine request IDs of the choices running now."""
+
+    def stop_generating(self, reason: str) -> None:
+        """End every running choice, and each one started from now on, with an error saying ``reason``: a client
+        then gets the error event (or error body) instead of a connection closed mid-stream."""
+        self.stopping = reason
+        for rid in list(self.in_flight):
+            self.engine.abort(rid)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -212,7 +223,10 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     if rt.request_log is not None:
         rt.request_log.received(rid, spec.prompt_ids, spec.params, rt.tokenizer.decode)
     prompt_only = spec.params.max_tokens == 0
+    rt.in_flight.add(rid)
     try:
+        if rt.stopping is not None:
+            raise _Stopping(rt.stopping)
         params = dataclasses.replace(spec.params, max_tokens=1) if prompt_only else spec.params
         gen = rt.engine.generate(spec.prompt_ids, params, request_id=rid, constraint=spec.constraint)
         async with aclosing(gen):
@@ -264,6 +278,8 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         yield step
                         return  # leaving `aclosing` aborts the engine request
                 if out.finished:
+                    if out.finish_reason == "abort" and rt.stopping is not None:
+                        raise _Stopping(rt.stopping)
                     step.finish_at = len(step.events)
                     step.events += pipe.finish(out.finish_reason or "stop")
                     end = step.end = _end(out)
@@ -271,8 +287,14 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     return
                 if step.tokens or step.events:
                     yield step
+        if rt.stopping is not None:
+            raise _Stopping(rt.stopping)
         end = ChoiceEnd("abort")
         yield ChoiceStep(index, [], pipe.finish("abort"), end, finish_at=0)
+    except _Stopping as e:
+        pipe.abort()
+        end = ChoiceEnd("error", error=str(e))
+        yield ChoiceStep(index, [], [], end)
     except (asyncio.CancelledError, GeneratorExit):
         pipe.abort()
         raise
@@ -287,6 +309,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
         yield ChoiceStep(index, [], [], end)
     finally:
+        rt.in_flight.discard(rid)
         req.choice_ended()
         if rt.request_log is not None:
             rt.request_log.finished(rid, end.reason if end else "cancelled", len(spec.prompt_ids), ntok, req.arrival,
@@ -296,6 +319,10 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             metrics.finished.labels(end.reason if end else "cancelled").inc()
             if last_t is not None:
                 metrics.e2e.observe(last_t - req.arrival)
+
+
+class _Stopping(Exception):
+    """A choice cut short by `ModelRuntime.stop_generating`."""
 
 
 def _prompt_end(out: RequestOutput) -> ChoiceEnd:

@@ -10,6 +10,7 @@ Once serving: SIGTERM or SIGINT drains the server and exits 0; the engine proces
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -240,6 +241,11 @@ def serve(config: ServeConfig) -> int:
     return 1 if app.state.ember.engine_dead else 0
 
 
+STOP_LEAD = 1.0
+"""Seconds before the end of ``--shutdown-timeout`` at which the choices still running are ended (at most half
+the timeout): time for their error events to reach the clients."""
+
+
 def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
     """A `uvicorn.Server` for ``app`` whose SIGINT and SIGTERM start the graceful shutdown as usual but are not
     raised again once it is done (uvicorn's own `capture_signals` does: the process would die of the signal, status
@@ -247,6 +253,19 @@ def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list | None = None) -> None:
+            """uvicorn's graceful shutdown, with the running choices ended by an error `STOP_LEAD` seconds before
+            its deadline, so clients still reading get the error event before their connections are closed."""
+            timeout = self.config.timeout_graceful_shutdown
+            runtime = app.state.ember.runtime
+            timer = asyncio.get_running_loop().call_later(
+                max(0.0, timeout - min(STOP_LEAD, timeout / 2)), runtime.stop_generating,
+                f"the server is shutting down (--shutdown-timeout {timeout:g} s ran out)")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():

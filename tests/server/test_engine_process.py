@@ -147,3 +147,25 @@ def test_stopping_a_client_whose_engine_died_unnoticed_returns(demo_model_dir, m
     stopper = threading.Thread(target=lambda: (client.shutdown(timeout=5), done.set()), daemon=True)
     stopper.start()
     assert done.wait(20), "shutdown() is stuck sending to the dead engine process"
+
+
+def test_a_stream_still_running_at_the_shutdown_deadline_ends_with_an_error_event(demo_model_dir, tmp_path):
+    """A client reading a long stream when the server is stopped learns why it ended: the error event, then
+    [DONE], before the connection closes, and the server exits 0."""
+    args = [str(demo_model_dir), "--max-num-seqs", "4", "--kv-cache-blocks", "1024", "--log-level", "warning",
+            "--shutdown-timeout", "2"]
+    with serving(args, tmp_path / "serve.log") as served:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", served.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(x for x in lines if x.startswith("data: "))
+            served.proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert 0.5 < time.monotonic() - sent < 4, served.log_tail()
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        error = json.loads(rest[-2][6:])
+        assert "shutting down" in error["error"]["message"], error
+        assert all("error" not in json.loads(x[6:]) for x in rest[:-2])
+        assert served.proc.wait(timeout=20) == 0, served.log_tail()
