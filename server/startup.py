@@ -31,6 +31,7 @@ log = logging.getLogger("ember.server")
 
 BAD_ARGUMENT = 2
 LOAD_FAILED = 1
+INTERRUPTED = 130  # Ctrl-C before the server started, as a shell reports a process that SIGINT ended
 
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -229,6 +230,9 @@ def serve(config: ServeConfig) -> int:
     except StartupError as e:
         print(f"ember serve: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except KeyboardInterrupt:
+        print("ember serve: interrupted while starting", file=sys.stderr, flush=True)
+        return INTERRUPTED
     from .app import create_app
 
     for line in summary_lines(runtime, config, config.model_dir, seconds):

@@ -251,3 +251,41 @@ def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_
             proc.wait(timeout=10)
     text = log.read_text()
     assert "Traceback" not in text and "nanobind: leaked" not in text, text
+
+
+def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group) while the engine process is starting: one line, exit code 130,
+    no traceback, and no engine process left behind."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*ember_cmd(), "serve", str(demo_model_dir), "--kv-cache-blocks", "16", "--port", "0"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        engine = None
+        while engine is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            engine = next((int(k) for k in kids if _is_engine(int(k))), None)
+            time.sleep(0.02)
+        assert "ready:" not in log.read_text()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    assert "Traceback" not in text and text.rstrip().endswith("ember serve: interrupted while starting"), text
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{engine}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{engine}") or " Z " in open(f"/proc/{engine}/stat").read()
+
+
+def _is_engine(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
