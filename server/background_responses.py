@@ -28,6 +28,7 @@ class BackgroundResponse:
     task that feeds them."""
 
     encoder: ResponseEncoder
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # as `GET .../input_items` lists them
     task: asyncio.Task | None = None
     started: bool = False  # a step has arrived: no longer queued
     cancelled: bool = False
@@ -74,10 +75,11 @@ class BackgroundResponses:
         return self._running.get(response_id)
 
     def start(self, response_id: str, encoder: ResponseEncoder, steps: AsyncIterator[ChoiceStep],
-              finish: Callable[[dict[str, Any], list[dict[str, Any]]], None]) -> BackgroundResponse:
+              finish: Callable[[dict[str, Any], list[dict[str, Any]]], None],
+              input_items: list[dict[str, Any]]) -> BackgroundResponse:
         """Run ``steps`` through ``encoder`` in a task; ``finish`` gets the final response (completed, incomplete,
         failed or cancelled) and its events."""
-        bg = BackgroundResponse(encoder)
+        bg = BackgroundResponse(encoder, input_items)
         bg._publish(encoder.start())
         self._running[response_id] = bg
         bg.task = asyncio.create_task(self._run(response_id, bg, steps, finish))

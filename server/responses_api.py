@@ -87,7 +87,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     check_logprobs(st, top_logprobs=body.top_logprobs)
     body.check()
     items = input_items(body.input)
-    history = _previous(st, body.previous_response_id) + responses_messages(items)
+    previous = _previous(st, body.previous_response_id)
+    history = previous + responses_messages(items, history=previous)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
     tools = chat.responses_tools(body.tools)
     tool_choice: Any = body.tool_choice_or_default
@@ -121,16 +122,18 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     run = Run()
     single_call = not body.parallel_tool_calls
 
+    listed = listed_items(items)  # their IDs, the same while it runs and once stored
+
     def remember(response: dict[str, Any], events: list[dict[str, Any]] | None = None) -> None:
         if store and (response["status"] != "failed" or body.background):  # a poller must see the failure
             replies = responses_messages(response["output"], own_output=True)
-            st.responses.put(response_id, StoredResponse(response, history + replies, listed_items(items), events))
+            st.responses.put(response_id, StoredResponse(response, history + replies, listed, events))
 
     if body.background:
         if not store:
             raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background "
                                 "response could not be polled", param="background")
-        bg = st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember)
+        bg = st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember, listed)
         if body.stream:  # a view of the task: a client that leaves stops reading, not generating
             return _event_stream(st, follow(bg, -1))
         return JSONResponse(bg.view())
@@ -209,8 +212,11 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
 
 async def list_input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
                            limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
-    """A stored response's input items, a page at a time (`after`: the last item ID of the previous page)."""
-    items = _stored(state(request), response_id).input_items
+    """A stored or running response's input items, a page at a time (`after`: the last item ID of the previous
+    page)."""
+    st = state(request)
+    running = st.background.get(response_id)
+    items = running.input_items if running is not None else _stored(st, response_id).input_items
     items = items if order == "asc" else items[::-1]
     start = 0
     if after is not None:

@@ -98,13 +98,15 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
     return ""
 
 
-def responses_messages(items: Sequence[Any], *, own_output: bool = False) -> list[dict[str, Any]]:
-    """Template messages for the input `items`, in order. `own_output` marks a response's own
-    output items (replayed for `previous_response_id`): a call cut short keeps its arguments as raw text instead of
-    being refused as invalid JSON."""
+def responses_messages(items: Sequence[Any], *, own_output: bool = False,
+                       history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Template messages for the input `items`, in order, following the messages of `history` (a
+    `previous_response_id` chain): a ``function_call_output`` carries the ``name`` of its call, made here or there.
+    `own_output` marks a response's own output items (replayed for `previous_response_id`): a call cut short keeps
+    its arguments as raw text instead of being refused as invalid JSON."""
     out: list[dict[str, Any]] = []
     reasoning: list[str] = []
-    call_names: dict[str, str] = {}
+    call_names = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or ()}
     turn: dict[str, Any] | None = None  # the assistant turn function calls may still join
 
     def assistant(content: Content) -> dict[str, Any]:

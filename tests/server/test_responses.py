@@ -295,6 +295,21 @@ def test_the_store_keeps_the_most_recently_used():
     assert off.get("a") is None
 
 
+def test_a_function_result_after_previous_response_id_keeps_its_call_name():
+    """Templates that print a tool message's ``name`` (Step-3.5-Flash's) see a function result sent after
+    ``previous_response_id`` exactly as in the whole conversation sent at once: the stored chain, then the new
+    items, render the same messages."""
+    from ember.server.responses_input import responses_messages
+
+    user = [{"role": "user", "content": "Time?"}]
+    call = [{"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"}]
+    result = [{"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    stored = responses_messages(user) + responses_messages(call, own_output=True)
+    chained = stored + responses_messages(result, history=stored)
+    assert chained == responses_messages(user + call + result)
+    assert chained[-1]["name"] == "get_time"
+
+
 def _settled(server, free_blocks: int) -> None:
     deadline = time.monotonic() + 5
     while (server.stats().num_running or server.stats().num_waiting) and time.monotonic() < deadline:

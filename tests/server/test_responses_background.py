@@ -46,6 +46,8 @@ def test_cancel_stops_a_running_background_response_and_frees_its_slot(demo_serv
     bg = client.responses.create(model=demo_server.model, background=True, **LONG)
     running = _poll(client, bg.id, ("in_progress",))
     assert running.status == "in_progress" and demo_server.stats().num_running == 1
+    items_running = client.responses.input_items.list(bg.id).data  # listed while it runs, as once stored
+    assert [(i.type, i.role, i.content[0].text) for i in items_running] == [("message", "user", LONG["input"])]
     with pytest.raises(openai.BadRequestError) as e:  # its conversation is not settled yet
         client.responses.create(model=demo_server.model, previous_response_id=bg.id, input="x", max_output_tokens=1)
     assert e.value.body["param"] == "previous_response_id"
@@ -54,6 +56,7 @@ def test_cancel_stops_a_running_background_response_and_frees_its_slot(demo_serv
     _settled(demo_server, free)
     assert _cancelled(demo_server) - before == 1
     assert client.responses.retrieve(bg.id).status == "cancelled"
+    assert client.responses.input_items.list(bg.id).data == items_running
     assert client.responses.cancel(bg.id).status == "cancelled"  # cancelling again answers the same
 
 
