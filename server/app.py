@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import socket
 import threading
@@ -50,6 +49,7 @@ from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
                              sse_event, sse_line, token_names, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
+from .structured import flat_tool_fields
 
 log = logging.getLogger("ember.server")
 
@@ -331,7 +331,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
             parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
     except ApiError as e:
-        raise _anthropic_tool_fields(e) from None
+        raise flat_tool_fields(e, "input_schema") from None
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     enc = MessageEncoder(req.request_id.replace("-", "_"), model_label(st, lora), len(prompt_ids))
@@ -363,19 +363,6 @@ def _anthropic_tool_choice(st: ServerState, body: pa._MessagesBase,
     return tool_choice, tools if tool_choice != "none" and st.runtime.tools_enabled else None
 
 
-_OPENAI_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|parameters)")
-
-
-def _anthropic_tool_fields(err: ApiError) -> ApiError:
-    """``err`` naming the Anthropic tool fields (``tools[0].name``, ``tools[0].input_schema``) where the grammar
-    compiler named their OpenAI forms."""
-    def rename(m: re.Match) -> str:
-        return f"tools[{m.group(1)}].{'name' if m.group(2) == 'name' else 'input_schema'}"
-
-    return ApiError(err.status, _OPENAI_TOOL_FIELD.sub(rename, err.message),
-                    param=_OPENAI_TOOL_FIELD.sub(rename, err.param) if err.param else None, code=err.code)
-
-
 def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]:
     """The stream events of one engine step; a message that ends in an error gets no message_delta/message_stop
     (the error event that follows ends the stream, as Anthropic's do)."""
@@ -394,7 +381,7 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
     try:
         check_tools(parse_tools)  # the tool names /v1/messages would refuse
     except GrammarError as e:
-        raise _anthropic_tool_fields(bad_request(e.message)) from None
+        raise flat_tool_fields(bad_request(e.message), "input_schema") from None
     return {"input_tokens": len(prompt_ids)}
 
 

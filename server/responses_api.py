@@ -31,6 +31,7 @@ from .openai_encoder import sse_event
 from .responses_encoder import ResponseEncoder
 from .responses_input import input_items, listed_items, responses_messages
 from .sse import EventStreamResponse
+from .structured import flat_tool_fields
 
 
 def _template_kwargs(body: pr.ResponsesRequest) -> dict[str, Any] | None:
@@ -109,10 +110,13 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
     thinking_off = (template_kwargs or {}).get("enable_thinking") is False
-    [constraint] = await build_constraints(
-        st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
-        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-        thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
+    try:
+        [constraint] = await build_constraints(
+            st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,
+            tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+            thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
+    except ApiError as e:
+        raise flat_tool_fields(e, "parameters") from None
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     response_id = req.request_id.replace("-", "_")

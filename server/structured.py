@@ -5,6 +5,7 @@ Grammar problems are the request's fault: they become 400s naming the field (`Gr
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -12,7 +13,7 @@ from ember.engine.eos import end_of_turn_ids
 from ember.grammar import GrammarBackend, GrammarError, GrammarPlan, answer_field, compile_request, model_vocab_size
 from ember.parsers.initial import InitialState
 
-from .errors import bad_request
+from .errors import ApiError, bad_request
 
 log = logging.getLogger("ember.server")
 
@@ -24,6 +25,19 @@ def _param(message: str) -> str | None:
         if head.startswith(root):
             return head.rstrip(".,")
     return None
+
+
+_CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|parameters)")
+
+
+def flat_tool_fields(err: ApiError, schema_field: str) -> ApiError:
+    """``err`` naming the tool fields of an API whose tools are flat (``tools[0].name``, ``tools[0].<schema_field>``:
+    Responses, Anthropic Messages) where the grammar compiler named chat's nested ones (``tools[0].function.name``)."""
+    def rename(m: re.Match) -> str:
+        return f"tools[{m.group(1)}].{'name' if m.group(2) == 'name' else schema_field}"
+
+    return ApiError(err.status, _CHAT_TOOL_FIELD.sub(rename, err.message),
+                    param=_CHAT_TOOL_FIELD.sub(rename, err.param) if err.param else None, code=err.code)
 
 
 class Structured:

@@ -266,6 +266,8 @@ def test_cut_call_is_incomplete_and_still_replays(demo_server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
+    ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_bad_requests_name_the_field(demo_server, extra, param):
@@ -274,6 +276,7 @@ def test_bad_requests_name_the_field(demo_server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+    assert "function." not in err["message"]  # Responses tools are flat: no chat-style field names
 
 
 def test_unknown_model_is_404(demo_server):
