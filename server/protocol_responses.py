@@ -113,6 +113,16 @@ class ResponsesRequest(_Request):
                               param="conversation")
         if self.prompt is not None:
             raise bad_request("prompt templates are not supported; send input (and instructions)", param="prompt")
+        meta = self.metadata or {}
+        if len(meta) > 16:
+            raise bad_request(f"metadata holds at most 16 pairs, got {len(meta)}", param="metadata")
+        for key, value in meta.items():
+            if len(key) > 64:
+                raise bad_request(f"metadata key {key[:20]!r}... is {len(key)} characters long; at most 64",
+                                  param="metadata")
+            if len(value) > 512:
+                raise bad_request(f"metadata value of {key!r} is {len(value)} characters long; at most 512",
+                                  param="metadata")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
             raise bad_request("input must not be empty", param="input")
         for i, inc in enumerate(self.include or ()):
