@@ -42,13 +42,14 @@ def new_item_id(kind: str) -> str:
 
 def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The input items as `GET /v1/responses/{id}/input_items` lists them: each with an `id` (kept when the client
-    gave one) and `type`, a message's string content as one text part (`output_text` for the assistant's,
-    `input_text` otherwise)."""
+    gave one), `type` and `status` (`completed` unless the client gave one), a message's string content as one text
+    part (`output_text` for the assistant's, `input_text` otherwise)."""
     out = []
     for item in items:
         kind = item.get("type", "message")
         listed = {"type": kind, **item}
         listed.setdefault("id", new_item_id(kind))
+        listed.setdefault("status", "completed")
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             listed["content"] = [{"type": part, "text": item["content"]}]

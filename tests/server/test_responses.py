@@ -357,7 +357,7 @@ def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
     assert [i.type for i in asc] == ["message", "function_call", "function_call_output"]
     assert asc[0].content[0].type == "input_text" and asc[0].content[0].text == "Weather?"
     assert asc[1].id == "fc_given" and asc[1].arguments == "{}" and asc[2].output == "18C"
-    assert len({i.id for i in asc}) == 3
+    assert len({i.id for i in asc}) == 3 and {i.status for i in asc} == {"completed"}
     page = client.responses.input_items.list(r.id, limit=2)  # default order: newest first
     assert [i.id for i in page.data] == [asc[2].id, asc[1].id] and page.has_more
     text = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=1)
