@@ -23,9 +23,9 @@ class ParsedToolCall(NamedTuple):
 
 class Block(NamedTuple):
     """One run of the reply, in order: ``kind`` "reasoning" or "content" with its ``text``, or "tool" with the
-    call's ``index`` and as ``text`` the argument fragments that arrived while it was the open run (all of them unless
-    text interrupted the call). A run ends where the channel changes or a call starts or ends (Anthropic's content
-    blocks are these runs)."""
+    call's ``index`` and as ``text`` all its argument fragments. A call's run is never split: text that arrives
+    while it is open (stray text inside a call) forms the runs that follow it. A run ends where the channel changes
+    or a call starts or ends (Anthropic's content blocks are these runs)."""
 
     kind: str
     text: str = ""
@@ -60,7 +60,16 @@ def fold(events: Iterable[Event]) -> ParsedOutput:
     calls: dict[int, list] = {}
     runs: list[list] = []           # [kind, text parts, call index]
     open_run: list | None = None    # the run text may still join (None after a call ended)
+    held: list[list] = []           # text runs that arrived inside the open call: they follow its run
     out = ParsedOutput()
+
+    def release() -> None:
+        nonlocal open_run
+        if held:
+            runs.extend(held)
+            open_run = held[-1]
+            held.clear()
+
     for e in events:
         t = type(e)
         if t is ContentDelta or t is Malformed or t is ReasoningDelta:
@@ -69,6 +78,11 @@ def fold(events: Iterable[Event]) -> ParsedOutput:
             if t is Malformed:
                 out.malformed.append(e)
             if e.text:
+                if open_run is not None and open_run[0] == "tool":
+                    if not held or held[-1][0] != kind:
+                        held.append([kind, [], -1])
+                    held[-1][1].append(e.text)
+                    continue
                 if open_run is None or open_run[0] != kind:
                     open_run = [kind, [], -1]
                     runs.append(open_run)
@@ -78,6 +92,7 @@ def fold(events: Iterable[Event]) -> ParsedOutput:
             if open_run is not None and open_run[2] == e.index:
                 open_run[1].append(e.fragment)
         elif t is ToolCallStart:
+            release()
             calls[e.index] = [e.id, e.name, []]
             out.unclosed.add(e.index)
             open_run = ["tool", [], e.index]
@@ -86,8 +101,10 @@ def fold(events: Iterable[Event]) -> ParsedOutput:
             out.unclosed.discard(e.index)
             if open_run is not None and open_run[0] == "tool" and open_run[2] == e.index:
                 open_run = None
+                release()
         elif t is Dropped:
             out.dropped.append(e)
+    release()
     out.reasoning = "".join(reasoning)
     out.content = "".join(content)
     out.tool_calls = [ParsedToolCall(c[0], c[1], "".join(c[2]), i) for i, c in sorted(calls.items())]

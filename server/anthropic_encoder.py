@@ -2,9 +2,10 @@
 
 Per design A.13: `message_start`, then a content block per channel run (`thinking` with `thinking_delta`s and a
 `signature_delta` before its stop; `text` with `text_delta`s; `tool_use` with `input_json_delta`s carrying the same
-fragments as OpenAI `arguments`), then `message_delta` (stop_reason, stop_sequence, usage) and `message_stop`.
-The non-streaming `message` is built from the one fold of the parser events (`parsers.result.fold`): its content
-blocks are the fold's ordered runs, which are exactly the blocks the stream opens and closes.
+fragments as OpenAI `arguments`; stray text inside a call follows its block, which is never split), then
+`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. The non-streaming `message` is built from
+the one fold of the parser events (`parsers.result.fold`): its content blocks are the fold's ordered runs, which are
+exactly the blocks the stream opens and closes.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class MessageEncoder:
         self.block_tool: int | None = None  # the tool-call index of an open tool_use block
         self._sig = hashlib.sha256()
         self.completed_calls = 0
+        self._held: list[tuple[str, str]] = []  # (block kind, text) that arrived inside the open tool_use block
 
     def start(self) -> list[dict[str, Any]]:
         return [{"type": "message_start", "message": self._head()}, {"type": "ping"}]
@@ -73,22 +75,16 @@ class MessageEncoder:
         self.output_tokens += num_tokens
         out: list[dict[str, Any]] = []
         for ev in events:
-            if isinstance(ev, ReasoningDelta):
+            if isinstance(ev, (ReasoningDelta, ContentDelta, Malformed)):
                 if not ev.text:
                     continue
-                if self.block_kind != "thinking":
-                    out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                self._sig.update(ev.text.encode())
-                out.append({"type": "content_block_delta", "index": self.block_index,
-                            "delta": {"type": "thinking_delta", "thinking": ev.text}})
-            elif isinstance(ev, (ContentDelta, Malformed)):
-                if not ev.text:
-                    continue
-                if self.block_kind != "text":
-                    out += self._open("text", {"type": "text", "text": ""})
-                out.append({"type": "content_block_delta", "index": self.block_index,
-                            "delta": {"type": "text_delta", "text": ev.text}})
+                kind = "thinking" if isinstance(ev, ReasoningDelta) else "text"
+                if self.block_kind == "tool_use":  # a tool_use block is never split: the text follows it
+                    self._held.append((kind, ev.text))
+                else:
+                    out += self._text(kind, ev.text)
             elif isinstance(ev, ToolCallStart):
+                out += self._close() + self._release()
                 out += self._open("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
                 self.block_tool = ev.index
             elif isinstance(ev, ToolCallArguments):
@@ -99,16 +95,37 @@ class MessageEncoder:
             elif isinstance(ev, ToolCallEnd):
                 self.completed_calls += 1
                 if self.block_kind == "tool_use" and self.block_tool == ev.index:
-                    out += self._close()
+                    out += self._close() + self._release()
             elif isinstance(ev, Dropped):
                 continue
+        return out
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """A thinking or text delta, in a block of its kind (opened when another kind is open)."""
+        out = []
+        if self.block_kind != kind:
+            out += self._open(kind, {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                              else {"type": "text", "text": ""})
+        if kind == "thinking":
+            self._sig.update(text.encode())
+            out.append({"type": "content_block_delta", "index": self.block_index,
+                        "delta": {"type": "thinking_delta", "thinking": text}})
+        else:
+            out.append({"type": "content_block_delta", "index": self.block_index,
+                        "delta": {"type": "text_delta", "text": text}})
+        return out
+
+    def _release(self) -> list[dict[str, Any]]:
+        """The text held while a tool_use block was open, now that it has closed."""
+        out = [ev for kind, text in self._held for ev in self._text(kind, text)]
+        self._held.clear()
         return out
 
     def stop_reason(self, end: ChoiceEnd) -> str:
         return stop_reason(end, self.completed_calls)
 
     def finish(self, end: ChoiceEnd) -> list[dict[str, Any]]:
-        out = self._close()
+        out = self._close() + self._release() + self._close()
         out.append(self._message_delta(end))
         out.append({"type": "message_stop"})
         return out

@@ -160,8 +160,9 @@ def test_anthropic_truncated_tool_input_is_empty_with_raw_text():
 
 
 def test_interleaved_reply_stream_equals_body_in_both_apis():
-    """Text between two calls, a thought after content, and text that interrupts an open call (its later arguments
-    are not in the Anthropic block, in the stream and the body alike)."""
+    """Text between two calls, a thought after content, and stray text inside an open call: the Anthropic tool_use
+    block is never split, it carries all the call's arguments and the stray text follows it, in the stream and the
+    body alike."""
     from anthropic.lib.streaming._messages import accumulate_event
 
     events = [ContentDelta("a"), ToolCallStart(0, "call_a", "f"), ToolCallArguments(0, '{"x": 1}'), ToolCallEnd(0),
@@ -186,8 +187,7 @@ def test_interleaved_reply_stream_equals_body_in_both_apis():
             "text", "tool_use", "text", "thinking", "text", "tool_use", "text"]
         assert len(sdk["content"]) == len(folded["content"])
         for mine, theirs in zip(folded["content"], sdk["content"]):
-            if mine["type"] == "tool_use" and "partial_input" in mine:
-                assert theirs["input"] == {} and mine["input"] == {} and mine["partial_input"] == '{"y": '
-                continue
             assert {k: theirs[k] for k in mine} == mine
+        assert [b["input"] for b in folded["content"] if b["type"] == "tool_use"] == [{"x": 1}, {"y": 2}]
+        assert folded["content"][-1]["text"] == "<oopsend"
         assert folded["stop_reason"] == sdk["stop_reason"] == "tool_use"
