@@ -118,8 +118,11 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     if old.logprobs is not None or new.logprobs is not None:
         old.logprobs = (old.logprobs or []) + (new.logprobs or [])
     for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens",
-                 "embedding"):
+                 "embedding", "rejected"):
         setattr(old, name, getattr(new, name))
+    for name in ("queue_seconds", "prompt_logprobs"):  # first-output facts: kept from whichever output had them
+        if getattr(old, name) is None:
+            setattr(old, name, getattr(new, name))
     return old
 
 

@@ -178,3 +178,43 @@ def test_many_clients_with_random_disconnects_leave_a_clean_cache(aengine):
     assert all(c >= 1 for c in counts)
     assert aengine.stats().num_free_blocks == total
     aengine.engine.scheduler.check_integrity()
+
+
+async def refused_duplicate(engine, rid: str) -> tuple[str, str | None, int]:
+    """A request runs under ``rid``; a second one under the same ID is refused. The refusal, then how the first
+    request ended and its token count."""
+    first = engine.generate([10, 11, 12], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                            request_id=rid)
+    out = await first.__anext__()
+    tokens = len(out.new_token_ids)
+    with pytest.raises(ValueError) as refused:
+        async for _ in engine.generate([5, 6], SamplingParams(max_tokens=5), request_id=rid):
+            pass
+    async for out in first:
+        tokens += len(out.new_token_ids)
+    return str(refused.value), out.finish_reason, tokens
+
+
+def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(aengine):
+    refusal, reason, tokens = asyncio.run(refused_duplicate(aengine, "dup"))
+    assert "already in the engine" in refusal
+    assert (reason, tokens) == ("length", 60)
+
+
+def test_a_lagging_consumer_still_learns_its_request_was_refused(aengine):
+    """The engine rejects the request at its second step (no token left allowed) while the consumer's loop is busy:
+    the merged final output still says the request's own settings caused it (a 400 for the server, not a 500)."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, allowed_token_ids=[5, 6],
+                            bad_words_ids=[[5, 5], [5, 6]], logit_bias={5: 100.0})
+
+    async def main():
+        it = aengine.generate([8, 9, 10], params)
+        first = asyncio.ensure_future(it.__anext__())  # submits the request
+        for _ in range(5):
+            await asyncio.sleep(0)
+        time.sleep(1.0)  # a busy loop: both steps' outputs arrive meanwhile and are merged into one
+        return [await first] + [out async for out in it]
+
+    outs = asyncio.run(main())
+    assert len(outs) == 1 and outs[0].new_token_ids == [5]
+    assert (outs[-1].finish_reason, outs[-1].rejected) == ("error", True)
