@@ -89,7 +89,11 @@ class AsyncEngine:
         finished = False
         self._submit(("add", rid, list(prompt_ids), params or SamplingParams(), constraint, stream, added))
         try:
-            await added
+            await asyncio.shield(added)  # refused (a duplicate ID...): nothing of ours to abort
+        except asyncio.CancelledError:  # abort it once added, never another request of the same ID
+            added.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.abort(rid))
+            raise
+        try:
             while True:
                 item = await stream.get()  # a failure (engine gone, refused) leaves nothing to abort
                 finished = item.finished

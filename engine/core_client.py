@@ -111,6 +111,8 @@ class ProcessEngineClient:
         with self._streams_lock:
             if self._dead is not None:
                 raise EngineDeadError(self._dead)
+            if rid in self._streams:  # the engine would refuse it; its stream must stay the live request's
+                raise ValueError(f"request_id {rid!r} is already in the engine")
             self._streams[rid] = stream
         finished = False
         try:

@@ -15,6 +15,7 @@ import httpx
 
 from ember.engine.core_client import ProcessEngineClient
 from ember.engine.params import SamplingParams
+from tests.engine.test_async_engine import refused_duplicate
 from tests.server.processes import serving
 
 
@@ -25,6 +26,14 @@ def test_the_served_engine_runs_in_its_own_process(demo_server):
     info = engine.model_info
     assert info.kv_capacity_tokens == info.num_kv_blocks * info.block_size == 512 * 16
     assert demo_server.stats().num_total_blocks == info.num_kv_blocks
+
+
+def test_a_refused_duplicate_request_id_leaves_the_running_request_alone(demo_server):
+    """The engine process's client refuses a second request under a running request's ID; the first one runs on to
+    its end (its stream was once replaced by the refused one's, which hung it)."""
+    refusal, reason, tokens = asyncio.run(refused_duplicate(demo_server.runtime.engine, "dup-process"))
+    assert "already in the engine" in refusal
+    assert (reason, tokens) == ("length", 60)
 
 
 def test_a_lagging_consumer_gets_its_tokens_coalesced(demo_server):
