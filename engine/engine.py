@@ -628,7 +628,7 @@ class Engine:
         num_tokens = seq.num_tokens if num_tokens is None else num_tokens
         if num_output >= p.min_tokens and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return "stop", tok
-        if seq.constraint is not None:
+        if seq.constraint is not None and num_output >= p.min_tokens:
             try:
                 if seq.constraint.is_terminated():
                     return "stop", None

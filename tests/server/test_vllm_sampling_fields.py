@@ -66,6 +66,16 @@ def test_a_grammar_that_allowed_token_ids_leave_nothing_to_is_a_client_error(dem
     assert '"invalid_request_error"' in events[-1] and "allowed_token_ids" in events[-1]
 
 
+def test_min_tokens_beyond_a_finished_grammar_is_a_client_error(demo_server):
+    """guided_choice answers in a token or two; min_tokens 20 asks for more than the grammar lets the reply be: a
+    400 naming min_tokens, never a short reply that ignores it."""
+    body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=40, min_tokens=20,
+                guided_choice=["yes", "no"], chat_template_kwargs={"enable_thinking": False})
+    r = _post(demo_server, "/v1/chat/completions", **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "min_tokens" in r.json()["error"]["message"]
+
+
 def test_cache_salt_keeps_cached_prefixes_apart(demo_server):
     client = demo_server.openai()
     long = "Once upon a time there was a little robot who loved to read. " * 6
