@@ -163,7 +163,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     choices = []
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
-                             tools=parse_tools)
+                             tools=parse_tools, stop_token_ids=base.stop_token_ids)
         params = seeded(base, i)
         if i:
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
@@ -233,7 +233,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             lora=lora, defaults=rt.sampling_defaults, **extras)
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
-                                 include_stop_str_in_output=body.include_stop_str_in_output, tools=None)
+                                 include_stop_str_in_output=body.include_stop_str_in_output, tools=None,
+                                 stop_token_ids=base.stop_token_ids)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text if body.echo else None)
     constraints = await build_constraints(

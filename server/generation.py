@@ -194,10 +194,15 @@ class GenRequest:
 
 
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
-                  include_stop_str_in_output: bool, tools: Sequence[dict] | None) -> OutputPipeline:
-    """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`)."""
+                  include_stop_str_in_output: bool, tools: Sequence[dict] | None,
+                  stop_token_ids: Sequence[int] = ()) -> OutputPipeline:
+    """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
+    text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
+    ``include_stop_str_in_output`` (vLLM's rule)."""
+    drop = setup.drop_ids if include_stop_str_in_output else setup.drop_ids | frozenset(stop_token_ids)
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
-                          tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools))
+                          tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools),
+                          special_ids_to_drop=drop)
 
 
 def _end_reason(engine_reason: str | None) -> str:

@@ -153,3 +153,25 @@ def test_priority_is_served_under_the_priority_policy(demo_runtime):
         for t in threads:
             t.join(timeout=60)
         assert done == ["first", "high", "low"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stop_token_ends_the_reply_without_its_text(demo_server, path):
+    """stop_token_ids end the reply like EOS: the stop token's text is left out (kept with
+    include_stop_str_in_output), as vLLM does."""
+    body = dict(max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True)
+    body |= {"prompt": "Once upon"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+
+    def text(r: httpx.Response) -> str:
+        choice = r.json()["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    free = _post(demo_server, path, **body).json()["choices"][0]["token_ids"]
+    k = next(i for i in range(2, len(free)) if free[i] not in free[:i])  # a token that first appears at k
+    tok = httpx.post(demo_server.url + "/detokenize", json={"tokens": [free[k]]}, timeout=30).json()["prompt"]
+    before = httpx.post(demo_server.url + "/detokenize", json={"tokens": free[:k]}, timeout=30).json()["prompt"]
+    stopped = _post(demo_server, path, **body, stop_token_ids=[free[k]])
+    assert stopped.json()["choices"][0]["finish_reason"] == "stop" and text(stopped) == before
+    kept = _post(demo_server, path, **body, stop_token_ids=[free[k]], include_stop_str_in_output=True)
+    assert text(kept) == before + tok
