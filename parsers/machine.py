@@ -48,7 +48,7 @@ class ParserMachine:
                  tools: Sequence[dict] | None = None, call_id: Callable[[int], str] | None = None,
                  *, parse_tools: bool = True) -> None:
         p = self.profile = profile
-        self.parse_tools = parse_tools    # read by syntaxes whose calls start without an opener (bare JSON)
+        self.parse_tools = parse_tools    # read by syntaxes whose calls start without an opener (bare JSON, harmony)
         syntax_cls = syntax_for(p.tool_format)
         self.syntax = syntax = syntax_cls(self, tools) if syntax_cls is not None else None
         actions: dict[str, Action] = {
@@ -103,7 +103,7 @@ class ParserMachine:
         self._thinking_allowed = p.reasoning is not None and p.reasoning.open is not None
         self._closed_once = False
         # content whitespace next to tool calls (design A.6): None, or the whitespace held since a boundary
-        self._ws_hold: str | None = None
+        self._ws_hold: list[str] | None = None
         # tool calls
         self.n_calls = 0
         self.call_open = False
@@ -256,15 +256,17 @@ class ParserMachine:
             self._out.append(ToolCallEnd(self.n_calls - 1))
 
     def boundary(self) -> None:
-        """Content starts after a thought or a call: whitespace-only content is held from here (design A.6)."""
+        """Content starts (the reply, or after a thought or a call): whitespace-only content is held from here (design
+        A.6); a thought opening next drops it, as a tool call does."""
         if self.profile.hold_boundary_whitespace:
-            self._ws_hold = ""
+            self._ws_hold = []
 
-    def _release_ws(self, drop: bool) -> None:
-        held, self._ws_hold = self._ws_hold, None
+    def _release_ws(self, drop: bool, reason: str = "whitespace around tool call") -> None:
+        held = "".join(self._ws_hold or ())
+        self._ws_hold = None
         if held:
             if drop:
-                self.drop(held, "whitespace around tool call")
+                self.drop(held, reason)
             else:
                 self._out.append(ContentDelta(held))
 
@@ -284,9 +286,9 @@ class ParserMachine:
     def content_text(self, s: str) -> int:
         if self._ws_hold is not None:
             if s.isspace():
-                self._ws_hold += s
+                self._ws_hold.append(s)
                 return len(s)
-            s, self._ws_hold = self._ws_hold + s, None
+            s, self._ws_hold = "".join(self._ws_hold) + s, None
         self._out.append(ContentDelta(s))
         return len(s)
 
@@ -343,7 +345,7 @@ class ParserMachine:
         if not self._thinking_allowed:
             self.atomic(text)
             return
-        self._release_ws(drop=False)
+        self._release_ws(drop=True, reason="whitespace before reasoning open")
         self.drop(text, "reasoning open")
         self.state = REASONING
 

@@ -157,8 +157,13 @@ def escape(piece: str) -> str:
     return json.dumps(piece, ensure_ascii=False)[1:-1]
 
 
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def typed_json(raw: str, types: tuple[str, ...]) -> str:
-    """The JSON text of a whole non-string value: the first declared type it converts to, else a JSON string."""
+    """The JSON text of a whole non-string value: the first declared type it converts to (as strict RFC 8259 JSON:
+    no NaN or Infinity), else a JSON string."""
     v = raw.strip()
     for t in types:
         if t == "integer":
@@ -181,7 +186,7 @@ def typed_json(raw: str, types: tuple[str, ...]) -> str:
                 return "null"
         elif t in ("object", "array"):
             try:
-                parsed = json.loads(v)
+                parsed = json.loads(v, parse_constant=_reject_constant)
             except ValueError:
                 continue
             if isinstance(parsed, dict if t == "object" else list):

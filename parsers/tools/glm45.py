@@ -28,7 +28,7 @@ class Glm45Syntax(ToolSyntax):
         self._n_args = 0
         self._val_types: tuple[str, ...] = ()
         self._val_str = True
-        self._val_buf = ""
+        self._val_buf: list[str] = []    # a non-string value's raw pieces
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m
@@ -113,7 +113,7 @@ class Glm45Syntax(ToolSyntax):
         if self._val_str:
             self.m.args(escape(s))
         else:
-            self._val_buf += s
+            self._val_buf.append(s)
         return len(s)
 
     # ------------------------------------------------------------------------------------------- actions
@@ -141,7 +141,7 @@ class Glm45Syntax(ToolSyntax):
         m.args(("{" if self._n_args == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": "
                + ('"' if self._val_str else ""))
         self._n_args += 1
-        self._val_buf = ""
+        self._val_buf = []
         m.state = GLM_VALUE
 
     def _do_value_close(self, text: str) -> None:
@@ -155,5 +155,5 @@ class Glm45Syntax(ToolSyntax):
             if not at_finish:
                 m.args('"')
         else:
-            m.args(typed_json(self._val_buf, self._val_types))
-            self._val_buf = ""
+            m.args(typed_json("".join(self._val_buf), self._val_types))
+            self._val_buf = []

@@ -2,7 +2,7 @@
 
 The wrapper object is scanned incrementally (`parsers.json_stream.HermesWrapper`); the arguments value passes through
 as the model's own bytes. Pieces before the name is known are buffered (the name may come after the arguments) and
-released, in order, once it is.
+released, in order, once it is. A name or key string longer than `MAX_NAME` makes the call Malformed from there.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ..json_stream import HermesWrapper
 from ..profiles.base import BAD_CALL, TOOL_BETWEEN, TOOL_JSON, TOOL_PREAMBLE
-from .base import Handler, ToolSyntax
+from .base import MAX_NAME, Handler, ToolSyntax
 
 
 class HermesSyntax(ToolSyntax):
@@ -57,7 +57,10 @@ class HermesSyntax(ToolSyntax):
                 self._start_named(text)
             else:
                 self._pre.append((kind, text))
-        if w.error is not None:
+        if w.error is None and len(w.pending_raw) > MAX_NAME:
+            m.malformed(self._pre_raw() if not m.call_open else w.pending_raw, "tool call name or key too long")
+            m.state = BAD_CALL
+        elif w.error is not None:
             if not m.call_open:
                 m.malformed(self._pre_raw(), w.error)
             m.state = BAD_CALL

@@ -28,7 +28,7 @@ class Qwen3CoderSyntax(ToolSyntax):
         self._val_str = True
         self._val_start = False
         self._val_nl = False
-        self._val_buf = ""
+        self._val_buf: list[str] = []            # a non-string value's raw pieces
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m
@@ -91,7 +91,7 @@ class Qwen3CoderSyntax(ToolSyntax):
             if self._val_str:
                 self.m.args(escape(s))
             else:
-                self._val_buf += s
+                self._val_buf.append(s)
         return n
 
     # ------------------------------------------------------------------------------------------- actions
@@ -151,7 +151,7 @@ class Qwen3CoderSyntax(ToolSyntax):
         m.args(("{" if self._n_params == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
                + ('"' if self._val_str else ""))
         self._n_params += 1
-        self._val_start, self._val_nl, self._val_buf = True, False, ""
+        self._val_start, self._val_nl, self._val_buf = True, False, []
         m.state = PARAM_VALUE
 
     def _do_value_end(self, text: str) -> None:
@@ -171,12 +171,12 @@ class Qwen3CoderSyntax(ToolSyntax):
                 if self._val_str:
                     m.args(escape("\n"))
                 else:
-                    self._val_buf += "\n"
+                    self._val_buf.append("\n")
             else:
                 m.drop("\n", "template newline")
         if self._val_str:
             if not at_finish:
                 m.args('"')
         else:
-            m.args(typed_json(self._val_buf, self._val_types))
-            self._val_buf = ""
+            m.args(typed_json("".join(self._val_buf), self._val_types))
+            self._val_buf = []
