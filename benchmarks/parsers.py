@@ -14,6 +14,9 @@ JSON string as it streams, Kimi's JSON); their markers are added to the tokenize
 `llama3_json args` (a bare `{"name": .., "parameters": {..}}` at the reply's start), `mistral args` (`[TOOL_CALLS]NAME
 [ARGS]{..}`) and `pythonic args` (`[write_file(content="...")]`, Python literals converted to JSON as they stream) are
 the same for those syntaxes, and `minimax_m2 args` a MiniMax-M2 `<parameter name="content">` value (as Qwen3-Coder's).
+Four shapes held whole until they end: `whitespace after thought` (newlines after `</think>`, held in case a call
+follows), `qwen3_coder object` and `glm45 object` (an object parameter value, converted at its end) and `hermes long
+name` (a tool name that never ends, bounded at 512 characters then Malformed).
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ PARAGRAPH = ("The user wants a summary of the report. First, the revenue grew by
              "the numbers again before answering, step by step.\n\n")
 TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}]
+OBJECT_TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"meta": {"type": "object"}}}}}]
 
 
 SECTION_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
@@ -93,6 +98,12 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
         "pythonic args": (InitialState.CONTENT, body('[write_file(content="', escaped, []), {"tools": TOOLS}),
         "minimax_m2 args": (InitialState.CONTENT, body('<minimax:tool_call>\n<invoke name="write_file">\n'
                                                       '<parameter name="content">', PARAGRAPH, []), {"tools": TOOLS}),
+        "whitespace after thought": (InitialState.REASONING, body("x</think>", "\n", []), {}),
+        "qwen3_coder object": (InitialState.CONTENT, body('\n<function=write_file>\n<parameter=meta>\n{"k": [',
+                                                         " 12345,", opener), {"tools": OBJECT_TOOLS}),
+        "glm45 object": (InitialState.CONTENT, body('<tool_call>write_file\n<arg_key>meta</arg_key>\n<arg_value>{"k": [',
+                                                   " 12345,", []), {"tools": OBJECT_TOOLS}),
+        "hermes long name": (InitialState.CONTENT, body('\n{"name": "', "ab", opener), {"tools": TOOLS}),
     }
 
 
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     profiles = {"reasoning": "qwen3", "content": "qwen3", "hermes args": "qwen3", "qwen3_coder args": "qwen3_coder",
                 "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2",
                 "llama3_json args": "llama3_json", "mistral args": "mistral", "pythonic args": "pythonic",
-                "minimax_m2 args": "minimax_m2"}
+                "minimax_m2 args": "minimax_m2", "whitespace after thought": "qwen3",
+                "qwen3_coder object": "qwen3_coder", "glm45 object": "glm45", "hermes long name": "qwen3"}
     if args.scenarios:
         wanted = [s.strip() for s in args.scenarios.split(",")]
         unknown = [s for s in wanted if s not in profiles]
