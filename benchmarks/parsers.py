@@ -101,8 +101,8 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
         "whitespace after thought": (InitialState.REASONING, body("x</think>", "\n", []), {}),
         "qwen3_coder object": (InitialState.CONTENT, body('\n<function=write_file>\n<parameter=meta>\n{"k": [',
                                                          " 12345,", opener), {"tools": OBJECT_TOOLS}),
-        "glm45 object": (InitialState.CONTENT, body('<tool_call>write_file\n<arg_key>meta</arg_key>\n<arg_value>{"k": [',
-                                                   " 12345,", []), {"tools": OBJECT_TOOLS}),
+        "glm45 object": (InitialState.CONTENT, body('<tool_call>write_file\n<arg_key>meta</arg_key>\n'
+                                                   '<arg_value>{"k": [', " 12345,", []), {"tools": OBJECT_TOOLS}),
         "hermes long name": (InitialState.CONTENT, body('\n{"name": "', "ab", opener), {"tools": TOOLS}),
     }
 
