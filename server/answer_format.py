@@ -110,14 +110,18 @@ def _json(schema: dict[str, Any] | str, param: str, closed: bool) -> dict[str, A
     return {"type": "json_schema", "json_schema": {"schema": schema}, "param": param}
 
 
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+"""Keywords whose values map names to schemas (``dependencies``' lists of names are not schemas: left alone)."""
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains", "propertyNames",
-            "unevaluatedItems", "unevaluatedProperties")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+            "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+"""Keywords whose value is one schema (or a boolean, kept; ``items`` may also be a list of schemas). Data keywords
+(``const``, ``enum``, ``default``, ``examples``) are values, never schemas: never touched."""
 
 
 def _closed(schema: Any) -> Any:
-    """A copy of ``schema`` in which every object schema without ``additionalProperties`` forbids extra keys."""
+    """A copy of ``schema`` in which every object schema without ``additionalProperties`` forbids extra keys, wherever
+    a schema can appear (under ``properties``, ``items``, ``anyOf``, an object-valued ``additionalProperties``...)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)

@@ -1,0 +1,71 @@
+"""vLLM's `structured_outputs.disable_additional_properties` through the real compile path (answer format ->
+`compile_request` -> llguidance, Qwen3 tokenizer; the demo model's where ../shared is absent): an object schema is
+closed wherever a schema can appear, so the answer may not add a key to it, and the objects it describes still pass.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ember.grammar import compile_request
+from ember.parsers.initial import InitialState
+from ember.parsers.profiles import get_profile
+from ember.server.answer_format import _from_structured_outputs
+from ember.server.protocol_openai import StructuredOutputs
+
+INNER = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+GOOD, EXTRA = {"x": 1}, {"x": 1, "extra": 2}
+
+# (schema holding INNER somewhere, answer with ``inner`` in that place)
+PLACES = {
+    "additionalProperties": ({"type": "object", "additionalProperties": INNER}, lambda inner: {"k": inner}),
+    "patternProperties": ({"type": "object", "patternProperties": {"^k": INNER}}, lambda inner: {"k": inner}),
+    "properties": ({"type": "object", "properties": {"k": INNER}}, lambda inner: {"k": inner}),
+    "items": ({"type": "array", "items": INNER}, lambda inner: [inner]),
+    "prefixItems": ({"type": "array", "prefixItems": [INNER]}, lambda inner: [inner]),
+    "additionalItems": ({"type": "array", "items": [{"type": "integer"}], "additionalItems": INNER},
+                        lambda inner: [0, inner]),
+    "anyOf": ({"anyOf": [INNER, {"type": "integer"}]}, lambda inner: inner),
+    "$defs": ({"$defs": {"o": INNER}, "$ref": "#/$defs/o"}, lambda inner: inner),
+    "definitions": ({"definitions": {"o": INNER}, "type": "array", "items": {"$ref": "#/definitions/o"}},
+                    lambda inner: [inner]),
+}
+
+
+def _takes(hf_tok, backend, schema: dict, answer) -> bool:
+    rf = _from_structured_outputs(StructuredOutputs(json=schema, disable_additional_properties=True))
+    plan = compile_request(get_profile("none"), InitialState.CONTENT, {}, response_format=rf)
+    c = backend.constraint(plan)
+    ids = hf_tok.encode(json.dumps(answer), add_special_tokens=False) + [backend.eos_ids[0]]
+    return all(c.accept_token(t) for t in ids)
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+def test_objects_are_closed_wherever_a_schema_can_appear(hf_tok, backend, place):
+    schema, answer = PLACES[place]
+    assert _takes(hf_tok, backend, schema, answer(GOOD))
+    assert not _takes(hf_tok, backend, schema, answer(EXTRA))
+
+
+def test_closing_leaves_data_and_what_the_schema_says_alone():
+    """``const``/``enum``/``default``/``examples`` hold values, not schemas; a boolean ``additionalProperties``
+    and non-schema ``dependencies`` stay as written; schema-valued keywords get closed."""
+    value = {"type": "object", "properties": {"a": {"type": "object"}}}
+    schema = {"type": "object", "const": value, "enum": [value], "default": value, "examples": [value],
+              "additionalProperties": True, "dependencies": {"a": ["b"], "c": INNER},
+              "not": INNER, "if": INNER, "then": INNER, "else": INNER, "propertyNames": {"type": "string"},
+              "dependentSchemas": {"d": INNER}, "unevaluatedProperties": INNER,
+              "contains": INNER, "unevaluatedItems": False}
+    out = _from_structured_outputs(StructuredOutputs(json=schema, disable_additional_properties=True))
+    out = out["json_schema"]["schema"]
+    for key in ("const", "default"):
+        assert out[key] == value
+    assert out["enum"] == [value] and out["examples"] == [value]
+    assert out["additionalProperties"] is True and out["unevaluatedItems"] is False
+    assert out["dependencies"]["a"] == ["b"] and out["dependencies"]["c"]["additionalProperties"] is False
+    assert out["propertyNames"] == {"type": "string"}
+    for key in ("not", "if", "then", "else", "unevaluatedProperties", "contains"):
+        assert out[key]["additionalProperties"] is False, key
+    assert out["dependentSchemas"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in INNER  # the request's own schema is not modified
