@@ -1,9 +1,10 @@
 """From a request's structured-output settings to ONE llguidance grammar (design D, A.8, A.9).
 
-Pure: no tokenizer, no llguidance calls. Inputs are the request fields (``response_format``, ``tools``,
-``tool_choice``, ``parallel_tool_calls``, a thinking budget), the model family's `Profile`, the request's
-`InitialState` (the same value the parser starts from) and the delimiter token IDs (terminal text -> single token
-ID, as `parsers.tokens.resolve_delimiters` found them; a terminal absent from it is spelled as text).
+Pure: no tokenizer; llguidance only for its tokenizer-free string helpers and a whitespace pattern's regex check.
+Inputs are the request fields (``response_format``, ``tools``, ``tool_choice``, ``parallel_tool_calls``, a thinking
+budget), the model family's `Profile`, the request's `InitialState` (the same value the parser starts from) and the
+delimiter token IDs (terminal text -> single token ID, as `parsers.tokens.resolve_delimiters` found them; a terminal
+absent from it is spelled as text).
 
 The grammar is ``reasoning region, optional whitespace, answer``:
 
@@ -91,6 +92,7 @@ class _Tool:
     name: str
     parameters: dict
     strict: bool
+    index: int = 0   # its place in the request's tools, for error messages
 
 
 def _tools(tools: Sequence[Mapping] | None) -> list[_Tool]:
@@ -113,7 +115,7 @@ def _tools(tools: Sequence[Mapping] | None) -> list[_Tool]:
             params = fn.get("input_schema", {"type": "object", "properties": {}})
         if not isinstance(params, Mapping):
             raise GrammarError(f"tools[{i}].function.parameters must be a JSON schema object")
-        out.append(_Tool(name, dict(params), bool(fn.get("strict", False))))
+        out.append(_Tool(name, dict(params), bool(fn.get("strict", False)), i))
     return out
 
 
@@ -215,12 +217,26 @@ def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) ->
     return out
 
 
-def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenient: bool = False) -> str:
+def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenient: bool = False,
+               where: str = "tools") -> str:
+    """``%json`` of ``schema``; a `GrammarError` naming ``where`` (the request field of the schema) when it is not
+    JSON (NaN or Infinity, which Python's JSON reader lets through). Tool schemas are checked one by one first
+    (`_check_tool_schemas`), which names the tool; ``tools`` is the fallback."""
     try:
         body = json.dumps(_with_options(schema, options, lenient), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise GrammarError(f"schema is not JSON: {e}") from None
+        raise GrammarError(f"{where} is not JSON: {e}") from None
     return "%json " + body
+
+
+def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
+    """A `GrammarError` naming ``tools[i].function.parameters`` for the first tool schema that is not JSON (NaN,
+    Infinity)."""
+    for t in tools:
+        try:
+            json.dumps(t.parameters, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"tools[{t.index}].function.parameters is not JSON: {e}") from None
 
 
 def _lit(text: str) -> str:
@@ -297,16 +313,17 @@ def _response_format_answer(g: _Lark, rf: Mapping | None, options: Mapping[str, 
     if kind in ("json_object", "json_schema"):
         options = _json_layout(options, rf)
     if kind == "json_object":
-        return g.add("answer", _json_rule({"type": "object"}, options))
+        return g.add("answer", _json_rule({"type": "object"}, options, where=name("json_object")))
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, Mapping):
             raise GrammarError(f"{name('json_schema')} must be an object")
         schema = js.get("schema", js.get("schema_", {}))
+        where = param or "response_format.json_schema.schema"
         if not isinstance(schema, Mapping):
-            raise GrammarError(f"{param or 'response_format.json_schema.schema'} must be a JSON schema object")
+            raise GrammarError(f"{where} must be a JSON schema object")
         strict = bool(js.get("strict", False))
-        return g.add("answer", _json_rule(schema, options, lenient=not strict))
+        return g.add("answer", _json_rule(schema, options, lenient=not strict, where=where))
     if kind == "regex":
         pattern = rf.get("regex", rf.get("pattern"))
         if not isinstance(pattern, str) or not pattern:
@@ -374,7 +391,7 @@ def _structural_tag_answer(g: _Lark, rf: Mapping, field: str, options: Mapping[s
         trigger = max((t for t in triggers if st["begin"].startswith(t)), key=len, default=None)
         if trigger is None:
             raise GrammarError(f"{where}.begin {st['begin']!r} starts with none of the triggers")
-        g.add(f"st{i}_json", _json_rule(schema, options, lenient=True))
+        g.add(f"st{i}_json", _json_rule(schema, options, lenient=True, where=f"{where}.schema"))
         parts = [piece(st["begin"][len(trigger):]), f"st{i}_json", piece(st["end"])]
         bodies.setdefault(trigger, []).append(" ".join(p for p in parts if p))
     g.add("ST_TEXT", _TEXT)
@@ -398,17 +415,42 @@ def answer_field(response_format: Any) -> str:
         else "response_format"
 
 
+def _whitespace_field(param: str | None) -> str:
+    """The request field a ``whitespace_pattern`` came from, beside the answer format field ``param``: vLLM's
+    ``structured_outputs.whitespace_pattern``, the older ``guided_whitespace_pattern``, else
+    ``response_format.whitespace_pattern``."""
+    if param and param.startswith("structured_outputs"):
+        return "structured_outputs.whitespace_pattern"
+    if param and param.startswith("guided_"):
+        return "guided_whitespace_pattern"
+    return "response_format.whitespace_pattern"
+
+
 def _json_layout(options: Mapping[str, Any], rf: Mapping) -> Mapping[str, Any]:
     """The JSON layout with a request's overrides: ``compact`` (no whitespace at all) or a ``whitespace_pattern``
-    (the only whitespace allowed between tokens)."""
+    (the only whitespace allowed between tokens; a `GrammarError` naming its field when it is not a regex)."""
     if rf.get("compact"):
         return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
     pattern = rf.get("whitespace_pattern")
     if pattern is None:
         return options
+    where = _whitespace_field(rf.get("param"))
     if not isinstance(pattern, str) or not pattern:
-        raise GrammarError(f"{rf.get('param') or 'response_format'}.whitespace_pattern must be a non-empty regex")
+        raise GrammarError(f"{where} must be a non-empty regex")
+    _check_regex(pattern, where)
     return {"whitespace_pattern": pattern, "item_separator": ",", "key_separator": ":"}
+
+
+def _check_regex(pattern: str, where: str) -> None:
+    """A `GrammarError` naming ``where`` when ``pattern`` is not a regex llguidance reads (checked on its own, with
+    no tokenizer, so that the error is not blamed on the grammar it goes into)."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("regex", pattern))
+    if is_error:
+        lines = [line.strip() for line in messages[0].splitlines()]
+        reason = next((line.removeprefix("error:").strip() for line in lines if line.startswith("error:")), lines[0])
+        raise GrammarError(f"{where} is not a valid regex: {reason}")
 
 
 def _lark_of(text: str, where: str) -> str:
@@ -773,6 +815,7 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
         formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
     if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):
         return formatted
+    _check_tool_schemas(tools)
     if profile.tool_format in ("llama3_json", "pythonic", "mistral"):
         return _flat_answer(g, d, profile.tool_format, mode, tools, formatted, parallel and mode != "named")
     if profile.tool_format == "hermes":

@@ -21,7 +21,7 @@ log = logging.getLogger("ember.server")
 def _param(message: str) -> str | None:
     head = message.split(":", 1)[0].split(" ", 1)[0]
     for root in ("response_format", "structured_outputs", "guided_", "tools", "tool_choice", "thinking",
-                 "max_thinking_tokens", "text.format"):
+                 "max_thinking_tokens", "text.format", "output_config"):
         if head.startswith(root):
             return head.rstrip(".,")
     return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import openai
 import pytest
 
@@ -118,6 +119,13 @@ def test_completions_take_structured_outputs_and_response_format(demo_server):
                                                '[{"begin": "<g>", "schema": {}, "end": ""}]}'}},
      "structured_outputs.structural_tag.structures[0].begin"),
     ({"structured_outputs": {"structural_tag": "{oops"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": "(["}},
+     "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": "(["}},
+     "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": ""}},
+     "structured_outputs.whitespace_pattern"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "(["}, "guided_whitespace_pattern"),
     ({"structured_outputs": {"structural_tag": {"type": "structural_tag", "format": {"type": "tag"}}}},
      "structured_outputs.structural_tag"),
 ])
@@ -130,6 +138,56 @@ def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, para
         with pytest.raises(openai.BadRequestError) as e:
             create()
         assert e.value.body["param"] == param, e.value.body
+
+
+# Python's JSON reader takes NaN and Infinity, which JSON (and so a grammar's schema) cannot hold: the raw bodies
+# below carry them where each API takes a schema.
+_NAN_FIELDS = [
+    ('"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", '
+     '"maximum": NaN}}}', "response_format.json_schema.schema"),
+    ('"guided_json": {"enum": [Infinity, 1]}', "guided_json"),
+    ('"structured_outputs": {"json": {"type": "number", "minimum": -Infinity}}', "structured_outputs.json"),
+    ('"structured_outputs": {"json": {"type": "number", "minimum": -Infinity}, "disable_additional_properties": true}',
+     "structured_outputs.json"),
+    ('"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}, {"type": '
+     '"function", "function": {"name": "g", "strict": true, "parameters": {"type": "object", "properties": {"a": '
+     '{"const": NaN}}}}}], "tool_choice": "required"', "tools[1].function.parameters"),
+    ('"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": "<f>", "end": '
+     '"</f>", "schema": {"maximum": NaN}}]}', "response_format.structures[0].schema"),
+    ('"structured_outputs": {"structural_tag": {"triggers": ["<f"], "structures": [{"begin": "<f>", "end": "</f>", '
+     '"schema": {"maximum": NaN}}]}}', "structured_outputs.structural_tag.structures[0].schema"),
+]
+
+
+@pytest.mark.parametrize("field,param", _NAN_FIELDS, ids=[p for _, p in _NAN_FIELDS])
+def test_nan_or_infinity_in_a_schema_is_a_400_naming_its_field(demo_server, field, param):
+    bodies = {"/v1/chat/completions": '{"messages": [{"role": "user", "content": "hi"}], ',
+              "/v1/completions": '{"prompt": "x", '}
+    for path, head in bodies.items():
+        if path == "/v1/completions" and field.startswith('"tools"'):
+            continue  # text completions take no tools
+        body = head + f'"model": "{demo_server.model}", "max_tokens": 4, {field}}}'
+        r = httpx.post(demo_server.url + path, content=body, headers={"content-type": "application/json"},
+                       timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, (path, r.text)
+        assert error["message"].startswith(f"{param} is not JSON: "), error
+
+
+@pytest.mark.parametrize("field,param", [
+    ('"output_config": {"format": {"type": "json_schema", "schema": {"type": "number", "maximum": NaN}}}',
+     "output_config.format.schema"),
+    ('"tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"const": Infinity}}}}], '
+     '"tool_choice": {"type": "any"}', "tools[0].input_schema"),
+], ids=["output_config", "tools"])
+def test_nan_in_an_anthropic_schema_is_a_400_naming_its_field(demo_server, field, param):
+    """Anthropic's errors have no ``param``: the message names the field (the flat ``tools[0].input_schema``)."""
+    body = (f'{{"model": "{demo_server.model}", "max_tokens": 4, "messages": [{{"role": "user", "content": "hi"}}], '
+            f'{field}}}')
+    r = httpx.post(demo_server.url + "/v1/messages", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"].startswith(f"{param} is not JSON: "), r.text  # no param here
 
 
 TAG = {"type": "structural_tag", "triggers": ["<function="], "structures": [
