@@ -134,6 +134,8 @@ def _closed(schema: Any) -> Any:
     for key in _SCHEMAS:
         if key in out:
             out[key] = [_closed(s) for s in out[key]] if isinstance(out[key], list) else _closed(out[key])
-    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+    kind = out.get("type")
+    objects = kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if ("properties" in out or objects) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

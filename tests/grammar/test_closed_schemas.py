@@ -30,6 +30,8 @@ PLACES = {
     "$defs": ({"$defs": {"o": INNER}, "$ref": "#/$defs/o"}, lambda inner: inner),
     "definitions": ({"definitions": {"o": INNER}, "type": "array", "items": {"$ref": "#/definitions/o"}},
                     lambda inner: [inner]),
+    "nullable object": ({"type": "object", "properties": {"k": {"type": ["object", "null"]}}},
+                        lambda inner: {"k": {} if inner is GOOD else {"extra": 2}}),
 }
 
 
