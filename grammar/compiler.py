@@ -11,7 +11,9 @@ The grammar is ``reasoning region, optional whitespace, answer``:
 * initial state REASONING: free text that ends only at the close delimiter referenced by its token ID (``<[151668]>``),
   so ``</think>`` spelled in ordinary pieces stays reasoning and no special token (EOS included) can appear before it;
 * initial state CONTENT with a profile whose model may open a thought itself: an optional ``<think> .. </think>``
-  block (both by token ID) before the answer, which is what the parser does with a ``<think>`` token at the start;
+  block (both by token ID) before the answer, which is what the parser does with a ``<think>`` token at the start,
+  after a little whitespace (GLM-4.5 and Qwen3.5 write ``\n<think>``; the parser drops it there, a JSON reader
+  skips it before an answer);
 * the answer: a JSON schema, a regex, a user Lark grammar, or tool calls in the family's native syntax.
 
 A thinking budget is not part of the grammar (a ``max_tokens=`` lexeme option would break rollback); it travels in
@@ -865,7 +867,7 @@ def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialSta
     if open_id is None or close_id is None:
         return answer
     g.add("REASONING", _TEXT)
-    return f"(<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
+    return f"WS (<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
 
 
 def _harmony_start(g: _Lark, d: _Delims, answer: str) -> str:
