@@ -3,12 +3,14 @@ served from the hub cache offline, start-up mistakes reported in one line (befor
 the start-up report, several API keys, CORS off by default, and the vLLM metric names after a request."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -223,16 +225,28 @@ def test_an_unusable_cache_dir_for_the_demo_model_is_one_line(tmp_path, cache):
                            f"{cache}/demo ("), line
 
 
+@contextlib.contextmanager
+def _own_session(model_dir, log) -> Iterator[subprocess.Popen]:
+    """`ember serve MODEL --port 0` in a session of its own (so a test can signal its whole process group, as
+    Ctrl-C in a terminal does), its stderr in ``log``; killed afterwards if still running."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*ember_cmd(), "serve", str(model_dir), "--kv-cache-blocks", "16", "--port", "0"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "Ctrl-C"])
 def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_model_dir, tmp_path, stop):
     """`--port 0` serves on a free port and says which; SIGTERM to the server (docker stop, Kubernetes) or SIGINT to
     its whole process group (Ctrl-C in a terminal: the engine process gets it too) drains the server and exits 0,
     with no traceback and no teardown noise."""
     log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([*ember_cmd(), "serve", str(demo_model_dir), "--kv-cache-blocks", "16", "--port", "0"],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    try:
+    with _own_session(demo_model_dir, log) as proc:
         deadline = time.monotonic() + 120
         while not (m := re.search(r"ready: OpenAI API at http://127\.0\.0\.1:(\d+)/v1", log.read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -245,10 +259,6 @@ def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_
         else:
             os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
     text = log.read_text()
     assert "Traceback" not in text and "nanobind: leaked" not in text, text
 
@@ -257,10 +267,7 @@ def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path
     """Ctrl-C (SIGINT to the whole process group) while the engine process is starting: one line, exit code 130,
     no traceback, and no engine process left behind."""
     log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([*ember_cmd(), "serve", str(demo_model_dir), "--kv-cache-blocks", "16", "--port", "0"],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    try:
+    with _own_session(demo_model_dir, log) as proc:
         deadline = time.monotonic() + 120
         engine = None
         while engine is None:
@@ -271,10 +278,6 @@ def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path
         assert "ready:" not in log.read_text()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
     text = log.read_text()
     assert "Traceback" not in text and text.rstrip().endswith("ember serve: interrupted while starting"), text
     deadline = time.monotonic() + 10
