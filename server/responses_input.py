@@ -134,6 +134,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False,
                 turn = assistant(text)
             else:
                 out.append({"role": _ROLES[role], "content": text})
+                reasoning.clear()  # a thought whose turn ended without output belongs to no later turn
                 turn = None
         elif kind == "function_call":
             name = _str_field(item, "name", where)
@@ -156,6 +157,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False,
             if call_id in call_names:
                 msg["name"] = call_names[call_id]
             out.append(msg)
+            reasoning.clear()
             turn = None
         elif kind == "reasoning":
             text = _reasoning_text(item, where)

@@ -316,6 +316,23 @@ def test_a_function_result_after_previous_response_id_keeps_its_call_name():
     assert chained[-1]["name"] == "get_time"
 
 
+def test_a_thought_whose_turn_ended_without_output_joins_no_later_turn():
+    """A reasoning item followed by the user speaking again (a turn cut short) is not rendered into the next
+    assistant turn's thought."""
+    from ember.server.responses_input import responses_messages
+
+    messages = responses_messages([
+        {"role": "user", "content": "Q1"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "thought for Q1"}]},
+        {"role": "user", "content": "Q2"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "thought for Q2"}]},
+        {"role": "assistant", "content": "done"}])
+    assert "thought for Q1" not in json.dumps(messages)
+    assert [m.get("reasoning_content") for m in messages if m["role"] == "assistant"] == [None, "thought for Q2"]
+
+
 def _settled(server, free_blocks: int) -> None:
     deadline = time.monotonic() + 5
     while (server.stats().num_running or server.stats().num_waiting) and time.monotonic() < deadline:
