@@ -270,9 +270,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     max_thinking_tokens: int | None = Field(default=None, ge=0)
+    chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default
 
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":
+        if self.chat_template is not None:
+            raise field_error("chat_template", "a chat template per request is not accepted; start the server with "
+                              "--chat-template", "...")
         if self.top_logprobs and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
         choice = self.tool_choice

@@ -118,6 +118,14 @@ def test_unserved_settings_are_refused_by_name(demo_server, field, value):
     assert ok.status_code == 200
 
 
+def test_a_chat_template_per_request_is_refused_by_name(demo_server):
+    """vLLM refuses a request's own chat_template unless told to trust it; ignoring it would render another
+    prompt than the client asked for."""
+    r = _post(demo_server, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+              chat_template="{{ messages[0].content }}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+
+
 def test_priority_is_served_under_the_priority_policy(demo_runtime):
     """With --scheduling-policy priority a request's priority reaches the engine's queue: one running slot, a
     low-priority request queued first and a high-priority one after it; the high one is admitted first."""
