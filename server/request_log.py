@@ -18,10 +18,6 @@ from ember.engine.params import SamplingParams
 log = logging.getLogger("ember.requests")
 
 
-def _cut(text: str, limit: int | None) -> str:
-    return text if limit is None or len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
-
-
 def changed_settings(params: SamplingParams) -> str:
     """``params``' fields that differ from their defaults, as ``name=value`` (vLLM logs the whole object)."""
     out = []
@@ -43,12 +39,19 @@ class RequestLog:
                  decode: Callable[[list[int]], str]) -> None:
         if not log.isEnabledFor(logging.INFO):
             return
-        limit = self.max_len
-        ids = list(prompt_ids if limit is None else prompt_ids[:limit])
-        shown = repr(ids) if limit is None or len(prompt_ids) <= limit else \
-            f"{repr(ids)[:-1]}, ...] ({len(prompt_ids)} tokens)"
-        log.info("Received request %s: prompt: %r, params: {%s}, prompt_token_ids: %s", request_id,
-                 _cut(decode(ids), limit), changed_settings(params), shown)
+        limit, n = self.max_len, len(prompt_ids)
+        if limit is None:
+            ids = list(prompt_ids)
+            text, shown = repr(decode(ids)), repr(ids)
+        else:  # only the first ``limit`` IDs are decoded: logging a long prompt costs what its cut costs
+            ids = list(prompt_ids[:limit])
+            decoded = decode(ids)
+            text = repr(decoded[:limit])
+            if n > limit or len(decoded) > limit:
+                text = f"{repr(decoded[:limit].rstrip(chr(0xFFFD)))}... ({n} tokens)"
+            shown = repr(ids) if n <= limit else "[" + "".join(f"{i}, " for i in ids) + f"...] ({n} tokens)"
+        log.info("Received request %s: prompt: %s, params: {%s}, prompt_token_ids: %s", request_id, text,
+                 changed_settings(params), shown)
 
     def finished(self, request_id: str, reason: str, prompt_tokens: int, output_tokens: int, arrival: float,
                  **extra: Any) -> None:

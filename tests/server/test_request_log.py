@@ -1,6 +1,7 @@
 """--enable-log-requests / --max-log-len: one log line as each request reaches the engine, one as it ends."""
 from __future__ import annotations
 
+import ast
 import logging
 
 import httpx
@@ -41,6 +42,36 @@ def test_max_log_len_cuts_the_prompt_and_its_ids(rebuilt_server, caplog):
     received = _lines(caplog)[0]
     assert f"prompt_token_ids: {str(ids[:5])[:-1]}, ...] ({len(ids)} tokens)" in received
     assert prompt not in received and prompt[:20] not in received
+
+
+def test_a_cut_prompt_is_marked_as_cut_whatever_its_script(demo_model_dir, caplog):
+    """The logged prompt is the first --max-log-len characters of what its first --max-log-len tokens spell, marked
+    as cut with the prompt's token count (never a character count of the cut itself, nor a half character), also
+    when each character takes several tokens, and at --max-log-len 0."""
+    from transformers import AutoTokenizer
+
+    from ember.engine.params import SamplingParams
+    from ember.server.request_log import RequestLog
+
+    demo_tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    caplog.set_level(logging.INFO, logger="ember.requests")
+    for prompt, limit, text in (("one two three four five six seven", 5, "'one t'... "),
+                                ("日本語のテキストはここにあります。" * 3, 4, None),
+                                ("one two three", 0, "''... ")):
+        ids = demo_tokenizer.encode(prompt, add_special_tokens=False)
+        caplog.clear()
+        RequestLog(limit).received("r-0", ids, SamplingParams(), demo_tokenizer.decode)
+        [line] = _lines(caplog)
+        shown = line.split("prompt: ", 1)[1].split(", params: ")[0]
+        assert shown.endswith(f"... ({len(ids)} tokens)"), line
+        assert "\ufffd" not in shown and "�" not in shown
+        if text is not None:
+            assert shown.startswith(text), line
+        else:
+            head_text = ast.literal_eval(shown.split("... (")[0])
+            assert 0 < len(head_text) <= limit and prompt.startswith(head_text), line
+        head = "".join(f"{i}, " for i in ids[:limit])
+        assert line.endswith(f"prompt_token_ids: [{head}...] ({len(ids)} tokens)"), line
 
 
 def test_nothing_is_logged_by_default(rebuilt_server, caplog):
