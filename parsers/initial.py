@@ -6,6 +6,15 @@ examples and system prompts never flip it); within that tail the last thinking d
 a close -> CONTENT, neither -> the profile's ``start_mode``. A delimiter that is a single token in this vocabulary
 (``delimiter_ids``) counts only as that token; one that is not is matched on the tail's text. An assistant prefill
 (``continue_final_message``) lies in the tail, so its thought state carries over.
+
+Harmony (gpt-oss) has no thinking delimiters: its channels decide. After the last ``<|start|>assistant`` the tail is
+either nothing (the generation prompt: the model writes the header, CONTENT), a header cut right after
+``<|channel|>`` (HARMONY_CHANNEL: the model writes the channel name), or a header closed by ``<|message|>`` whose body
+the model continues (a continued assistant message, e.g. ``<|channel|>final<|message|>Hello``): an ``analysis``
+channel -> REASONING, any other -> HARMONY_CONTENT. A recipient in that header does not make the continuation a tool
+call (the call's name, id and arguments so far are prompt, not output): its body surfaces as the channel's text, as
+when tools are not parsed. A tail whose last message is already closed (``<|end|>``) or whose header is cut elsewhere
+starts in the header, as the generation prompt does; so does a prompt without ``<|start|>assistant``.
 """
 from __future__ import annotations
 
@@ -19,8 +28,14 @@ __all__ = ["InitialState", "initial_state"]
 
 
 class InitialState(enum.Enum):
+    """Where the reply starts. The two HARMONY_ members occur only for a harmony profile (gpt-oss), where REASONING is
+    the body of an analysis message the prompt opened and CONTENT the start of a message header (the generation
+    prompt ends ``<|start|>assistant``); code that does not parse harmony never sees them."""
+
     REASONING = "reasoning"
     CONTENT = "content"
+    HARMONY_CONTENT = "harmony_content"   # inside a final (or commentary) message body the prompt opened
+    HARMONY_CHANNEL = "harmony_channel"   # the prompt's header ends with `<|channel|>`: the channel name comes next
 
 
 def _tail_after_header(prompt_ids: Sequence[int], headers: Sequence[bytes],
@@ -69,9 +84,11 @@ def _last_position(text_pos: int, tail_ids: Sequence[int], offsets: Sequence[int
 
 def initial_state(prompt_ids: Sequence[int], profile: Profile, tb: TokenBytes,
                   delimiter_ids: Mapping[str, int]) -> InitialState:
-    """REASONING if the prompt's tail leaves a thought open, else CONTENT (see the module docstring)."""
+    """REASONING if the prompt's tail leaves a thought open, else CONTENT; harmony as well HARMONY_CONTENT or
+    HARMONY_CHANNEL (see the module docstring)."""
     spec = profile.reasoning
-    if spec is None:
+    harmony = profile.tool_format == "harmony"
+    if spec is None and not harmony:
         return InitialState.CONTENT
     headers = [h.encode("utf-8") for h in profile.generation_headers if h]
     first, tail, offsets = _tail_after_header(prompt_ids, headers, tb)
@@ -84,9 +101,25 @@ def initial_state(prompt_ids: Sequence[int], profile: Profile, tb: TokenBytes,
         text_pos = tail.rfind(delim.encode("utf-8")) if tid is None else -1
         return _last_position(text_pos, tail_ids, offsets, tid)
 
+    if harmony:
+        return _harmony_state(tail, profile.terminals, last) if first > 0 else InitialState.CONTENT
     open_at, close_at = last(spec.open), last(spec.close)
     if open_at > close_at:
         return InitialState.REASONING
     if close_at >= 0:
         return InitialState.CONTENT
     return InitialState.REASONING if spec.start_mode == "always" else InitialState.CONTENT
+
+
+def _harmony_state(tail: bytes, terms: Mapping[str, str], last) -> InitialState:
+    """The harmony reply's start from the tail after the last ``<|start|>assistant`` (see the module docstring)."""
+    message = last(terms["message"])
+    ended = max(last(terms[t]) for t in ("end", "call", "return"))
+    if message < 0 or ended > message:
+        channel = last(terms["channel"])
+        if channel >= 0 and channel > ended and not tail[channel + len(terms["channel"].encode()):].strip():
+            return InitialState.HARMONY_CHANNEL
+        return InitialState.CONTENT
+    header = tail[:message].decode("utf-8", "replace")
+    chan_part = header.rpartition(terms["channel"])[2].partition(terms["constrain"])[0].split()
+    return InitialState.REASONING if chan_part and chan_part[0] == "analysis" else InitialState.HARMONY_CONTENT

@@ -48,6 +48,7 @@ class ParserMachine:
                  tools: Sequence[dict] | None = None, call_id: Callable[[int], str] | None = None,
                  *, parse_tools: bool = True) -> None:
         p = self.profile = profile
+        self.initial = initial            # read by a syntax that decides the start state itself (harmony)
         self.parse_tools = parse_tools    # read by syntaxes whose calls start without an opener (bare JSON, harmony)
         syntax_cls = syntax_for(p.tool_format)
         self.syntax = syntax = syntax_cls(self, tools) if syntax_cls is not None else None

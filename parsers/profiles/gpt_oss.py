@@ -2,8 +2,10 @@
 
 analysis -> reasoning, final -> content, commentary with `to=functions.X` -> a tool call whose body is the arguments
 JSON verbatim (ended by `<|call|>`), commentary without a recipient -> content. Headers (role, channel, recipient,
-`<|constrain|>json`) are Dropped. The prompt ends with `<|start|>assistant`, so the reply begins inside a header.
-Reasoning lives in the channel structure, so ``reasoning`` is None: the machine ignores the initial state here.
+`<|constrain|>json`) are Dropped. The generation prompt ends with `<|start|>assistant`, so the reply begins inside a
+header; a continued message (`...<|channel|>final<|message|>Hello`) begins in its body. Reasoning lives in the channel
+structure, so ``reasoning`` is None: `parsers.initial` reads the prompt's harmony tail and the harmony syntax picks
+its start state from that (`parsers.tools.harmony`).
 """
 from __future__ import annotations
 

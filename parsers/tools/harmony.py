@@ -6,6 +6,11 @@ whitespace), anything else -> content. A recipient with an empty name makes the 
 the request parses no tools (no tools, tool_choice none), a message addressed to a tool is content, as a commentary
 preamble is: design A.8 keeps tool markup as content, and harmony's markup is its header, Dropped for every message,
 so the body is what surfaces. Headers are Dropped; `<|end|>`, `<|call|>`, `<|return|>` end a message.
+
+The reply starts where the prompt left it (`parsers.initial`): in a header after `<|start|>assistant` (CONTENT), after
+the prompt's `<|channel|>` (HARMONY_CHANNEL: the header is read as if it began with `<|channel|>`, which is prompt, so
+never an event), or inside a message body the prompt opened (a continued message): REASONING -> analysis,
+HARMONY_CONTENT -> final.
 """
 from __future__ import annotations
 
@@ -16,12 +21,17 @@ from .base import MAX_NAME, WHITESPACE, Action, Handler, ToolSyntax
 class HarmonySyntax(ToolSyntax):
     tool_format = "harmony"
     channels = {H_ANALYSIS: "reasoning", H_FINAL: "content", H_HEADER: "content", H_BETWEEN: "content"}
-    initial_state = H_HEADER       # the prompt ends with `<|start|>assistant`
+    initial_state = H_HEADER       # the prompt ends with `<|start|>assistant` (see __init__ for the other starts)
 
     def __init__(self, machine, tools) -> None:
         super().__init__(machine, tools)
         self._header = ""
         self._body_ws: list[str] | None = None   # a call's body while it is only whitespace
+        start = getattr(machine, "initial", None)
+        start = getattr(start, "name", start)
+        self.initial_state = {"REASONING": H_ANALYSIS, "HARMONY_CONTENT": H_FINAL}.get(start, H_HEADER)
+        # the part of the first header that the prompt holds: read with the header, never emitted
+        self._prompt_header = machine.profile.terminals["channel"] if start == "HARMONY_CHANNEL" else ""
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m
@@ -83,20 +93,22 @@ class HarmonySyntax(ToolSyntax):
         m = self.m
         m.close_body(at_finish=False)
         m.drop(text, "harmony start")
-        self._header = ""
+        self._header = self._prompt_header = ""
         m.state = H_HEADER
 
     def _do_header_start_channel(self, text: str) -> None:
         m = self.m
         m.close_body(at_finish=False)
         self._header = text
+        self._prompt_header = ""
         m.state = H_HEADER
 
     def _do_header_end(self, text: str) -> None:
         m = self.m
         header, self._header = self._header, ""
+        prompt_part, self._prompt_header = self._prompt_header, ""
         terms = m.profile.terminals
-        before, _, after = header.partition(terms["channel"])
+        before, _, after = (prompt_part + header).partition(terms["channel"])
         chan_part = after.partition(terms["constrain"])[0]
         words = (before + " " + chan_part).split()
         chan_words = chan_part.split()

@@ -83,3 +83,19 @@ def test_a_turn_the_template_refuses_is_a_400_naming_input(gpt_oss_server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "input" and "Cannot pass both content and thinking" in err["message"]
+
+
+def test_a_continued_final_message_streams_as_content(gpt_oss_server):
+    """continue_final_message ends the prompt inside `<|channel|>final<|message|>Hello` (so does an Anthropic prefill):
+    the reply continues that answer, so it streams as content token by token, not as a harmony header that surfaces
+    (Malformed) only when the reply ends."""
+    server = gpt_oss_server
+    [word] = server.runtime.tokenizer.encode(" world", add_special_tokens=False)
+    kw = dict(model=server.model, max_tokens=4, temperature=0, logit_bias={str(word): 100},
+              messages=[{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hello"}],
+              extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    client = server.openai()
+    assert client.chat.completions.create(**kw).choices[0].message.content == " world" * 4
+    deltas = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw)
+              if c.choices and c.choices[0].delta.content]
+    assert deltas == [" world"] * 4
