@@ -2,7 +2,8 @@
 
 Templates read `message.content` as a string or a list of text parts (`content_format` decides which: builders here
 give a string where the client sent one, else the list of its parts' texts), the assistant's earlier reasoning as
-`message.reasoning_content` (Qwen3, DeepSeek, GLM, ...) or `message.thinking` (gpt-oss, LFM2), and
+`message.reasoning_content` (Qwen3, DeepSeek, GLM, ...), `message.thinking` (gpt-oss, LFM2) or `message.reasoning`
+(Solar Open, Gemma 4; vLLM's name), and
 `message.tool_calls[i].function` with `arguments` as a mapping (Hermes-style templates `tojson` it; Qwen3's accepts
 either), so JSON arguments are parsed back into objects.
 """
@@ -59,11 +60,15 @@ def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
         return json.loads(arguments)
     except json.JSONDecodeError:
         raise bad_request("tool call arguments are not valid JSON", param=field) from None
+    except RecursionError:  # json's decoder gives up on arrays and objects nested about a thousand deep
+        raise bad_request("tool call arguments are nested too deeply", param=field) from None
 
 
 def set_reasoning(msg: dict[str, Any], text: str) -> None:
-    """An assistant message's reasoning, under both names templates read it by."""
+    """An assistant message's reasoning, under each name templates read it by (vLLM gives `reasoning` and
+    `reasoning_content`; gpt-oss's and LFM2's templates read `thinking`)."""
     msg["reasoning_content"] = text
+    msg["reasoning"] = text
     msg["thinking"] = text
 
 
@@ -207,24 +212,48 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
     return out
 
 
-def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], *,
+def named_template(template: str | dict[str, str] | None, tools: list[dict[str, Any]] | None) -> str | None:
+    """The template to render with. A tokenizer's named templates (Hermes 2 Pro / Hermes 3 / Command R ship a
+    ``default`` and a ``tool_use`` one; transformers loads them as a dict) give ``tool_use`` when the request has
+    tools and the model has one, else ``default``, as transformers chooses; a single template is itself."""
+    if not isinstance(template, dict):
+        return template
+    chosen = template.get("tool_use") if tools else None
+    return chosen if chosen is not None else template.get("default")
+
+
+def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list[dict[str, Any]], *,
            tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
            continue_final_message: bool = False, kwargs: dict[str, Any] | None = None, field: str = "messages",
            content_format: cf.ContentFormat = "string") -> str:
-    """The prompt text, each message's content given to the template in ``content_format``; a template that fails
-    on these messages is the request's fault (400 naming ``field``, the request field the messages came from)."""
+    """The prompt text, each message's content given to the template in ``content_format`` (``template``: the text,
+    a tokenizer's named templates, see `named_template`, or None for the tokenizer's own); a template that fails on
+    these messages is the request's fault (400 naming ``field``, the request field the messages came from)."""
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
     bad = sorted(set(kwargs or {}) - set(extra))
     if bad:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+    if isinstance(template, dict):
+        names, template = sorted(template), named_template(template, tools)
+        if template is None:
+            raise bad_request(f"this model's chat templates ({', '.join(names)}) have no default to render {field}",
+                              param=field)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise bad_request(f"this model has no chat template to render {field}: send the text itself (input, prompt) "
                           "or start the server with --chat-template", param=field)
+    if continue_final_message and messages and messages[-1].get("tool_calls"):
+        # transformers cuts the prompt after the final message's text, so its calls would silently disappear
+        raise bad_request("continue_final_message continues the final message's text, and this one ends with tool "
+                          "calls: send their results as tool messages instead", param=f"{field}[{len(messages) - 1}]"
+                          ".tool_calls")
     try:
         text = tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tokenize=False,
             **extra)
+    except RecursionError:  # a tool call's arguments (or a tool's schema) nested deeper than Jinja and json reach
+        raise bad_request("the chat template could not render these messages: they are nested too deeply",
+                          param=field) from None
     except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template, type errors on odd input
         raise bad_request(f"the chat template could not render these messages: {e}", param=field) from None
     if not isinstance(text, str):

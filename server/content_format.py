@@ -6,10 +6,13 @@ what the template reads; a tool message's content is always one string, as templ
 
 - ``string``: one string, several text parts joined with a newline (vLLM's join);
 - ``openai``: a list of ``{"type": "text", "text": ...}`` parts, a string becoming one part (vLLM's form);
-- ``auto`` (the default): ``string`` unless the template loops over a message's content; then each content goes
-  as the client sent it, a string as a string and parts as parts. vLLM would make every string a list there, which
-  breaks templates that print some roles' content whole (Gemma 4's system turn); every looping template among the
-  88 real ones Ember is tested with renders a string content correctly.
+- ``auto`` (the default): ``string`` unless the template loops over a message's content; then a user message's
+  content goes as the client sent it, a string as a string and parts as parts, and every other role's as one string
+  (``as_sent``). vLLM would make every content a list there, which breaks templates that print some roles' content
+  whole (Gemma 4 prints its system turn's content, so a list shows as its Python repr) or read only its first part
+  (Mistral Small 3.2, Devstral, Llama 3.x JSON and others keep a system prompt's first text part; Devstral, Apriel
+  and vLLM's mistral3 an assistant turn's); every looping template among the 88 real ones Ember is tested with
+  renders a string content correctly, and they loop over content for a user's parts (images, in other servers).
 """
 from __future__ import annotations
 
@@ -76,8 +79,8 @@ def apply(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dict[str, 
 
 
 def _message(msg: dict[str, Any], fmt: ContentFormat) -> dict[str, Any]:
-    content = msg.get("content")
-    if fmt == "string" or msg.get("role") == "tool" or (fmt == "as_sent" and not content):
+    content, role = msg.get("content"), msg.get("role")
+    if fmt == "string" or role == "tool" or (fmt == "as_sent" and (not content or role != "user")):
         if isinstance(content, list):
             return {**msg, "content": "\n".join(content)}
         return msg

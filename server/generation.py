@@ -66,7 +66,7 @@ def with_reasoning_of(profile: Profile, other: Profile) -> Profile:
         end_of_turn=tuple(dict.fromkeys(base.end_of_turn + other.end_of_turn)))
 
 
-def choose_profile(chat_template: str | None, model_type: str | None, reasoning_parser: str | None,
+def choose_profile(chat_template: str | dict[str, str] | None, model_type: str | None, reasoning_parser: str | None,
                    tool_parser: str | None) -> Profile:
     """`--tool-parser` names the family (its tool syntax and, with it, its reasoning syntax); `--reasoning-parser`
     names it when no tool parser is given, or replaces the thought syntax of a different tool parser; "none"
@@ -92,7 +92,7 @@ class ModelRuntime:
     token_bytes: TokenBytes
     model_name: str
     max_model_len: int
-    chat_template: str | None
+    chat_template: str | dict[str, str] | None  # a tokenizer's named templates: `chat.named_template` picks
     parser: ParserSetup  # the model's family
     parser_plain: ParserSetup  # the "none" profile, for /v1/completions
     tools_enabled: bool  # False with `--tool-parser none`: tool markup is always content

@@ -10,6 +10,8 @@ calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from .base import Profile, ReasoningSpec, Rule
 from . import (deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3_json, minimax_m2, mistral, none,
                pythonic, qwen3, qwen3_coder, seed_oss)
@@ -58,9 +60,16 @@ _MODEL_TYPES = {"gpt_oss": "gpt_oss", "qwen3": "qwen3", "qwen3_moe": "qwen3", "q
                 "seed_oss": "seed_oss"}
 
 
-def detect_profile(chat_template: str | None, model_type: str | None = None) -> str:
+def detect_profile(chat_template: str | Mapping[str, str] | Sequence[Mapping[str, str]] | None,
+                   model_type: str | None = None) -> str:
     """The profile name for a chat template (the markup it renders), else for a `config.json` ``model_type``;
-    "none" when neither is recognised."""
+    "none" when neither is recognised. Named templates (``{"default": ..., "tool_use": ...}`` as transformers loads
+    Hermes 2 Pro's, Hermes 3's and Command R's, or tokenizer_config.json's list of ``{"name", "template"}``) are read
+    together: their tool markup is often only in ``tool_use``."""
+    if isinstance(chat_template, Mapping):
+        chat_template = "\n".join(v for v in chat_template.values() if isinstance(v, str))
+    elif chat_template is not None and not isinstance(chat_template, str):
+        chat_template = "\n".join(t.get("template") or "" for t in chat_template if isinstance(t, Mapping))
     t = chat_template or ""
     if "<|channel|>" in t and "<|message|>" in t:
         return "gpt_oss"

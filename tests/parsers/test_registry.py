@@ -42,6 +42,19 @@ def test_serve_flags_accept_vllm_names():
         config.parse_profile_name("nonsense")
 
 
+def test_named_templates_are_detected_from_all_of_them():
+    """Hermes 3's tool markup is only in its `tool_use` template (transformers loads named templates as a dict;
+    tokenizer_config.json lists them as name/template pairs)."""
+    from ember.parsers.profiles import detect_profile
+
+    default = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    tool_use = default + "{% for t in tools %}<tools>{{ t | tojson }}</tools>{% endfor %}<tool_call>"
+    assert detect_profile({"default": default, "tool_use": tool_use}) == "hermes"
+    assert detect_profile([{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]) \
+        == "hermes"
+    assert detect_profile({"default": default}, "qwen3") == "qwen3"
+
+
 def test_choose_profile_takes_aliases():
     from ember.server.generation import choose_profile
 

@@ -1,7 +1,8 @@
 """Earlier reasoning reaches the chat template, whichever API the conversation came through: the real gpt-oss
 template reads it as `message.thinking` (Qwen3's and most others as `reasoning_content`), and in a tool-calling turn
 it must be sent back (harmony keeps the analysis of a turn that calls a tool). transformers fills `thinking` itself
-only in recent releases (not in 5.17, which pyproject allows, where these tests fail without Ember setting it)."""
+only in recent releases (not in 5.17, which pyproject allows, where these tests fail without Ember setting it).
+Upstage's Solar Open reads it as `message.reasoning` (as vLLM names it)."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +62,13 @@ def test_gpt_oss_renders_the_analysis_of_a_tool_calling_turn(gpt_oss, api):
     prompt = chat.render(tokenizer, template, api(), tools=TOOLS)
     assert ANALYSIS + CALL in prompt
     assert prompt == chat.render(tokenizer, template, _openai(), tools=TOOLS)
+
+
+@pytest.mark.parametrize("api", [_openai, _anthropic, _responses])
+def test_solar_open_renders_the_reasoning_of_a_tool_calling_turn(tmp_path_factory, api):
+    from transformers import AutoTokenizer
+
+    template = shared_path("templates", "llama.cpp", "upstage-Solar-Open-100B.jinja").read_text()
+    tokenizer = AutoTokenizer.from_pretrained(write_shared_tokenizer("qwen3", tmp_path_factory.mktemp("qwen3")))
+    prompt = chat.render(tokenizer, template, api(), tools=TOOLS)
+    assert "<|begin|>assistant<|think|>Need the weather.<|end|>" in prompt

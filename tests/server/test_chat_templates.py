@@ -1,0 +1,204 @@
+"""Chat prompts for what real models ship and clients send: named chat templates (Hermes 2 Pro / Hermes 3 /
+Command R), a system prompt sent as text parts to Gemma 4, tool-call arguments nested too deeply to parse or render,
+and continue_final_message on a message that ends with tool calls."""
+from __future__ import annotations
+
+import json
+import types
+
+import httpx
+import pytest
+
+from ember.server import chat
+from ember.server import content_format as cf
+from ember.server import protocol_anthropic as pa
+from ember.server import protocol_openai as po
+from ember.server.errors import ApiError
+from ember.server.responses_input import responses_messages
+from tests.conftest import shared_path, write_shared_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+# Hermes 3's `default` template (ChatML); its `tool_use` one is the real file from ../shared.
+HERMES_DEFAULT = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                  "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                  "{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(write_shared_tokenizer("qwen3", tmp_path_factory.mktemp("qwen3")))
+
+
+# ----------------------------------------------------------------------------------------------- named templates
+
+@pytest.fixture(scope="module")
+def hermes_dir(tmp_path_factory):
+    """A model folder whose tokenizer_config.json names its templates, as Hermes 3's does (the Qwen3 tokenizer)."""
+    tool_use = shared_path("templates", "llama.cpp", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja").read_text()
+    d = write_shared_tokenizer("qwen3", tmp_path_factory.mktemp("hermes"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "default", "template": HERMES_DEFAULT}, {"name": "tool_use", "template": tool_use}]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    return d
+
+
+def _build(model_dir):
+    """`ModelRuntime.build` as `ember serve` calls it, over a stand-in engine (no model runs)."""
+    from transformers import AutoTokenizer
+
+    from ember.engine.client import ModelInfo
+    from ember.server.config import ServeConfig
+    from ember.server.generation import ModelRuntime
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    info = ModelInfo(model_dir=str(model_dir), tokenizer_path=str(model_dir), model_type="llama",
+                     architecture="LlamaForCausalLM", dtype="float32", device="cpu", vocab_size=151936,
+                     max_model_len=2048, eos_token_ids=(151645,), block_size=16, num_kv_blocks=16, max_num_seqs=1,
+                     tensor_parallel_size=1, kv_cache_dtype="auto", load_seconds=0.0, num_params=0)
+    config = ServeConfig(model_dir=model_dir, served_model_name="hermes")
+    return ModelRuntime.build(types.SimpleNamespace(model_info=info), config, model_dir, None, None, tok), config
+
+
+def test_a_model_with_named_templates_starts_and_renders_as_transformers_chooses(hermes_dir):
+    from ember.server import startup
+
+    rt, config = _build(hermes_dir)
+    assert isinstance(rt.tokenizer.chat_template, dict)
+    startup.check_template(rt, config)  # used to fail: "unhashable type: 'dict'"
+    assert rt.parser.profile.name == "hermes"  # the tool markup is only in `tool_use`
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = rt.render(msgs)
+    assert plain == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    assert plain == rt.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    with_tools = rt.render(msgs, tools=TOOLS)
+    assert "<tools>" in with_tools and "get_weather" in with_tools and with_tools.endswith("<|im_start|>assistant\n")
+    assert with_tools == rt.tokenizer.apply_chat_template(msgs, tools=TOOLS, tokenize=False,
+                                                          add_generation_prompt=True)
+
+
+def test_named_templates_without_a_default_are_a_clear_error(qwen3_tokenizer):
+    with pytest.raises(ApiError, match="tool_use.*no default") as e:
+        chat.render(qwen3_tokenizer, {"tool_use": HERMES_DEFAULT}, [{"role": "user", "content": "hi"}])
+    assert e.value.status == 400
+
+
+def test_a_served_model_with_named_templates_uses_tool_use_for_requests_with_tools(rebuilt_server, demo_runtime):
+    tok = demo_runtime[0].tokenizer
+    srv = rebuilt_server({"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+                          "tool_use": "<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+                                      "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"})
+    messages = [{"role": "user", "content": "hi"}]
+    for extra, expected in (({}, "<user>hi"), ({"tools": TOOLS}, "<tools>get_weather;</tools><user>hi")):
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                       json={"messages": messages, "max_tokens": 1, "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        assert tok.decode(r.json()["prompt_token_ids"]) == expected
+        r = httpx.post(srv.url + "/tokenize", timeout=60, json={"messages": messages, **extra})
+        assert r.status_code == 200, r.text
+        assert tok.decode(r.json()["tokens"]) == expected
+
+
+# ------------------------------------------------------------------------------------ Gemma 4's system text parts
+
+@pytest.fixture(scope="module")
+def gemma4():
+    return shared_path("templates", "llama.cpp", "google-gemma-4-31B-it.jinja").read_text()
+
+
+def _openai(*messages):
+    return chat.openai_messages([po.ChatMessage.model_validate(m) for m in messages])
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
+def test_gemma4_renders_a_system_prompt_sent_as_text_parts_as_its_text(qwen3_tokenizer, gemma4, api):
+    fmt = cf.resolve("auto", gemma4)
+    assert fmt == "as_sent"  # Gemma 4 loops over user content, and prints the system turn's content whole
+    expected = chat.render(qwen3_tokenizer, gemma4, _openai({"role": "system", "content": "Be brief.\nUse French."},
+                                                            {"role": "user", "content": "Hi"}), content_format=fmt)
+    assert expected.startswith("<|turn>system\nBe brief.\nUse French.<turn|>\n<|turn>user\nHi<turn|>")
+    if api == "openai":
+        msgs = _openai({"role": "system", "content": [{"type": "text", "text": "Be brief."},
+                                                      {"type": "text", "text": "Use French."}]},
+                       {"role": "user", "content": "Hi"})
+    elif api == "anthropic":
+        body = pa.CountTokensRequest.model_validate({"model": "m", "system": [
+            {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use French."}],
+            "messages": [{"role": "user", "content": "Hi"}]})
+        msgs = chat.anthropic_messages(body.system, body.messages)
+    else:
+        msgs = responses_messages([{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."},
+                                                                     {"type": "input_text", "text": "Use French."}]},
+                                   {"role": "user", "content": "Hi"}])
+    assert chat.render(qwen3_tokenizer, gemma4, msgs, content_format=fmt) == expected
+
+
+def test_gemma4_still_gets_a_users_text_parts_as_parts(qwen3_tokenizer, gemma4):
+    msgs = _openai({"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]})
+    assert cf.apply(msgs, "as_sent")[0]["content"] == [{"type": "text", "text": "one"},
+                                                      {"type": "text", "text": "two"}]
+    prompt = chat.render(qwen3_tokenizer, gemma4, msgs, content_format="as_sent")
+    assert prompt.startswith("<|turn>user\nonetwo<turn|>")  # the template's own joining of parts
+
+
+# ---------------------------------------------------------------------------------- deeply nested tool arguments
+
+DEEP = "[" * 1000 + "]" * 1000  # json's decoder gives up (RecursionError)
+
+
+def _call(arguments):
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+def test_deeply_nested_arguments_are_a_400_naming_them(demo_server):
+    messages = [{"role": "user", "content": "hi"}, _call(DEEP), {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    for path, body in (("/v1/chat/completions", {"model": "ember-demo", "max_tokens": 1, "messages": messages}),
+                       ("/tokenize", {"model": "ember-demo", "messages": messages})):
+        r = httpx.post(demo_server.url + path, timeout=60, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments", path
+        assert "nested too deeply" in r.json()["error"]["message"]
+    r = httpx.post(demo_server.url + "/v1/responses", timeout=60, json={
+        "model": "ember-demo", "max_output_tokens": 1, "input": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+            {"type": "function_call_output", "call_id": "c1", "output": "x"}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[1].arguments"
+
+
+def test_arguments_too_deep_for_the_template_are_a_400(qwen3_tokenizer):
+    """Arguments json parses but the template's `tojson` cannot print: the request's fault, not the server's."""
+    template = shared_path("templates", "hf", "Qwen3-0.6B.jinja").read_text()
+    deep = "[" * 600 + "]" * 600
+    msgs = _openai({"role": "user", "content": "hi"}, _call(deep), {"role": "tool", "tool_call_id": "c1",
+                                                                     "content": "x"})
+    with pytest.raises(ApiError, match="nested too deeply") as e:
+        chat.render(qwen3_tokenizer, template, msgs)
+    assert (e.value.status, e.value.param) == (400, "messages")
+
+
+# ------------------------------------------------------------------------- continuing a message with tool calls
+
+def test_continue_final_message_refuses_a_final_message_with_tool_calls(demo_server):
+    call = _call('{"city": "Paris"}')
+    call["content"] = "Let me check."
+    messages = [{"role": "user", "content": "Weather in Paris?"}, call]
+    for path, body in (("/v1/chat/completions", {"model": "ember-demo", "max_tokens": 1, "messages": messages,
+                                                 "add_generation_prompt": False, "continue_final_message": True}),
+                       ("/tokenize", {"model": "ember-demo", "messages": messages, "add_generation_prompt": False,
+                                      "continue_final_message": True})):
+        r = httpx.post(demo_server.url + path, timeout=60, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == "messages[1].tool_calls", path
+    # without the calls the same message is continued
+    del call["tool_calls"]
+    r = httpx.post(demo_server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "ember-demo", "max_tokens": 1, "messages": messages, "add_generation_prompt": False,
+        "continue_final_message": True})
+    assert r.status_code == 200, r.text
