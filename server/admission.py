@@ -84,8 +84,8 @@ async def require_api_key(request: Request) -> None:
         return
     auth = request.headers.get("authorization", "")
     bearer = auth[7:] if auth[:7].lower() == "bearer " else ""
-    given = request.headers.get("x-api-key") or bearer
-    if not given or not any([hmac.compare_digest(given.encode(), k.encode()) for k in keys]):
+    given = [g.encode() for g in (request.headers.get("x-api-key"), bearer) if g]
+    if not any([hmac.compare_digest(g, k.encode()) for g in given for k in keys]):
         raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                        code="invalid_api_key")
 
@@ -276,10 +276,11 @@ def with_token_ids(response_format: dict, tokenizer: Any) -> dict:
 
 
 def new_request(st: ServerState, choices: list[ChoiceSpec], stop: list[str], prefix: str,
-                arrival: float) -> GenRequest:
-    """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end."""
+                arrival: float, sep: str = "-") -> GenRequest:
+    """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end. Its ID,
+    ``prefix``, ``sep`` and random hex, is the ``id`` its response carries."""
     check_capacity(st)
-    req = GenRequest(request_id=f"{prefix}-{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
+    req = GenRequest(request_id=f"{prefix}{sep}{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
     st.admitted.hold(req)
     return req
 

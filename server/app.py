@@ -21,8 +21,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import get_route_path
 
 from . import chat
 from . import protocol_anthropic as pa
@@ -33,7 +35,7 @@ from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_con
                         check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
                         model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
                         truncate_prompt, vllm_sampling_extras)
-from .body_check import CheckedRoute
+from .body_check import CheckedRoute, content_type_error, is_json
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
@@ -212,7 +214,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     choices, echoes, prompt_total = [], [], 0
     for p_i, p in enumerate(prompts):
         if isinstance(p, str):
-            ids = list(rt.tokenizer.encode(p, add_special_tokens=True))
+            ids = list(await asyncio.to_thread(rt.tokenizer.encode, p, add_special_tokens=True))
         else:
             ids = list(p)
             check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
@@ -333,9 +335,9 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
             parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
     except ApiError as e:
         raise flat_tool_fields(e, "input_schema") from None
-    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival)
+    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    enc = MessageEncoder(req.request_id.replace("-", "_"), model_label(st, lora), len(prompt_ids))
+    enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids))
     run = Run()
 
     if body.stream:
@@ -448,8 +450,12 @@ async def invocations(request: Request, _: None = Depends(require_api_key)) -> R
     same validation, answers and errors as those routes)."""
     try:
         raw = await request.json()
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise _unparsed_body(e) from None
     except ValueError as e:
         raise bad_request(f"Request body is not valid JSON: {e}", code="json_invalid") from None
+    if not is_json(request.headers.get("content-type")):  # a browser's form or text/plain POST needs no preflight
+        raise content_type_error(request.headers.get("content-type"))
     pooled: Any = None
     if state(request).runtime.model_info.labels:
         model, pooled = classify_api.ClassifyRequest, classify_api.classify
@@ -475,18 +481,29 @@ async def metrics(request: Request) -> Response:
     return Response(state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _error_response(request: Request, err: ApiError) -> JSONResponse:
-    body = anthropic_error_body(err) if is_anthropic_path(request.url.path) else openai_error_body(err)
-    return JSONResponse(body, status_code=err.status)
+def _error_response(request: Request, err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = anthropic_error_body(err) if is_anthropic_path(get_route_path(request.scope)) else openai_error_body(err)
+    return JSONResponse(body, status_code=err.status, headers=headers)
+
+
+def _unparsed_body(cause: BaseException | None) -> ApiError | None:
+    """The 400 for a body the JSON decoder could not take (``cause``: not UTF-8, or nested too deeply)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return bad_request(f"Request body is not valid JSON: it is not UTF-8 ({cause})", code="json_invalid")
+    if isinstance(cause, RecursionError):
+        return bad_request("Request body is nested too deeply to parse", code="json_invalid")
+    return None
 
 
 class _RequestCounter:
     """Pure ASGI middleware counting responses by endpoint (the matched route's path template, so a model id or a
-    response id does not make a label of its own; unknown paths are ``other``) and status; does not buffer streams."""
+    response id does not make a label of its own; ``paths``, FastAPI's own pages, by their path; unknown paths are
+    ``other``) and status; does not buffer streams."""
 
-    def __init__(self, app: Any, metrics: Metrics):
+    def __init__(self, app: Any, metrics: Metrics, paths: frozenset[str]):
         self.app = app
         self.metrics = metrics
+        self.paths = paths
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -504,7 +521,8 @@ class _RequestCounter:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = scope.get("route")  # the route the router matched (its path template), none for unknown paths
-            endpoint = getattr(route, "path_format", None) or "other"
+            path = get_route_path(scope)
+            endpoint = getattr(route, "path_format", None) or (path if path in self.paths else "other")
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
@@ -553,7 +571,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.add_api_route("/v1/messages", messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    app.add_api_route("/ping", health, methods=["GET"], name="ping")
+    app.add_api_route("/ping", health, methods=["POST"], name="ping_post")
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/invocations", invocations, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
@@ -570,18 +589,22 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes):  # FastAPI left a body whose Content-Type is not JSON unparsed
+            return _error_response(request, content_type_error(request.headers.get("content-type")))
         return _error_response(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(request, ApiError(exc.status_code, str(exc.detail)))
+        err = _unparsed_body(exc.__cause__) or ApiError(exc.status_code, str(exc.detail))
+        return _error_response(request, err, exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
+        log.exception("unhandled error on %s", get_route_path(request.scope))
         return _error_response(request, ApiError(500, f"internal error: {type(exc).__name__}"))
 
-    app.add_middleware(_RequestCounter, metrics=st.metrics)
+    fastapi_pages = frozenset(r.path for r in app.routes if not isinstance(r, APIRoute))
+    app.add_middleware(_RequestCounter, metrics=st.metrics, paths=fastapi_pages)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
@@ -666,13 +689,14 @@ def _structured(model_dir: Path, tokenizer: Any) -> tuple[Any, str | None]:
 class BackgroundServer:
     """The app on uvicorn in a daemon thread, on a free loopback port unless one is given."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                 root_path: str = ""):
         import uvicorn
 
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=2))
+                                                    lifespan="on", timeout_graceful_shutdown=2, root_path=root_path))
         self.thread = threading.Thread(target=self.server.run, name="ember-uvicorn", daemon=True)
 
     @property

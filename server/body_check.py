@@ -1,4 +1,6 @@
-"""Request bodies whose JSON strings hold a lone UTF-16 surrogate are refused before any handler reads them.
+"""What every API route checks before its handler reads the body: the API key (a route that depends on
+`require_api_key` answers 401 before reading anything), the body's Content-Encoding (none is decoded), a client that
+hangs up while sending it (499), and JSON strings holding a lone UTF-16 surrogate.
 
 ``"\\ud800"`` is a valid JSON escape but not valid Unicode: a tokenizer, a response that echoes the string and the
 SSE encoder all fail on it, which used to surface mid-request as a 500 or as a stream cut off after its headers.
@@ -7,14 +9,18 @@ parsed here (a byte search first), and the handler reuses the body Starlette cac
 """
 from __future__ import annotations
 
+import email.message
 import json
 import re
 from typing import Any, Callable, Coroutine
 
 from fastapi import Request, Response
+from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
-from .errors import bad_request
+from .admission import require_api_key
+from .errors import ApiError, bad_request
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -55,15 +61,46 @@ def lone_surrogate_field(body: bytes) -> str | None:
     return None
 
 
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON (``application/json`` or ``application/*+json``), as FastAPI reads it."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def content_type_error(content_type: str | None) -> ApiError:
+    got = f"got '{content_type}'" if content_type else "the request has none"
+    return bad_request(f"Content-Type must be application/json ({got})")
+
+
+def _needs_key(dependant: Dependant) -> bool:
+    return any(d.call is require_api_key or _needs_key(d) for d in dependant.dependencies)
+
+
 class CheckedRoute(APIRoute):
-    """An API route that refuses a body with a lone surrogate (400 naming the field) before its handler runs."""
+    """An API route that checks the API key (when it depends on `require_api_key`), then refuses an encoded body
+    (400 ``json_invalid``) and a body with a lone surrogate (400 naming the field), before its handler runs."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        needs_key = _needs_key(self.dependant)
 
         async def checked(request: Request) -> Response:
+            if needs_key:
+                await require_api_key(request)
             if request.method in _BODY_METHODS:
-                field = lone_surrogate_field(await request.body())
+                encoding = request.headers.get("content-encoding", "").strip()
+                if encoding.lower() not in ("", "identity"):
+                    raise bad_request(f"Content-Encoding {encoding} is not supported: send the body uncompressed",
+                                      code="json_invalid")
+                try:
+                    body = await request.body()
+                except ClientDisconnect:
+                    raise ApiError(499, "the client closed the connection") from None
+                field = lone_surrogate_field(body)
                 if field is not None:
                     raise bad_request(f"Invalid value for '{field}': the string holds a lone UTF-16 surrogate (an "
                                       "unpaired \\uD800-\\uDFFF escape), which is not valid Unicode", param=field)

@@ -117,9 +117,9 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
             thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     except ApiError as e:
         raise flat_tool_fields(e, "parameters") from None
-    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival)
+    req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival, sep="_")
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    response_id = req.request_id.replace("-", "_")
+    response_id = req.request_id
     store = body.store and st.responses.capacity > 0
     enc = ResponseEncoder(_head(body, response_id, model_label(st, lora), store, params), rt.token_bytes.token_bytes,
                           len(prompt_ids), top_logprobs)
