@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import email.message
 import json
+import logging
 import re
 from typing import Any, Callable, Coroutine
 
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import get_route_path
 
 from .admission import require_api_key
 from .errors import ApiError, bad_request
+
+log = logging.getLogger("ember.server")
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -82,7 +88,9 @@ def _needs_key(dependant: Dependant) -> bool:
 
 class CheckedRoute(APIRoute):
     """An API route that checks the API key (when it depends on `require_api_key`), then refuses an encoded body
-    (400 ``json_invalid``) and a body with a lone surrogate (400 naming the field), before its handler runs."""
+    (400 ``json_invalid``) and a body with a lone surrogate (400 naming the field), before its handler runs; an
+    unexpected exception in the handler is logged once and answered as a 500 `ApiError` (one that reached
+    Starlette's last-resort handler was logged twice and closed the keep-alive connection)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -104,6 +112,12 @@ class CheckedRoute(APIRoute):
                 if field is not None:
                     raise bad_request(f"Invalid value for '{field}': the string holds a lone UTF-16 surrogate (an "
                                       "unpaired \\uD800-\\uDFFF escape), which is not valid Unicode", param=field)
-            return await handler(request)
+            try:
+                return await handler(request)
+            except (ApiError, HTTPException, RequestValidationError):
+                raise
+            except Exception as e:  # a bug: answered here, as a 500 whose connection stays usable
+                log.exception("unhandled error on %s", get_route_path(request.scope))
+                raise ApiError(500, f"internal error: {type(e).__name__}") from None
 
         return checked

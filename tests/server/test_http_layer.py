@@ -192,3 +192,36 @@ def test_fastapis_pages_are_counted_under_their_own_paths(demo_server):
         before = _count(demo_server, path, 200)
         assert httpx.get(demo_server.url + path, timeout=30).status_code == 200
         assert _count(demo_server, path, 200) == before + 1, path
+
+
+def test_a_bug_is_one_logged_500_and_the_connection_stays_usable(demo_server, caplog, monkeypatch):
+    """An unexpected exception in a handler: an OpenAI-shaped 500 naming the exception type, one ERROR log line with
+    the traceback, and the same keep-alive connection still answers the client's next request."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(demo_server.runtime, "render", broken)
+    caplog.set_level(logging.ERROR)
+    before = _count(demo_server, "/tokenize", 500)
+    port = int(demo_server.url.rsplit(":", 1)[1])
+
+    def post(sock: socket.socket, body: dict) -> tuple[int, dict]:
+        data = json.dumps(body).encode()
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"content-length: (\d+)", reply.lower()).group(1)):
+            chunk = sock.recv(65536)
+            assert chunk, "the server closed the connection"
+            reply += chunk
+        head, payload = reply.split(b"\r\n\r\n", 1)
+        return int(head.split()[1]), json.loads(payload)
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        status, body = post(sock, {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 500 and body["error"]["message"] == "internal error: RuntimeError", body
+        assert post(sock, {"prompt": "hi"})[0] == 200
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None, [rec.getMessage() for rec in errors]
+    assert _count(demo_server, "/tokenize", 500) == before + 1
