@@ -41,11 +41,18 @@ def load_chat_template(value: str | None) -> str | None:
 Content = str | list[str]  # as the client sent it: one string, or its text parts' texts
 
 
-def _texts(parts: Iterable[Any], field: str) -> list[str]:
+def _texts(parts: Iterable[Any], field: str, assistant: bool = False) -> list[str]:
+    """The texts of a message's content parts; an assistant's ``refusal`` parts are text to the template, as vLLM
+    reads them."""
     out = []
     for i, part in enumerate(parts):
-        if getattr(part, "type", None) != "text":
-            raise bad_request(f"content part type {part.type!r} is not supported by this text-only model",
+        kind = getattr(part, "type", None)
+        if kind == "refusal" and assistant:
+            out.append(part.refusal)
+            continue
+        if kind != "text":
+            only = " (refusal parts are an assistant's)" if kind == "refusal" else ""
+            raise bad_request(f"content part type {part.type!r} is not supported by this text-only model{only}",
                               param=f"{field}[{i}].type")
         out.append(part.text)
     return out
@@ -83,7 +90,7 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
         elif isinstance(m.content, str):
             content = m.content
         else:
-            content = _texts(m.content, f"messages[{i}].content")
+            content = _texts(m.content, f"messages[{i}].content", assistant=role == "assistant")
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name

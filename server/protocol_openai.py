@@ -57,11 +57,16 @@ class TextPart(_Lenient):
     text: str
 
 
+class RefusalPart(_Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
 class ImagePart(_Lenient):
     type: Literal["image_url", "input_image", "input_audio", "file", "image"]
 
 
-ContentPart = TextPart | ImagePart
+ContentPart = TextPart | RefusalPart | ImagePart
 
 
 class FunctionCall(_Lenient):

@@ -202,3 +202,19 @@ def test_continue_final_message_refuses_a_final_message_with_tool_calls(demo_ser
         "model": "ember-demo", "max_tokens": 1, "messages": messages, "add_generation_prompt": False,
         "continue_final_message": True})
     assert r.status_code == 200, r.text
+
+
+def test_an_assistant_refusal_part_is_its_text(demo_server):
+    """An earlier assistant turn replayed with a ``refusal`` content part (as the openai SDK returns one) renders
+    as that text, as vLLM reads it; only an assistant may carry one."""
+    def tokens(content) -> httpx.Response:
+        return httpx.post(demo_server.url + "/tokenize", timeout=30, json={"messages": [
+            {"role": "user", "content": "Do something bad."}, {"role": "assistant", "content": content},
+            {"role": "user", "content": "Why not?"}]})
+
+    refused = tokens([{"type": "refusal", "refusal": "I can't help with that."}])
+    assert refused.status_code == 200, refused.text
+    assert refused.json()["tokens"] == tokens("I can't help with that.").json()["tokens"]
+    user = httpx.post(demo_server.url + "/tokenize", timeout=30, json={"messages": [
+        {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]})
+    assert user.status_code == 400 and user.json()["error"]["param"] == "messages[0].content[0].type", user.text
