@@ -49,6 +49,54 @@ ENCODER_ARCHITECTURES = frozenset({
 _ENCODER_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
+_TIED_BY_DEFAULT = frozenset({"gemma2", "gemma3", "gemma3_text", "smollm3"})
+"""Model types whose transformers config class ties the LM head to the embeddings when config.json has no
+``tie_word_embeddings`` (configs saved by transformers 4 leave the key out when it equals that default); every other
+architecture Ember serves defaults to untied (checked against the installed transformers' ``configuration_*.py``)."""
+
+_FIELD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                   query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        rms_norm_eps=1e-6, rope_local_base_freq=10000.0,
+                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=4096,
+                        sliding_window_pattern=6),
+    "mistral": dict(sliding_window=4096),
+    "phi3": dict(original_max_position_embeddings=4096),
+}
+"""Fields a config.json may leave out, filled as transformers' config class for the model type fills them (its
+class defaults, from the installed transformers): Gemma 3's multimodal checkpoints (gemma-3-4b-it, 27b-it) list only
+the text fields that differ from ``Gemma3TextConfig``'s. Only keys absent from config.json are filled (an explicit
+``null`` stays)."""
+
+_MODEL_TYPE_BY_ARCHITECTURE = (("Gemma3ForConditionalGeneration", "gemma3_text"), ("Gemma3", "gemma3_text"),
+                               ("Gemma2", "gemma2"), ("SmolLM3", "smollm3"), ("Mistral3", "mistral"),
+                               ("Ministral3", "ministral3"), ("Mistral", "mistral"), ("Mixtral", "mixtral"),
+                               ("Phi3", "phi3"), ("Qwen2Moe", "qwen2_moe"), ("Qwen3Moe", "qwen3_moe"),
+                               ("Qwen2", "qwen2"), ("Qwen3ForCausalLM", "qwen3"), ("Qwen3ForSequence", "qwen3"),
+                               ("GptOss", "gpt_oss"))
+
+
+def model_family(model_type: str | None, architecture: str) -> str:
+    """The transformers model type whose config rules apply: config.json's ``model_type`` (a multimodal checkpoint's
+    ``gemma3`` read as its text model's ``gemma3_text``), or where it has none, the one its architecture implies."""
+    if model_type:
+        return "gemma3_text" if model_type == "gemma3" else model_type
+    for prefix, family in _MODEL_TYPE_BY_ARCHITECTURE:
+        if architecture.startswith(prefix):
+            return family
+    return ""
+
+
+def _own_activation(family: str) -> bool:
+    """Gemma reads ``hidden_activation`` (GELU-tanh) and checks it itself (`ember.engine.models.gemma3`)."""
+    return family in ("gemma2", "gemma3_text")
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts the model code needs, normalised across transformers v4/v5 config spellings.
@@ -137,12 +185,24 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigError(f"{source}: no 'architectures' entry")
+        tied_default = None
         if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: Ember serves its language model
             top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "audio_config")}
             merged = {**top, **cfg["text_config"], "architectures": archs}
             if "tie_word_embeddings" in top:  # transformers ties by the outer config's setting
                 merged["tie_word_embeddings"] = top["tie_word_embeddings"]
+            # neither says: tied only where both the outer and the text config classes tie by default (Gemma 3).
+            # Where they disagree (Mistral 3's outer class ties, its text one does not), untied: a checkpoint that
+            # has no lm_head.weight is then refused, where a wrong tie would drop a real head in silence.
+            tied_default = (model_family(top.get("model_type"), archs[0]) in _TIED_BY_DEFAULT
+                            and model_family(merged.get("model_type"), archs[0]) in _TIED_BY_DEFAULT)
             cfg = merged
+        family = model_family(cfg.get("model_type"), archs[0])
+        defaults = _FIELD_DEFAULTS.get(family)
+        if defaults:
+            cfg = {**defaults, **cfg}
+        if tied_default is None:
+            tied_default = family in _TIED_BY_DEFAULT
 
         def need(key: str) -> Any:
             if key not in cfg or cfg[key] is None:
@@ -158,17 +218,23 @@ class ModelConfig:
         if isinstance(rope_scaling, dict):
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             rope_scaling = None if kind == "default" else dict(rope_scaling, rope_type=kind)
-            if kind == "yarn":  # as transformers reads it: the pretrained length defaults to the config's
-                rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
-            if kind in ("longrope", "su"):  # Phi-3 keeps the pretrained length at the top level
-                rope_scaling.setdefault("original_max_position_embeddings",
-                                        cfg.get("original_max_position_embeddings"))
+            if kind in ("llama3", "yarn", "longrope", "su"):
+                # as transformers' standardize_rope_params reads it: a top-level original_max_position_embeddings
+                # (Phi-3 keeps the pretrained length there) wins over the rope dict's, which defaults to the config's
+                # max_position_embeddings
+                if cfg.get("original_max_position_embeddings") is not None:
+                    rope_scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+                elif rope_scaling.get("original_max_position_embeddings") is None:
+                    rope_scaling["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
+            if kind in ("longrope", "su"):
                 rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         act = cfg.get("hidden_act", "silu")
         encoder = archs[0] in ENCODER_ARCHITECTURES
-        if act not in (_ENCODER_ACTS if encoder else ("silu", "swish")):
+        if _own_activation(family):  # transformers' Gemma reads hidden_activation (its model checks it)
+            act = cfg.get("hidden_activation") or act
+        elif act not in (_ENCODER_ACTS if encoder else ("silu", "swish")):
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only "
                               f"{', '.join(_ENCODER_ACTS) if encoder else 'silu'})")
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -191,7 +257,7 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tied_default)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,

@@ -46,7 +46,12 @@ def rope_settings(cfg: ModelConfig, layer_type: str) -> tuple[float, dict | None
     if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
         p = params[layer_type]
         kind = p.get("rope_type", p.get("type", "default"))
-        return float(p.get("rope_theta", 10000.0)), None if kind == "default" else dict(p, rope_type=kind)
+        if kind == "default":
+            return float(p.get("rope_theta", 10000.0)), None
+        p = dict(p, rope_type=kind)
+        if kind in ("llama3", "yarn", "longrope") and p.get("original_max_position_embeddings") is None:
+            p["original_max_position_embeddings"] = cfg.max_position_embeddings  # as transformers fills it
+        return float(p.get("rope_theta", 10000.0)), p
     if layer_type == "sliding_attention":
         return float(raw.get("rope_local_base_freq", 10000.0)), None
     return float(raw.get("rope_theta", 1_000_000.0)), cfg.rope_scaling

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.engine.attention import AttentionMetadata, check_triton_device, is_triton_backend
-from ember.engine.config import ConfigError, ModelConfig
+from ember.engine.config import ConfigError, ModelConfig, model_family
 
 
 def row_ops_backend(device: torch.device) -> str:
@@ -92,6 +92,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
         return inv_freq / factor, 1.0
     if kind == "llama3":
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        if not scaling.get("original_max_position_embeddings"):
+            raise ConfigError("config.json: llama3 RoPE needs original_max_position_embeddings")
         old_ctx = float(scaling["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv_freq
@@ -425,25 +427,43 @@ def apply_sliding_windows(layers: Iterable[nn.Module], cfg: ModelConfig) -> None
             layer.self_attn.sliding_window = window
 
 
+_EVERY_LAYER_WINDOW = frozenset({"mistral", "ministral3", "mixtral", "phi3", "qwen3_moe"})
+"""Model types whose transformers attention takes config.json's ``sliding_window`` on every layer (``layer_types``
+ignored); Qwen3-MoE's only where ``use_sliding_window`` is set."""
+_USE_SLIDING_WINDOW = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+"""Model types whose ``sliding_window`` counts only under ``use_sliding_window`` (transformers' default: False)."""
+
+
 def sliding_windows(cfg: ModelConfig) -> list[int | None]:
-    """Each layer's sliding window (None: full attention), as transformers reads config.json: ``layer_types``
-    where given (``sliding_attention`` layers get ``sliding_window``), else Qwen2's ``use_sliding_window`` with
-    ``max_window_layers``, else ``sliding_window`` on every layer (Mistral)."""
+    """Each layer's sliding window (None: full attention), as transformers' modeling code for the model type reads
+    config.json: Mistral, Ministral 3, Mixtral and Phi-3 put ``sliding_window`` on every layer; Qwen2 / Qwen3 only under
+    ``use_sliding_window`` (absent: off), on the ``sliding_attention`` layers of ``layer_types`` or else from layer
+    ``max_window_layers`` on (Qwen2-MoE: the even layers below it; Qwen3-MoE: every layer); GPT-OSS on the
+    ``sliding_attention`` layers of ``layer_types`` (else alternating, sliding first). Every other model on this
+    decoder (Llama, Granite, Seed-OSS, DeepSeek, GLM, ...) has no window in transformers, whatever config.json says.
+    """
     raw = cfg.raw
-    window = raw.get("sliding_window")
     n = cfg.num_hidden_layers
-    if not window or raw.get("use_sliding_window") is False:
+    family = model_family(cfg.model_type, cfg.architecture)
+    window = raw.get("sliding_window")
+    if not window or (family in _USE_SLIDING_WINDOW and not raw.get("use_sliding_window")):
         return [None] * n
     window = int(window)
+    if family in _EVERY_LAYER_WINDOW:
+        return [window] * n
+    if family not in _USE_SLIDING_WINDOW and family != "gpt_oss":
+        return [None] * n
     types = raw.get("layer_types")
     if types:
         if len(types) != n:
             raise ConfigError(f"config.json: layer_types has {len(types)} entries for {n} layers")
         return [window if t == "sliding_attention" else None for t in types]
-    if "use_sliding_window" in raw:
-        first = int(raw.get("max_window_layers") or 0)
-        return [window if i >= first else None for i in range(n)]
-    return [window] * n
+    if family == "gpt_oss":
+        return [window if i % 2 == 0 else None for i in range(n)]
+    first = int(raw.get("max_window_layers") if raw.get("max_window_layers") is not None else 28)
+    if family == "qwen2_moe":
+        return [window if i % 2 == 0 and i < first else None for i in range(n)]
+    return [window if i >= first else None for i in range(n)]
 
 
 # HF per-projection names -> (fused parameter, shard index)
