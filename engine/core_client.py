@@ -8,15 +8,17 @@ stream in flight fails with `EngineDeadError`, `is_alive()` turns False and the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import threading
 import time
 import uuid
 from collections import defaultdict
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import zmq
 
@@ -62,7 +64,8 @@ class ProcessEngineClient:
         self.process = mp.get_context("spawn").Process(
             target=core_process.main, name="ember-engine-core",
             args=(str(model_dir), fields, constraint_factory, self._addrs[0], self._addrs[1], log_level))
-        self.process.start()  # not a daemon: it starts tensor-parallel workers of its own; it exits with its parent
+        with _sigint_ignored():  # inherited: Ctrl-C while it starts must not kill its interpreter mid-import
+            self.process.start()  # not a daemon: it starts tensor-parallel workers of its own; it exits with its parent
         try:
             self.model_info: ModelInfo = self._wait_ready(startup_timeout)
         except BaseException:
@@ -292,6 +295,20 @@ class ProcessEngineClient:
                 os.unlink(addr.removeprefix("ipc://"))
             except OSError:
                 pass
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process while the block runs (from the main thread only, where handlers live); a
+    process spawned meanwhile starts with it ignored, before its own code could ignore it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _call(stream: OutputStream, fn: Callable[..., None], *args: Any) -> None:
