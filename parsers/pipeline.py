@@ -169,7 +169,8 @@ class OutputPipeline:
 class ParserSetup:
     """A model's parsing facts, built once at load and shared by every request (server and grammar).
 
-    ``drop_ids``: specials never surfaced (EOS, pad, BOS) besides the profile's end-of-turn tokens.
+    ``drop_ids``: specials never surfaced (EOS, pad, BOS) besides the profile's end-of-turn tokens; `dropped_ids`
+    adds the other specials for a request's ``skip_special_tokens``.
     """
 
     tb: TokenBytes
@@ -185,6 +186,16 @@ class ParserSetup:
 
     def initial_state(self, prompt_ids: Sequence[int]) -> InitialState:
         return initial_state(prompt_ids, self.profile, self.tb, self.delimiter_ids)
+
+    def dropped_ids(self, skip_special_tokens: bool | None = None) -> frozenset[int]:
+        """The ids whose text never surfaces: ``drop_ids``, and with ``skip_special_tokens`` true every special token
+        of the tokenizer (added tokens marked special) except the profile's delimiters, which the parser needs
+        whether single tokens or matched as text. Unset or false: ``drop_ids`` only (other specials are text)."""
+        if not skip_special_tokens:
+            return self.drop_ids
+        terminal_texts = set(self.profile.terminals.values())
+        keep = set(self.delimiter_ids.values()) | {i for t, i in self.tb.added.items() if t in terminal_texts}
+        return self.drop_ids | (self.tb.special_ids - keep)
 
     def pipeline(self, prompt_ids: Sequence[int] | None = None, *, initial: InitialState | None = None,
                  **options: Any) -> OutputPipeline:

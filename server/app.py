@@ -49,7 +49,7 @@ from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             sse_event, sse_line, token_names, usage, usage_chunk)
+                             prompt_text_offsets, sse_event, sse_line, token_names, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 from .structured import flat_tool_fields
 
@@ -165,7 +165,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     choices = []
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
-                             tools=parse_tools, stop_token_ids=base.stop_token_ids)
+                             tools=parse_tools, stop_token_ids=base.stop_token_ids,
+                             skip_special_tokens=body.skip_special_tokens)
         params = seeded(base, i)
         if i:
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
@@ -211,7 +212,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
     stop = body.stop_list
     scored_top = _prompt_logprobs(body)
-    choices, echoes, prompt_total = [], [], 0
+    choices, echoes, echo_offsets, prompt_total = [], [], [], 0
+    echo_drop = rt.parser_plain.dropped_ids(body.skip_special_tokens)  # what the echo leaves out, as the output does
     for p_i, p in enumerate(prompts):
         if isinstance(p, str):
             ids = list(await asyncio.to_thread(rt.tokenizer.encode, p, add_special_tokens=True))
@@ -221,7 +223,10 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         if not ids:
             raise bad_request("prompt is empty", param="prompt")
         kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
-        text = p if isinstance(p, str) and len(kept) == len(ids) else rt.token_bytes.decode(kept)
+        text, offsets = None, None
+        if body.echo:  # the prompt's text (as decode gives a token prompt) and its tokens' offsets in it
+            decoded, offsets = prompt_text_offsets(rt.token_bytes, kept, echo_drop)
+            text = p if isinstance(p, str) and len(kept) == len(ids) else decoded
         ids = kept
         max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
         prompt_total += len(ids)
@@ -236,9 +241,10 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         for j in range(body.n):
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None,
-                                 stop_token_ids=base.stop_token_ids)
+                                 stop_token_ids=base.stop_token_ids, skip_special_tokens=body.skip_special_tokens)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
-            echoes.append(text if body.echo else None)
+            echoes.append(text)
+            echo_offsets.append(offsets)
     constraints = await build_constraints(
         st, len(choices), setup=rt.parser_plain, initial=InitialState.CONTENT, response_format=answer_format(body),
         tools=None, tool_choice=None, parallel_tool_calls=True, thinking_budget=None, thinking=False)
@@ -261,7 +267,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     async def groups() -> AsyncIterator[list[dict]]:
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = token_names(rt.token_bytes.token_bytes, meta)
-        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], prompt_tokens=len(c.prompt_ids))
+        encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], prompt_tokens=len(c.prompt_ids),
+                                        echo_offsets=echo_offsets[i])
                 for i, c in enumerate(choices)]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:

@@ -19,7 +19,7 @@ class TokenInfo:
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # top alternatives (token ID, logprob), best first
-    channel: str | None = None  # "content" | "reasoning" | "tool" | None (delimiter, dropped or withheld)
+    channel: str | None = None  # "content" | "reasoning" | "tool" | "dropped" (never surfaced) | None (delimiter)
 
 
 @dataclass

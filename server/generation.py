@@ -195,11 +195,14 @@ class GenRequest:
 
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
                   include_stop_str_in_output: bool, tools: Sequence[dict] | None,
-                  stop_token_ids: Sequence[int] = ()) -> OutputPipeline:
+                  stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None) -> OutputPipeline:
     """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
     text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
-    ``include_stop_str_in_output`` (vLLM's rule)."""
-    drop = setup.drop_ids if include_stop_str_in_output else setup.drop_ids | frozenset(stop_token_ids)
+    ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
+    is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text."""
+    drop = setup.dropped_ids(skip_special_tokens)
+    if not include_stop_str_in_output:
+        drop = drop | frozenset(stop_token_ids)
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
                           tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools),
                           special_ids_to_drop=drop)

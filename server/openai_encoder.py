@@ -14,12 +14,14 @@ import codecs
 import json
 from dataclasses import dataclass
 from json.encoder import encode_basestring
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ember.engine.params import TokenLogprob
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallEnd, ToolCallStart)
+from ember.parsers.pipeline import DROPPED
 from ember.parsers.result import fold
+from ember.parsers.tokens import TokenBytes
 
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 
@@ -340,22 +342,27 @@ class CompletionChoiceEncoder:
     """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
 
     def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None,
-                 prompt_tokens: int = 0):
+                 prompt_tokens: int = 0, echo_offsets: Sequence[int] | None = None):
+        """``echo_offsets``: the prompt tokens' ``text_offset``s in ``echo`` (`prompt_text_offsets`), for an echo
+        with logprobs."""
         self.meta = meta
         self.index = index
         self.tb = token_bytes
         self.prompt_tokens = prompt_tokens
         self.echo = echo
+        self.echo_offsets = list(echo_offsets) if echo_offsets is not None else None
         self.prompt_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offsets = TextOffsets()  # the generated tokens' `text_offset`s, after the echo
+        self.text_len = 0  # characters of `text` sent so far (the echo's included)
         self.num_tokens = 0
 
     def _add_logprob(self, lp: dict[str, list], token_id: int, logprob: float | None,
-                     top: Sequence[tuple[int, float]] | None, offsets: "TextOffsets") -> None:
-        """Append one token to a legacy ``logprobs`` object (``top`` None: no alternatives, as for the prompt's
-        first token); its ``top_logprobs`` hold the token itself and the best ``top_logprobs`` others, as vLLM's."""
-        s, raw = _token_str(self.tb, token_id)
+                     top: Sequence[tuple[int, float]] | None, offset: int) -> None:
+        """Append one token at ``offset`` to a legacy ``logprobs`` object (``top`` None: no alternatives, as for the
+        prompt's first token); its ``top_logprobs`` hold the token itself and the best ``top_logprobs`` others, as
+        vLLM's."""
+        s, _ = _token_str(self.tb, token_id)
         lp["tokens"].append(s)
         lp["token_logprobs"].append(logprob)
         alternatives = None
@@ -364,15 +371,20 @@ class CompletionChoiceEncoder:
             for tid, v in top[:self.meta.top_logprobs]:
                 alternatives.setdefault(_token_str(self.tb, tid)[0], v)
         lp["top_logprobs"].append(alternatives)
-        lp["text_offset"].append(offsets.next(bytes(raw)))
+        lp["text_offset"].append(offset)
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               extra: dict[str, Any] | None = None, *, last: bool = False) -> dict[str, Any]:
+        """``last``: the choice's text ends with this chunk's, so no offset may pass its end (the token that
+        completed a stop string starts inside the cut text)."""
         choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        self.text_len += len(text)
         if self.meta.logprobs and tokens:
             lp = _legacy_logprobs()
             for t in tokens:
-                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], self.offsets)
+                # a token whose text the pipeline dropped (EOS under ignore_eos, a skipped special) adds no text
+                at = self.offsets.next(b"" if t.channel == DROPPED else self.tb(t.token_id))
+                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], min(at, self.text_len) if last else at)
             choice["logprobs"] = lp
         if self.meta.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
@@ -403,11 +415,13 @@ class CompletionChoiceEncoder:
         chunk = self._chunk(self.echo or "", (), None, extra or None)
         if scored is not None and self.prompt_ids:
             lp = _legacy_logprobs()
-            offsets = TextOffsets()
+            offsets = self.echo_offsets or [0] * len(self.prompt_ids)
+            end, at = len(self.echo or ""), 0
             for k, tid in enumerate(self.prompt_ids):
                 info = scored[k - 1] if 0 < k <= len(scored) else None
+                at = min(max(at, offsets[k] if k < len(offsets) else end), end)  # within the echo, never back
                 self._add_logprob(lp, tid, None if info is None else info.logprob,
-                                  None if info is None else info.top or [], offsets)
+                                  None if info is None else info.top or [], at)
             chunk["choices"][0]["logprobs"] = lp
         return chunk
 
@@ -424,11 +438,30 @@ class CompletionChoiceEncoder:
             chunks.append(chunk)
         carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
         if text or carries_tokens:
-            chunks.append(self._chunk(text, step.tokens, None))
+            chunks.append(self._chunk(text, step.tokens, None, last=step.end is not None))
         if step.end is not None:
             reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
             chunks.append(self._chunk("", (), reason))
         return chunks
+
+
+def prompt_text_offsets(tb: TokenBytes, ids: Sequence[int], drop: Collection[int] = ()) -> tuple[str, list[int]]:
+    """The text a prompt of token ``ids`` reads as, and each token's ``text_offset`` in it: the tokens' bytes as UTF-8
+    (U+FFFD for broken sequences), a token of ``drop`` (BOS, EOS, pad: what the output pipeline drops) adding none,
+    less the one leading space a SentencePiece decoder drops, as ``tokenizer.decode`` gives it. A token that adds no
+    text has the offset where the next text starts."""
+    offsets = TextOffsets()
+    at: list[int] = []
+    parts: list[bytes] = []
+    for tid in ids:
+        raw = b"" if tid in drop else tb.token_bytes(tid)
+        at.append(offsets.next(raw))
+        parts.append(raw)
+    text = b"".join(parts).decode("utf-8", "replace")
+    if tb.strips_leading_space and text.startswith(" "):
+        text = text[1:]
+        at = [max(0, o - 1) for o in at]
+    return text, at
 
 
 class TextOffsets:
@@ -496,7 +529,10 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
     assert head is not None
     out = []
     for i in sorted(texts):
-        choice: dict[str, Any] = {"index": i, "text": "".join(texts[i]), "logprobs": lps.get(i),
+        text = "".join(texts[i])
+        if i in lps:  # a token within a stop string cut off in an earlier chunk starts at most where the text ends
+            lps[i]["text_offset"] = [min(o, len(text)) for o in lps[i]["text_offset"]]
+        choice: dict[str, Any] = {"index": i, "text": text, "logprobs": lps.get(i),
                                   "finish_reason": reasons[i]}
         if i in tids or i in prompt_ids:
             choice["token_ids"] = tids.get(i, [])

@@ -230,7 +230,9 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     use_beam_search: bool = False
     priority: int = 0
-    skip_special_tokens: bool = True  # accepted and ignored: delimiters are parsed by token ID whatever it says
+    # unset or false: EOS, end-of-turn, pad and BOS are dropped, other specials are text; true: every special but
+    # the parser's delimiters is dropped (`ParserSetup.dropped_ids`)
+    skip_special_tokens: bool | None = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -1,0 +1,199 @@
+"""The text a client gets for the tokens generated (and echoed): `skip_special_tokens`, and the legacy completions'
+`text_offset`s, which index the returned `text` (echo included) whatever tokens added no text to it.
+
+Exact token sequences are forced on the random tiny Qwen3 with a graded `logit_bias` (the first ID strongest) and
+penalties that push each token down once it is out; stories260K (a real SentencePiece model, BOS-prefixed prompts)
+covers the echo."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import shared_path
+from tests.server.conftest import served
+
+VISION_START, IM_START, IM_END = 151652, 151644, 151645  # specials of the real Qwen3 tokenizer
+
+
+def _forced(ids: list[int], **body) -> dict:
+    """A request body that makes the tiny Qwen3 generate exactly ``ids`` (and return them)."""
+    bias = {str(t): 100 - 0.9 * k for k, t in enumerate(ids)}
+    return dict(logit_bias=bias, presence_penalty=2.0, frequency_penalty=2.0, temperature=0, max_tokens=len(ids),
+                return_token_ids=True, **body)
+
+
+def _post(srv, path: str, body: dict) -> dict:
+    r = httpx.post(srv.url + path, json={"model": srv.model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_completion(srv, body: dict) -> tuple[str, list[int], list[str], list[int], str | None]:
+    """A streamed completion's text, token IDs, logprobs tokens and offsets, and finish_reason, as a client joins
+    them."""
+    client = srv.openai()
+    text, ids, tokens, offsets, reason = "", [], [], [], None
+    sdk = {"prompt", "max_tokens", "temperature", "echo", "logprobs", "stop", "logit_bias", "presence_penalty",
+           "frequency_penalty"}
+    known = {k: v for k, v in body.items() if k in sdk}
+    extra = {k: v for k, v in body.items() if k not in sdk}  # vLLM's fields
+    for ch in client.completions.create(model=srv.model, stream=True, extra_body=extra, **known):
+        for c in ch.choices:
+            text += c.text
+            ids += getattr(c, "token_ids", None) or []
+            if c.logprobs:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+            reason = c.finish_reason or reason
+    return text, ids, tokens, offsets, reason
+
+
+# ------------------------------------------------------------------------------------------------ skip_special_tokens
+
+@pytest.mark.parametrize("skip", [None, False, True])
+def test_skip_special_tokens_true_drops_specials_and_unset_keeps_them(qwen3_server, skip):
+    tok = qwen3_server.tokenizer
+    ids = [tok.convert_tokens_to_ids("A"), VISION_START, tok.convert_tokens_to_ids("B"), IM_START]
+    extra = {} if skip is None else {"skip_special_tokens": skip}
+    expected = "AB" if skip else "A<|vision_start|>B<|im_start|>"
+    assert tok.decode(ids, skip_special_tokens=bool(skip)) == expected
+    c = _post(qwen3_server, "/v1/completions", _forced(ids, prompt="x", **extra))["choices"][0]
+    assert c["token_ids"] == ids
+    assert c["text"] == expected
+    text, got, _, _, _ = _stream_completion(qwen3_server, _forced(ids, prompt="x", **extra))
+    assert (text, got) == (expected, ids)
+    m = _post(qwen3_server, "/v1/chat/completions", _forced(ids, messages=[{"role": "user", "content": "x"}],
+                                                             **extra))["choices"][0]
+    assert m["token_ids"] == ids
+    assert m["message"]["content"] == expected
+
+
+def test_a_skipped_special_never_matches_a_stop_string(qwen3_server):
+    tok = qwen3_server.tokenizer
+    ids = [tok.convert_tokens_to_ids("A"), VISION_START, tok.convert_tokens_to_ids("B"), IM_START]
+    kept = _post(qwen3_server, "/v1/completions", _forced(ids, prompt="x", stop=["<|im_start|>"]))["choices"][0]
+    assert (kept["text"], kept["finish_reason"]) == ("A<|vision_start|>B", "stop")  # the default: specials are text
+    c = _post(qwen3_server, "/v1/completions",
+              _forced(ids, prompt="x", stop=["<|im_start|>"], skip_special_tokens=True))["choices"][0]
+    assert (c["token_ids"], c["text"], c["finish_reason"]) == (ids, "AB", "length")
+
+
+def test_skip_special_tokens_never_drops_a_delimiter_the_parser_needs(qwen3_runtime):
+    """Were `<think>`/`</think>` marked special (they are not in Qwen3), `skip_special_tokens` would keep them: the
+    reasoning is still parsed."""
+    import dataclasses
+
+    from ember.parsers.pipeline import parse_all
+    from ember.parsers.tokens import TokenBytes
+
+    runtime, _ = qwen3_runtime
+    setup = runtime.parser
+    tb = setup.tb
+    think, end_think = tb.added["<think>"], tb.added["</think>"]
+    assert {think, end_think} <= set(setup.delimiter_ids.values())
+    marked = TokenBytes(tb.bytes_table, special_ids=tb.special_ids | {think, end_think}, added=tb.added)
+    setup = dataclasses.replace(setup, tb=marked)
+    drop = setup.dropped_ids(True)
+    assert VISION_START in drop and think not in drop and end_think not in drop
+    assert setup.dropped_ids(None) == setup.dropped_ids(False) == setup.drop_ids
+    tok = runtime.tokenizer
+    ids = [think, *tok.encode("hm", add_special_tokens=False), VISION_START, end_think,
+           *tok.encode("ok", add_special_tokens=False)]
+    out = parse_all(setup.pipeline(special_ids_to_drop=drop), ids)
+    assert (out.reasoning, out.content) == ("hm", "ok")
+
+
+# ------------------------------------------------------------------------------------ text_offset of generated tokens
+
+def _forced_strict(ids: list[int], **body) -> dict:
+    bias = {str(t): 100 - 5 * k for k, t in enumerate(ids)}
+    return dict(logit_bias=bias, repetition_penalty=10.0, temperature=0, max_tokens=len(ids), return_token_ids=True,
+                **body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_whose_text_is_dropped_moves_no_later_offset(qwen3_server, stream):
+    """EOS under `ignore_eos` (and a special under `skip_special_tokens`) adds nothing to `text`: the offsets of the
+    tokens after it still index `text`."""
+    tok = qwen3_server.tokenizer
+    T = tok.convert_tokens_to_ids
+    cases = [([T("Hello"), IM_END, T("Ġworld"), T("!")], {"ignore_eos": True}),
+             ([T("Hello"), VISION_START, T("Ġworld"), T("!")], {"skip_special_tokens": True})]
+    for ids, extra in cases:
+        body = _forced_strict(ids, prompt="x", logprobs=0, **extra)
+        if stream:
+            text, got, tokens, offsets, _ = _stream_completion(qwen3_server, body)
+        else:
+            c = _post(qwen3_server, "/v1/completions", body)["choices"][0]
+            lp = c["logprobs"]
+            text, got, tokens, offsets = c["text"], c["token_ids"], lp["tokens"], lp["text_offset"]
+        assert got == ids
+        assert text == "Hello world!"
+        assert offsets == [0, 5, 5, 11], (tokens, offsets)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_that_completes_a_stop_string_points_inside_the_text(qwen3_server, stream):
+    tok = qwen3_server.tokenizer
+    T = tok.convert_tokens_to_ids
+    ids = [T("Hello"), T("Ġworld"), T("!")]
+    body = _forced_strict(ids, prompt="x", logprobs=0, stop=["lo w"])
+    if stream:
+        text, got, _, offsets, reason = _stream_completion(qwen3_server, body)
+    else:
+        c = _post(qwen3_server, "/v1/completions", body)["choices"][0]
+        text, got, offsets, reason = c["text"], c["token_ids"], c["logprobs"]["text_offset"], c["finish_reason"]
+    assert (text, got, reason) == ("Hel", ids[:2], "stop")
+    assert offsets == [0, 3]
+
+
+# ---------------------------------------------------------------------------------------------- echo (stories260K)
+
+@pytest.fixture(scope="module")
+def stories_server(tmp_path_factory):
+    from ember.engine import convert_llama2c
+    from ember.server.config import ServeConfig
+
+    src = shared_path("models", "stories260K")
+    out = tmp_path_factory.mktemp("stories260K-serve")
+    assert convert_llama2c.main([str(src / "stories260K.bin"), str(src / "tok512.bin"), str(out)]) == 0
+    config = ServeConfig(model_dir=out, served_model_name="stories", max_num_seqs=4, kv_cache_blocks=64)
+    with served(config) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("prompt, echoed, prompt_offsets", [
+    ("héllo", "héllo", [0, 0, 1, 2, 4]),          # <s> ' h' 'é' 'll' 'o'
+    ([1, 403, 407], "Once upon", [0, 0, 4]),      # <s> ' Once' ' upon'
+])
+def test_echo_offsets_index_the_echoed_text_and_never_decrease(stories_server, prompt, echoed, prompt_offsets):
+    """The BOS adds no text and the SentencePiece leading space is not in the echo: the prompt's offsets index the
+    echo, and the generated tokens' continue after it."""
+    tok = stories_server.tokenizer
+    ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id and len(ids) == len(prompt_offsets)
+    body = dict(prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    c = _post(stories_server, "/v1/completions", body)["choices"][0]
+    text, lp = c["text"], c["logprobs"]
+    assert text.startswith(echoed)
+    offsets = lp["text_offset"]
+    assert offsets[:len(ids)] == prompt_offsets
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    assert offsets[len(ids)] == len(echoed)
+    for token, at in zip(lp["tokens"][len(ids):], offsets[len(ids):]):
+        assert text[at:at + len(token)] == token
+    streamed, _, _, stream_offsets, _ = _stream_completion(stories_server, body)
+    assert (streamed, stream_offsets) == (text, offsets)
+
+
+@pytest.mark.parametrize("ids", [[403, 407], [1, 403, 407]])
+def test_echo_of_a_token_prompt_reads_as_the_tokenizer_decodes_it(stories_server, ids):
+    """No SentencePiece leading space (`tokenizer.decode`, /detokenize, vLLM); a BOS is left out as the output leaves
+    it out (and as the string prompt "Once upon", the same IDs, echoes)."""
+    tok = stories_server.tokenizer
+    assert tok.decode(ids, skip_special_tokens=True) == "Once upon"
+    c = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=0, echo=True))["choices"][0]
+    assert c["text"] == "Once upon"
+    gen = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0))["choices"][0]
+    c = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0, echo=True))
+    assert c["choices"][0]["text"] == "Once upon" + gen["text"]
