@@ -15,8 +15,8 @@ from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import parse_all
 from ember.parsers.result import fold
 from tests.conftest import SHARED_DATA
-from tests.parsers.test_pipeline import (JSON, NAMES, SETTINGS, R, C, Reply, check_invariants, check_reply, encode_text,
-                                         free_text, pipe, setup)
+from tests.parsers.test_pipeline import (SETTINGS, R, C, Reply, check_invariants, check_reply, encode_text, free_text,
+                                         harmony_call, pipe, setup)
 from tests.parsers.test_tokens import load_tokenizer
 
 HC, CH = InitialState.HARMONY_CONTENT, InitialState.HARMONY_CHANNEL
@@ -186,18 +186,10 @@ def test_continued_final_replies(data):
     if end is not None:
         r.delim(s, end)
     if end == "<|end|>" and draw(st.booleans()):               # another message follows: a call
-        name = draw(NAMES)
-        args = draw(st.dictionaries(free_text(max_size=3), JSON, max_size=3))
         r.delim(s, "<|start|>")
         r.text(draw, "assistant")
         r.delim(s, "<|channel|>")
-        r.text(draw, f"commentary to=functions.{name} ")
-        r.delim(s, "<|constrain|>")
-        r.text(draw, "json")
-        r.delim(s, "<|message|>")
-        r.text(draw, json.dumps(args, ensure_ascii=draw(st.booleans())))
-        r.delim(s, "<|call|>")
-        r.calls.append((name, args))
+        harmony_call(draw, s, r)
     check_reply(s, HC, r, tools=[{"type": "function", "function": {"name": n}} for n, _ in r.calls] or None)
 
 

@@ -172,6 +172,20 @@ def hermes_call(draw, s, r: Reply) -> None:
     r.calls.append((name, args))
 
 
+def harmony_call(draw, s, r: Reply) -> None:
+    """A gpt-oss tool call after its ``<|channel|>``: ``commentary to=functions.NAME <|constrain|>json<|message|>``,
+    the arguments' JSON, ``<|call|>``."""
+    name = draw(NAMES)
+    args = draw(st.dictionaries(free_text(max_size=3), JSON, max_size=3))
+    r.text(draw, f"commentary to=functions.{name} ")
+    r.delim(s, "<|constrain|>")
+    r.text(draw, "json")
+    r.delim(s, "<|message|>")
+    r.text(draw, json.dumps(args, ensure_ascii=draw(st.booleans())))
+    r.delim(s, "<|call|>")
+    r.calls.append((name, args))
+
+
 CODER_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
     "s": {"type": "string"}, "t": {"type": "string"}, "n": {"type": "integer"}}}}} for n in ("f", "g")]
 
@@ -334,15 +348,7 @@ def test_gpt_oss_harmony_replies(data):
         r.text(draw, "assistant")
     r.delim(s, "<|channel|>")
     if draw(st.booleans()):
-        name = draw(NAMES)
-        args = draw(st.dictionaries(free_text(max_size=3), JSON, max_size=3))
-        r.text(draw, f"commentary to=functions.{name} ")
-        r.delim(s, "<|constrain|>")
-        r.text(draw, "json")
-        r.delim(s, "<|message|>")
-        r.text(draw, json.dumps(args, ensure_ascii=draw(st.booleans())))
-        r.delim(s, "<|call|>")
-        r.calls.append((name, args))
+        harmony_call(draw, s, r)
     else:
         r.text(draw, "final")
         r.delim(s, "<|message|>")
