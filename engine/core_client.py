@@ -300,7 +300,9 @@ class ProcessEngineClient:
 @contextlib.contextmanager
 def _sigint_ignored() -> Iterator[None]:
     """SIGINT ignored in this process while the block runs (from the main thread only, where handlers live); a
-    process spawned meanwhile starts with it ignored, before its own code could ignore it."""
+    process spawned meanwhile starts with it ignored, before its own code could ignore it (an ignored disposition is
+    the only one that survives exec: a blocked mask does not). A Ctrl-C in these few milliseconds is lost; the next
+    one stops the start."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

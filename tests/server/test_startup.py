@@ -275,6 +275,7 @@ def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path
             kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
             engine = next((int(k) for k in kids if _is_engine(int(k))), None)
             time.sleep(0.02)
+        time.sleep(0.3)  # past the parent's few milliseconds spawning it; the engine's interpreter is still starting
         assert "ready:" not in log.read_text()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 130, log.read_text()
