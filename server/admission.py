@@ -76,7 +76,14 @@ def state(request: Request) -> ServerState:
 
 # ---------------------------------------------------------------------------------------------------------- admission
 
+_KEY_CHECKED = "ember.api_key_checked"
+
+
 async def require_api_key(request: Request) -> None:
+    """401 unless the request carries one of the server's API keys (none configured: every request passes); checked
+    once per request: `ember.server.body_check.CheckedRoute` checks it before the body is read and marks the scope."""
+    if request.scope.get(_KEY_CHECKED):
+        return
     keys = state(request).config.api_key
     if isinstance(keys, str):
         keys = (keys,)
@@ -88,6 +95,7 @@ async def require_api_key(request: Request) -> None:
     if not any([hmac.compare_digest(g, k.encode()) for g in given for k in keys]):
         raise ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
                        code="invalid_api_key")
+    request.scope[_KEY_CHECKED] = True
 
 
 def check_model(st: ServerState, model: str | None) -> str | None:
