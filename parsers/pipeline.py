@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from .events import Dropped, Event
@@ -191,8 +192,10 @@ class ParserSetup:
         """The ids whose text never surfaces: ``drop_ids``, and with ``skip_special_tokens`` true every special token
         of the tokenizer (added tokens marked special) except the profile's delimiters, which the parser needs
         whether single tokens or matched as text. Unset or false: ``drop_ids`` only (other specials are text)."""
-        if not skip_special_tokens:
-            return self.drop_ids
+        return self._specials_dropped if skip_special_tokens else self.drop_ids
+
+    @cached_property
+    def _specials_dropped(self) -> frozenset[int]:
         terminal_texts = set(self.profile.terminals.values())
         keep = set(self.delimiter_ids.values()) | {i for t, i in self.tb.added.items() if t in terminal_texts}
         return self.drop_ids | (self.tb.special_ids - keep)
