@@ -209,10 +209,13 @@ def test_a_lagging_consumer_still_learns_its_request_was_refused(aengine):
 
     async def main():
         it = aengine.generate([8, 9, 10], params)
-        first = asyncio.ensure_future(it.__anext__())  # submits the request
-        for _ in range(5):
-            await asyncio.sleep(0)
-        time.sleep(1.0)  # a busy loop: both steps' outputs arrive meanwhile and are merged into one
+        first = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0)  # the task submits the request, then waits for the engine to take it
+        deadline = time.monotonic() + 30
+        while aengine.engine.stats().num_steps < 2 or aengine.engine.has_unfinished():  # a busy loop: both steps'
+            assert time.monotonic() < deadline                                           # outputs queue meanwhile
+            time.sleep(0.01)
+        time.sleep(0.2)
         return [await first] + [out async for out in it]
 
     outs = asyncio.run(main())
