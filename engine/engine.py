@@ -407,6 +407,7 @@ class Engine:
             msg = f"engine step failed: {type(e).__name__}: {e}"
             unread = self._inflight.chunks if self._inflight is not None else []
             self._inflight = None
+            self._drop_unsaved_states()
             for chunk in [*unread, *sched.chunks]:
                 seq = chunk.seq
                 if seq.status is not SequenceStatus.FINISHED:
@@ -659,10 +660,16 @@ class Engine:
         self.sampler.forget(seq.request_id)
         return self._output(seq, new, lp, True, reason, stop_token_id, error)
 
+    def _drop_unsaved_states(self) -> None:
+        """Forget the recurrent-state snapshots a failed step was to save, so no later request restores them."""
+        if self.scheduler.snapshots is not None:
+            self.scheduler.snapshots.discard_pending()
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with finish_reason "error" (used when the step loop itself breaks)."""
         outs, self._pending = self._pending, []
         self._inflight = None
+        self._drop_unsaved_states()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             outs.append(self._finish(seq, [], None, "error", error=message))
         return outs

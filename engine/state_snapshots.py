@@ -9,8 +9,8 @@ replaces its previous one, so when it finishes, the state at the last block boun
 conversation's next turn, which repeats the reply, resumes from there). Output snapshots take free slots or each
 other's, never a prompt snapshot's. An admission uses the longest prefix that both the KV cache and a snapshot
 cover, and asks for a restore into its slot. The model restores before computing each layer and saves after the
-step's forward; a save becomes visible to lookups only after its step ran (`commit`). Least recently used snapshots
-are replaced first.
+step's forward; a save becomes visible to lookups only after its step ran (`commit`), and a failed step's saves
+are dropped (`discard_pending`). Least recently used snapshots are replaced first.
 """
 from __future__ import annotations
 
@@ -73,6 +73,14 @@ class StateSnapshots:
     def commit(self) -> None:
         """The step that saved the pending states has run: they can be restored from now on."""
         self._saved.update(self._pending)
+        self._pending.clear()
+
+    def discard_pending(self) -> None:
+        """The step that was to save the pending states failed: their slots hold nothing and become free."""
+        for key, slot in self._pending.items():
+            self._output.discard(key)
+            self._free.append(slot)
+        self.num_saves -= len(self._pending)
         self._pending.clear()
 
     def __len__(self) -> int:

@@ -58,3 +58,17 @@ def test_an_output_snapshot_rolls_in_its_own_slot_and_never_displaces_a_prompt_s
     s.commit()
     assert s.longest([b"prompt"]) == (1, p)  # now the most recently used
     assert s.reserve(b"prompt-2") == o1  # a prompt snapshot replaces the least recently used of any kind
+
+
+def test_a_failed_steps_saves_are_dropped_and_their_slots_freed():
+    s = StateSnapshots(first_slot=0, count=3)
+    s.reserve(b"a")
+    s.commit()
+    s.reserve(b"b", output=True)
+    s.reserve(b"c")
+    s.discard_pending()
+    s.commit()
+    assert s.longest([b"b"]) == (0, None) and s.longest([b"c"]) == (0, None) and s.longest([b"a"])[0] == 1
+    assert s.reserve(b"d") is not None and s.reserve(b"e") is not None  # the freed slots, not "a"'s
+    s.commit()
+    assert s.longest([b"a"])[0] == 1 and len(s) == 3

@@ -357,3 +357,32 @@ def test_embeddings_equal_transformers_through_chunks_and_a_restored_state(tiny_
         assert ((got - want).norm() / want.norm()).item() < 1e-5, round_
     assert (engine.kv.prefix_hits - hits) == (36 if kind == "last" else 0)
     engine.scheduler.check_integrity()
+
+
+def test_a_failed_step_saves_no_state_a_later_prefix_hit_restores(tiny_next_dir):
+    """A forward that fails (a transient CUDA error) ends its request; the snapshot that step was to save was never
+    written, so a later request sharing the prefix recomputes it instead of restoring garbage."""
+    from ember.engine.params import SamplingParams
+
+    base = prompts(1, seed=21, min_len=10, max_len=10)[0]
+    want = hf_greedy(tiny_next_dir, [base + [5]], new_tokens=5)[0][0]
+    engine = _engine(tiny_next_dir, block_size=4, num_kv_blocks=32, max_num_seqs=2, max_num_batched_tokens=16)
+    execute, calls = engine.runner.execute, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated transient forward failure")
+        return execute(*args)
+
+    engine.runner.execute = fails_once
+    rid = engine.add_request(base, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    ends = []
+    while engine.has_unfinished():
+        ends += [o.finish_reason for o in engine.step() if o.request_id == rid and o.finished]
+    assert ends == ["error"]
+    assert run_greedy(engine, [base + [5]], 5) == [want]
+    restores = engine.scheduler.snapshots.num_restores
+    assert run_greedy(engine, [base + [5]], 5) == [want]
+    assert engine.scheduler.snapshots.num_restores == restores + 1  # from the state the previous request saved
+    engine.scheduler.check_integrity()
