@@ -415,6 +415,10 @@ class Sampler:
         n, v = logits.shape
         params = [seqs[i].params for i in sample_rows]
         logits = logits / cfg[:, _T].clamp(min=GREEDY_EPS).unsqueeze(1)
+        if any(p.min_p > 0 for p in params):  # first (vLLM): top-p takes its nucleus of what min_p kept
+            probs = logits.softmax(dim=-1)
+            thresh = cfg[:, _MIN_P].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < thresh, float("-inf"))
         use_top_k = any(0 < p.top_k < v for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_k or use_top_p:
@@ -430,9 +434,6 @@ class Sampler:
                 sorted_logits = sorted_logits.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            thresh = cfg[:, _MIN_P].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < thresh, 0.0)
         noise = torch.empty_like(probs).exponential_()
         for i in sample_rows:
             seed = seqs[i].params.seed
