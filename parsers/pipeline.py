@@ -49,7 +49,8 @@ class OutputPipeline:
     def __init__(self, tb: TokenBytes, profile: Profile, delimiter_ids: Mapping[str, int], initial: InitialState,
                  *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
                  special_ids_to_drop: Collection[int] = (), tools: Sequence[dict] | None = None,
-                 call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None) -> None:
+                 call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None,
+                 min_tokens: int = 0) -> None:
         self.profile = profile
         self.initial = initial
         self._tb = tb
@@ -69,6 +70,8 @@ class OutputPipeline:
                                       tools=tools, call_id=call_id, parse_tools=parse_tools)
         self._asm = Utf8Assembler()
         self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
+        self._min_tokens = min_tokens  # a stop string ends the output only in a token past these (vLLM)
+        self._count = 0
         self.stopped = False
         self.finish_reason: str | None = None
         self._closed = False
@@ -96,16 +99,19 @@ class OutputPipeline:
             if delim is not None:
                 if self._flush_text(events):
                     break
+                self._count += 1
                 channels.append(DELIMITER)
                 events += mfeed(tid, delim)
             elif tid in drop:
                 if self._flush_text(events):
                     break
+                self._count += 1
                 channels.append(DROPPED)
                 t = self._tb.token_bytes(tid).decode("utf-8", "replace")
                 if t:
                     events.append(Dropped(t, "special"))
             else:
+                self._count += 1
                 channels.append(m.channel)
                 if 0 <= tid < size:
                     text = texts[tid]
@@ -114,7 +120,7 @@ class OutputPipeline:
                 else:
                     text = ""
                 if stop is not None:
-                    text = stop.feed(text)
+                    text = stop.feed(text, self._count > self._min_tokens)
                     if stop.stopped:
                         events += mfeed(tid, text)
                         self._stopped_now()
@@ -150,7 +156,7 @@ class OutputPipeline:
         text = self._asm.flush()
         stop = self._stop
         if stop is not None:
-            text = stop.feed(text)
+            text = stop.feed(text, self._count > self._min_tokens)
             if stop.stopped:
                 if text:
                     events += self._machine.feed(None, text)
@@ -203,7 +209,8 @@ class ParserSetup:
     def pipeline(self, prompt_ids: Sequence[int] | None = None, *, initial: InitialState | None = None,
                  **options: Any) -> OutputPipeline:
         """A fresh pipeline for one choice; ``initial`` defaults to the state of ``prompt_ids`` (CONTENT if none).
-        ``options``: `OutputPipeline`'s keywords (stop, include_stop_str_in_output, tools, call_id, parse_tools)."""
+        ``options``: `OutputPipeline`'s keywords (stop, include_stop_str_in_output, min_tokens, tools, call_id,
+        parse_tools)."""
         if initial is None:
             initial = self.initial_state(prompt_ids) if prompt_ids is not None else InitialState.CONTENT
         options.setdefault("special_ids_to_drop", self.drop_ids)

@@ -195,17 +195,19 @@ class GenRequest:
 
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
                   include_stop_str_in_output: bool, tools: Sequence[dict] | None,
-                  stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None) -> OutputPipeline:
+                  stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None,
+                  min_tokens: int = 0) -> OutputPipeline:
     """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
     text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
     ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
-    is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text."""
+    is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text. A stop
+    string ends the reply only past the first ``min_tokens`` tokens (vLLM's rule)."""
     drop = setup.dropped_ids(skip_special_tokens)
     if not include_stop_str_in_output:
         drop = drop | frozenset(stop_token_ids)
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
-                          tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools),
-                          special_ids_to_drop=drop)
+                          min_tokens=min_tokens, tools=list(tools) if tools else None, call_id=new_call_id,
+                          parse_tools=bool(tools), special_ids_to_drop=drop)
 
 
 def _end_reason(engine_reason: str | None) -> str:

@@ -1,4 +1,5 @@
-"""Stop strings: cut or kept, withheld while partial, independent of chunking."""
+"""Stop strings: cut or kept, withheld while partial, independent of chunking; text of the tokens up to min_tokens
+cannot end a match."""
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
@@ -17,9 +18,11 @@ def run(stops, chunks, include=False):
     return "".join(out), m
 
 
-def reference(text: str, stops, include: bool) -> tuple[str, str | None]:
-    """The stop string complete first in the whole text (earliest end, then longest), cut there."""
-    found = [(text.find(s) + len(s), -len(s), s) for s in stops if s and s in text]
+def reference(text: str, stops, include: bool, quiet: int = 0) -> tuple[str, str | None]:
+    """The stop string complete first in the whole text (earliest end, then longest) past its first ``quiet``
+    characters, cut there."""
+    starts = {s: text.find(s, max(0, quiet - len(s) + 1)) for s in stops if s}
+    found = [(i + len(s), -len(s), s) for s, i in starts.items() if i >= 0]
     if not found:
         return text, None
     end, neg, s = min(found)
@@ -72,3 +75,23 @@ def test_any_chunking_equals_the_whole_text_reference(text, stops, include, data
     want, matched = reference(text, stops, include)
     assert got == want
     assert m.matched == matched
+
+
+def test_a_stop_string_ending_within_the_min_tokens_text_does_not_stop():
+    m = StopMatcher(["\n\n", "ab"])
+    assert m.feed("x\n\ny a", check=False) == "x\n\ny " and not m.stopped and m.held == "a"
+    assert m.feed("b", check=True) == "" and m.matched == "ab"  # began in the unchecked text, ends in checked
+
+
+@settings(max_examples=300, deadline=None)
+@given(ALPHA, st.lists(st.text(alphabet="ab\n😊", min_size=1, max_size=4), max_size=3), st.booleans(), st.data())
+def test_any_chunking_with_an_unchecked_start_equals_the_reference(text, stops, include, data):
+    quiet = data.draw(st.integers(0, len(text)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=10)) + [quiet])
+    m, out = StopMatcher(stops, include), []
+    for a, b in zip([0] + cuts, cuts + [len(text)]):
+        out.append(m.feed(text[a:b], check=b > quiet))
+        if m.stopped:
+            break
+    out.append(m.flush())
+    assert ("".join(out), m.matched) == reference(text, stops, include, quiet)

@@ -183,3 +183,17 @@ def test_a_stop_token_ends_the_reply_without_its_text(demo_server, path):
     assert stopped.json()["choices"][0]["finish_reason"] == "stop" and text(stopped) == before
     kept = _post(demo_server, path, **body, stop_token_ids=[free[k]], include_stop_str_in_output=True)
     assert text(kept) == before + tok
+
+
+def test_a_stop_string_in_the_first_min_tokens_does_not_end_the_reply(demo_server):
+    """vLLM's rule: stop strings count only past ``min_tokens``; one in the first tokens is text, a later one stops."""
+    greedy = dict(prompt="Once upon a time", temperature=0, ignore_eos=True)
+    full = _post(demo_server, "/v1/completions", max_tokens=16, **greedy).json()["choices"][0]["text"]
+    head = _post(demo_server, "/v1/completions", max_tokens=4, **greedy).json()["choices"][0]["text"]
+    stop = next(c for c in head if c.strip())
+    early = _post(demo_server, "/v1/completions", max_tokens=16, stop=[stop], **greedy).json()["choices"][0]
+    late = _post(demo_server, "/v1/completions", max_tokens=16, stop=[stop], min_tokens=4, **greedy).json()
+    cut = full.find(stop, len(head) - len(stop) + 1)
+    assert early["text"] == full[:full.index(stop)] and len(early["text"]) < len(head)
+    assert late["choices"][0]["text"] == (full[:cut] if cut >= 0 else full)
+    assert late["choices"][0]["finish_reason"] == ("stop" if cut >= 0 else "length")
