@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,7 +40,7 @@ from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
 from .config import ServeConfig
-from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_path, openai_error_body,
+from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_request, openai_error_body,
                      validation_error)
 from ember.grammar import GrammarError, check_tools
 from ember.parsers.initial import InitialState
@@ -415,8 +415,9 @@ async def list_models(request: Request, _: None = Depends(require_api_key)) -> d
     adapters = [n for n, _ in rt.model_info.lora_adapters]
     names = [rt.model_name, *rt.model_aliases, *adapters]
     if "anthropic-version" in request.headers:
-        data = [_anthropic_model(st, n) for n in names]
-        return {"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        page, more = _anthropic_page(names, request.query_params)
+        return {"data": [_anthropic_model(st, n) for n in page], "has_more": more,
+                "first_id": page[0] if page else None, "last_id": page[-1] if page else None}
     cards = [_model_card(st, None, name) for name in [rt.model_name, *rt.model_aliases]]
     return {"object": "list", "data": cards + [_model_card(st, n) for n in adapters]}
 
@@ -428,6 +429,23 @@ async def get_model(model_id: str, request: Request, _: None = Depends(require_a
     if "anthropic-version" in request.headers:
         return _anthropic_model(st, model_id)
     return _model_card(st, lora, None if lora else model_id)
+
+
+def _anthropic_page(names: list[str], query: Mapping[str, str]) -> tuple[list[str], bool]:
+    """Anthropic's model-list paging: ``limit`` (1-1000, default 20) names after ``after_id`` or before
+    ``before_id``; and whether more lie beyond the page in that direction."""
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise bad_request(f"limit must be an integer from 1 to 1000, got {raw!r}", param="limit")
+    limit = int(raw)
+    for key in ("after_id", "before_id"):
+        if key in query and query[key] not in names:
+            raise bad_request(f"{key} {query[key]!r} is not a listed model", param=key)
+    if "before_id" in query:
+        end = names.index(query["before_id"])
+        return names[max(0, end - limit):end], end > limit
+    start = names.index(query["after_id"]) + 1 if "after_id" in query else 0
+    return names[start:start + limit], start + limit < len(names)
 
 
 def _anthropic_model(st: ServerState, name: str) -> dict:
@@ -490,7 +508,8 @@ async def metrics(request: Request) -> Response:
 
 
 def _error_response(request: Request, err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = anthropic_error_body(err) if is_anthropic_path(get_route_path(request.scope)) else openai_error_body(err)
+    anthropic = is_anthropic_request(get_route_path(request.scope), request.headers)
+    body = anthropic_error_body(err) if anthropic else openai_error_body(err)
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 

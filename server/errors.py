@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 # HTTP status -> Anthropic error type (https://docs.anthropic.com/en/api/errors).
 _ANTHROPIC_TYPES = {
@@ -69,8 +69,10 @@ def anthropic_error_body(err: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": etype, "message": message}}
 
 
-def is_anthropic_path(path: str) -> bool:
-    return path.startswith("/v1/messages")
+def is_anthropic_request(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether an error to this request takes Anthropic's shape: a `/v1/messages` route, or the models routes both
+    APIs share asked with an ``anthropic-version`` header (as the Anthropic SDK sends)."""
+    return path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in headers)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|function-[a-z]+|tagged-union|"

@@ -171,6 +171,22 @@ def test_models_list_and_retrieve_in_anthropic_shape(demo_server):
     one = client.models.retrieve(demo_server.model)
     assert (one.id, one.type, one.display_name) == (demo_server.model, "model", demo_server.model)
     assert one.created_at == page.data[0].created_at
+    with pytest.raises(anthropic.NotFoundError) as missing:  # Anthropic's error shape, as the SDK asked
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError, match="limit"):
+        client.models.list(limit=0)
+    assert client.models.list(limit=1, after_id=demo_server.model).data == []
+
+
+def test_the_anthropic_model_list_pages_by_limit_and_ids():
+    from ember.server.app import _anthropic_page
+
+    names = ["m", "a1", "a2", "a3"]
+    assert _anthropic_page(names, {"limit": "2"}) == (["m", "a1"], True)
+    assert _anthropic_page(names, {"limit": "2", "after_id": "a1"}) == (["a2", "a3"], False)
+    assert _anthropic_page(names, {"limit": "2", "before_id": "a3"}) == (["a1", "a2"], True)
+    assert _anthropic_page(names, {"before_id": "a1"}) == (["m"], False)
 
 
 def test_a_non_finite_number_is_named_as_such(demo_server):
