@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from functools import cache
 from types import NoneType
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
@@ -191,6 +191,17 @@ def _check_stop(v: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _no_zero_truncation(v: int | None) -> int | None:
+    if v == 0:
+        raise ValueError("truncate_prompt_tokens must be -1 (the model's maximum length) or at least 1")
+    return v
+
+
+TruncatePromptTokens = Annotated[int | None, Field(ge=-1), AfterValidator(_no_zero_truncation)]
+"""vLLM's ``truncate_prompt_tokens`` on every route that takes it: keep the prompt's last N tokens (N >= 1), or -1
+for the model's maximum length."""
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions."""
 
@@ -227,19 +238,12 @@ class _SamplingFields(_Request):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: TruncatePromptTokens = None
     use_beam_search: bool = False
     priority: int = 0
     # unset or false: EOS, end-of-turn, pad and BOS are dropped, other specials are text; true: every special but
     # the parser's delimiters is dropped (`ParserSetup.dropped_ids`)
     skip_special_tokens: bool | None = None
-
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _truncate(cls, v):
-        if v == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 (the model's maximum length) or at least 1")
-        return v
 
     @field_validator("stop")
     @classmethod

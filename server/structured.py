@@ -27,6 +27,11 @@ def _param(message: str) -> str | None:
     return None
 
 
+def grammar_error(e: GrammarError) -> ApiError:
+    """The 400 for a request the grammar compiler refused, naming the field its message begins with."""
+    return bad_request(e.message, param=_param(e.message))
+
+
 _CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|parameters)")
 
 
@@ -78,7 +83,7 @@ class Structured:
             self.backend.constraint(plan)  # compiles (cached) and checks it: a bad grammar is a 400 here
             return [plan] * n
         except GrammarError as e:
-            raise bad_request(e.message, param=_param(e.message)) from None
+            raise grammar_error(e) from None
         except (ValueError, TypeError, KeyError, RecursionError) as e:  # odd schemas the compiler did not foresee
             raise bad_request(f"structured output could not be set up for this request: {e}",
                               param=answer_field(response_format) if response_format else "tools") from None

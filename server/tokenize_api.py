@@ -10,12 +10,15 @@ import asyncio
 from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import model_validator
+from pydantic import StrictInt, model_validator
+
+from ember.grammar import GrammarError, check_tools
 
 from . import chat
 from . import protocol_openai as po
 from .admission import resolve_model
 from .errors import bad_request
+from .structured import grammar_error
 
 
 class TokenizeRequest(po._Lenient):
@@ -35,7 +38,7 @@ class TokenizeRequest(po._Lenient):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        if self.continue_final_message and self.add_generation_prompt:
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
             raise po.field_error("continue_final_message",
                                  "continue_final_message and add_generation_prompt exclude each other", True)
         return self
@@ -43,7 +46,7 @@ class TokenizeRequest(po._Lenient):
 
 class DetokenizeRequest(po._Lenient):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 def _runtime(request: Request, model: str | None) -> Any:
@@ -56,7 +59,13 @@ def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(rt.tokenizer.encode(body.prompt, add_special_tokens=special))
-    text = rt.render(chat.openai_messages(body.messages or []), tools=chat.openai_tools(body.tools),
+    tools = chat.openai_tools(body.tools)
+    if tools and rt.tools_enabled:  # the tools /v1/chat/completions would parse, and refuse as it would
+        try:
+            check_tools(tools)
+        except GrammarError as e:
+            raise grammar_error(e) from None
+    text = rt.render(chat.openai_messages(body.messages or []), tools=tools,
                      add_generation_prompt=body.add_generation_prompt,
                      continue_final_message=body.continue_final_message,
                      kwargs=rt.template_kwargs(body.chat_template_kwargs))

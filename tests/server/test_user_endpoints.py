@@ -40,8 +40,29 @@ def test_tokenize_errors_name_the_field(demo_server):
     assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
     bad = _post(demo_server, "/detokenize", {"tokens": [5, 10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+    boolean = _post(demo_server, "/detokenize", {"tokens": [5, True]})
+    assert boolean.status_code == 400 and boolean.json()["error"]["param"] == "tokens[1]"
     wrong = _post(demo_server, "/tokenize", {"model": "other", "prompt": "x"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_refuses_the_tools_chat_refuses(demo_server):
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 2
+    chat = _post(demo_server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1})
+    tok = _post(demo_server, "/tokenize", {"messages": messages, "tools": tools})
+    assert chat.status_code == tok.status_code == 400, tok.text
+    assert tok.json()["error"] == chat.json()["error"] and tok.json()["error"]["param"] == "tools[1].function.name"
+    assert _post(demo_server, "/tokenize", {"messages": messages, "tools": tools[:1]}).status_code == 200
+
+
+def test_tokenize_a_prompt_ignores_the_chat_only_continue_final_message(demo_server):
+    r = _post(demo_server, "/tokenize", {"prompt": "Hello world", "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == demo_server.tokenizer.encode("Hello world")
+    both = _post(demo_server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                            "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
 
 
 def test_tokenize_needs_the_api_key_when_one_is_set(keyed_server):
