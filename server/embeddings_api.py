@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Literal
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from ember.engine.client import EngineDeadError
 from ember.engine.params import SamplingParams
@@ -43,10 +43,10 @@ class PoolingInputs(po._Lenient):
     """The inputs of a pooling route (embeddings, classify): ``input``, or vLLM's chat form ``messages``."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
     messages: list[po.ChatMessage] | None = Field(default=None, min_length=1)
     user: str | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: po.TruncatePromptTokens = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
@@ -132,6 +132,13 @@ def too_few(keep: int, specials: int) -> ApiError:
                        f"adds to each input", param="truncate_prompt_tokens")
 
 
+def too_long(n: int, limit: int, param: str) -> ApiError:
+    """The 400 naming ``param`` for an input of ``n`` tokens, over ``limit``, the most one pooled prompt may have."""
+    return ApiError(400, f"The input has {n} tokens, but this model's maximum context length is {limit} tokens "
+                         f"(send truncate_prompt_tokens to keep the last ones)", param=param,
+                    code="context_length_exceeded")
+
+
 def keep_last(full: list[int], content: list[int], keep: int) -> list[int]:
     """``full`` (``content`` encoded with special tokens) cut to its last ``keep`` tokens, keeping the special tokens
     the tokenizer added around the content: those and the content's last tokens (``full``'s plain last ``keep``
@@ -182,9 +189,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
         if not ids:
             raise bad_request("an input must have at least one token", param=param)
         if len(ids) > limit:
-            raise ApiError(400, f"The input has {len(ids)} tokens, but this model's maximum context length is "
-                                f"{limit} tokens (send truncate_prompt_tokens to keep the last ones)", param=param,
-                           code="context_length_exceeded")
+            raise too_long(len(ids), limit, param)
         out.append((ids, start))
     return out
 

@@ -21,7 +21,8 @@ from pydantic import Field
 from . import protocol_openai as po
 from .admission import check_model, model_label, state, tokens_to_keep
 from .classify_api import activated
-from .embeddings_api import MAX_INPUTS, align, check_count, embed, keep_last, pool, prompt_limit, too_few
+from .embeddings_api import (MAX_INPUTS, align, check_count, embed, keep_last, pool, prompt_limit, too_few,
+                             too_long)
 from .errors import bad_request
 from .generation import ModelRuntime
 
@@ -33,7 +34,7 @@ class ScoreRequest(po._Lenient):
     model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: po.TruncatePromptTokens = None
 
 
 class RerankRequest(po._Lenient):
@@ -42,7 +43,7 @@ class RerankRequest(po._Lenient):
     documents: list[str]
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: po.TruncatePromptTokens = None
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -101,12 +102,31 @@ def _cut_pair(full: list[int], a: list[int], b: list[int], keep: int, side: str)
     return [j for j in range(len(full)) if j not in cut]
 
 
+def _pair_encodings(tok: Any, firsts: list[str],
+                    seconds: list[str]) -> tuple[list[list[int]], list[list[int] | None]]:
+    """Each pair's token IDs and token types (None: the tokenizer writes none) as the tokenizer encodes that pair on
+    its own: a pair whose second text is empty is its first text alone, as ``tokenizer(a, "")`` encodes it (a batched
+    call would add an empty second segment)."""
+    ids: list[list[int]] = [[] for _ in firsts]
+    types: list[list[int] | None] = [None] * len(firsts)
+    for alone in (False, True):
+        rows = [i for i, b in enumerate(seconds) if (b == "") == alone]
+        if not rows:
+            continue
+        enc = tok([firsts[i] for i in rows], None if alone else [seconds[i] for i in rows],
+                  return_token_type_ids=True)
+        for k, i in enumerate(rows):
+            ids[i] = list(enc["input_ids"][k])
+            types[i] = list(enc["token_type_ids"][k]) if enc.get("token_type_ids") else None
+    return ids, types
+
+
 def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str],
               keep: int | None) -> tuple[list[list[int]], list[int | None]]:
     """Each pair's tokens as vLLM builds them, with where its second text's token type begins (None: the tokenizer
     writes none): the two texts joined into one (a converted LM reranker), cut as one text is (`keep_last`), or the
-    tokenizer's pair encoding, cut to ``keep`` tokens as `_cut_pair` says (its plain last ``keep`` tokens where the
-    texts cannot be found in it)."""
+    tokenizer's encoding of the pair (`_pair_encodings`), cut to ``keep`` tokens as `_cut_pair` says (its plain last
+    ``keep`` tokens where the texts cannot be found in it)."""
     tok = rt.tokenizer
     if rt.model_info.joins_pairs:
         joined = [a + b for a, b in zip(firsts, seconds)]
@@ -115,9 +135,7 @@ def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str],
             for i, content in zip(long, tok([joined[i] for i in long], add_special_tokens=False)["input_ids"]):
                 ids[i] = keep_last(ids[i], list(content), keep)
         return ids, [len(x) for x in ids]
-    enc = tok(firsts, seconds, return_token_type_ids=True)
-    ids = [list(x) for x in enc["input_ids"]]
-    types = [list(t) for t in enc["token_type_ids"]] if enc.get("token_type_ids") else None
+    ids, types = _pair_encodings(tok, firsts, seconds)
     if keep and (long := [i for i, x in enumerate(ids) if len(x) > keep]):
         side = getattr(tok, "truncation_side", "right")
         texts_a = tok([firsts[i] for i in long], add_special_tokens=False)["input_ids"]
@@ -127,18 +145,30 @@ def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str],
             if kept is None:
                 kept = list(range(len(ids[i]) - keep, len(ids[i])))
             ids[i] = [ids[i][j] for j in kept]
-            if types is not None:
-                types[i] = [types[i][j] for j in kept]
-    if types is None:
-        return ids, [None] * len(ids)
-    return ids, [next((j for j, v in enumerate(t) if v), len(t)) for t in types]
+            if (t := types[i]) is not None:
+                types[i] = [t[j] for j in kept]
+    return ids, [None if t is None else next((j for j, v in enumerate(t) if v), len(t)) for t in types]
 
 
-async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str], params: list[str],
-                       truncate: int | None, lora: str | None) -> tuple[list[float], int, str]:
-    """A cross-encoder's score of each (first, second) pair, their token count and the request id."""
+def _pair_prompts(rt: ModelRuntime, firsts: list[str], seconds: list[str], first_params: list[str],
+                  keep: int | None) -> tuple[list[list[int]], list[int | None]]:
+    """`_pair_ids`, with a 400 naming ``first_params[i]`` where the first pair over the model's limit is so because
+    its first text alone is (a query too long whatever it is paired with); `pool` names the second text of others."""
+    ids, type_starts = _pair_ids(rt, firsts, seconds, keep)
+    limit = prompt_limit(rt)
+    over = next((i for i, x in enumerate(ids) if len(x) > limit), None)
+    if over is not None and (n := len(rt.tokenizer(firsts[over])["input_ids"])) > limit:
+        raise too_long(n, limit, first_params[over])
+    return ids, type_starts
+
+
+async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str],
+                       first_params: list[str], params: list[str], truncate: int | None,
+                       lora: str | None) -> tuple[list[float], int, str]:
+    """A cross-encoder's score of each (first, second) pair, their token count and the request id; errors name
+    ``first_params[i]`` or ``params[i]``, the fields the pair's texts came from."""
     keep = tokens_to_keep(truncate, prompt_limit(rt))
-    ids, type_starts = await asyncio.to_thread(_pair_ids, rt, firsts, seconds, keep)
+    ids, type_starts = await asyncio.to_thread(_pair_prompts, rt, firsts, seconds, first_params, keep)
     logits, total, rid = await pool(request, ids, params, truncate=None, lora=lora, type_starts=type_starts)
     return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
 
@@ -152,8 +182,8 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     p2 = [f"text_2[{j}]" for j in range(len(right))] if isinstance(body.text_2, list) else ["text_2"]
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [left[i] for i, _ in pairs],
-                                                [right[j] for _, j in pairs], [p2[j] for _, j in pairs],
-                                                body.truncate_prompt_tokens, lora)
+                                                [right[j] for _, j in pairs], [p1[i] for i, _ in pairs],
+                                                [p2[j] for _, j in pairs], body.truncate_prompt_tokens, lora)
     else:
         vectors, total, rid = await embed(request, left + right, p1 + p2, truncate=body.truncate_prompt_tokens,
                                           lora=lora)
@@ -173,7 +203,8 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     params = [f"documents[{i}]" for i in range(len(body.documents))]
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [body.query] * len(body.documents),
-                                                body.documents, params, body.truncate_prompt_tokens, lora)
+                                                body.documents, ["query"] * len(body.documents), params,
+                                                body.truncate_prompt_tokens, lora)
     else:
         vectors, total, rid = await embed(request, [body.query, *body.documents], ["query", *params],
                                           truncate=body.truncate_prompt_tokens, lora=lora)

@@ -138,6 +138,18 @@ def test_a_cross_encoder_scores_pairs_read_together(reranker):
     assert rr["results"][0]["document"] == {"text": docs[order[0]]}
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/rerank", {"query": "x " * 1100, "documents": ["ok", "fine"]}, "query"),
+    ("/v1/score", {"text_1": "x " * 1100, "text_2": ["ok"]}, "text_1"),
+    ("/v1/score", {"text_1": ["a", "x " * 1100], "text_2": ["ok", "fine"]}, "text_1[1]"),
+    ("/v1/rerank", {"query": "q", "documents": ["ok", "x " * 1100]}, "documents[1]"),
+])
+def test_a_pair_over_the_context_is_a_400_naming_the_text_that_is_too_long(reranker, path, body, param):
+    r = httpx.post(reranker[0].url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_a_causal_lm_reranks_as_its_yes_over_no_with_the_texts_joined(lm_reranker):
     server, path = lm_reranker
     from transformers import AutoModelForCausalLM
@@ -159,6 +171,15 @@ def test_a_causal_lm_reranks_as_its_yes_over_no_with_the_texts_joined(lm_reranke
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": [True, False]}, "input[0]"),
+])
+def test_bad_classify_bodies_are_400s_naming_the_field(sentiment, body, param):
+    r = httpx.post(sentiment[0].url + "/classify", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_invocations_classify_on_a_classifier(sentiment):

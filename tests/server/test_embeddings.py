@@ -77,6 +77,9 @@ def test_truncation_and_special_tokens_change_what_is_embedded(demo_server, demo
     ({"input": "hi", "dimensions": 8}, "dimensions", None),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", None),
     ({"input": "hi", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", None),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
+    ({"input": [True, False]}, "input[0]", None),  # JSON booleans are not token IDs
+    ({"input": [[5, 6], [7, True]]}, "input[1][1]", None),
 ])
 def test_bad_bodies_are_400s_naming_the_field(demo_server, body, param, code):
     r = httpx.post(demo_server.url + "/v1/embeddings", json=body, timeout=60)

@@ -56,8 +56,29 @@ def test_rerank_orders_documents_by_score_best_first(demo_server, path):
     ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "q", "documents": ["ok", "x " * 5000]}, "documents[1]"),
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_pair_with_an_empty_second_text_is_its_first_text_alone_in_any_batch():
+    """As ``tokenizer(query, "")`` encodes it (what a cross-encoder scoring one pair reads): no empty second segment,
+    whether the pair is scored alone or next to others."""
+    from types import SimpleNamespace
+
+    from ember.server.score_api import _pair_ids
+    from tests.encoders import tokenizer
+
+    tok = tokenizer()
+    rt = SimpleNamespace(tokenizer=tok, model_info=SimpleNamespace(joins_pairs=False))
+    query, doc = "what is the capital of france", "paris is the capital of france"
+    alone = tok(query, "")["input_ids"]
+    assert _pair_ids(rt, [query], [""], None) == ([alone], [len(alone)])
+    ids, starts = _pair_ids(rt, [query, query], ["", doc], None)
+    assert ids == [alone, tok(query, doc)["input_ids"]] and starts == [len(alone), len(alone)]
+    cut = tok(query, "", truncation="longest_first", max_length=5)["input_ids"]
+    assert _pair_ids(rt, [query, query], ["", doc], 5)[0][0] == cut
