@@ -24,6 +24,16 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shut down or its process died) while a request was in flight or being added."""
 
 
+class UnknownAdapterError(ValueError):
+    """A request names a LoRA adapter that is not loaded (one unloaded while the request was prepared, too). Its
+    message starts with `MESSAGE_START`, which survives the engine process's boundary where the type does not."""
+
+    MESSAGE_START = "unknown LoRA adapter "
+
+    def __init__(self, name: str, loaded: list[str]) -> None:
+        super().__init__(f"{self.MESSAGE_START}{name!r} (loaded: {', '.join(loaded) or 'none'})")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the front end may know about the served model and the engine's capacity (plain, picklable data)."""

@@ -10,7 +10,9 @@ Every adapter lives on the device in its own slot, and one batch mixes any of th
 wrapped projection adds ``(x[rows] @ A_s^T) @ B_s^T`` for the token rows of the sequences using slot ``s``
 (`LoRARows`, set by the model runner each step from host-side data, so grouping never reads the device). Fused
 projections (``qkv_proj``, ``gate_up_proj``) hold their parts' ``A`` stacked and ``B`` block-diagonal, so one pair
-of matmuls serves all parts; the scaling (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
+of matmuls serves all parts (an adapter of the fused projection itself, as Phi-3's checkpoints have it, has one ``A``
+and a ``B`` over all the parts' rows: each part gets that ``A`` and its rows of ``B``); the scaling (``alpha / r``, or
+``alpha / sqrt(r)`` with rsLoRA) is folded into ``B``.
 Under tensor parallelism each rank holds its share of the adapter (`COLUMN_PARALLEL`), and the step's rows reach
 every rank in `AttentionMetadata.lora_rows`. A decode step a CUDA graph replays uses the static-shape form instead:
 every slot's update over the whole batch, masked to that slot's rows (`LoRARows.masks`).
@@ -28,6 +30,7 @@ from torch import nn
 
 from ember.engine.checkpoint import CheckpointError, read_json
 from ember.engine.config import ConfigError
+from ember.engine.client import UnknownAdapterError
 from ember.engine.nvfp4_loading import fused_target
 
 PREFIX = "base_model.model."
@@ -96,17 +99,42 @@ COLUMN_PARALLEL = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj
 updates are summed by the layer's all-reduce with the rest of the output)."""
 
 
-def _rank_share(a: torch.Tensor, b: torch.Tensor, leaf: str, shard: tuple[int, int],
+def _rank_share(a: torch.Tensor, b: torch.Tensor, column: bool, shard: tuple[int, int],
                 where: str) -> tuple[torch.Tensor, torch.Tensor]:
     rank, world = shard
     if world == 1:
         return a, b
-    t, dim = (b, 0) if leaf in COLUMN_PARALLEL else (a, 1)
+    t, dim = (b, 0) if column else (a, 1)
     if t.shape[dim] % world:
         raise ConfigError(f"{where}: tensor_parallel_size {world} does not divide its {t.shape[dim]} "
                           f"{'output rows' if dim == 0 else 'input columns'}")
     piece = t.chunk(world, dim)[rank]
     return (a, piece) if dim == 0 else (piece, b)
+
+
+def _parts(a: torch.Tensor, b: torch.Tensor, part: int, whole: bool, column: bool, wrapped: "LoRALinear",
+           rank: int, shard: tuple[int, int], where: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(part, A, B)`` of one adapted checkpoint projection on this rank (``column``: its output rows are split
+    across ranks): ``part`` of ``wrapped`` alone, or, for the fused projection itself (``whole``), every part with
+    the same ``A`` and its rows of ``B``; ConfigError naming the shapes this model needs otherwise."""
+    if whole and len(wrapped.part_sizes) > 1:
+        rows = [n * shard[1] for n in wrapped.part_sizes]
+        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (sum(rows), rank):
+            raise ConfigError(f"{where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
+                              f"({rank}, {wrapped.in_features}) and ({sum(rows)}, {rank}) (its parts' "
+                              f"{' + '.join(map(str, rows))} rows)")
+        pieces, column = [(i, a, piece) for i, piece in enumerate(b.split(rows))], True
+    else:
+        pieces = [(part, a, b)]
+    out = []
+    for i, a, b in pieces:
+        a, b = _rank_share(a, b, column, shard, where)
+        n = wrapped.part_sizes[i]
+        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (n, rank):
+            raise ConfigError(f"{where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
+                              f"({rank}, {wrapped.in_features}) and ({n}, {rank})")
+        out.append((i, a, b))
+    return out
 
 
 def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoRALinear"],
@@ -127,21 +155,24 @@ def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoR
                               f"adapters, biases and trained modules are not supported)")
         pairs.setdefault(module, {})[kind[0]] = t
     adapter = Adapter(name, str(folder), rank)
+    filled: set[tuple[str, int]] = set()
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ConfigError(f"LoRA adapter {name!r}: {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
         ember = model.checkpoint_name(module + ".weight")
-        target, part = fused_target(ember.removesuffix(".weight")) if ember else (module, 0)
+        own = ember.removesuffix(".weight") if ember else module
+        target, part = fused_target(own) if ember else (module, 0)
         wrapped = targets.get(target)
         if wrapped is None:
             raise ConfigError(f"LoRA adapter {name!r}: it targets {module}, which Ember does not apply LoRA to "
                               f"(the attention q/k/v/o and dense MLP gate/up/down projections only)")
-        a, b = _rank_share(ab["A"], ab["B"], module.rpartition(".")[2], shard, f"LoRA adapter {name!r}: {module}")
-        out = wrapped.part_sizes[part]
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (out, rank):
-            raise ConfigError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
-                              f"{tuple(b.shape)}; this model needs ({rank}, {wrapped.in_features}) and ({out}, {rank})")
-        adapter.weights.setdefault(target, []).append((part, a.float(), b.float() * scaling))
+        where = f"LoRA adapter {name!r}: {module}"
+        column = module.rpartition(".")[2] in COLUMN_PARALLEL
+        for part, a, b in _parts(ab["A"], ab["B"], part, target == own, column, wrapped, rank, shard, where):
+            if (target, part) in filled:
+                raise ConfigError(f"{where} adapts part {part} of {target}, which another of its tensors adapts too")
+            filled.add((target, part))
+            adapter.weights.setdefault(target, []).append((part, a.float(), b.float() * scaling))
     if not adapter.weights:
         raise ConfigError(f"LoRA adapter {name!r}: {folder} holds no lora_A / lora_B weights")
     return adapter
@@ -265,9 +296,9 @@ class LoRAStack:
         return tuple((name, path) for name, (_, path) in self.adapters.items())
 
     def slot(self, name: str) -> int:
-        """The slot of a loaded adapter; ValueError naming the adapters that are loaded otherwise."""
+        """The slot of a loaded adapter; `UnknownAdapterError` naming the adapters that are loaded otherwise."""
         if name not in self.adapters:
-            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {', '.join(self.adapters) or 'none'})")
+            raise UnknownAdapterError(name, list(self.adapters))
         return self.adapters[name][0]
 
     def cache_root(self, name: str) -> bytes:

@@ -9,8 +9,9 @@ from safetensors.torch import load_file, save_file
 
 from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
+from ember.engine.client import UnknownAdapterError
 from ember.engine.params import SamplingParams
-from tests.conftest import save_tiny_qwen3
+from tests.conftest import save_tiny_qwen3, save_with_tokenizer
 from tests.lora_adapters import ALL, ATTENTION, merged_copy, save_adapter
 
 OPTIONS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=64, dtype="float32",
@@ -85,7 +86,7 @@ def test_kv_cached_under_one_adapter_is_not_reused_by_another(lora_setup):
                 if o.finished:
                     cached[rid] = o.num_cached_tokens
     assert cached == {"a": 0, "b": 0, "c": 48, "d": 48}
-    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'.*loaded: sql"):
+    with pytest.raises(UnknownAdapterError, match="unknown LoRA adapter 'nope'.*loaded: sql"):
         engine.add_request([1, 2], _greedy("nope"))
     with pytest.raises(ValueError, match="serves no adapters"):
         Engine.from_pretrained(lora_setup["base"], **OPTIONS).add_request([1, 2], _greedy("sql"))
@@ -189,3 +190,42 @@ def test_decode_graphs_mask_each_adapters_rows_as_the_eager_path_groups_them(lor
     engine.runner.capture_decode_graphs(4, engine.max_model_len)
     assert _run(engine, work) == want
     assert engine.runner.num_graph_steps > 0  # decode steps of up to 4 sequences went through the graph runner
+
+
+def _prompt_logprobs(engine: Engine, prompt: list[int], lora: str | None = None) -> torch.Tensor:
+    engine.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0, lora=lora), request_id="p")
+    scored = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            scored += o.prompt_logprobs or []
+    return torch.tensor([t.logprob for t in scored])
+
+
+def test_an_adapter_of_fused_projections_scores_as_its_merged_checkpoint(tmp_path, demo_model_dir):
+    """Phi-3's checkpoints fuse q/k/v and gate/up, so its PEFT adapters target ``qkv_proj`` / ``gate_up_proj``: one
+    ``lora_A`` and a ``lora_B`` over every part's rows (they were refused as the shape of the first part)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tests.engine.test_phi3 import CONFIG
+
+    torch.manual_seed(0)
+    base = save_with_tokenizer(Phi3ForCausalLM(Phi3Config(**CONFIG)), tmp_path / "phi3", demo_model_dir)
+    g = torch.Generator().manual_seed(6)
+    adapter = {}
+    for layer in range(2):
+        for module, (n_in, n_out) in {"self_attn.qkv_proj": (64, 128), "mlp.gate_up_proj": (64, 192),
+                                      "self_attn.o_proj": (64, 64)}.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            adapter[f"{key}.lora_A.weight"] = torch.randn(4, n_in, generator=g) * 0.2
+            adapter[f"{key}.lora_B.weight"] = torch.randn(n_out, 4, generator=g) * 0.2
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    save_file(adapter, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                                '"target_modules": ["qkv_proj", "gate_up_proj", "o_proj"]}')
+    prompt = list(range(40, 64))
+    got = _prompt_logprobs(Engine.from_pretrained(base, lora_modules=(("phi", str(folder)),), **OPTIONS), prompt,
+                           "phi")
+    want = _prompt_logprobs(Engine.from_pretrained(merged_copy(base, adapter, 2.0, tmp_path / "merged"), **OPTIONS),
+                            prompt)
+    assert float((got - want).abs().max()) < 1e-4
