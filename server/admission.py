@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
+from ember.engine.client import UnknownAdapterError
 from ember.grammar import answer_field
 from ember.parsers.pipeline import ParserSetup
 
@@ -112,8 +113,12 @@ def resolve_model(rt: Any, model: str | None) -> str | None:
     if model in adapters:
         return model
     served = ", ".join(f"'{n}'" for n in [rt.model_name, *rt.model_aliases, *adapters])
-    raise ApiError(404, f"The model '{model}' does not exist; this server serves {served}", param="model",
-                   code="model_not_found")
+    raise model_not_found(f"The model '{model}' does not exist; this server serves {served}")
+
+
+def model_not_found(message: str) -> ApiError:
+    """The 404 of a request whose ``model`` names nothing this server serves."""
+    return ApiError(404, message, param="model", code="model_not_found")
 
 
 def check_logprobs(st: ServerState, **asked: int | None) -> None:
@@ -316,14 +321,24 @@ class Run:
             self.errors.append(step.end.error or "generation failed")
 
     @property
+    def adapter_gone(self) -> bool:
+        """Whether the engine refused the request only because its LoRA adapter is not loaded (unloaded after the
+        request's ``model`` was checked)."""
+        return self.rejected and all(e.startswith(UnknownAdapterError.MESSAGE_START) for e in self.errors)
+
+    @property
     def error_status(self) -> int:
-        """The HTTP status of this run's errors: 400 where the request's own settings failed it, else 500."""
-        return 400 if self.rejected else 500
+        """The HTTP status of this run's errors: 404 where its adapter is gone, 400 where the request's own settings
+        failed it, else 500."""
+        return 404 if self.adapter_gone else 400 if self.rejected else 500
 
     def raise_for_errors(self) -> None:
         if self.errors:
+            why = "; ".join(dict.fromkeys(self.errors))
+            if self.adapter_gone:
+                raise model_not_found(f"The model this request names does not exist: {why}")
             if self.rejected:
-                raise bad_request("the engine cannot serve this request: " + "; ".join(dict.fromkeys(self.errors)))
+                raise bad_request("the engine cannot serve this request: " + why)
             raise ApiError(500, "generation failed: " + "; ".join(self.errors))
 
 

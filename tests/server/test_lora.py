@@ -132,6 +132,28 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
                       timeout=60).status_code == 404
 
 
+def test_a_request_whose_adapter_is_unloaded_while_it_is_prepared_is_a_404(updating_server):
+    """The front end found ``model`` among the adapters, then the engine no longer had it (unloaded meanwhile): the
+    404 of an unknown ``model``, not a 400 naming no field. The front end's stale list stands in for the race."""
+    import dataclasses
+
+    server, _, folder = updating_server
+    engine = server.runtime.engine
+    info = engine.model_info
+    engine.model_info = dataclasses.replace(info, lora_adapters=(*info.lora_adapters, ("gone", str(folder))))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        m = httpx.post(server.url + "/v1/messages", timeout=60, json={
+            "model": "gone", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    finally:
+        engine.model_info = info
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["param"] == "model" and error["code"] == "model_not_found", r.text
+    assert "'gone'" in error["message"]
+    assert m.status_code == 404 and m.json()["error"]["type"] == "not_found_error", m.text
+
+
 @pytest.mark.parametrize("breakage", ["config is a list", "lora_alpha null", "weights are a Git LFS pointer"])
 def test_a_malformed_adapter_is_a_400_and_the_engine_keeps_serving(updating_server, tmp_path, breakage):
     """Adapters broken in ways a user makes (a hand-edited config, an un-pulled LFS file) are refused naming
