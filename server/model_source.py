@@ -128,9 +128,9 @@ def resolve_tokenizer(value: str, model: str | os.PathLike | None, model_dir: Pa
 
 def served_name(value: str | os.PathLike | None, folder: Path) -> str:
     """The name clients send when `--served-model-name` is not given: the hub id (without revision) for a
-    downloaded model, the directory's name for a local one."""
+    downloaded model, the directory's own name for a local one, however it was spelled (`.`, `..`, `model/`)."""
     if value is not None:
         text = os.fspath(value)
         if not Path(text).expanduser().exists():
             return text.partition("@")[0]
-    return folder.name
+    return Path(os.path.abspath(folder)).name

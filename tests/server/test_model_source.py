@@ -100,3 +100,15 @@ def test_hf_token_reaches_the_hub_before_the_environment(demo_model_dir, tmp_pat
     assert resolve_model(REPO_ID) == demo_model_dir
     assert resolve_tokenizer("other/tok", REPO_ID, demo_model_dir, token="hf_flag") == demo_model_dir
     assert sent == ["hf_flag", "from-env", "hf_flag"]
+
+
+def test_a_local_model_is_served_under_its_directorys_name_however_spelled(tmp_path, monkeypatch):
+    """`ember serve .` (or `model/`, `..`) serves the model under the directory's name, never an empty one."""
+    from ember.server.model_source import served_name
+
+    model = tmp_path / "my-model"
+    (model / "sub").mkdir(parents=True)
+    monkeypatch.chdir(model)
+    for spelled, name in ((".", "my-model"), ("./", "my-model"), ("../my-model/", "my-model"), ("sub/..", "my-model"),
+                          ("sub/", "sub"), ("..", tmp_path.name)):
+        assert served_name(spelled, Path(spelled)) == name, spelled
