@@ -77,9 +77,25 @@ class SamplingDefaults:
         path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
         if not path.is_file():
             return cls()
-        defaults = cls.from_generation_config(json.loads(path.read_text()), str(path))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise _unusable(setting, path, f"cannot be read ({e.strerror or e})") from None
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise _unusable(setting, path, f"is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise _unusable(setting, path, "is not a JSON object")
+        defaults = cls.from_generation_config(raw, str(path))
         chosen = {f.name: getattr(defaults, f.name) for f in fields(cls) if getattr(defaults, f.name) is not None}
         if chosen:
             log.info("sampling defaults from %s: %s (--generation-config vllm ignores them)", path,
                      ", ".join(f"{k}={v}" for k, v in chosen.items()))
         return defaults
+
+
+def _unusable(setting: str, path: Path, why: str) -> Exception:
+    """The one-line StartupError for a generation_config.json that cannot be used, naming the flag and the file."""
+    from .startup import StartupError
+
+    return StartupError(f"--generation-config {setting}: {path} {why}; fix the file, or pass --generation-config "
+                        f"vllm to ignore it")

@@ -119,3 +119,18 @@ def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir,
         SamplingDefaults.load("auto", model, {"eos_token_id": 5})
     with pytest.raises(ValueError, match="max_new_tokens = 0"):
         SamplingDefaults.load("auto", model, {"max_new_tokens": 0})
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]", b"\xff\xfe"])
+def test_an_unusable_generation_config_names_the_flag_and_the_file(text, tmp_path):
+    """A generation_config.json that does not parse stops the start in one line naming `--generation-config` and
+    the file (not the model folder), whether it is the model's own (`auto`) or a folder's."""
+    from ember.server.startup import StartupError
+
+    path = tmp_path / "generation_config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    for setting in ("auto", str(tmp_path)):
+        with pytest.raises(StartupError) as e:
+            SamplingDefaults.load(setting, tmp_path)
+        said = str(e.value)
+        assert said.startswith(f"--generation-config {setting}: {path} ") and "\n" not in said, said
