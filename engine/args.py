@@ -4,8 +4,10 @@ Every setting is one dataclass field whose ``metadata`` says how it appears on t
 for a flag to exist), optionally ``flag`` (a non-default flag name), ``choices``, ``type`` (a parse function),
 ``min`` / ``max`` (inclusive bounds of a number, which must then also be finite), ``requires`` (the boolean field a
 switch needs), ``negatable`` (``--x/--no-x`` for a boolean), ``group`` (flags of one group are mutually exclusive),
-``metavar`` and ``positional``. `add_flags` turns any such dataclass into argparse arguments with the default shown in
-the help; `from_namespace` builds the dataclass back from the parsed arguments.
+``metavar``, ``aliases`` (other option strings, such as vLLM's ``-tp``) and ``positional`` (its ``type`` applied by
+`from_namespace`, after parsing, so that an unknown flag before it is reported as unknown rather than taken for it).
+`add_flags` turns any such dataclass into argparse arguments with the default shown in the help; `from_namespace`
+builds the dataclass back from the parsed arguments.
 """
 from __future__ import annotations
 
@@ -157,7 +159,8 @@ class EngineArgs:
                                           "projection and expert in e4m3 with a scale per output channel, W8A16); "
                                           "on a quantized checkpoint the name must be its own quantization, as in "
                                           "vLLM (fp8, modelopt, modelopt_fp4, compressed-tensors, mxfp4)",
-                                    choices=("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4"))
+                                    choices=("fp8", "modelopt", "modelopt_fp4", "compressed-tensors", "mxfp4"),
+                                    aliases=("-q",))
     tokenizer: str | None = _opt(None, "the tokenizer's folder (or Hugging Face id, fetched like the model's), when "
                                        "it is not the model's; its chat template is then the default", metavar="PATH",
                                  type=parse_tokenizer)
@@ -182,7 +185,7 @@ class EngineArgs:
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and the KV cache "
                                               "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
     tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N",
-                                     min=1)
+                                     min=1, aliases=("-tp",))
     enforce_eager: bool = _opt(False, "decode without CUDA graphs (on CUDA they are captured for decode batches)")
     async_scheduling: bool = _opt(False, "overlap the host's work for the next step (scheduling, inputs, outputs "
                                          "and stop checks) with the device's current step: the next step is "
@@ -321,8 +324,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         helptext = meta["help"] if "default:" in meta["help"] else f"{meta['help']} (default: {_show(default)})"
         if meta.get("positional"):
-            parser.add_argument(f.name, nargs="?", type=_flag_type(f), default=default,
-                                metavar=meta.get("metavar", f.name.upper()), help=helptext)
+            parser.add_argument(f.name, nargs="?", default=default, metavar=meta.get("metavar", f.name.upper()),
+                                help=helptext)
             continue
         target: Any = parser
         if "group" in meta:
@@ -347,12 +350,18 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
                 kw["choices"] = list(meta["choices"])
             if "metavar" in meta:
                 kw["metavar"] = meta["metavar"]
+        aliases = meta.get("aliases", ())
+        if aliases:
+            kw["help"] = f"{helptext}; also {', '.join(aliases)}"
         target.add_argument(flag, **kw)
+        for alias in aliases:  # an action of its own, so that an error names the spelling given
+            target.add_argument(alias, **{**kw, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS})
 
 
 def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
     """``cls`` built from the parsed arguments (fields without a flag keep their defaults; repeated flags become
-    tuples); SettingValueError, its message argparse's ``argument --x: ...``, for a switch given without the one it
+    tuples, a positional argument is parsed by its ``type``); SettingValueError, its message argparse's
+    ``argument --x: ...``, for a positional argument its ``type`` refuses or a switch given without the one it
     ``requires``."""
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
@@ -362,6 +371,11 @@ def from_namespace(cls: type[T], args: argparse.Namespace) -> T:
         v = getattr(args, f.name)
         if f.metadata.get("action") in ("append", "extend"):
             v = tuple(v) if v is not None else f.default
+        elif f.metadata.get("positional") and isinstance(v, str):
+            try:
+                v = _flag_type(f)(v)
+            except (SettingValueError, ValueError) as e:
+                raise SettingValueError(f"argument {f.metadata.get('metavar', f.name.upper())}: {e}") from None
         values[f.name] = v
     for name, v in values.items():
         needed = fields[name].metadata.get("requires")

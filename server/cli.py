@@ -47,17 +47,27 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
     for flag in ("--enable-auto-tool-choice", "--trust-remote-code", *_NO_EFFECT_SWITCHES):
-        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+        for spelling in (flag, *_SHORT_SPELLINGS.get(flag, ())):
+            p.add_argument(spelling, dest=flag[2:].replace("-", "_"), action="store_true", help=argparse.SUPPRESS)
     for flag, kind in _NO_EFFECT_VALUES.items():
         p.add_argument(flag, type=kind, help=argparse.SUPPRESS)
     for flag, served in _SERVED_CHOICES.items():
-        p.add_argument(flag, type=_one_of(flag, served), help=argparse.SUPPRESS)
+        for spelling in (flag, *_SHORT_SPELLINGS.get(flag, ())):
+            p.add_argument(spelling, dest=flag[2:].replace("-", "_"), type=_one_of(spelling, served),
+                           help=argparse.SUPPRESS)
     p.add_argument("--disable-frontend-multiprocessing", dest="in_process", action="store_true",
                    help=argparse.SUPPRESS)  # vLLM's spelling of --in-process
     for flag, served in (("--runner", ("auto", "generate", "pooling")),
                          ("--convert", ("auto", "none", "embed", "classify")),
                          ("--task", ("auto", "generate", "embed", "embedding", "classify", "score"))):
         p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(flag, served), help=argparse.SUPPRESS)
+
+
+_SHORT_SPELLINGS = {  # vLLM's short spellings of the flags below (-tp and -q are `EngineArgs` aliases)
+    "--pipeline-parallel-size": ("-pp",),
+    "--data-parallel-size": ("-dp",),
+    "--enable-expert-parallel": ("-ep",),
+}
 
 
 _NO_EFFECT_SWITCHES = (
@@ -108,8 +118,8 @@ def _served_kind(flag: str, served: tuple[str, ...]):
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The `ServeConfig` of parsed `ember serve` arguments; SettingValueError (``argument --x: ...``) for flags that
-    contradict each other."""
+    """The `ServeConfig` of parsed `ember serve` arguments; SettingValueError (``argument --x: ...``) for a MODEL
+    that is neither a directory nor a Hugging Face id, and for flags that contradict each other."""
     config = from_namespace(ServeConfig, args)
     if isinstance(config.served_model_name, list):  # --served-model-name NAME [NAME ...]
         config.served_model_name, *aliases = config.served_model_name
@@ -123,7 +133,28 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         value = getattr(args, f"{name}_flag", None)
         if value in ("classify", "score"):
             config.classifier_flag = f"--{name} {value}"
+    _check_lora_names(config)
     return config
+
+
+def _check_lora_names(config: ServeConfig) -> None:
+    """SettingValueError naming --lora-modules when an adapter would take a name of the served model (its
+    --served-model-name names, else the name it is served under by default), as the runtime load route refuses."""
+    from ember.engine.args import parse_lora_module
+
+    from .model_source import served_name
+
+    if config.served_model_name:
+        names = (config.served_model_name, *config.served_model_aliases)
+    elif config.model_dir is not None:
+        names = (served_name(config.model_dir, config.model_dir),)
+    else:
+        names = ("demo",)  # the built-in demo model's directory
+    for module in config.lora_modules:
+        name = parse_lora_module(module)[0]
+        if name in names:
+            raise SettingValueError(f"argument --lora-modules: {name!r} is a name of the served model; give the "
+                                    f"adapter another name")
 
 
 def serve(config: ServeConfig) -> int:
@@ -157,7 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ember.engine import quantize
 
         return int(quantize.main(argv[1:]) or 0)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        flags = [x.partition("=")[0] for x in extras if x.startswith("-") and x != "-"]
+        serve_parser.error(f"unknown flag{'s' * (len(flags) > 1)} {', '.join(flags)}" if flags else
+                           f"unrecognized arguments: {' '.join(extras)}")
     try:
         config = serve_config(args)
     except SettingValueError as e:

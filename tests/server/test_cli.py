@@ -235,3 +235,37 @@ def test_the_help_says_what_the_flags_accept(capsys):
     override = out[out.index("--override-generation-config JSON"):out.index("--default-chat-template-kwargs JSON")]
     assert "repetition_penalty, max_new_tokens" in override
     assert "default: none" not in out[out.index("--dtype {"):out.index("--device")]
+
+
+def test_vllm_short_flags_and_an_unknown_flag_before_model(monkeypatch, capsys):
+    """`vllm serve -tp 2 -q fp8 MODEL` carries over; an unknown flag is reported as one, not as a bad MODEL."""
+    seen = _stub_serve(monkeypatch)
+    assert main(["serve", "-tp", "2", "-q", "fp8", "-pp", "1", "-dp", "1", "-ep", "org/x"]) == 0
+    c = seen[-1]
+    assert (str(c.model_dir), c.tensor_parallel_size, c.quantization) == ("org/x", 2, "fp8")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "-tp", "0", "org/x"])
+    assert e.value.code == 2 and "argument -tp: 0 is out of range" in capsys.readouterr().err  # the spelling given
+    for argv, said in ((["--no-such-flag", "2", "org/x"], "unknown flag --no-such-flag "),
+                       (["-zz", "org/x", "--bogus=1"], "unknown flags -zz, --bogus ")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "MODEL" not in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "not a model"])
+    assert e.value.code == 2 and "argument MODEL: not a model: no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--served-model-name", "qwen", "gpt-4o", "--lora-modules", "gpt-4o=/a"], "gpt-4o"),
+    (["--served-model-name", "qwen", "--lora-modules", "sql=/a", '{"name": "qwen", "path": "/b"}'], "qwen"),
+    (["org/x@v1", "--lora-modules", "org/x=/a"], "org/x"),
+    (["--lora-modules", "demo=/a"], "demo")])
+def test_a_lora_adapter_may_not_take_a_name_of_the_served_model(argv, name, monkeypatch, capsys):
+    seen = _stub_serve(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and not seen
+    assert err.startswith(f"ember serve: error: argument --lora-modules: {name!r} is a name of the served model"), err
