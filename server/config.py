@@ -79,9 +79,10 @@ class ServeConfig(EngineArgs):
         "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
                 "GET /v1/responses/ID, least recently used out first; 0 stores none", "min": 0})
     generation_config: str = field(default="auto", metadata={
-        "help": "where requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take them "
-                "from: 'auto' (the model's generation_config.json, as vLLM does), 'vllm' (neutral values: "
-                "temperature 1, no truncation, no penalty) or a folder with a generation_config.json; default: auto",
+        "help": "the defaults of requests that leave them unset, from generation_config.json's temperature, "
+                "top_p, top_k, min_p, repetition_penalty and max_new_tokens (the length of a chat or responses "
+                "reply that sets no limit): 'auto' reads the model's (as vLLM does), a folder its own, 'vllm' none "
+                "(temperature 1, no truncation, no penalty, replies up to the context's end); default: auto",
         "type": lambda text: parse_generation_config(text)})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE comment (': keep-alive') on a stream that has been silent this long (prefill, "
