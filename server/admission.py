@@ -332,6 +332,13 @@ class Run:
         failed it, else 500."""
         return 404 if self.adapter_gone else 400 if self.rejected else 500
 
+    def stream_errors(self) -> list[ApiError]:
+        """This run's errors as the error events a stream ends with: the 404 naming ``model`` where its adapter is
+        gone, else each with `error_status`."""
+        if self.adapter_gone:
+            return [model_not_found(e) for e in self.errors]
+        return [ApiError(self.error_status, e) for e in self.errors]
+
     def raise_for_errors(self) -> None:
         if self.errors:
             why = "; ".join(dict.fromkeys(self.errors))
@@ -371,5 +378,5 @@ async def collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def stream_error(message: str, status: int = 500) -> str:
-    return sse_line(openai_error_body(ApiError(status, message)))
+def stream_error(err: ApiError) -> str:
+    return sse_line(openai_error_body(err))

@@ -72,7 +72,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
             text = encs[step.index].step_sse(first_call_only(step) if single_call else step)
             if text:
                 yield text
-    tail = [stream_error(err, run.error_status) for err in run.errors]
+    tail = [stream_error(err) for err in run.stream_errors()]
     if meta.include_usage:
         tail.append(sse_line(usage_chunk(meta, _chat_usage(len(prompt_ids), run))))
     tail.append("data: [DONE]\n\n")
@@ -283,7 +283,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 async for group in it:
                     if group:
                         yield "".join(sse_line(ch) for ch in group)
-            tail = [stream_error(err, run.error_status) for err in run.errors]
+            tail = [stream_error(err) for err in run.stream_errors()]
             if include_usage:
                 tail.append(sse_line(usage_chunk(meta, completion_usage(), "text_completion")))
             tail.append("data: [DONE]\n\n")
@@ -358,7 +358,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                     if evs:
                         yield "".join(sse_event(ev) for ev in evs)
             if run.errors:
-                yield "".join(sse_event(anthropic_error_body(ApiError(run.error_status, err))) for err in run.errors)
+                yield "".join(sse_event(anthropic_error_body(err)) for err in run.stream_errors())
         return EventStreamResponse(stream(), st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
     collected = await collect(request, noted_steps(st, req, run, not parallel))
     run.raise_for_errors()

@@ -3,6 +3,8 @@ adapter runs under it on every route, its response carries the adapter's name, `
 the served model as their parent, and an unknown name is a 404 that lists what is served."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import numpy as np
 import pytest
@@ -146,12 +148,16 @@ def test_a_request_whose_adapter_is_unloaded_while_it_is_prepared_is_a_404(updat
                        timeout=60)
         m = httpx.post(server.url + "/v1/messages", timeout=60, json={
             "model": "gone", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        streamed = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "gone", "prompt": "hi", "max_tokens": 2, "stream": True}).text
     finally:
         engine.model_info = info
     error = r.json()["error"]
     assert r.status_code == 404 and error["param"] == "model" and error["code"] == "model_not_found", r.text
     assert "'gone'" in error["message"]
     assert m.status_code == 404 and m.json()["error"]["type"] == "not_found_error", m.text
+    event = json.loads(next(line[6:] for line in streamed.splitlines() if line.startswith('data: {"error"')))["error"]
+    assert (event["code"], event["param"]) == ("model_not_found", "model"), streamed  # a stream's error event too
 
 
 @pytest.mark.parametrize("breakage", ["config is a list", "lora_alpha null", "weights are a Git LFS pointer"])
