@@ -20,6 +20,7 @@ from typing import Any
 
 from ember.engine import wire
 from ember.engine.client import apply_lora_update
+from ember.engine.params import RequestOutput
 
 log = logging.getLogger("ember.engine.core")
 
@@ -149,9 +150,16 @@ class _Core:
                 return
             self._add(rid, prompt, params, None)
         elif kind == "abort":
+            ended = []
             for rid in msg[1]:
-                if self.building.pop(rid, None) is None:
+                built = self.building.pop(rid, None)
+                if built is None:
                     self.engine.abort(rid)
+                else:  # its grammar was still compiling: it ends here, as the engine ends an aborted request
+                    ended.append(RequestOutput(rid, [], finished=True, finish_reason="abort",
+                                               num_prompt_tokens=len(built[1])))
+            if ended:
+                self._send_step(ended)
         elif kind == "lora":
             _, token, name, path = msg
             try:
