@@ -89,6 +89,9 @@ def validate_params(p: SamplingParams, vocab_size: int, max_logprobs: int = 20) 
         v = getattr(p, name)
         if not -2 <= v <= 2:
             raise ValueError(f"{name} must be in [-2, 2], got {v}")
+    for tok, bias in (p.logit_bias or {}).items():
+        if not -100 <= bias <= 100:  # the OpenAI API's range; an infinite or NaN bias would poison the softmax
+            raise ValueError(f"logit_bias of token {tok} must be in [-100, 100], got {bias}")
     most = vocab_size if max_logprobs < 0 else min(max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(p, name)

@@ -201,7 +201,9 @@ def test_top_k_one_is_greedy_and_repetition_penalty_avoids_repeats(demo_model_di
 def test_invalid_requests_name_the_field(demo_model_dir):
     eng = _engine(demo_model_dir)
     for params, field in [(SamplingParams(temperature=-1), "temperature"), (SamplingParams(top_p=0), "top_p"),
-                          (SamplingParams(max_tokens=0), "max_tokens"), (SamplingParams(logprobs=50), "logprobs")]:
+                          (SamplingParams(max_tokens=0), "max_tokens"), (SamplingParams(logprobs=50), "logprobs"),
+                          (SamplingParams(logit_bias={5: float("inf")}), "logit_bias"),
+                          (SamplingParams(logit_bias={5: float("nan")}), "logit_bias")]:
         with pytest.raises(ValueError, match=field):
             eng.add_request([1, 2, 3], params)
     with pytest.raises(ValueError, match="outside the vocabulary"):
