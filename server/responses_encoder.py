@@ -210,7 +210,8 @@ class ResponseEncoder:
             self.status, self.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
         elif end.reason in ("error", "abort"):
             message = end.error or "the request was aborted"
-            self.status, self.error = "failed", {"code": "server_error", "message": message}
+            code = "invalid_prompt" if end.rejected else "server_error"  # the request's own settings failed it
+            self.status, self.error = "failed", {"code": code, "message": message}
         else:
             self.status = "completed"
             self.completed_at = int(time.time())

@@ -132,3 +132,5 @@ def test_a_failed_generation_ends_in_response_failed():
     assert final["type"] == "response.failed" and final["response"]["status"] == "failed"
     assert final["response"]["error"] == {"code": "server_error", "message": "boom"}
     assert final["response"]["output"][0]["content"][0]["text"] == "a"
+    refused = _encode([ChoiceStep(0, [], [], ChoiceEnd("error", error="too long", rejected=True))])[-1]
+    assert refused["response"]["error"] == {"code": "invalid_prompt", "message": "too long"}  # the client's fault
