@@ -80,11 +80,11 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|function-
 
 
 def field_path(loc: Sequence[Any]) -> str:
-    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root, without
-    pydantic's union-member tags such as `str` or `list[...]` or model class names, and without the tag value a
-    discriminated list's item carries after its index)."""
+    """`("body", "messages", 0, "role")` -> `messages[0].role` (the request field, without the `body` root or a
+    query parameter's `query`, without pydantic's union-member tags such as `str` or `list[...]` or model class
+    names, and without the tag value a discriminated list's item carries after its index)."""
     parts = list(loc)
-    if parts and parts[0] == "body":
+    if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
     out = ""
     tagged = False  # the last tag was a discriminated union's: its item's tag value follows the index

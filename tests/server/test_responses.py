@@ -382,3 +382,6 @@ def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
     assert only.role == "user" and only.content[0].text == "Hi"
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_missing")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.input_items.list(text.id, limit=0)
+    assert bad.value.body["param"] == "limit"  # the query parameter, not "query.limit"
