@@ -58,6 +58,7 @@ class OutputPipeline:
         self._texts = tb.text_table
         self._size = tb.vocab_size
         self._delims: dict[int, str] = {i: t for t, i in delimiter_ids.items() if i is not None}
+        self._delims_as_text = frozenset(self._delims.keys() - tb.special_ids)  # in the raw text stop strings see
         drop = set(special_ids_to_drop)
         for t in profile.end_of_turn:
             i = tb.added_token_id(t)
@@ -97,9 +98,18 @@ class OutputPipeline:
         for tid in token_ids:
             delim = delims.get(tid)
             if delim is not None:
-                if self._flush_text(events):
+                as_text = stop is not None and tid in self._delims_as_text
+                if self._flush_text(events, hold=as_text):
                     break
                 self._count += 1
+                if as_text:  # a stop string may end in its text: what it releases is text before the delimiter
+                    text = stop.delimiter(delim, self._count > self._min_tokens)
+                    if text:
+                        events += mfeed(None, text)
+                    if stop.stopped:
+                        self._stopped_now()
+                        used += 1
+                        break
                 channels.append(DELIMITER)
                 events += mfeed(tid, delim)
             elif tid in drop:
@@ -151,8 +161,9 @@ class OutputPipeline:
         self._asm = Utf8Assembler()
 
     # ----------------------------------------------------------------------------------------------- helpers
-    def _flush_text(self, events: list[Event]) -> bool:
-        """Text withheld by the assembler and the stop matcher goes to the machine; True if a stop matched."""
+    def _flush_text(self, events: list[Event], hold: bool = False) -> bool:
+        """Text withheld by the assembler and the stop matcher goes to the machine (the matcher's stays withheld with
+        ``hold``); True if a stop matched."""
         text = self._asm.flush()
         stop = self._stop
         if stop is not None:
@@ -162,7 +173,8 @@ class OutputPipeline:
                     events += self._machine.feed(None, text)
                 self._stopped_now()
                 return True
-            text += stop.flush()
+            if not hold:
+                text += stop.flush()
         if text:
             events += self._machine.feed(None, text)
         return False

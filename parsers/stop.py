@@ -1,10 +1,11 @@
 """Stop strings matched on the raw output text, withholding what may still become a match (design A.11).
 
-The matcher sees the text of every token that is not a single-token delimiter, before any parsing; a delimiter token
-is structure, not text, so it ends any partial match (the pipeline flushes the matcher before routing it). On a match
-the text is cut at the start of the stop string (or just after it with ``include_stop_str_in_output``) and the caller
-ends the request; nothing after the match is ever released. The match is the stop string that is complete first (the
-earliest end; of those, the longest), which makes the result independent of how the text is chunked. Text fed with
+The matcher sees the raw text of the output before any parsing. A single-token delimiter is structure: a stop string
+may end in its text where the token is not special (as in vLLM, whose text holds it), but no partial match runs past
+it (`delimiter`). On a match the text is cut at the start of the stop string (or just after it with
+``include_stop_str_in_output``) and the caller ends the request; nothing after the match is ever released. The
+match is the stop string that is complete first (the earliest end; of those, the longest), which makes the result
+independent of how the text is chunked. Text fed with
 ``check=False`` (the tokens up to ``min_tokens``, as vLLM) is withheld the same way but cannot end a match: a stop
 string counts only when it ends in checked text. Work per call is bounded by the text fed plus the longest stop string.
 """
@@ -57,6 +58,18 @@ class StopMatcher:
                 return s[:-k]
         self._held, self._quiet = "", 0
         return s
+
+    def delimiter(self, text: str, check: bool = True) -> str:
+        """A delimiter token's ``text``, which the caller routes as structure: a stop string may end in it, but no
+        partial match runs past it. The text to route as plain text before the delimiter: with a match, what `feed`
+        releases (the withheld text and the delimiter's text before the match, or through it with
+        ``include_stop_str_in_output``); without, the withheld text."""
+        held = self._held
+        released = self.feed(text, check)
+        if self.stopped:
+            return released
+        self._held, self._quiet = "", 0
+        return held
 
     def flush(self) -> str:
         """Release the withheld text: no later text can complete a match (a delimiter came, or the output ended)."""

@@ -539,6 +539,30 @@ def test_stop_string_in_reasoning_stops_there():
     assert f.reasoning == "I will " and f.content == ""
 
 
+def test_a_stop_string_may_end_in_a_non_special_delimiters_text():
+    """Qwen3's <think> and <tool_call> are ordinary added tokens, part of the raw text stop strings see (as in
+    vLLM): a stop string ending in one cuts the reply there, in any chunking; a partial match never runs past one."""
+    s = setup("qwen3")
+    d = s.delimiter_ids
+    ids = [d["<think>"]] + ids_of("hmm") + [d["</think>"]] + ids_of("Hello ") + [d["<tool_call>"]] + ids_of("x")
+    for stop, include, reasoning, content, used in (
+            (["</think>"], False, "hmm", "", 1 + len(ids_of("hmm")) + 1),
+            (["o <tool_call>"], False, "hmm", "Hell", len(ids) - 1),
+            (["<tool_call>"], True, "hmm", "Hello <tool_call>", len(ids) - 1),
+            (["_call>"], False, "hmm", "Hello <tool", len(ids) - 1)):
+        for size in (1, 2, len(ids)):
+            p, events, n = pipe(s, R, stop=stop, include_stop_str_in_output=include), [], 0
+            for i in range(0, len(ids), size):
+                step = p.feed(ids[i:i + size])
+                events, n = events + step.events, n + step.tokens_used
+                if step.stopped:
+                    break
+            f = fold(events + p.finish("stop"))
+            assert (f.reasoning, f.content, n, p.matched_stop) == (reasoning, content, used, stop[0]), (stop, size)
+    across = parse_all(pipe(s, R, stop=["</think>Hel"]), ids)  # would run past the delimiter: no match
+    assert (across.reasoning, across.content) == ("hmm", "Hello <tool_call>x")  # no tools: the tag is text
+
+
 def test_abort_emits_nothing_more():
     s = setup("qwen3")
     p = pipe(s, R)
