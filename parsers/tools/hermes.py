@@ -2,7 +2,9 @@
 
 The wrapper object is scanned incrementally (`parsers.json_stream.HermesWrapper`); the arguments value passes through
 as the model's own bytes. Pieces before the name is known are buffered (the name may come after the arguments) and
-released, in order, once it is. A name or key string longer than `MAX_NAME` makes the call Malformed from there.
+released, in order, once it is. A name or key string longer than `MAX_NAME` makes the call Malformed from there. A
+named call that streamed no arguments (none written, an empty value, a wrapper broken or closed after the name) has
+`"{}"`; one the output's end cut has what it streamed.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class HermesSyntax(ToolSyntax):
         super().__init__(machine, tools)
         self._wrapper: HermesWrapper | None = None
         self._pre: list[tuple[str, str]] = []     # pieces before the name is known
+        self._sent = False                        # the open call has streamed arguments
 
     def handlers(self) -> dict[str, Handler]:
         return {TOOL_PREAMBLE: self._preamble_text, TOOL_JSON: self._json_text}
@@ -29,7 +32,7 @@ class HermesSyntax(ToolSyntax):
             m = self.m
             if m.call_open:
                 m.drop(self._wrapper.pending_raw, "tool call wrapper")
-                m.end_call()
+                self._end_call(cut=at_finish)
             else:
                 m.malformed(self._pre_raw(), "tool call cut short")
 
@@ -50,7 +53,7 @@ class HermesSyntax(ToolSyntax):
         for kind, text in pieces:
             if m.call_open:
                 if kind == "args":
-                    m.args(text)
+                    self._args(text)
                 else:
                     m.drop(text, "tool call wrapper")
             elif kind == "name":
@@ -63,12 +66,12 @@ class HermesSyntax(ToolSyntax):
         elif w.error is not None:
             if not m.call_open:
                 m.malformed(self._pre_raw(), w.error)
+            elif not self._sent:
+                self._args("{}")  # the machine ends the call at its closer
             m.state = BAD_CALL
         elif w.done:
             if m.call_open:
-                if not w.has_args:
-                    m.args("{}")
-                m.end_call()
+                self._end_call()
             else:
                 m.malformed(self._pre_raw(), "tool call without a name")
             m.state = TOOL_BETWEEN
@@ -82,11 +85,23 @@ class HermesSyntax(ToolSyntax):
             m.drop(pre[k][1], "tool call wrapper")
             k += 1
         m.start_call(name)
+        self._sent = False
         for kind, text in pre[k:]:
             if kind == "args":
-                m.args(text)
+                self._args(text)
             else:
                 m.drop(text, "tool call wrapper")
+
+    def _args(self, text: str) -> None:
+        if text:
+            self._sent = True
+            self.m.args(text)
+
+    def _end_call(self, cut: bool = False) -> None:
+        """End the open call: `"{}"` where it streamed no arguments, unless the output was cut (as far as it got)."""
+        if not self._sent and not cut:
+            self._args("{}")
+        self.m.end_call()
 
     def _pre_raw(self) -> str:
         raw = "".join(t for _, t in self._pre) + (self._wrapper.pending_raw if self._wrapper else "")

@@ -240,3 +240,15 @@ def test_hermes_name_or_key_longer_than_max_name_is_malformed_and_the_next_call_
     calls = [(c.name, c.arguments) for c in whole.tool_calls]
     assert calls[-1] == ("g", '{"x": 1}') and len(calls) == (1 if where == "name" else 2)
     assert max(len(m.text) for m in whole.malformed) < len(long)
+
+
+@pytest.mark.parametrize("body", ['{"name": "f"; "arguments": {"a": 1}}', '{"name": "f", "arguments": }',
+                                  '{"name": "f"}'])
+def test_hermes_call_whose_arguments_never_streamed_has_empty_object_arguments(body):
+    """A named call whose wrapper breaks, or closes, before any arguments streamed has "{}" (clients json.loads it);
+    the text after the break is malformed, never arguments."""
+    tok, _ = chatml()
+    s = setup("qwen3")
+    ids = [s.delimiter_ids["<tool_call>"], *encode_text(tok, "\n" + body + "\n"), s.delimiter_ids["</tool_call>"]]
+    whole = check_invariants(s, C, ids, exact_bytes=False, tools=CODER_TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [("f", {})], whole.tool_calls
