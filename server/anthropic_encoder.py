@@ -3,9 +3,12 @@
 Per design A.13: `message_start`, then a content block per channel run (`thinking` with `thinking_delta`s and a
 `signature_delta` before its stop; `text` with `text_delta`s; `tool_use` with `input_json_delta`s carrying the same
 fragments as OpenAI `arguments`; stray text inside a call follows its block, which is never split), then
-`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. The non-streaming `message` is built from
-the one fold of the parser events (`parsers.result.fold`): its content blocks are the fold's ordered runs, which are
-exactly the blocks the stream opens and closes.
+`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. Usage follows Anthropic's buckets:
+`input_tokens` are the prompt tokens not read from the prefix cache, `cache_read_input_tokens` those that were; the
+cache hit is known only at the end, so `message_start` counts the whole prompt and `message_delta` corrects it.
+With `omit_thinking` (``thinking.display: "omitted"``) thinking blocks carry no text, only their signature. The
+non-streaming `message` is built from the one fold of the parser events (`parsers.result.fold`): its content blocks
+are the fold's ordered runs, which are exactly the blocks the stream opens and closes.
 """
 from __future__ import annotations
 
@@ -24,11 +27,13 @@ from .choice import ChoiceEnd, ChoiceStep
 class MessageEncoder:
     """One response's events -> Anthropic stream events; blocks open and close as the channel changes."""
 
-    def __init__(self, message_id: str, model: str, input_tokens: int, cached_tokens: int | None = None):
+    def __init__(self, message_id: str, model: str, input_tokens: int, cached_tokens: int | None = None,
+                 omit_thinking: bool = False):
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
+        self.omit_thinking = omit_thinking
         self.output_tokens = 0
         self.block_index = -1
         self.block_kind: str | None = None  # "thinking" | "text" | "tool_use"
@@ -41,7 +46,7 @@ class MessageEncoder:
         return [{"type": "message_start", "message": self._head()}, {"type": "ping"}]
 
     def _head(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {"input_tokens": self.input_tokens, "output_tokens": 0}
+        usage: dict[str, Any] = {"input_tokens": self.input_tokens - (self.cached_tokens or 0), "output_tokens": 0}
         if self.cached_tokens is not None:
             usage["cache_read_input_tokens"] = self.cached_tokens
         return {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -108,8 +113,9 @@ class MessageEncoder:
                               else {"type": "text", "text": ""})
         if kind == "thinking":
             self._sig.update(text.encode())
-            out.append({"type": "content_block_delta", "index": self.block_index,
-                        "delta": {"type": "thinking_delta", "thinking": text}})
+            if not self.omit_thinking:
+                out.append({"type": "content_block_delta", "index": self.block_index,
+                            "delta": {"type": "thinking_delta", "thinking": text}})
         else:
             out.append({"type": "content_block_delta", "index": self.block_index,
                         "delta": {"type": "text_delta", "text": text}})
@@ -133,6 +139,7 @@ class MessageEncoder:
     def _message_delta(self, end: ChoiceEnd) -> dict[str, Any]:
         usage: dict[str, Any] = {"output_tokens": self.output_tokens}
         if end.cached_tokens is not None:
+            usage["input_tokens"] = self.input_tokens - end.cached_tokens
             usage["cache_read_input_tokens"] = end.cached_tokens
         return {"type": "message_delta",
                 "delta": {"stop_reason": self.stop_reason(end),
@@ -156,7 +163,8 @@ class MessageEncoder:
         for b in out.blocks:
             if b.kind == "reasoning":
                 sig = base64.b64encode(hashlib.sha256(b.text.encode()).digest()).decode()
-                message["content"].append({"type": "thinking", "thinking": b.text, "signature": sig})
+                message["content"].append({"type": "thinking", "thinking": "" if self.omit_thinking else b.text,
+                                           "signature": sig})
             elif b.kind == "content":
                 message["content"].append({"type": "text", "text": b.text})
             else:

@@ -345,7 +345,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
         raise flat_tool_fields(e, "input_schema") from None
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids))
+    enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking)
     run = Run()
 
     if body.stream:

@@ -167,11 +167,13 @@ def _tool_result_text(block: pa.ToolResultBlock, field: str) -> Content:
 def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                        messages: Sequence[pa.Message]) -> list[dict[str, Any]]:
     """Anthropic system + messages -> template messages: `thinking` blocks become the assistant's
-    `reasoning_content`, `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages."""
+    `reasoning_content`, `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages. A system without
+    text (``""``, ``[]``, empty blocks) is no system turn, so the template's default system prompt stays."""
     out: list[dict[str, Any]] = []
     if system is not None:
         text: Content = system if isinstance(system, str) else _texts(system, "system")
-        out.append({"role": "system", "content": text})
+        if "".join(text):
+            out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         field = f"messages[{i}].content"
         if isinstance(m.content, str):

@@ -33,7 +33,7 @@ class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
-    is_error: bool | None = None
+    is_error: bool | None = Field(default=None, strict=True)
 
 
 class ThinkingBlock(_Lenient):
@@ -68,7 +68,7 @@ class ToolDef(_Lenient):
 class ToolChoice(_Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: bool | None = Field(default=None, strict=True)
 
     @model_validator(mode="after")
     def _named(self) -> "ToolChoice":
@@ -79,7 +79,8 @@ class ToolChoice(_Lenient):
 
 class ThinkingConfig(_Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_tokens: int | None = Field(default=None, ge=0, strict=True)
+    display: Literal["summarized", "omitted"] | None = None  # "omitted": thinking blocks keep only their signature
 
 
 class OutputFormat(_Lenient):
@@ -95,12 +96,29 @@ class OutputConfig(_Lenient):
 
 
 class _MessagesBase(_Lenient):
+    """Numbers and switches are taken only as JSON numbers and booleans, as Anthropic takes them (no ``"3"`` for 3,
+    no ``true`` for 1, no ``"yes"`` for true)."""
+
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+
+    @property
+    def omits_thinking(self) -> bool:
+        """Whether thinking blocks are returned with their signature only (``thinking.display: "omitted"``)."""
+        return self.thinking is not None and self.thinking.display == "omitted"
+
+    @model_validator(mode="after")
+    def _contents(self) -> "_MessagesBase":
+        last = len(self.messages) - 1
+        for i, m in enumerate(self.messages):
+            if not m.content and not (i == last and m.role == "assistant"):
+                raise ValueError(f"messages[{i}].content: all messages must have non-empty content except for the "
+                                 "optional final assistant message")
+        return self
 
     @model_validator(mode="after")
     def _tools(self) -> "_MessagesBase":
@@ -109,6 +127,8 @@ class _MessagesBase(_Lenient):
                 raise ValueError(f"tools[{i}]: server tool type {t.type!r} is not supported")
             if t.input_schema is None:
                 raise ValueError(f"tools[{i}].input_schema is required")
+            if t.input_schema.get("type") != "object":
+                raise ValueError(f"tools[{i}].input_schema.type must be 'object'")
         if self.tool_choice is not None and self.tool_choice.type in ("any", "tool") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if self.tool_choice is not None and self.tool_choice.type == "tool":
@@ -118,9 +138,6 @@ class _MessagesBase(_Lenient):
 
 
 class MessagesRequest(_MessagesBase):
-    """Numbers and switches are taken only as JSON numbers and booleans, as Anthropic takes them (no ``"3"`` for 3,
-    no ``true`` for 1, no ``"yes"`` for true)."""
-
     max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = None
     stream: bool = Field(default=False, strict=True)
@@ -128,7 +145,7 @@ class MessagesRequest(_MessagesBase):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(default=None, ge=-1, strict=True)
     metadata: dict[str, Any] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # extension: reproducible sampling
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64, strict=True)  # extension: reproducible sampling
     output_config: OutputConfig | None = None
 
     @model_validator(mode="after")

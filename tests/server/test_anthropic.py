@@ -17,6 +17,11 @@ WEATHER = {
 }
 
 
+def _prompt_tokens(usage) -> int:
+    """The whole prompt of a reply: Anthropic counts cache reads apart from `input_tokens`."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 def _raw_events(server, body):
     with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -40,7 +45,7 @@ def test_message_and_stream_agree_greedy(any_server):
     assert msg.stop_reason in ("end_turn", "max_tokens")
     assert msg.usage.output_tokens <= 12
     count = client.messages.count_tokens(model=any_server.model, messages=HI)
-    assert count.input_tokens == msg.usage.input_tokens
+    assert count.input_tokens == _prompt_tokens(msg.usage)
     with client.messages.stream(**kw) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == msg.content[0].text
@@ -91,7 +96,23 @@ def test_thinking_blocks_with_budget(request, which):
     follow = client.messages.create(model=demo_server.model, max_tokens=2, messages=[
         *HI, {"role": "assistant", "content": [c.model_dump() for c in msg.content]},
         {"role": "user", "content": "Again."}])
-    assert follow.usage.input_tokens > msg.usage.input_tokens
+    assert _prompt_tokens(follow.usage) > _prompt_tokens(msg.usage)
+
+
+def test_thinking_display_omitted_keeps_only_the_signature(demo_server):
+    """`thinking.display: "omitted"` returns thinking blocks with empty text and the signature the shown thought
+    gets, streamed and not; the rest of the reply is unchanged."""
+    client = demo_server.anthropic()
+    kw = dict(model=demo_server.model, max_tokens=6, messages=HI, extra_body={"temperature": 1.0, "seed": 3})
+    shown = client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 3})
+    omitted_kw = dict(kw, thinking={"type": "enabled", "budget_tokens": 3, "display": "omitted"})
+    omitted = client.messages.create(**omitted_kw)
+    assert shown.content[0].type == "thinking" and shown.content[0].thinking
+    assert omitted.content[0].model_dump() == {**shown.content[0].model_dump(), "thinking": ""}
+    assert omitted.content[1:] == shown.content[1:]
+    with client.messages.stream(**omitted_kw) as stream:
+        final = stream.get_final_message()
+    assert [b.to_dict() for b in final.content] == [b.to_dict() for b in omitted.content]
 
 
 def test_forced_tool_use(any_server):
@@ -115,7 +136,7 @@ def test_forced_tool_use(any_server):
         {"role": "assistant", "content": [b.model_dump() for b in msg.content if b.type == "tool_use"]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "18C"},
                                      {"type": "text", "text": "And tomorrow?"}]}])
-    assert follow.usage.input_tokens > msg.usage.input_tokens
+    assert _prompt_tokens(follow.usage) > _prompt_tokens(msg.usage)
 
 
 def test_a_forced_call_cut_by_max_tokens_is_never_text(demo_server):
@@ -226,6 +247,19 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
      ["output_config.format.schema"]),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["server tool type 'web_search_20250305'"]),
     ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+    ({"tools": [{"name": "f", "input_schema": {}}]}, ["tools[0].input_schema.type"]),
+    ({"tools": [WEATHER, {"name": "f", "input_schema": {"type": "string"}}], "tool_choice": {"type": "any"}},
+     ["tools[1].input_schema.type", "'object'"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": True}}, ["thinking.budget_tokens"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": "3"}}, ["thinking.budget_tokens"]),
+    ({"thinking": {"type": "enabled", "budget_tokens": 3, "display": "hidden"}}, ["thinking.display"]),
+    ({"tools": [WEATHER], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     ["tool_choice.disable_parallel_tool_use"]),
+    ({"seed": "7"}, ["'seed'"]),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}]},
+     ["messages[0].content[0].is_error"]),
+    ({"messages": [{"role": "user", "content": ""}]}, ["messages[0].content", "non-empty"]),
+    ({"messages": [*HI, {"role": "assistant", "content": []}, *HI]}, ["messages[1].content", "non-empty"]),
     ({"max_tokens": "3"}, ["'max_tokens'", "integer"]),
     ({"max_tokens": True}, ["'max_tokens'"]),
     ({"stream": "yes"}, ["'stream'", "boolean"]),
@@ -243,7 +277,23 @@ def test_bad_requests_name_the_anthropic_field(demo_server, extra, names):
     assert "function." not in message and "response_format" not in message
 
 
-@pytest.mark.parametrize("tools", [[{**WEATHER, "name": "bad name"}], [WEATHER, WEATHER]])
+def test_an_empty_system_or_final_assistant_message_is_as_absent(demo_server):
+    """An empty system (``""``, ``[]``, empty text blocks) renders no system turn, so the template's default system
+    prompt stays; a final assistant message may be empty (the only message that may)."""
+    def count(**extra) -> int:
+        r = httpx.post(demo_server.url + "/v1/messages/count_tokens", json={"model": demo_server.model, **extra},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    plain = count(messages=HI)
+    assert [count(messages=HI, system=s) for s in ("", [], [{"type": "text", "text": ""}])] == [plain] * 3
+    assert count(messages=HI, system="Be brief.") > plain
+    assert count(messages=[*HI, {"role": "assistant", "content": ""}]) > 0
+
+
+@pytest.mark.parametrize("tools", [[{**WEATHER, "name": "bad name"}], [WEATHER, WEATHER],
+                                   [{"name": "f", "input_schema": {}}]])
 def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools):
     """A client that counts a prompt before sending it learns of a bad tool list from either endpoint, in the same
     words."""

@@ -94,15 +94,20 @@ def test_openai_usage_reports_prompt_tokens_served_from_the_prefix_cache(demo_se
 
 
 def test_anthropic_usage_reports_cache_read_input_tokens(demo_server):
+    """Anthropic's buckets: `input_tokens` are the prompt tokens not read from the cache, so the two add up to the
+    whole prompt (what count_tokens counts), streamed or not."""
     client = demo_server.anthropic()
     messages = [{"role": "user", "content": _unique_prompt()}]
     first = client.messages.create(model="ember-demo", max_tokens=2, messages=messages)
     second = client.messages.create(model="ember-demo", max_tokens=2, messages=messages)
-    assert first.usage.cache_read_input_tokens == 0
-    assert 16 <= second.usage.cache_read_input_tokens < second.usage.input_tokens
+    prompt = client.messages.count_tokens(model="ember-demo", messages=messages).input_tokens
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.input_tokens == prompt
+    assert 16 <= second.usage.cache_read_input_tokens < prompt
+    assert second.usage.input_tokens == prompt - second.usage.cache_read_input_tokens
     with client.messages.stream(model="ember-demo", max_tokens=2, messages=messages) as s:
         final = s.get_final_message()
-    assert final.usage.cache_read_input_tokens == second.usage.cache_read_input_tokens
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens) == (
+        second.usage.input_tokens, second.usage.cache_read_input_tokens)
 
 
 def test_a_silent_stream_gets_keepalive_comments(demo_runtime):
