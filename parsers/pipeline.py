@@ -151,7 +151,7 @@ class OutputPipeline:
         events: list[Event] = []
         if not self.stopped:
             self._flush_text(events)
-        events += self._machine.finish(cut=reason == "length")
+        events += self._machine.finish(cut=reason == "length" or self.stopped)  # a stop string cuts it too
         return events
 
     def abort(self) -> None:

@@ -563,6 +563,17 @@ def test_a_stop_string_may_end_in_a_non_special_delimiters_text():
     assert (across.reasoning, across.content) == ("hmm", "Hello <tool_call>x")  # no tools: the tag is text
 
 
+def test_a_stop_string_inside_a_tool_call_cuts_it_as_a_length_limit_does():
+    """The wrapper of a call cut before its name is never content; a call cut in its arguments keeps what streamed."""
+    s = setup("qwen3")
+    d = s.delimiter_ids
+    ids = [d["<tool_call>"]] + ids_of('\n{"name": "f", "arguments": {"s": "Paris", "t": "x"}}\n') + [d["</tool_call>"]]
+    before = parse_all(pipe(s, C, tools=CODER_TOOLS, stop=['"f"']), ids)
+    assert (before.content, before.tool_calls) == ("", [])
+    inside = parse_all(pipe(s, C, tools=CODER_TOOLS, stop=["Paris"]), ids)
+    assert inside.content == "" and [(c.name, c.arguments) for c in inside.tool_calls] == [("f", '{"s": "')]
+
+
 def test_abort_emits_nothing_more():
     s = setup("qwen3")
     p = pipe(s, R)
