@@ -766,7 +766,8 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
     if profile.tool_format == "harmony":
         start = _harmony_start(g, d, answer)
     else:
-        start = _reasoning_start(g, d, profile, initial, answer, may_open)
+        exact = mode not in ("required", "named") and (response_format or {}).get("type") in _EXACT_FORMATS
+        start = _reasoning_start(g, d, profile, initial, answer, may_open, lead_ws=not exact)
     format_field = answer_field(response_format)
     fields = [f for f, used in ((format_field, "answer" in g.rules), ("tools", "call" in g.rules)) if used]
     return GrammarPlan(g.source(start), budget, " and ".join(fields) or format_field)
@@ -851,8 +852,14 @@ def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool
     return g.add("tools", tail)
 
 
+_EXACT_FORMATS = frozenset({"regex", "choice", "grammar", "structural_tag"})
+"""Answers whose every character the request fixes: no whitespace may lead them (JSON and tool calls may have it)."""
+
+
 def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str,
-                     open_id: int | None) -> str:
+                     open_id: int | None, lead_ws: bool = True) -> str:
+    """The start rule: the thought (the rest of one already open, or one the model may open: after whitespace, as
+    GLM-4.5 and Qwen3.5 write ``\n<think>``), then ``answer``, which whitespace may lead only with ``lead_ws``."""
     spec = profile.reasoning
     if spec is None:
         return answer
@@ -867,7 +874,9 @@ def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialSta
     if open_id is None or close_id is None:
         return answer
     g.add("REASONING", _TEXT)
-    return f"WS (<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
+    if lead_ws:
+        return f"WS (<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
+    return f"(WS <[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
 
 
 def _harmony_start(g: _Lark, d: _Delims, answer: str) -> str:

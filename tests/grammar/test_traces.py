@@ -135,6 +135,21 @@ def test_whitespace_may_lead_the_models_own_thought(hf_tok, backend, family):
     assert not Trace(hf_tok, backend, plan).rejects(enc(hf_tok, '\n\n{"a": 2}'))
 
 
+@pytest.mark.parametrize("response_format", [{"type": "choice", "choice": ["yes", "no"]},
+                                             {"type": "regex", "regex": "[0-9]{3}"}])
+def test_an_exact_answer_has_no_leading_whitespace_without_a_thought(hf_tok, backend, response_format):
+    """A hybrid model that may think but does not: a choice or regex answer is exactly it (whitespace before the
+    model's own ``<think>`` stays allowed)."""
+    profile = get_profile("qwen3")
+    plan = compile_request(profile, InitialState.CONTENT, ids_of(hf_tok, profile), response_format=response_format)
+    answer = "yes" if response_format["type"] == "choice" else "123"
+    assert Trace(hf_tok, backend, plan).rejects(enc(hf_tok, "\n" + answer))
+    t = Trace(hf_tok, backend, plan).feed(enc(hf_tok, answer))
+    assert t.c.is_terminated()
+    t = Trace(hf_tok, backend, plan).feed(enc(hf_tok, "\n"))
+    assert t.allowed()[tid(hf_tok, "<think>")]
+
+
 def test_thinking_budget_forces_the_close_delimiter(hf_tok, backend, qwen3):
     profile, ids = qwen3
     close = tid(hf_tok, "</think>")
