@@ -21,6 +21,7 @@ A thinking budget is not part of the grammar (a ``max_tokens=`` lexeme option wo
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -233,12 +234,26 @@ def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenie
 
 def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
     """A `GrammarError` naming ``tools[i].function.parameters`` for the first tool schema that is not JSON (NaN,
-    Infinity)."""
+    Infinity) or that llguidance refuses on its own (an unknown type, no value satisfies it): checked per tool, so
+    that the error names the tool rather than the call grammar the schemas go into."""
     for t in tools:
         try:
-            json.dumps(t.parameters, allow_nan=False)
+            body = json.dumps(_with_options(t.parameters, JSON_OPTIONS, not t.strict), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"tools[{t.index}].function.parameters is not JSON: {e}") from None
+        problem = _schema_problem(body)
+        if problem:
+            raise GrammarError(f"tools[{t.index}].function.parameters is not a usable JSON schema: {problem}")
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_problem(schema_json: str) -> str | None:
+    """Why llguidance cannot compile this JSON schema (its first message), or None."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.grammar_from("json", schema_json))
+    return (messages[0] if messages else "invalid schema") if is_error else None
 
 
 def _lit(text: str) -> str:

@@ -140,6 +140,18 @@ def test_bad_or_conflicting_fields_are_400s_naming_them(demo_server, extra, para
         assert e.value.body["param"] == param, e.value.body
 
 
+@pytest.mark.parametrize("schema", [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 3,
+                                                                            "maximum": 1}}, "required": ["a"]},
+                                    {"type": "object", "properties": {"a": {"type": "frob"}}}])
+def test_a_tool_schema_the_grammar_cannot_take_is_a_400_naming_that_tool(demo_server, schema):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g", "parameters": schema}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=4,
+                                                     tools=tools, tool_choice="required")
+    assert e.value.body["param"] == "tools[1].function.parameters", e.value.body
+
+
 # Python's JSON reader takes NaN and Infinity, which JSON (and so a grammar's schema) cannot hold: the raw bodies
 # below carry them where each API takes a schema.
 _NAN_FIELDS = [
