@@ -283,11 +283,13 @@ def test_tool_schema_errors_name_tools_and_forced_calls_ignore_response_format(h
     profile, ids = qwen3
     broken = {"type": "function", "function": {"name": "f", "strict": True,
                                                "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}
-    plan = compile_request(profile, InitialState.CONTENT, ids, tools=[broken], tool_choice="required",
+    with pytest.raises(GrammarError, match=r"^tools\[0\]\.function\.parameters .*nope"):  # named before compiling
+        compile_request(profile, InitialState.CONTENT, ids, tools=[broken], tool_choice="required",
+                        response_format={"type": "json_object"})
+    fine = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    plan = compile_request(profile, InitialState.CONTENT, ids, tools=[fine], tool_choice="required",
                            response_format={"type": "json_object"})
     assert plan.field == "tools"
-    with pytest.raises(GrammarError, match="^tools: .*nope"):
-        backend.constraint(plan)
 
 
 def test_response_format_regex_and_lark(hf_tok, backend, qwen3):
