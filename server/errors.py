@@ -118,6 +118,8 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     first = _first_error(errors)
     loc = first.get("loc", ())
     name = field_path(loc)
+    if first.get("type") == "union_tag_invalid" and name:  # the tag itself is the bad field
+        name += "." + str((first.get("ctx") or {}).get("discriminator", "type")).strip("'")
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", msg)

@@ -66,7 +66,7 @@ class ImagePart(_Lenient):
     type: Literal["image_url", "input_image", "input_audio", "file", "image"]
 
 
-ContentPart = TextPart | RefusalPart | ImagePart
+ContentPart = Annotated[TextPart | RefusalPart | ImagePart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):
@@ -262,6 +262,13 @@ class _SamplingFields(_Request):
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM refuse it
+            raise field_error("stream_options", "stream_options can only be set with stream: true",
+                              _dumped(self.stream_options))
+        return self
 
     @property
     def stop_list(self) -> list[str]:

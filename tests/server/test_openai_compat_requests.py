@@ -44,6 +44,12 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/chat/completions", {"messages": HI, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "foo", "text": "x"}]}]},
+     "messages[0].content[0].type"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
