@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from importlib import metadata
@@ -9,7 +10,7 @@ from typing import Sequence
 
 from ember.engine.args import SettingValueError, add_flags, from_namespace
 
-from .config import ServeConfig
+from .config import ServeConfig, parse_api_key
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,6 +122,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `ServeConfig` of parsed `ember serve` arguments; SettingValueError (``argument --x: ...``) for a MODEL
     that is neither a directory nor a Hugging Face id, and for flags that contradict each other."""
     config = from_namespace(ServeConfig, args)
+    if not config.api_key and os.environ.get("VLLM_API_KEY"):  # vLLM's: the flag wins over the environment
+        try:
+            config.api_key = (parse_api_key(os.environ["VLLM_API_KEY"]),)
+        except SettingValueError as e:
+            raise SettingValueError(f"VLLM_API_KEY: {e}") from None
     if isinstance(config.served_model_name, list):  # --served-model-name NAME [NAME ...]
         config.served_model_name, *aliases = config.served_model_name
         config.served_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != config.served_model_name))

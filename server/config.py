@@ -1,6 +1,7 @@
 """Options of `ember serve`, as one plain dataclass shared by the CLI, the app factory and tests."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ class ServeConfig(EngineArgs):
     port: int = field(default=8000, metadata={"help": "TCP port to listen on", "min": 0, "max": 65535})
     api_key: tuple[str, ...] = field(default=(), metadata={
         "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several; "
-                "default: none (no key needed)",
+                "default: $VLLM_API_KEY where set (as vLLM), else none (no key needed)",
         "action": "append", "type": lambda text: parse_api_key(text)})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name clients send, and more names that also reach the model (vLLM's several names; "
@@ -73,8 +74,9 @@ class ServeConfig(EngineArgs):
         "help": "download Hugging Face models here; default: the Hugging Face cache ($HF_HOME/hub)",
         "type": lambda text: parse_download_dir(text)})
     allowed_origins: tuple[str, ...] = field(default=(), metadata={
-        "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *; repeatable; "
-                "default: none (CORS off)", "action": "append", "metavar": "ORIGIN"})
+        "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *, or from each of "
+                "vLLM's JSON list ('[\"http://a\", \"http://b\"]'); repeatable; default: none (CORS off)",
+        "action": "extend", "metavar": "ORIGIN", "type": lambda text: parse_origins(text)})
     responses_store_size: int = field(default=1024, metadata={
         "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
                 "GET /v1/responses/ID, least recently used out first; 0 stores none", "min": 0})
@@ -150,6 +152,19 @@ def parse_api_key(text: str) -> str:
         raise SettingValueError("the key starts or ends with whitespace, which HTTP headers drop: no client could "
                                 "send it")
     return text
+
+
+def parse_origins(text: str) -> list[str]:
+    """`--allowed-origins`: one origin, or vLLM's JSON list of them."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise SettingValueError(f"{text!r} is neither an origin nor a JSON list of origins ({e})") from None
+    if not isinstance(value, list) or not all(isinstance(o, str) and o for o in value):
+        raise SettingValueError(f"{text!r}: a JSON list of origins holds non-empty strings only")
+    return value
 
 
 def parse_model_name(text: str) -> str:

@@ -326,7 +326,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                                     cached_tokens=end.cached_tokens if end else None, error=end.error if end else None)
         if metrics is not None:
             metrics.generation_tokens.inc(ntok)
-            metrics.finished.labels(end.reason if end else "cancelled").inc()
+            metrics.finished(end.reason if end else "cancelled")
             if last_t is not None:
                 metrics.e2e.observe(last_t - req.arrival)
 

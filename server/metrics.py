@@ -49,8 +49,10 @@ class Metrics:
             Counter("ember_generation_tokens", "Tokens generated", registry=r),
             Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
                     registry=r).labels(model_name))
-        self.finished = Counter("ember_request_finished", "Finished choices by finish reason", ["reason"],
-                                registry=r)
+        self._finished = Counter("ember_request_finished", "Finished choices by finish reason", ["reason"],
+                                 registry=r)
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                [*m, "finished_reason"], registry=r)
         self.ttft = _Both(
             Histogram("ember_time_to_first_token_seconds", "Time from admission to the first token",
                       buckets=_LATENCY_BUCKETS, registry=r),
@@ -98,6 +100,13 @@ class Metrics:
                         "spec_drafts": spec_chunks}
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
         self._seen: dict[object, int] = {}  # each exported total's value at the previous scrape
+
+    def finished(self, reason: str) -> None:
+        """A choice ended for ``reason`` (`ember_request_finished_total`), counted as vLLM's finished_reason too:
+        stop (EOS, a stop string, a pooled input), length, or abort (aborted, failed, cancelled)."""
+        self._finished.labels(reason).inc()
+        vllm = "length" if reason == "length" else "stop" if reason in ("eos", "stop_string", "pooled") else "abort"
+        self._success.labels(self._model_name, vllm).inc()
 
     def render(self) -> bytes:
         s = self._stats()

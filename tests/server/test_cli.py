@@ -269,3 +269,17 @@ def test_a_lora_adapter_may_not_take_a_name_of_the_served_model(argv, name, monk
     err = capsys.readouterr().err
     assert e.value.code == 2 and not seen
     assert err.startswith(f"ember serve: error: argument --lora-modules: {name!r} is a name of the served model"), err
+
+
+def test_vllm_api_key_env_and_json_allowed_origins_carry_over(monkeypatch):
+    """A vLLM deployment's key in $VLLM_API_KEY still guards the server (the flag wins); vLLM's JSON list of
+    origins is a list of origins, not one origin spelled like a list."""
+    seen = _stub_serve(monkeypatch)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert main(["serve", "--allowed-origins", '["http://a.example", "http://b.example"]',
+                 "--allowed-origins", "http://c.example"]) == 0
+    assert seen[-1].api_key == ("from-env",)
+    assert seen[-1].allowed_origins == ("http://a.example", "http://b.example", "http://c.example")
+    assert main(["serve", "--api-key", "flag"]) == 0 and seen[-1].api_key == ("flag",)
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert main(["serve"]) == 0 and seen[-1].api_key == ()

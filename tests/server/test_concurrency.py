@@ -55,11 +55,15 @@ def _check_messages(events: list[dict]) -> None:
     assert events[-2]["usage"]["output_tokens"] <= 24
 
 
-def _finished(server) -> dict[str, float]:
-    """`ember_request_finished_total` by reason."""
-    prefix = 'ember_request_finished_total{reason="'
+def _finished(server, prefix: str = 'ember_request_finished_total{reason="') -> dict[str, float]:
+    """`ember_request_finished_total` by reason (or another counter by the label value after ``prefix``)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
     return {ln[len(prefix):].split('"')[0]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix)}
+
+
+def _vllm_finished(server) -> dict[str, float]:
+    """vLLM's `vllm:request_success_total` by finished_reason."""
+    return _finished(server, 'vllm:request_success_total{finished_reason="')
 
 
 def _cancelled(server) -> float:
@@ -74,7 +78,7 @@ def _ended_by_eos(r: dict) -> bool:
 
 def test_64_streams_with_16_cancelled_free_every_block(demo_server):
     """Cancelled requests ask for 3000 tokens: only an abort on disconnect frees their blocks within seconds."""
-    before = _finished(demo_server)
+    before, vllm_before = _finished(demo_server), _vllm_finished(demo_server)
     start = demo_server.stats()
     assert start.num_running == 0 and start.num_waiting == 0
 
@@ -108,6 +112,9 @@ def test_64_streams_with_16_cancelled_free_every_block(demo_server):
     # completed replies that ended so.
     eos_before_hang_up = delta.get("eos", 0.0) - sum(_ended_by_eos(r) for r in done)
     assert delta.get("cancelled", 0.0) + eos_before_hang_up == 16 and delta.get("cancelled", 0.0) >= 8
+    vllm = {k: d for k, v in _vllm_finished(demo_server).items() if (d := v - vllm_before.get(k, 0.0))}
+    assert vllm == {k: n for k, n in (("stop", delta.get("eos", 0.0)), ("length", delta.get("length", 0.0)),
+                                      ("abort", delta.get("cancelled", 0.0))) if n}  # the same, as vLLM counts
 
 
 def test_non_streaming_client_that_hangs_up_frees_its_blocks(demo_server):
