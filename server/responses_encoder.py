@@ -175,13 +175,17 @@ class ResponseEncoder:
                 self.pending_logprobs.append(logprob_entry(self.tb, t, self.top_logprobs))
         out: list[dict[str, Any]] = []
         cut_from = step.finish_at if step.end is not None and step.end.reason == "length" else None
+        text: list[str] = []  # a run of the step's answer text: one delta, carrying the run's tokens' logprobs
         for k, ev in enumerate(step.events):
+            if isinstance(ev, (ContentDelta, Malformed)):
+                text.append(ev.text)
+                continue
+            if any(text):
+                out += self._text_delta("message", "".join(text))
+            text = []
             if isinstance(ev, ReasoningDelta):
                 if ev.text:
                     out += self._text_delta("reasoning", ev.text)
-            elif isinstance(ev, (ContentDelta, Malformed)):
-                if ev.text:
-                    out += self._text_delta("message", ev.text)
             elif isinstance(ev, ToolCallStart):
                 out += self._open_call(ev)
             elif isinstance(ev, ToolCallArguments):
@@ -194,6 +198,8 @@ class ResponseEncoder:
                 if ev.index in self.calls:  # a call the end-of-output flush closed was cut by max_output_tokens
                     cut = cut_from is not None and k >= cut_from
                     out += self._close_call(ev.index, "incomplete" if cut else "completed")
+        if any(text):
+            out += self._text_delta("message", "".join(text))
         if step.end is not None:
             out += self.finish(step.end)
         return out

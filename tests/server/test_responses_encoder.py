@@ -125,6 +125,17 @@ def test_content_logprobs_ride_with_the_text_they_belong_to():
     assert events[-1]["response"]["usage"]["output_tokens"] == 2
 
 
+def test_a_step_of_several_tokens_streams_one_delta_with_all_their_logprobs():
+    """A lagging client gets merged steps: each delta still carries exactly its own tokens' logprobs."""
+    enc = ResponseEncoder(dict(HEAD), lambda t: str(t).encode(), input_tokens=1, top_logprobs=0)
+    merged = ChoiceStep(0, [TokenInfo(5, -0.5, [], "content"), TokenInfo(6, -0.25, [], "content")],
+                        [ContentDelta("5"), ContentDelta("6")])
+    last = ChoiceStep(0, [TokenInfo(7, -1.0, [], "content")], [ContentDelta("7")], ChoiceEnd("eos"))
+    deltas = [e for e in enc.events(merged) + enc.events(last) if e["type"] == "response.output_text.delta"]
+    assert [(d["delta"], [lp["token"] for lp in d["logprobs"]]) for d in deltas] == [("56", ["5", "6"]),
+                                                                                     ("7", ["7"])]
+
+
 def test_a_failed_generation_ends_in_response_failed():
     steps = [ChoiceStep(0, [TokenInfo(1)], [ContentDelta("a")]),
              ChoiceStep(0, [], [], ChoiceEnd("error", error="boom"))]
