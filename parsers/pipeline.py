@@ -9,11 +9,11 @@ Streaming and non-streaming use this same object; the final message is `fold` of
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from .events import Dropped, Event
+from .events import ContentDelta, Dropped, Event, Malformed, ReasoningDelta
 from .initial import InitialState, initial_state
 from .machine import ParserMachine
 from .profiles import Profile, get_profile
@@ -21,10 +21,11 @@ from .result import ParsedOutput, fold
 from .stop import StopMatcher
 from .tokens import TokenBytes, Utf8Assembler, profile_delimiter_ids
 
-__all__ = ["OutputPipeline", "PipelineStep", "ParserSetup", "DELIMITER", "DROPPED", "parse_all"]
+__all__ = ["OutputPipeline", "PipelineStep", "ParserSetup", "DELIMITER", "DROPPED", "PENDING", "parse_all"]
 
-DELIMITER = "delimiter"   # token_channels entry of a delimiter token (consumed, never surfaced)
+DELIMITER = "delimiter"   # token_channels entry of a token whose text was consumed as structure (never surfaced)
 DROPPED = "dropped"       # token_channels entry of a Dropped special (EOS, end-of-turn, pad)
+PENDING = "pending"       # token_channels entry of a token whose text the parser still withholds (or one after it)
 
 
 @dataclass(slots=True)
@@ -32,15 +33,48 @@ class PipelineStep:
     """What one ``feed`` produced.
 
     ``events``: in order. ``stopped``: a stop string matched; end the request (call ``finish("stop")``).
-    ``token_channels``: per consumed token, the channel its text went to ("reasoning", "content", "tool") or
-    `DELIMITER` / `DROPPED` (for logprobs routing, design A.11). ``tokens_used``: how many of the fed tokens belong to
-    the output; fewer than fed when a stop string ended it mid-delta (the rest are discarded, like their logprobs).
+    ``token_channels``: per consumed token, the channel its text went to ("reasoning", "content", "tool"; text of a
+    tool call surfaced as Malformed is "content") or `DELIMITER` / `DROPPED` (for logprobs routing, design A.11); a
+    delimiter surfaced as text has the channel of that text. `PENDING`: the parser still withholds the token's text
+    (whitespace held at a boundary, a buffered call head), or it follows such a token; a later step (or
+    `finish_step`) resolves it. ``resolved``: the channels, in order, of all tokens earlier steps left `PENDING`,
+    when this step resolved them (their text surfaced or was dropped here). ``tokens_used``: how many of the fed
+    tokens belong to the output; fewer than fed when a stop string ended it mid-delta (the rest are discarded, like
+    their logprobs).
     """
 
     events: list[Event]
     stopped: bool
     token_channels: list[str]
     tokens_used: int
+    resolved: list[str] = field(default_factory=list)
+
+
+def _fate(own: str, events: Sequence[Event]) -> str:
+    """The channel of a token whose text went to ``own`` (the machine's channel when it was fed; `DELIMITER` for a
+    delimiter token), from the ``events`` its text produced (they start with its first character): tool-call and
+    delimiter text is "content" where it surfaced as Malformed; other text takes the channel of the first event
+    (`DELIMITER` where it was dropped)."""
+    if own == "tool" or own == DELIMITER:
+        return "content" if any(type(e) is Malformed for e in events) else own
+    if not events:
+        return own
+    t = type(events[0])
+    if t is ContentDelta or t is Malformed:
+        return "content"
+    if t is ReasoningDelta:
+        return "reasoning"
+    return DELIMITER if t is Dropped else "tool"
+
+
+def _surfaced(events: Sequence[Event], text: str) -> str:
+    """The channel of a delimiter token whose feed produced ``events``: that of the text it ended with when the parser
+    surfaced it as text (it stood where it delimits nothing, e.g. `</think>` with thinking off), else `DELIMITER`."""
+    last = events[-1] if events else None
+    if text and last is not None and type(last) in (ContentDelta, Malformed, ReasoningDelta) \
+            and last.text.endswith(text):
+        return "reasoning" if type(last) is ReasoningDelta else "content"
+    return DELIMITER
 
 
 class OutputPipeline:
@@ -76,6 +110,9 @@ class OutputPipeline:
         self.stopped = False
         self.finish_reason: str | None = None
         self._closed = False
+        # the PENDING tokens, in order: (own channel, whether the machine withheld its text, feed, index in its step)
+        self._waiting: list[tuple[str, bool, int, int]] = []
+        self._feeds = 0  # feed / finish_step calls so far
 
     # ------------------------------------------------------------------------------------------------ public
     @property
@@ -87,19 +124,24 @@ class OutputPipeline:
         """Consume one delta of generated tokens (any number, e.g. from speculative decoding)."""
         events: list[Event] = []
         channels: list[str] = []
+        resolved: list[str] = []
         if self._closed or self.stopped:
-            return PipelineStep(events, self.stopped, channels, 0)
+            return PipelineStep(events, self.stopped, channels, 0, resolved)
         m = self._machine
         mfeed = m.feed
         asm = self._asm
         stop = self._stop
         delims, drop, texts, raw, size = self._delims, self._drop, self._texts, self._bytes, self._size
+        waiting = self._waiting
+        self._feeds += 1
         used = 0
         for tid in token_ids:
+            start = len(events)
             delim = delims.get(tid)
             if delim is not None:
                 as_text = stop is not None and tid in self._delims_as_text
                 if self._flush_text(events, hold=as_text):
+                    self._resolve(events[start:], channels, resolved)
                     break
                 self._count += 1
                 if as_text:  # a stop string may end in its text: what it releases is text before the delimiter
@@ -107,22 +149,25 @@ class OutputPipeline:
                     if text:
                         events += mfeed(None, text)
                     if stop.stopped:
+                        self._resolve(events[start:], channels, resolved)
                         self._stopped_now()
                         used += 1
                         break
-                channels.append(DELIMITER)
                 events += mfeed(tid, delim)
+                new = events[start:]
+                self._place(_surfaced(new, delim) if new else DELIMITER, not new, new, channels, resolved)
             elif tid in drop:
                 if self._flush_text(events):
+                    self._resolve(events[start:], channels, resolved)
                     break
                 self._count += 1
-                channels.append(DROPPED)
+                self._place(DROPPED, False, events[start:], channels, resolved)
                 t = self._tb.token_bytes(tid).decode("utf-8", "replace")
                 if t:
                     events.append(Dropped(t, "special"))
             else:
                 self._count += 1
-                channels.append(m.channel)
+                own = m.channel
                 if 0 <= tid < size:
                     text = texts[tid]
                     if text is None or asm.pending:
@@ -133,34 +178,79 @@ class OutputPipeline:
                     text = stop.feed(text, self._count > self._min_tokens)
                     if stop.stopped:
                         events += mfeed(tid, text)
+                        new = events[start:]
+                        self._place(_fate(own, new), bool(text) and not new, new, channels, resolved)
                         self._stopped_now()
                         used += 1
                         break
                 ev = mfeed(tid, text)
                 if ev:
                     events += ev
+                    self._place(_fate(own, ev), False, ev, channels, resolved)
+                elif waiting or text:
+                    self._place(own, bool(text), ev, channels, resolved)
+                else:
+                    channels.append(own)
             used += 1
-        return PipelineStep(events, self.stopped, channels, used)
+        return PipelineStep(events, self.stopped, channels, used, resolved)
 
     def finish(self, reason: str) -> list[Event]:
         """End of output (``reason``: "stop", "length", "eos", ...): flush everything withheld, close what is open."""
+        return self.finish_step(reason).events
+
+    def finish_step(self, reason: str) -> PipelineStep:
+        """`finish`, as a step whose ``resolved`` holds the channels of the tokens still `PENDING`."""
+        resolved: list[str] = []
         if self._closed:
-            return []
+            return PipelineStep([], self.stopped, [], 0, resolved)
         self._closed = True
         self.finish_reason = reason
         events: list[Event] = []
         if not self.stopped:
             self._flush_text(events)
         events += self._machine.finish(cut=reason == "length" or self.stopped)  # a stop string cuts it too
-        return events
+        self._feeds += 1
+        self._resolve(events, [], resolved)
+        resolved += [DELIMITER if withheld else own for own, withheld, _, _ in self._waiting]  # never surfaced
+        self._waiting.clear()
+        return PipelineStep(events, self.stopped, [], 0, resolved)
 
     def abort(self) -> None:
         """The client went away: emit nothing more, keep no state."""
         self._closed = True
         self.finish_reason = "abort"
         self._asm = Utf8Assembler()
+        self._waiting = []
 
     # ----------------------------------------------------------------------------------------------- helpers
+    def _resolve(self, new: Sequence[Event], channels: list[str], resolved: list[str]) -> None:
+        """The `PENDING` tokens are settled by ``new``, the first events since they were fed: a token whose text the
+        machine withheld takes their `_fate`, the others keep their own channel (in ``channels`` where this step fed
+        them, else appended to ``resolved``)."""
+        waiting = self._waiting
+        if not new or not waiting:
+            return
+        now = self._feeds
+        for own, withheld, fed, at in waiting:
+            ch = _fate(own, new) if withheld else own
+            if fed == now:
+                channels[at] = ch
+            else:
+                resolved.append(ch)
+        waiting.clear()
+
+    def _place(self, channel: str, withheld: bool, new: Sequence[Event], channels: list[str],
+               resolved: list[str]) -> None:
+        """Record the ``channel`` of the token just consumed, whose consumption produced the events ``new``
+        (``withheld``: none, the machine holds all its text, and ``channel`` is where that text went): `PENDING`
+        while it or an earlier token is withheld."""
+        self._resolve(new, channels, resolved)
+        if withheld or self._waiting:
+            self._waiting.append((channel, withheld, self._feeds, len(channels)))
+            channels.append(PENDING)
+        else:
+            channels.append(channel)
+
     def _flush_text(self, events: list[Event], hold: bool = False) -> bool:
         """Text withheld by the assembler and the stop matcher goes to the machine (the matcher's stays withheld with
         ``hold``); True if a stop matched."""

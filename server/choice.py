@@ -14,12 +14,13 @@ EndReason = Literal["eos", "stop_string", "length", "abort", "error"]
 
 @dataclass
 class TokenInfo:
-    """One generated token with its log-probability data and the channel its first byte went to."""
+    """One generated token with its log-probability data and the channel its first byte went to (text of a tool
+    call surfaced as Malformed is content; whitespace the parser held and then dropped is structure)."""
 
     token_id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # top alternatives (token ID, logprob), best first
-    channel: str | None = None  # "content" | "reasoning" | "tool" | "dropped" (never surfaced) | None (delimiter)
+    channel: str | None = None  # "content" | "reasoning" | "tool" | "dropped" (never surfaced) | None (structure)
 
 
 @dataclass
@@ -33,7 +34,9 @@ class ChoiceEnd:
 
 @dataclass
 class ChoiceStep:
-    """Generated tokens of one choice and the events they completed; `end` is set on the choice's last step."""
+    """Generated tokens of one choice and the events they completed; `end` is set on the choice's last step. A token
+    whose text the parser held (whitespace at a boundary, a call's head) comes in the step that surfaced or dropped
+    that text, so its logprob entry rides with its text."""
 
     index: int
     tokens: list[TokenInfo] = field(default_factory=list)

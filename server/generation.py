@@ -3,7 +3,9 @@
 `ModelRuntime` holds what is built once per served model (engine, tokenizer facts, parser profile, delimiter IDs,
 grammar backend). `run_choices` drives the `n` independent choices of one request and yields their steps as they
 come; closing it (a client that went away) closes every engine iterator, which aborts those requests and frees
-their KV blocks. Every generated token ID is reported in exactly one step, with the events it completed.
+their KV blocks. Every generated token ID is reported in exactly one step, in order: the step of the events it
+completed, or, while the parser withholds its text (`PENDING`), the step that surfaces or drops that text, with the
+channel it resolved to.
 """
 from __future__ import annotations
 
@@ -21,9 +23,8 @@ from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
 from ember.engine.args import parse_json_object
 from ember.engine.checkpoint import load_tokenizer
 from ember.engine.params import RequestOutput, SamplingParams
-from ember.parsers.events import ContentDelta, Event, ReasoningDelta
 from ember.parsers.initial import InitialState
-from ember.parsers.pipeline import DELIMITER, OutputPipeline, ParserSetup
+from ember.parsers.pipeline import DELIMITER, PENDING, OutputPipeline, ParserSetup, PipelineStep
 from ember.parsers.profiles import Profile, detect_profile, get_profile
 from ember.parsers.tokens import TokenBytes
 
@@ -233,6 +234,21 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     if rt.request_log is not None:
         rt.request_log.received(rid, spec.prompt_ids, spec.params, rt.tokenizer.decode)
     prompt_only = spec.params.max_tokens == 0
+    held: list[TokenInfo] = []  # tokens whose channel the pipeline left PENDING
+
+    def settle(step: ChoiceStep, pstep: PipelineStep) -> None:
+        nonlocal held
+        if pstep.resolved:
+            for t, ch in zip(held, pstep.resolved):
+                t.channel = None if ch == DELIMITER else ch
+            step.tokens += held
+            held = []
+
+    def finish(step: ChoiceStep, reason: str) -> None:
+        fstep = pipe.finish_step(reason)
+        step.events += fstep.events
+        settle(step, fstep)
+
     rt.in_flight.add(rid)
     try:
         if rt.stopping is not None:
@@ -246,8 +262,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 if prompt_only:
                     if out.new_token_ids or out.finished or out.prompt_logprobs is not None:
                         end = _prompt_end(out)
-                        yield ChoiceStep(index, [], pipe.finish(end.reason), end, finish_at=0,
-                                         prompt_logprobs=out.prompt_logprobs)
+                        step = ChoiceStep(index, end=end, finish_at=0, prompt_logprobs=out.prompt_logprobs)
+                        finish(step, end.reason)
+                        yield step
                         return
                     continue
                 new_ids = out.new_token_ids
@@ -273,15 +290,16 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     ntok += 1
                     pstep = pipe.feed([tid])
                     lp = lps[k] if lps is not None and k < len(lps) else None
-                    channel = (getattr(pstep, "token_channels", None) or [None])[0]
-                    if channel == DELIMITER:
-                        channel = surfaced_channel(pstep.events, rt.token_bytes.token_bytes(tid))
-                    step.tokens.append(TokenInfo(tid, _floored(lp.logprob) if lp else None,
-                                                 [(t, _floored(v)) for t, v in lp.top] if lp else None, channel))
+                    channel = pstep.token_channels[0] if pstep.token_channels else None
+                    info = TokenInfo(tid, _floored(lp.logprob) if lp else None,
+                                     [(t, _floored(v)) for t, v in lp.top] if lp else None,
+                                     None if channel == DELIMITER else channel)
+                    settle(step, pstep)
+                    (held if channel == PENDING else step.tokens).append(info)
                     step.events += pstep.events
                     if pstep.stopped:
                         step.finish_at = len(step.events)
-                        step.events += pipe.finish("stop")
+                        finish(step, "stop")
                         end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
                                         cached_tokens=out.num_cached_tokens)
                         step.end = end
@@ -291,7 +309,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     if out.finish_reason == "abort" and rt.stopping is not None:
                         raise _Stopping(rt.stopping)
                     step.finish_at = len(step.events)
-                    step.events += pipe.finish(out.finish_reason or "stop")
+                    finish(step, out.finish_reason or "stop")
                     end = step.end = _end(out)
                     yield step
                     return
@@ -300,11 +318,13 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
         if rt.stopping is not None:
             raise _Stopping(rt.stopping)
         end = ChoiceEnd("abort")
-        yield ChoiceStep(index, [], pipe.finish("abort"), end, finish_at=0)
+        step = ChoiceStep(index, end=end, finish_at=0)
+        finish(step, "abort")
+        yield step
     except _Stopping as e:
         pipe.abort()
         end = ChoiceEnd("error", error=str(e))
-        yield ChoiceStep(index, [], [], end)
+        yield ChoiceStep(index, _unsurfaced(held), [], end)
     except (asyncio.CancelledError, GeneratorExit):
         pipe.abort()
         raise
@@ -317,7 +337,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
         else:
             log.exception("choice %s failed", rid)
             end = ChoiceEnd("error", error=f"{type(e).__name__}: {e}")
-        yield ChoiceStep(index, [], [], end)
+        yield ChoiceStep(index, _unsurfaced(held), [], end)
     finally:
         rt.in_flight.discard(rid)
         req.choice_ended()
@@ -343,17 +363,11 @@ def _prompt_end(out: RequestOutput) -> ChoiceEnd:
     return ChoiceEnd("length", cached_tokens=out.num_cached_tokens)
 
 
-def surfaced_channel(events: Sequence[Event], token_text: bytes) -> str | None:
-    """The channel of a delimiter token that the parser surfaced as text (it stood where it delimits nothing, e.g.
-    `</think>` with thinking off): the channel of the text it ended with, so its logprob comes with that text; None
-    for a delimiter that was consumed."""
-    last = events[-1] if events else None
-    text = token_text.decode("utf-8", "replace")
-    if isinstance(last, ContentDelta) and text and last.text.endswith(text):
-        return "content"
-    if isinstance(last, ReasoningDelta) and text and last.text.endswith(text):
-        return "reasoning"
-    return None
+def _unsurfaced(tokens: list[TokenInfo]) -> list[TokenInfo]:
+    """``tokens`` (still `PENDING` when the choice failed) as tokens whose text never surfaced."""
+    for t in tokens:
+        t.channel = None
+    return tokens
 
 
 def run_choices(rt: ModelRuntime, req: GenRequest, metrics: Metrics | None = None) -> AsyncIterator[ChoiceStep]:

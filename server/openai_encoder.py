@@ -6,7 +6,8 @@ equals what a client rebuilds from the stream.
 
 Per design A.11-A.12: one channel per chunk, order preserved; reasoning under `reasoning_content` and `reasoning`;
 a tool call's first delta has id, type, name and `arguments` "", later ones index + argument fragments; every
-generated token ID rides in exactly one chunk (a token-only chunk when its text is withheld), with its logprobs.
+generated token ID rides in exactly one chunk (a token-only chunk when its text is withheld; one whose text the parser
+holds, in the chunk that surfaces it: `ChoiceStep`), with its logprobs.
 """
 from __future__ import annotations
 

@@ -415,3 +415,53 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(demo_server):
         assert streamed == by_id.text_offset  # however the steps were coalesced into chunks
     finally:
         srv.stop()
+
+
+def _chat_both_ways(server, body: dict) -> tuple[list[dict], dict]:
+    """The streamed choices (chunk by chunk) and the non-streaming choice of one chat request."""
+    url = server.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    return [c for ch in chunks for c in ch["choices"]], whole
+
+
+def _lp_bytes(entries: list[dict]) -> str:
+    return b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("bias, content", [
+    ({"1274": 10}, ""),         # "\n" held at the reply's start, then the model's own <think> drops it
+    ({"198": 14}, "\n\n\n"),     # "\n" held, then released as content at the end
+])
+def test_held_whitespace_logprobs_follow_its_text(demo_server, bias, content):
+    """Whitespace the parser holds at a boundary has its logprob entries only where its text surfaces: none when it is
+    dropped (before the model's own `<think>`), in the chunk that releases it when it becomes content."""
+    body = {"model": demo_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "seed": 0, "allowed_token_ids": [198, 1274], "logit_bias": bias,
+            "return_token_ids": True}
+    choices, whole = _chat_both_ways(demo_server, body)
+    assert whole["token_ids"][0] == 198 and (whole["message"]["content"] or "") == content
+    assert _lp_bytes(whole["logprobs"]["content"]) == content
+    for c in choices:
+        entries = (c["logprobs"] or {}).get("content") or []
+        assert _lp_bytes(entries) == (c["delta"].get("content") or "")
+    assert [t for c in choices for t in c.get("token_ids") or []] == whole["token_ids"]
+
+
+def test_malformed_tool_call_text_keeps_its_logprobs(demo_server):
+    """Text of a malformed tool call surfaces as content, with its tokens' logprob entries."""
+    tok = demo_server.tokenizer
+    hel = tok.encode("hel", add_special_tokens=False)[0]
+    body = {"model": demo_server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "logprobs": True, "seed": 0, "allowed_token_ids": [tok.convert_tokens_to_ids("<tool_call>"), hel],
+            "logit_bias": {str(hel): 3},
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    choices, whole = _chat_both_ways(demo_server, body)
+    content = whole["message"]["content"] or ""
+    assert content == "helhelhel"  # <tool_call>, then three "hel" that break it
+    assert _lp_bytes(whole["logprobs"]["content"]) == content
+    streamed = "".join(c["delta"].get("content") or "" for c in choices)
+    assert streamed == content
+    assert _lp_bytes([e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]) == content
