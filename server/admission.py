@@ -326,18 +326,12 @@ class Run:
         request's ``model`` was checked)."""
         return self.rejected and all(e.startswith(UnknownAdapterError.MESSAGE_START) for e in self.errors)
 
-    @property
-    def error_status(self) -> int:
-        """The HTTP status of this run's errors: 404 where its adapter is gone, 400 where the request's own settings
-        failed it, else 500."""
-        return 404 if self.adapter_gone else 400 if self.rejected else 500
-
     def stream_errors(self) -> list[ApiError]:
         """This run's errors as the error events a stream ends with: the 404 naming ``model`` where its adapter is
-        gone, else each with `error_status`."""
+        gone, 400 where the request's own settings failed it, else 500."""
         if self.adapter_gone:
             return [model_not_found(e) for e in self.errors]
-        return [ApiError(self.error_status, e) for e in self.errors]
+        return [ApiError(400 if self.rejected else 500, e) for e in self.errors]
 
     def raise_for_errors(self) -> None:
         if self.errors:
