@@ -119,22 +119,25 @@ def _parts(a: torch.Tensor, b: torch.Tensor, part: int, whole: bool, column: boo
     the same ``A`` and its rows of ``B``; ConfigError naming the shapes this model needs otherwise."""
     if whole and len(wrapped.part_sizes) > 1:
         rows = [n * shard[1] for n in wrapped.part_sizes]
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (sum(rows), rank):
-            raise ConfigError(f"{where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
-                              f"({rank}, {wrapped.in_features}) and ({sum(rows)}, {rank}) (its parts' "
-                              f"{' + '.join(map(str, rows))} rows)")
+        _check_pair(a, b, rank, wrapped.in_features, sum(rows), where,
+                    f" (its parts' {' + '.join(map(str, rows))} rows)")
         pieces, column = [(i, a, piece) for i, piece in enumerate(b.split(rows))], True
     else:
         pieces = [(part, a, b)]
     out = []
     for i, a, b in pieces:
         a, b = _rank_share(a, b, column, shard, where)
-        n = wrapped.part_sizes[i]
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, wrapped.in_features) or b.shape != (n, rank):
-            raise ConfigError(f"{where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
-                              f"({rank}, {wrapped.in_features}) and ({n}, {rank})")
+        _check_pair(a, b, rank, wrapped.in_features, wrapped.part_sizes[i], where)
         out.append((i, a, b))
     return out
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor, rank: int, in_features: int, rows: int, where: str,
+                detail: str = "") -> None:
+    """ConfigError naming the shapes this model needs unless ``a`` is [rank, in_features] and ``b`` [rows, rank]."""
+    if a.ndim != 2 or b.ndim != 2 or a.shape != (rank, in_features) or b.shape != (rows, rank):
+        raise ConfigError(f"{where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model needs "
+                          f"({rank}, {in_features}) and ({rows}, {rank}){detail}")
 
 
 def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoRALinear"],
