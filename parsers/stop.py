@@ -5,9 +5,9 @@ may end in its text where the token is not special (as in vLLM, whose text holds
 it (`delimiter`). On a match the text is cut at the start of the stop string (or just after it with
 ``include_stop_str_in_output``) and the caller ends the request; nothing after the match is ever released. The
 match is the stop string that is complete first (the earliest end; of those, the longest), which makes the result
-independent of how the text is chunked. Text fed with
-``check=False`` (the tokens up to ``min_tokens``, as vLLM) is withheld the same way but cannot end a match: a stop
-string counts only when it ends in checked text. Work per call is bounded by the text fed plus the longest stop string.
+independent of how the text is chunked. Text fed with ``check=False`` (the tokens up to ``min_tokens``, as vLLM) is
+withheld the same way but cannot end a match: a stop string counts only when it ends in checked text. Work per call
+is bounded by the text fed plus the longest stop string.
 """
 from __future__ import annotations
 
