@@ -56,7 +56,10 @@ def _fate(own: str, events: Sequence[Event]) -> str:
     delimiter text is "content" where it surfaced as Malformed; other text takes the channel of the first event
     (`DELIMITER` where it was dropped)."""
     if own == "tool" or own == DELIMITER:
-        return "content" if any(type(e) is Malformed for e in events) else own
+        for e in events:
+            if type(e) is Malformed:
+                return "content"
+        return own
     if not events:
         return own
     t = type(events[0])
@@ -106,7 +109,7 @@ class OutputPipeline:
         self._asm = Utf8Assembler()
         self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
         self._min_tokens = min_tokens  # a stop string ends the output only in a token past these (vLLM)
-        self._count = 0
+        self._count = 0  # tokens so far, counted only where there are stop strings (for min_tokens)
         self.stopped = False
         self.finish_reason: str | None = None
         self._closed = False
@@ -136,9 +139,9 @@ class OutputPipeline:
         self._feeds += 1
         used = 0
         for tid in token_ids:
-            start = len(events)
             delim = delims.get(tid)
             if delim is not None:
+                start = len(events)
                 as_text = stop is not None and tid in self._delims_as_text
                 if self._flush_text(events, hold=as_text):
                     self._resolve(events[start:], channels, resolved)
@@ -157,6 +160,7 @@ class OutputPipeline:
                 new = events[start:]
                 self._place(_surfaced(new, delim) if new else DELIMITER, not new, new, channels, resolved)
             elif tid in drop:
+                start = len(events)
                 if self._flush_text(events):
                     self._resolve(events[start:], channels, resolved)
                     break
@@ -166,7 +170,6 @@ class OutputPipeline:
                 if t:
                     events.append(Dropped(t, "special"))
             else:
-                self._count += 1
                 own = m.channel
                 if 0 <= tid < size:
                     text = texts[tid]
@@ -174,9 +177,11 @@ class OutputPipeline:
                         text = asm.feed(raw[tid])
                 else:
                     text = ""
-                if stop is not None:
+                if stop is not None:  # the count of tokens so far matters only to the stop strings' min_tokens
+                    self._count += 1
                     text = stop.feed(text, self._count > self._min_tokens)
                     if stop.stopped:
+                        start = len(events)
                         events += mfeed(tid, text)
                         new = events[start:]
                         self._place(_fate(own, new), bool(text) and not new, new, channels, resolved)
@@ -186,7 +191,10 @@ class OutputPipeline:
                 ev = mfeed(tid, text)
                 if ev:
                     events += ev
-                    self._place(_fate(own, ev), False, ev, channels, resolved)
+                    if waiting:
+                        self._place(_fate(own, ev), False, ev, channels, resolved)
+                    else:  # nothing held: the common path, one channel lookup and no bookkeeping
+                        channels.append(_fate(own, ev))
                 elif waiting or text:
                     self._place(own, bool(text), ev, channels, resolved)
                 else:
