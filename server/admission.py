@@ -288,12 +288,21 @@ def with_token_ids(response_format: dict, tokenizer: Any) -> dict:
     return {**response_format, "token_ids": {a: i for a, i in added.items() if a and any(a in t for t in texts)}}
 
 
+def client_request_id(request: Request, body_id: str | None = None) -> str | None:
+    """The ID a client gave its request, as vLLM reads it: the ``X-Request-Id`` header, else the body's
+    ``request_id``; None when neither is given (or is empty)."""
+    return request.headers.get("x-request-id") or body_id or None
+
+
 def new_request(st: ServerState, choices: list[ChoiceSpec], stop: list[str], prefix: str,
-                arrival: float, sep: str = "-") -> GenRequest:
+                arrival: float, sep: str = "-", client_id: str | None = None) -> GenRequest:
     """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end. Its ID,
-    ``prefix``, ``sep`` and random hex, is the ``id`` its response carries."""
+    ``prefix``, ``sep`` and ``client_id`` (random hex when None), is the ``id`` its response carries. Two running
+    requests may share a client's ID: their engine IDs (in the logs) add random hex to it."""
     check_capacity(st)
-    req = GenRequest(request_id=f"{prefix}{sep}{secrets.token_hex(12)}", choices=choices, stop=stop, arrival=arrival)
+    public = f"{prefix}{sep}{client_id or secrets.token_hex(12)}"
+    engine_id = f"{public}-{secrets.token_hex(4)}" if client_id else public
+    req = GenRequest(request_id=public, choices=choices, stop=stop, arrival=arrival, engine_id=engine_id)
     st.admitted.hold(req)
     return req
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
@@ -23,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import get_route_path
 
@@ -31,7 +33,7 @@ from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
-from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints,
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, client_request_id,
                         check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
                         model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
                         truncate_prompt, vllm_sampling_extras)
@@ -178,7 +180,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     for c, k in zip(choices, constraints):
         c.constraint = k
-    req = new_request(st, choices, stop, "chatcmpl", arrival)
+    req = new_request(st, choices, stop, "chatcmpl", arrival, client_id=client_request_id(request, body.request_id))
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
@@ -251,7 +253,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         tools=None, tool_choice=None, parallel_tool_calls=True, thinking_budget=None, thinking=False)
     for c, k in zip(choices, constraints):
         c.constraint = k
-    req = new_request(st, choices, stop, "cmpl", arrival)
+    req = new_request(st, choices, stop, "cmpl", arrival, client_id=client_request_id(request, body.request_id))
     st.metrics.prompt_tokens.inc(prompt_total)
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
@@ -553,6 +555,27 @@ class _RequestCounter:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
 
+class _RequestIdHeader:
+    """Pure ASGI middleware giving every HTTP response an ``X-Request-Id`` header: the request's own, else random
+    hex (vLLM's ``--enable-request-id-headers``)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 async def _watch_engine(st: ServerState, exit_on_death: bool, poll_s: float = 0.2) -> None:
     """Notice the engine's death (requests in flight already fail with its reason, /health answers 503); with
     ``exit_on_death``, give those errors a moment to reach their clients, then stop the server (SIGTERM to this
@@ -635,6 +658,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
+    if config.enable_request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     return app
 
 

@@ -109,6 +109,9 @@ class ServeConfig(EngineArgs):
     enable_force_include_usage: bool = field(default=False, metadata={
         "help": "end every streamed chat or text completion with a usage chunk, as if it asked for "
                 "stream_options.include_usage"})
+    enable_request_id_headers: bool = field(default=False, metadata={
+        "help": "give every response an X-Request-Id header: the request's own, else a random one (a chat or text "
+                "completion's id carries the request's X-Request-Id either way)"})
     uvicorn_log_level: str | None = field(default=None, metadata={
         "help": "uvicorn's log level (its access log and server messages); default: --log-level",
         "choices": ("critical", "error", "warning", "info", "debug", "trace")})

@@ -25,7 +25,8 @@ from ember.engine.params import SamplingParams
 
 from . import chat
 from . import protocol_openai as po
-from .admission import check_capacity, check_model, check_token_ids, collect, model_label, state, tokens_to_keep
+from .admission import (check_capacity, check_model, check_token_ids, client_request_id, collect, model_label, state,
+                        tokens_to_keep)
 from .errors import ApiError, bad_request
 from .generation import ModelRuntime
 
@@ -269,8 +270,10 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
     check_capacity(st)
     total = sum(len(p) for p, _ in prompts)
     st.metrics.prompt_tokens.inc(total)
-    rid = secrets.token_hex(12)
-    results = await collect(request, _pooled(rt, prompts, rid, lora))
+    client_id = client_request_id(request)
+    rid = client_id or secrets.token_hex(12)
+    engine_id = f"{rid}-{secrets.token_hex(4)}" if client_id else rid
+    results = await collect(request, _pooled(rt, prompts, engine_id, lora))
     out: list[list[float]] = [[] for _ in prompts]
     for r in results:
         out[r["index"]] = r["pooled"]

@@ -192,6 +192,12 @@ class GenRequest:
     arrival: float = field(default_factory=time.monotonic)
     choice_ended: Callable[[], None] = field(default=lambda: None, repr=False)
     """Called once as each choice's run ends (the front end's count of admitted choices, `AdmittedChoices`)."""
+    engine_id: str = ""
+    """The prefix of its choices' engine request IDs (logged), unique among running requests; default
+    ``request_id``, which a client-given ID does not make unique."""
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or self.request_id
 
 
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
@@ -227,7 +233,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     ``max_tokens`` 0 (an echo scoring its prompt) is one step: the prompt's scores, when asked, and a `length` end."""
     spec = req.choices[index]
     pipe = spec.pipeline
-    rid = f"{req.request_id}-{index}"
+    rid = f"{req.engine_id}-{index}"
     last_t: float | None = None
     ntok = 0
     end: ChoiceEnd | None = None

@@ -228,6 +228,7 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (default: the flag)
     prompt_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (checked per route)
     user: str | None = None
+    request_id: str | None = None  # vLLM's: the response's `id` after its prefix (an X-Request-Id header wins)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None   # vLLM < 0.12's names for structured_outputs' keys

@@ -1,6 +1,6 @@
 """Endpoints and fields tools expect, on the real server: /tokenize and /detokenize (vLLM's shapes), cached prompt
 tokens in usage (OpenAI and Anthropic shapes), SSE keep-alive comments, `reasoning_effort` reaching the chat template,
-CORS with --allowed-origins, and /health failing once the engine is gone."""
+CORS with --allowed-origins, client request IDs (X-Request-Id), and /health failing once the engine is gone."""
 from __future__ import annotations
 
 import dataclasses
@@ -165,6 +165,36 @@ def test_allowed_origins_switch_cors_on(demo_runtime):
         assert "access-control-allow-origin" not in other.headers
         ok = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=10)
         assert ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+    finally:
+        srv.stop()
+
+
+def test_client_request_ids_name_the_response(demo_server):
+    """vLLM's rule: a chat or text completion's id is its prefix and the request's X-Request-Id header, else its
+    body's request_id; two requests running at once may share one."""
+    url, chat = demo_server.url, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"}) as a, \
+                c.stream("POST", url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"}) as b:
+            events = [[json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")] for r in (a, b)]
+    for ev in events:
+        assert ev and {e["id"] for e in ev} == {"chatcmpl-trace-7"} and ev[-1]["choices"][0]["finish_reason"]
+    body = {"prompt": "Once", "max_tokens": 2, "request_id": "mine"}
+    assert _post(demo_server, "/v1/completions", body).json()["id"] == "cmpl-mine"
+    headed = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "hdr"}, timeout=60)
+    assert headed.json()["id"] == "cmpl-hdr" and "x-request-id" not in headed.headers
+
+
+def test_request_id_headers_flag_echoes_or_makes_one(demo_runtime):
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, enable_request_id_headers=True))
+    try:
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "abc"},
+                          timeout=60) as r:
+            assert r.headers["x-request-id"] == "abc" and "data: [DONE]" in r.read().decode()
+        made = httpx.get(srv.url + "/v1/models/nope", timeout=10)
+        assert made.status_code == 404 and len(made.headers["x-request-id"]) == 32
     finally:
         srv.stop()
 
