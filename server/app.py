@@ -51,7 +51,8 @@ from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             prompt_text_offsets, sse_event, sse_line, token_names, usage, usage_chunk)
+                             literal_prompt_offsets, prompt_text_offsets, sse_event, sse_line, token_names, usage,
+                             usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 from .structured import flat_tool_fields
 
@@ -226,9 +227,17 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             raise bad_request("prompt is empty", param="prompt")
         kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
         text, offsets = None, None
-        if body.echo:  # the prompt's text (as decode gives a token prompt) and its tokens' offsets in it
-            decoded, offsets = prompt_text_offsets(rt.token_bytes, kept, echo_drop)
-            text = p if isinstance(p, str) and len(kept) == len(ids) else decoded
+        if body.echo:  # the prompt's text (as given, or as decode gives a token prompt) and its tokens' offsets in it
+            as_given = isinstance(p, str) and len(kept) == len(ids)
+            literal = None
+            if as_given:
+                plain = await asyncio.to_thread(rt.tokenizer.encode, p, add_special_tokens=False)
+                literal = literal_prompt_offsets(rt.token_bytes, ids, plain)
+            if literal is not None and literal[0] == p:
+                text, offsets = literal
+            else:
+                decoded, offsets = prompt_text_offsets(rt.token_bytes, kept, echo_drop)
+                text = p if as_given else decoded
         ids = kept
         max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
         prompt_total += len(ids)

@@ -391,12 +391,12 @@ class CompletionChoiceEncoder:
             choice["token_ids"] = [t.token_id for t in tokens]
         if not tokens:  # the echoed prompt
             self.offsets.length += len(text)
+        if extra:  # vLLM's stream choice holds `prompt_token_ids` (chat's chunk holds it at the top)
+            choice.update(extra)
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
                                  "model": self.meta.model, "choices": [choice]}
         if self.meta.include_usage:
             chunk["usage"] = usage(self.prompt_tokens, self.num_tokens) if self.meta.continuous_usage else None
-        if extra:
-            chunk.update(extra)
         return chunk
 
     def start(self, prompt_token_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
@@ -465,6 +465,18 @@ def prompt_text_offsets(tb: TokenBytes, ids: Sequence[int], drop: Collection[int
     return text, at
 
 
+def literal_prompt_offsets(tb: TokenBytes, ids: Sequence[int], plain: Sequence[int]
+                           ) -> tuple[str, list[int]] | None:
+    """`prompt_text_offsets` for prompt text the tokenizer encoded as ``ids``, ``plain`` without the special tokens it
+    adds: each token of ``plain`` keeps its text (a special token's, such as ``<|im_end|>``, when the text spelled
+    it) and the tokens added around it (BOS, EOS) add none. None when ``plain`` is not a run of ``ids``."""
+    for k in range(len(ids) - len(plain) + 1):
+        if list(ids[k:k + len(plain)]) == list(plain):
+            text, at = prompt_text_offsets(tb, plain)
+            return text, [0] * k + at + [len(text)] * (len(ids) - k - len(plain))
+    return None
+
+
 class TextOffsets:
     """Legacy ``text_offset``s: where, in the text that tokens' bytes decode to (after ``length`` characters already
     there), each token's text starts, i.e. the character holding its first byte; a token inside a character split
@@ -515,8 +527,8 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
             i = c["index"]
             texts.setdefault(i, []).append(c["text"])
             reasons.setdefault(i, None)
-            if "prompt_token_ids" in ch:
-                prompt_ids[i] = ch["prompt_token_ids"]
+            if "prompt_token_ids" in c:
+                prompt_ids[i] = c["prompt_token_ids"]
             if c.get("logprobs"):
                 acc = lps.setdefault(i, _legacy_logprobs())
                 for k in acc:

@@ -14,7 +14,8 @@ from functools import cache
 from types import NoneType
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 
@@ -215,7 +216,7 @@ class _SamplingFields(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -236,7 +237,7 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     truncate_prompt_tokens: TruncatePromptTokens = None
@@ -311,7 +312,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(...)
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(...)
     max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: the prompt is scored, nothing generated
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False

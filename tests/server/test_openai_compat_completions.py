@@ -28,6 +28,40 @@ def test_text_offsets_point_into_the_text_across_split_characters(demo_server, p
     assert streamed == lp.text_offset
 
 
+def test_echoed_special_token_text_keeps_its_offsets(demo_server):
+    """A string prompt that spells a special token (`<|im_end|>`) is echoed as given, and the offsets count that
+    token's text, streamed or not."""
+    client = demo_server.openai()
+    ask = dict(model=demo_server.model, prompt="ab<|im_end|>cd", echo=True, logprobs=0, max_tokens=2, temperature=0)
+    c = client.completions.create(**ask).choices[0]
+    assert c.text.startswith("ab<|im_end|>cd")
+    _offsets_index_the_text(c.text, c.logprobs.tokens, c.logprobs.text_offset)
+    streamed = [o for ch in client.completions.create(**ask, stream=True) for x in ch.choices if x.logprobs
+                for o in x.logprobs.text_offset]
+    assert streamed == c.logprobs.text_offset
+
+
+def test_streamed_prompt_token_ids_sit_in_the_choice(demo_server):
+    """vLLM's stream choice carries `prompt_token_ids` (with `return_token_ids`), one list per prompt."""
+    client = demo_server.openai()
+    ids = [demo_server.tokenizer.encode(p) for p in ("Once", "upon")]
+    chunks = list(client.completions.create(model=demo_server.model, prompt=["Once", "upon"], max_tokens=1,
+                                            stream=True, extra_body={"return_token_ids": True}))
+    got = {x.index: x.model_extra["prompt_token_ids"] for ch in chunks for x in ch.choices
+           if "prompt_token_ids" in x.model_extra}
+    assert got == {0: ids[0], 1: ids[1]}
+    assert all("prompt_token_ids" not in ch.model_extra for ch in chunks)
+
+
+def test_booleans_are_not_token_ids(demo_server):
+    client = demo_server.openai()
+    for field, prompt, extra in (("prompt", [True, 5], {}), ("stop_token_ids", "x", {"stop_token_ids": [True]}),
+                                 ("allowed_token_ids", "x", {"allowed_token_ids": [False, 5]})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=demo_server.model, prompt=prompt, max_tokens=1, extra_body=extra)
+        assert field in e.value.body["param"], e.value.body
+
+
 def test_a_character_split_over_tokens_has_one_offset(demo_server):
     """`é` is two byte tokens in the demo vocabulary: both sit at 0, and what follows starts at 1."""
     client = demo_server.openai()
