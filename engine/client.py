@@ -59,6 +59,7 @@ class ModelInfo:
     joins_pairs: bool = False  # a cross-encoder reads a text pair joined into one text (vLLM's use_pad_token: false)
     encoder: bool = False  # a bidirectional encoder (BERT, XLM-RoBERTa): generates nothing; pools [CLS] by default
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, folder) of each LoRA adapter requests may name
+    max_prompt_tokens: int | None = None  # the longest prompt one step prefills whole (chunked prefill off)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -63,4 +63,5 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         label_activation=classifier.activation(mc) if engine.score_head is not None else "",
         joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc),
         encoder=mc.is_encoder,
-        lora_adapters=engine.lora.listed() if engine.lora else ())
+        lora_adapters=engine.lora.listed() if engine.lora else (),
+        max_prompt_tokens=engine.scheduler.max_prompt_tokens)

@@ -130,6 +130,12 @@ class Scheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
+    @property
+    def max_prompt_tokens(self) -> int | None:
+        """The longest prompt `add` takes apart from the context length: one step's budget when chunked prefill is
+        off (a prompt is prefilled in one step), else None."""
+        return None if self.enable_chunked_prefill else self.max_num_batched_tokens
+
     def add(self, seq: Sequence) -> None:
         """Queue a new request; ValueError when it could never be served."""
         if seq.request_id in self._by_id:
@@ -143,7 +149,7 @@ class Scheduler:
         if n_prompt > self.max_model_len:
             raise ValueError(f"the prompt has {n_prompt} tokens, more than the maximum model length of "
                              f"{self.max_model_len}")
-        if not self.enable_chunked_prefill and n_prompt > self.max_num_batched_tokens:
+        if self.max_prompt_tokens is not None and n_prompt > self.max_prompt_tokens:
             raise ValueError(f"the prompt has {n_prompt} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) with chunked prefill disabled")
         max_tokens = 0 if seq.params.pooling is not None else seq.params.max_tokens

@@ -152,7 +152,8 @@ def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_
                 param: str = "messages") -> int:
     """Tokens the reply may have: the request's limit (unset: the sampling defaults' ``max_new_tokens``, when the
     generation config has one), clamped to what the context and the whole KV cache leave (a sequence can never
-    outgrow the cache, so a larger limit would only be refused later, mid-stream)."""
+    outgrow the cache, so a larger limit would only be refused later, mid-stream). A prompt the engine would refuse
+    for its length is a 400 here, before any stream opens."""
     if requested is None:
         requested = st.runtime.sampling_defaults.max_new_tokens
     limit = st.runtime.max_model_len
@@ -164,6 +165,11 @@ def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_
     if prompt_len >= cache_tokens:
         raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
                             f"tokens in all (prompt plus at least one generated token)", param=param,
+                       code="context_length_exceeded")
+    most = st.runtime.model_info.max_prompt_tokens
+    if most is not None and prompt_len > most:
+        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this server prefills at most {most} tokens at "
+                            f"once (--max-num-batched-tokens, with chunked prefill disabled)", param=param,
                        code="context_length_exceeded")
     room = min(limit, cache_tokens) - prompt_len
     allowed = room if requested is None else min(requested, room)

@@ -1,4 +1,5 @@
-"""Limits that are checked at admission, before a stream starts: the KV cache's total size and min_tokens."""
+"""Limits that are checked at admission, before a stream starts: the KV cache's total size, one step's tokens with
+chunked prefill off, and min_tokens."""
 from __future__ import annotations
 
 import time
@@ -11,11 +12,13 @@ from ember.server.app import BackgroundServer, create_app, load_runtime
 from ember.server.config import ServeConfig
 
 CACHE_BLOCKS = 6  # 96 tokens in all: far less than the demo model's context
+STEP_TOKENS = 48  # with chunked prefill off, the longest prompt
 
 
 @pytest.fixture(scope="module")
 def small_cache_server(demo_model_dir):
-    config = ServeConfig(model_dir=demo_model_dir, max_num_seqs=4, kv_cache_blocks=CACHE_BLOCKS)
+    config = ServeConfig(model_dir=demo_model_dir, max_num_seqs=4, kv_cache_blocks=CACHE_BLOCKS,
+                         enable_chunked_prefill=False, max_num_batched_tokens=STEP_TOKENS)
     runtime = load_runtime(config)
     server = BackgroundServer(create_app(runtime, config)).start()
     model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -43,6 +46,18 @@ def test_prompt_larger_than_the_cache_is_a_400(small_cache_server):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 200}],
                                        stream=True)
     assert "KV cache" in str(e.value)
+
+
+def test_prompt_longer_than_a_step_without_chunked_prefill_is_a_400(small_cache_server):
+    """The engine would refuse it; the front end does before a stream opens, so the SDK raises BadRequestError."""
+    server, model = small_cache_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    prompt = "word " * 35
+    count = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=10).json()["count"]
+    assert STEP_TOKENS < count < CACHE_BLOCKS * 16
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True))
+    assert "--max-num-batched-tokens" in str(e.value) and e.value.body["param"] == "prompt"
 
 
 @pytest.mark.parametrize("stream", [False, True])
