@@ -174,7 +174,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         if i:
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
         choices.append(ChoiceSpec(prompt_ids, params, pipe))
-    thinking_off = (template_kwargs or {}).get("enable_thinking") is False
+    thinking_off = chat.thinking_switched_off(template_kwargs)
     constraints = await build_constraints(
         st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
         tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
@@ -311,12 +311,8 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
     rt = st.runtime
     messages = chat.anthropic_messages(body.system, body.messages)
     tools = chat.anthropic_tools(body.tools)
-    kwargs: dict[str, Any] = {}
-    if body.thinking is not None:
-        kwargs["enable_thinking"] = body.thinking.type != "disabled"
-    else:
-        kwargs["enable_thinking"] = False
-    kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own enable_thinking
+    kwargs = chat.thinking_switches(body.thinking is not None and body.thinking.type != "disabled")
+    kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own thinking switches
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
     ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, add_generation_prompt=not continue_final,
                                   continue_final_message=continue_final, kwargs=kwargs)

@@ -71,6 +71,21 @@ def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
         raise bad_request("tool call arguments are nested too deeply", param=field) from None
 
 
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+"""The chat-template variables that switch a model's thinking on or off: Qwen3's and GLM's ``enable_thinking``,
+DeepSeek-V3.1's and Granite's ``thinking``."""
+
+
+def thinking_switches(on: bool) -> dict[str, bool]:
+    """Template variables turning thinking ``on`` (or off) in whichever of `THINKING_SWITCHES` a template reads."""
+    return dict.fromkeys(THINKING_SWITCHES, on)
+
+
+def thinking_switched_off(kwargs: dict[str, Any] | None) -> bool:
+    """Whether chat-template variables switch thinking off (any of `THINKING_SWITCHES` false)."""
+    return any((kwargs or {}).get(k) is False for k in THINKING_SWITCHES)
+
+
 def set_reasoning(msg: dict[str, Any], text: str) -> None:
     """An assistant message's reasoning, under each name templates read it by (vLLM gives `reasoning` and
     `reasoning_content`; gpt-oss's and LFM2's templates read `thinking`)."""
@@ -255,11 +270,22 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
         raise bad_request("continue_final_message continues the final message's text, and this one ends with tool "
                           "calls: send their results as tool messages instead", param=f"{field}[{len(messages) - 1}]"
                           ".tool_calls")
-    try:
-        text = tokenizer.apply_chat_template(
+    def apply(tools: list[dict[str, Any]] | None) -> Any:
+        return tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tokenize=False,
             **extra)
+
+    try:
+        try:
+            text = apply(tools)
+        except RecursionError:
+            raise
+        except Exception:
+            described = _with_descriptions(tools)
+            if described is None:
+                raise
+            text = apply(described)  # gpt-oss's template adds a tool's description unguarded; the API has it optional
     except RecursionError:  # a tool call's arguments (or a tool's schema) nested deeper than Jinja and json reach
         raise bad_request("the chat template could not render these messages: they are nested too deeply",
                           param=field) from None
@@ -268,6 +294,13 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
     if not isinstance(text, str):
         raise bad_request("the chat template did not produce text", param=field)
     return text
+
+
+def _with_descriptions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """``tools`` with an empty description on each function that has none; None when every one has one."""
+    if not tools or all("description" in t.get("function", {}) for t in tools):
+        return None
+    return [{**t, "function": {"description": "", **t["function"]}} if "function" in t else t for t in tools]
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

@@ -109,7 +109,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
                              defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.text.format if body.text is not None else None
-    thinking_off = (template_kwargs or {}).get("enable_thinking") is False
+    thinking_off = chat.thinking_switched_off(template_kwargs)
     try:
         [constraint] = await build_constraints(
             st, 1, setup=setup, initial=initial, response_format=fmt.response_format() if fmt else None,

@@ -218,3 +218,32 @@ def test_an_assistant_refusal_part_is_its_text(demo_server):
     user = httpx.post(demo_server.url + "/tokenize", timeout=30, json={"messages": [
         {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]})
     assert user.status_code == 400 and user.json()["error"]["param"] == "messages[0].content[0].type", user.text
+
+
+# ------------------------------------------------------------------------ tools without a description, thinking switch
+
+def test_gpt_oss_renders_a_tool_without_a_description(qwen3_tokenizer):
+    """gpt-oss's template adds `tool.description` unguarded; the OpenAI and Anthropic APIs make it optional, so a
+    tool without one renders as one with an empty description (vLLM's harmony path renders it too)."""
+    template = shared_path("templates", "llama.cpp", "openai-gpt-oss-120b.jinja").read_text()
+    bare = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}}]
+    blank = [{"type": "function", "function": {**bare[0]["function"], "description": ""}}]
+    messages = [{"role": "user", "content": "hi"}]
+    text = chat.render(qwen3_tokenizer, template, messages, tools=bare)
+    assert "type get_weather = " in text and text == chat.render(qwen3_tokenizer, template, messages, tools=blank)
+
+
+def test_anthropic_thinking_sets_both_template_switches(rebuilt_server, demo_runtime):
+    """DeepSeek-V3.1's template reads `thinking`, Qwen3's `enable_thinking`: `thinking` on /v1/messages sets both."""
+    srv = rebuilt_server("{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "|{{ thinking is defined and thinking }}|{{ enable_thinking is defined and enable_thinking }}")
+    counts = {}
+    for kind in ("enabled", "disabled"):
+        thinking = {"type": kind, "budget_tokens": 1024} if kind == "enabled" else {"type": kind}
+        r = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60, json={
+            "model": "ember-demo", "messages": [{"role": "user", "content": "hi"}], "thinking": thinking})
+        assert r.status_code == 200, r.text
+        counts[kind] = r.json()["input_tokens"]
+    tok = demo_runtime[0].tokenizer
+    assert counts == {"enabled": len(tok.encode("hi|True|True", add_special_tokens=False)),
+                      "disabled": len(tok.encode("hi|False|False", add_special_tokens=False))}
