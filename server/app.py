@@ -68,7 +68,8 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
     tb = token_names(st.runtime.token_bytes.token_bytes, meta)
     encs = [ChatChoiceEncoder(meta, i, tb, len(c.prompt_ids)) for i, c in enumerate(req.choices)]
     prompt_ids = req.choices[0].prompt_ids
-    yield "".join(sse_line(e.start(prompt_ids if i == 0 else None)) for i, e in enumerate(encs))
+    opening = [e.start(prompt_ids if i == 0 else None) for i, e in enumerate(encs)]
+    yield "".join(sse_line(ch) for ch in opening + [ch for e in encs for ch in e.echo()])
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
             run.note(step)
@@ -120,6 +121,17 @@ def _template_kwargs(body: po.ChatCompletionRequest) -> dict[str, Any] | None:
     if body.reasoning_effort is None:
         return body.chat_template_kwargs
     return {"reasoning_effort": body.reasoning_effort, **(body.chat_template_kwargs or {})}
+
+
+def _echoed(body: po.ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's text (text parts joined by newlines) when it has the reply's ``role``,
+    which the reply then continues; else nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(p.text for p in last.content if isinstance(p, po.TextPart))
 
 
 def _reply_role(st: ServerState, body: po.ChatCompletionRequest) -> str:
@@ -188,7 +200,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
                      continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs,
-                     tokens_as_ids=_tokens_as_ids(st, body), role=_reply_role(st, body))
+                     tokens_as_ids=_tokens_as_ids(st, body), role=(role := _reply_role(st, body)),
+                     echo=_echoed(body, role))
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),

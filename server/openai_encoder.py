@@ -63,6 +63,7 @@ class ChunkMeta:
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives per prompt token (None: not asked)
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:N`
     role: str = "assistant"  # the chat message's role (`--response-role`, or the last message's; see app)
+    echo: str = ""  # vLLM's chat `echo`: the text of the last message, which each reply's content starts with
 
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
@@ -218,6 +219,10 @@ class ChatChoiceEncoder:
                                                                   and prompt_token_ids is not None) else None
         return self._chunk({"role": self.meta.role, "content": ""}, extra=extra)
 
+    def echo(self) -> list[dict[str, Any]]:
+        """The chunk of the echoed last message (vLLM's chat `echo`), sent after every choice's role chunk."""
+        return [self._chunk({"content": self.meta.echo})] if self.meta.echo else []
+
     def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
         self.completed_calls += sum(isinstance(e, ToolCallEnd) for e in step.events)
         self.num_tokens += len(step.tokens)
@@ -315,7 +320,8 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
         out = fold(events[idx])
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in out.tool_calls]
-        msg: dict[str, Any] = {"role": meta.role, "content": out.content if (out.content or not calls) else None}
+        content = meta.echo + out.content
+        msg: dict[str, Any] = {"role": meta.role, "content": content if (content or not calls) else None}
         if out.reasoning:
             msg["reasoning_content"] = out.reasoning
             msg["reasoning"] = out.reasoning

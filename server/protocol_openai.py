@@ -289,6 +289,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default
 

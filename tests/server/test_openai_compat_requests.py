@@ -2,6 +2,8 @@
 from a rule between fields names the field in `param`."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -65,3 +67,25 @@ def test_a_bad_text_format_schema_names_text_format(demo_server):
     err = r.json()["error"]
     assert err["message"].startswith("text.format") and "response_format" not in err["message"]
     assert err["param"] == "text.format"
+
+
+def test_chat_echo_prepends_the_continued_message(demo_server):
+    """vLLM's chat `echo`: a reply continuing the last message (same role) starts with that message's text, streamed
+    (a chunk of its own after the role chunks) or not; a reply after a generation prompt echoes nothing."""
+    prefill = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "It is"}]
+    ask = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 4,
+           "temperature": 0, "n": 2, "chat_template_kwargs": {"enable_thinking": False}}
+    plain = [c["message"]["content"] for c in _post(demo_server, "/v1/chat/completions", ask).json()["choices"]]
+    echoed = [c["message"]["content"] for c in
+              _post(demo_server, "/v1/chat/completions", {**ask, "echo": True}).json()["choices"]]
+    assert echoed == ["It is" + p for p in plain]
+    with httpx.stream("POST", demo_server.url + "/v1/chat/completions", timeout=60,
+                      json={**ask, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["choices"][0]["delta"].get("content") for c in chunks[2:4]] == ["It is", "It is"]
+    streamed = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"][0]["index"] == i)
+                for i in (0, 1)]
+    assert streamed == echoed
+    after_prompt = _post(demo_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 3, "temperature": 0,
+                                                                "echo": True}).json()
+    assert not after_prompt["choices"][0]["message"]["content"].startswith("Say hello.")
