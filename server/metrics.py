@@ -94,10 +94,12 @@ class Metrics:
                               registry=r).labels(model_name)
         self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Accepted tokens per draft position.", [*m, "position"], registry=r)
+        preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m,
+                              registry=r).labels(model_name)
         self._model_name = model_name
         self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                         "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted,
-                        "spec_drafts": spec_chunks}
+                        "spec_drafts": spec_chunks, "num_preemptions": preemptions}
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
         self._seen: dict[object, int] = {}  # each exported total's value at the previous scrape
 

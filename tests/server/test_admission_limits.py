@@ -101,3 +101,22 @@ def test_a_burst_beyond_max_waiting_is_refused_before_the_engine_reports_it(demo
         assert app.state.ember.admitted.count == 0
     finally:
         server.stop()
+
+
+def test_preemptions_are_counted_in_metrics(small_cache_server):
+    """Four replies that together outgrow the 6-block cache: the engine preempts, and /metrics counts it under
+    vLLM's name; every reply still finishes."""
+    import concurrent.futures
+
+    server, model = small_cache_server
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+
+    def reply(i: int) -> str:
+        return client.completions.create(model=model, prompt=f"Story {i}", max_tokens=30, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(reply, range(4))) == ["length"] * 4
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    [count] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total{")]
+    assert count >= 1
