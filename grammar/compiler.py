@@ -782,7 +782,7 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
         start = _harmony_start(g, d, answer)
     else:
         exact = mode not in ("required", "named") and (response_format or {}).get("type") in _EXACT_FORMATS
-        start = _reasoning_start(g, d, profile, initial, answer, may_open, lead_ws=not exact)
+        start = _reasoning_start(g, d, profile, initial, answer, may_open, lead_ws=bool(tool_list) and not exact)
     format_field = answer_field(response_format)
     fields = [f for f, used in ((format_field, "answer" in g.rules), ("tools", "call" in g.rules)) if used]
     return GrammarPlan(g.source(start), budget, " and ".join(fields) or format_field)
@@ -874,7 +874,8 @@ _EXACT_FORMATS = frozenset({"regex", "choice", "grammar", "structural_tag"})
 def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str,
                      open_id: int | None, lead_ws: bool = True) -> str:
     """The start rule: the thought (the rest of one already open, or one the model may open: after whitespace, as
-    GLM-4.5 and Qwen3.5 write ``\n<think>``), then ``answer``, which whitespace may lead only with ``lead_ws``."""
+    GLM-4.5 and Qwen3.5 write ``\n<think>``), then ``answer``. Without a thought, whitespace may lead the answer only
+    with ``lead_ws`` (a tool call, whose parser drops it); a JSON or exact answer starts at its first character."""
     spec = profile.reasoning
     if spec is None:
         return answer
