@@ -229,7 +229,30 @@ def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenie
         body = json.dumps(_with_options(schema, options, lenient), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise GrammarError(f"{where} is not JSON: {e}") from None
+    _check_integers(schema, where)
     return "%json " + body
+
+
+_EXACT_INT = 2 ** 53
+_VALUE_KEYWORDS = frozenset({"const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                             "multipleOf"})
+
+
+def _check_integers(schema: Any, where: str) -> None:
+    """A `GrammarError` naming ``where`` when a value the output must match (``const``, ``enum``) or a bound holds an
+    integer beyond 2^53: llguidance reads schema numbers as doubles, so it would allow a neighbouring value
+    instead (9007199254740993 comes out as ...992)."""
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, is_value = stack.pop()
+        if isinstance(node, int) and not isinstance(node, bool):
+            if is_value and abs(node) > _EXACT_INT:
+                raise GrammarError(f"{where} holds the integer {node}, beyond 2^53, which structured output cannot "
+                                   f"match exactly (send it as a string)")
+        elif isinstance(node, Mapping):
+            stack.extend((v, is_value or k in _VALUE_KEYWORDS) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, is_value) for v in node)
 
 
 def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
@@ -241,6 +264,7 @@ def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
             body = json.dumps(_with_options(t.parameters, JSON_OPTIONS, not t.strict), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"tools[{t.index}].function.parameters is not JSON: {e}") from None
+        _check_integers(t.parameters, f"tools[{t.index}].function.parameters")
         problem = _schema_problem(body)
         if problem:
             raise GrammarError(f"tools[{t.index}].function.parameters is not a usable JSON schema: {problem}")
