@@ -1,8 +1,9 @@
 """The output pipeline of one request and choice: generated token IDs in, ordered events out.
 
 Per token: a single-token delimiter is routed whole to the machine (the UTF-8 assembler and the stop matcher are
-flushed first, so earlier text lands before it); an EOS / end-of-turn / pad id that the machine does not handle is
-Dropped; any other id becomes bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the
+flushed first, so earlier text lands before it); an EOS / end-of-turn / pad id that the machine does not handle, or
+one of ``ending_ids`` (the stop tokens a request leaves out, delimiters too), is Dropped and adds no text (a
+character or a stop string split around it still joins, as in vLLM's detokenized text); any other id becomes bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the
 profile's `ParserMachine`. Each step costs O(its tokens + bounded holdback): nothing already seen is scanned again.
 Streaming and non-streaming use this same object; the final message is `fold` of all events (`parsers.result`).
 """
@@ -87,21 +88,22 @@ class OutputPipeline:
                  *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
                  special_ids_to_drop: Collection[int] = (), tools: Sequence[dict] | None = None,
                  call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, ending_ids: Collection[int] = ()) -> None:
         self.profile = profile
         self.initial = initial
         self._tb = tb
         self._bytes = tb.bytes_table
         self._texts = tb.text_table
         self._size = tb.vocab_size
-        self._delims: dict[int, str] = {i: t for t, i in delimiter_ids.items() if i is not None}
+        # a token that ends the output and is left out of it (a request's stop_token_ids) is no delimiter then
+        self._delims: dict[int, str] = {i: t for t, i in delimiter_ids.items() if i is not None and i not in ending_ids}
         self._delims_as_text = frozenset(self._delims.keys() - tb.special_ids)  # in the raw text stop strings see
         drop = set(special_ids_to_drop)
         for t in profile.end_of_turn:
             i = tb.added_token_id(t)
             if i is not None:
                 drop.add(i)
-        self._drop = frozenset(drop - self._delims.keys())
+        self._drop = frozenset((drop - self._delims.keys()) | set(ending_ids))
         if parse_tools is None:
             parse_tools = bool(tools)
         self._machine = ParserMachine(profile, {t: i for t, i in delimiter_ids.items() if i is not None}, initial,
@@ -159,13 +161,9 @@ class OutputPipeline:
                 events += mfeed(tid, delim)
                 new = events[start:]
                 self._place(_surfaced(new, delim) if new else DELIMITER, not new, new, channels, resolved)
-            elif tid in drop:
-                start = len(events)
-                if self._flush_text(events):
-                    self._resolve(events[start:], channels, resolved)
-                    break
+            elif tid in drop:  # adds no text: a character or a stop string split around it still joins (vLLM)
                 self._count += 1
-                self._place(DROPPED, False, events[start:], channels, resolved)
+                self._place(DROPPED, False, (), channels, resolved)
                 t = self._tb.token_bytes(tid).decode("utf-8", "replace")
                 if t:
                     events.append(Dropped(t, "special"))

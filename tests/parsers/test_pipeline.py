@@ -549,6 +549,28 @@ def test_held_whitespace_tokens_take_the_channel_of_its_fate():
     assert resolved_channels(pipe(s, C), [nl, nl]) == ["content"] * 2 * len(nl)   # released at the finish
 
 
+def test_a_dropped_token_splits_neither_a_character_nor_a_stop_string():
+    """A skipped special (`skip_special_tokens`) adds no text between the pieces of a character or of a stop string:
+    they still join, as in the detokenized text vLLM matches stops on."""
+    s = setup("qwen3")
+    gap = s.tb.added_token_id("<|vision_start|>")
+    e_acute = byte_pieces(s.tb, "é")
+    p = pipe(s, C, special_ids_to_drop={gap})
+    assert fold(stream(p, [[i] for i in ids_of("x") + e_acute[:1] + [gap] + e_acute[1:]])).content == "xé"
+    p = pipe(s, C, special_ids_to_drop={gap}, stop=["AB"])
+    f = fold(stream(p, [[i] for i in ids_of("xA") + [gap] + ids_of("BC")]))
+    assert f.content == "x" and p.matched_stop == "AB"
+
+
+def test_a_stop_token_that_is_a_delimiter_is_left_out():
+    """A request's stop_token_ids end the reply without their text, even a delimiter's (`<tool_call>`, `</think>`)."""
+    s = setup("qwen3")
+    d = s.delimiter_ids
+    for stop_id, initial in ((d["<tool_call>"], C), (d["</think>"], C), (d["</think>"], R)):
+        f = parse_all(pipe(s, initial, tools=CODER_TOOLS, ending_ids={stop_id}), ids_of("Hello") + [stop_id])
+        assert (f.reasoning or "") + (f.content or "") == "Hello" and not f.tool_calls
+
+
 def test_other_specials_are_text_of_the_current_channel():
     s = setup("qwen3")
     im_start = s.tb.added_token_id("<|im_start|>")
