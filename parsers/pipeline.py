@@ -3,8 +3,9 @@
 Per token: a single-token delimiter is routed whole to the machine (the UTF-8 assembler and the stop matcher are
 flushed first, so earlier text lands before it); an EOS / end-of-turn / pad id that the machine does not handle, or
 one of ``ending_ids`` (the stop tokens a request leaves out, delimiters too), is Dropped and adds no text (a
-character or a stop string split around it still joins, as in vLLM's detokenized text); any other id becomes bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the
-profile's `ParserMachine`. Each step costs O(its tokens + bounded holdback): nothing already seen is scanned again.
+character or a stop string split around it still joins, as in vLLM's detokenized text); any other id becomes
+bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the profile's `ParserMachine`. Each
+step costs O(its tokens + bounded holdback): nothing already seen is scanned again.
 Streaming and non-streaming use this same object; the final message is `fold` of all events (`parsers.result`).
 """
 from __future__ import annotations
