@@ -316,6 +316,18 @@ def test_a_function_result_after_previous_response_id_keeps_its_call_name():
     assert chained[-1]["name"] == "get_time"
 
 
+def test_a_call_cut_short_replays_with_empty_arguments():
+    """A stored response whose call `max_output_tokens` cut (arguments not a JSON object) continues through
+    `previous_response_id`: its call replays with `{}`, which every template can iterate (raw text failed in
+    Qwen3-Coder's `arguments|items`)."""
+    from ember.server.responses_input import responses_messages
+
+    for raw in ('{"city": "Par', '"x"'):
+        cut = [{"type": "function_call", "call_id": "c", "name": "f", "arguments": raw, "status": "incomplete"}]
+        [msg] = responses_messages(cut, own_output=True)
+        assert msg["tool_calls"][0]["function"]["arguments"] == {}
+
+
 def test_a_thought_whose_turn_ended_without_output_joins_no_later_turn():
     """A reasoning item followed by the user speaking again (a turn cut short) is not rendered into the next
     assistant turn's thought."""
