@@ -30,6 +30,13 @@ class ChoiceEnd:
     error: str | None = None
     rejected: bool = False  # the request's own settings failed it (it can never fit the KV cache, no token allowed)
     cached_tokens: int | None = None  # prompt tokens the engine served from its prefix cache (None: not known)
+    stop_token: int | None = None  # the request's `stop_token_ids` token that ended it (an EOS: None)
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string that matched or the stop token ID that ended the choice; None
+        for EOS, length and any other end."""
+        return self.stop_string if self.reason == "stop_string" else self.stop_token
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Collection, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
 from ember.engine.args import parse_json_object
@@ -209,21 +209,23 @@ def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[s
     ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
     is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text. A stop
     string ends the reply only past the first ``min_tokens`` tokens (vLLM's rule)."""
-    drop = setup.dropped_ids(skip_special_tokens)
-    if not include_stop_str_in_output:
-        drop = drop | frozenset(stop_token_ids)
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
                           min_tokens=min_tokens, tools=list(tools) if tools else None, call_id=new_call_id,
-                          parse_tools=bool(tools), special_ids_to_drop=drop)
+                          parse_tools=bool(tools), special_ids_to_drop=setup.dropped_ids(skip_special_tokens),
+                          ending_ids=() if include_stop_str_in_output else frozenset(stop_token_ids))
 
 
 def _end_reason(engine_reason: str | None) -> str:
     return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
 
 
-def _end(out: RequestOutput) -> ChoiceEnd:
+def _end(out: RequestOutput, params: SamplingParams | None = None, eos: Collection[int] = ()) -> ChoiceEnd:
+    """How the engine ended a choice; `stop_token` is set when a token of ``params.stop_token_ids`` ended it, unless
+    that token is an EOS (``eos``) the request did not ignore, which vLLM reports as EOS."""
+    tid = out.stop_token_id
+    requested = params is not None and tid in params.stop_token_ids and (params.ignore_eos or tid not in eos)
     return ChoiceEnd(_end_reason(out.finish_reason), error=out.error,  # type: ignore[arg-type]
-                     cached_tokens=out.num_cached_tokens, rejected=out.rejected)
+                     cached_tokens=out.num_cached_tokens, rejected=out.rejected, stop_token=tid if requested else None)
 
 
 async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None
@@ -316,7 +318,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         raise _Stopping(rt.stopping)
                     step.finish_at = len(step.events)
                     finish(step, out.finish_reason or "stop")
-                    end = step.end = _end(out)
+                    end = step.end = _end(out, spec.params, rt.model_info.eos_token_ids)
                     yield step
                     return
                 if step.tokens or step.events:

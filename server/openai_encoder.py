@@ -198,9 +198,13 @@ class ChatChoiceEncoder:
         self._tail = "}]" + (',"usage":null' if meta.include_usage else "") + "}\n\n"
 
     def _chunk(self, delta: dict[str, Any], *, tokens: Sequence[TokenInfo] = (), finish_reason: str | None = None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+               stop_reason: str | int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One chunk; the one that finishes the choice also holds `stop_reason` (vLLM's chat chunks hold it there
+        only)."""
         choice: dict[str, Any] = {"index": self.index, "delta": delta, "logprobs": None,
                                   "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         if tokens and self.meta.logprobs:
             choice["logprobs"] = _chat_logprobs(self.tb, tokens, self.meta.top_logprobs)
         if self.meta.return_token_ids:
@@ -234,7 +238,8 @@ class ChatChoiceEncoder:
         for i, d in enumerate(deltas):
             chunks.append(self._chunk(d, tokens=step.tokens if i == 0 else ()))
         if step.end is not None:
-            chunks.append(self._chunk({}, finish_reason=self.finish_reason(step.end)))
+            chunks.append(self._chunk({}, finish_reason=self.finish_reason(step.end),
+                                      stop_reason=step.end.stop_reason))
         return chunks
 
     def step_sse(self, step: ChoiceStep) -> str:
@@ -251,10 +256,12 @@ class ChatChoiceEncoder:
         for i, d in enumerate(deltas):
             parts.append(self._chunk_sse(_delta_json(d), step.tokens if i == 0 else (), "null"))
         if step.end is not None:
-            parts.append(self._chunk_sse("{}", (), encode_basestring(self.finish_reason(step.end))))
+            parts.append(self._chunk_sse("{}", (), encode_basestring(self.finish_reason(step.end))
+                                         + ',"stop_reason":' + _dumps(step.end.stop_reason)))
         return "".join(parts)
 
     def _chunk_sse(self, delta_json: str, tokens: Sequence[TokenInfo], finish_json: str) -> str:
+        """``finish_json``: the JSON text after ``"finish_reason":`` (with the `stop_reason` member, on the last)."""
         meta = self.meta
         lp = "null"
         if tokens and meta.logprobs:
@@ -303,7 +310,8 @@ def usage_chunk(meta: ChunkMeta, u: dict[str, Any], object_name: str = "chat.com
 def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBytesFn, *, n: int,
               prompt_token_ids: Sequence[int] | None, usage_body: dict[str, Any] | None) -> dict[str, Any]:
     """The non-streaming `chat.completion` body of ``n`` choices from their steps: each message is the fold
-    (`parsers.result.fold`) of its choice's events; logprobs, token IDs and finish_reason follow the chunks' rules."""
+    (`parsers.result.fold`) of its choice's events; logprobs, token IDs, finish_reason and stop_reason follow the
+    chunks' rules."""
     events: list[list[Event]] = [[] for _ in range(n)]
     tokens: list[list[TokenInfo]] = [[] for _ in range(n)]
     ends: list[ChoiceEnd | None] = [None] * n
@@ -330,7 +338,7 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
         end = ends[idx]
         choice: dict[str, Any] = {"index": idx, "message": msg,
                                   "finish_reason": finish_reason(end, out.completed_calls) if end else None,
-                                  "logprobs": None}
+                                  "stop_reason": end.stop_reason if end else None, "logprobs": None}
         if meta.logprobs and tokens[idx]:
             choice["logprobs"] = _chat_logprobs(token_bytes, tokens[idx], meta.top_logprobs)
         if meta.return_token_ids:
@@ -381,10 +389,12 @@ class CompletionChoiceEncoder:
         lp["text_offset"].append(offset)
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
-               extra: dict[str, Any] | None = None, *, last: bool = False) -> dict[str, Any]:
+               extra: dict[str, Any] | None = None, *, last: bool = False,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
         """``last``: the choice's text ends with this chunk's, so no offset may pass its end (the token that
-        completed a stop string starts inside the cut text)."""
-        choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        completed a stop string starts inside the cut text). Every chunk holds `stop_reason`, as vLLM's."""
+        choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason}
         self.text_len += len(text)
         if self.meta.logprobs and tokens:
             lp = _legacy_logprobs()
@@ -448,7 +458,7 @@ class CompletionChoiceEncoder:
             chunks.append(self._chunk(text, step.tokens, None, last=step.end is not None))
         if step.end is not None:
             reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
-            chunks.append(self._chunk("", (), reason))
+            chunks.append(self._chunk("", (), reason, stop_reason=step.end.stop_reason))
         return chunks
 
 
@@ -527,6 +537,7 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
     tids: dict[int, list[int]] = {}
     scored: dict[int, list] = {}
     reasons: dict[int, str | None] = {}
+    stops: dict[int, str | int | None] = {}
     for ch in chunks:
         head = head or ch
         for c in ch["choices"]:
@@ -545,6 +556,7 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
                 scored[i] = c["prompt_logprobs"]
             if c.get("finish_reason") is not None:
                 reasons[i] = c["finish_reason"]
+                stops[i] = c.get("stop_reason")
     assert head is not None
     out = []
     for i in sorted(texts):
@@ -552,7 +564,7 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
         if i in lps:  # a token within a stop string cut off in an earlier chunk starts at most where the text ends
             lps[i]["text_offset"] = [min(o, len(text)) for o in lps[i]["text_offset"]]
         choice: dict[str, Any] = {"index": i, "text": text, "logprobs": lps.get(i),
-                                  "finish_reason": reasons[i]}
+                                  "finish_reason": reasons[i], "stop_reason": stops.get(i)}
         if i in tids or i in prompt_ids:
             choice["token_ids"] = tids.get(i, [])
             choice["prompt_token_ids"] = prompt_ids.get(i)

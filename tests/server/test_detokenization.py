@@ -3,12 +3,16 @@
 
 Exact token sequences are forced on the random tiny Qwen3 with a graded `logit_bias` (the first ID strongest) and
 penalties that push each token down once it is out; stories260K (a real SentencePiece model, BOS-prefixed prompts)
-covers the echo."""
+covers the echo. vLLM's `stop_reason` (which stop string or stop token ended a choice) is checked on the demo model."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
 
+from ember.parsers.events import ContentDelta
+from ember.server.choice import ChoiceEnd, ChoiceStep, TokenInfo
 from tests.conftest import shared_path
 from tests.server.conftest import served
 
@@ -197,3 +201,69 @@ def test_echo_of_a_token_prompt_reads_as_the_tokenizer_decodes_it(stories_server
     gen = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0))["choices"][0]
     c = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0, echo=True))
     assert c["choices"][0]["text"] == "Once upon" + gen["text"]
+
+
+# ------------------------------------------------------------------------------------------- stop_reason (vLLM's)
+
+def _forced_demo(ids: list[int], **body) -> dict:
+    """`_forced` for the demo model, whose logits spread wider: bias steps of 30, a token once out scaled down."""
+    bias = {str(t): 100 - 30 * k for k, t in enumerate(ids)}
+    return dict(logit_bias=bias, repetition_penalty=10.0, temperature=0, max_tokens=len(ids), return_token_ids=True,
+                **body)
+
+
+def _stream_choices(srv, path: str, body: dict) -> list[dict]:
+    """The choice objects of a stream's chunks, in order, as sent."""
+    with httpx.stream("POST", srv.url + path, json={"model": srv.model, "stream": True, **body}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [c for d in data for c in json.loads(d)["choices"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_choice(demo_server, path):
+    """vLLM's `stop_reason`: the matched stop string, the `stop_token_ids` token, else null (EOS, even one listed
+    in `stop_token_ids`, and length); the stream's finishing chunk holds the body's. Chat chunks before it hold no
+    `stop_reason`, completion chunks hold null (as vLLM's)."""
+    prompt = {"messages": [{"role": "user", "content": "x"}]} if path.endswith("chat/completions") else {"prompt": "x"}
+    tok = demo_server.tokenizer
+    a, b, c, eos_id = [*tok.convert_tokens_to_ids(["A", "B", "C"]), tok.eos_token_id]
+    abc = _forced_demo([a, b, c], **prompt)
+    eos = dict(logit_bias={str(eos_id): 100}, temperature=0, max_tokens=2, **prompt)  # the chat prompt holds EOS
+    cases = [(abc, {"stop": ["B"]}, "stop", "B"), (abc, {"stop_token_ids": [b]}, "stop", b),
+             (eos, {}, "stop", None), (eos, {"stop_token_ids": [eos_id]}, "stop", None),
+             (abc, {}, "length", None)]
+    for forced, extra, reason, stop_reason in cases:
+        body = {**forced, **extra}
+        choice = _post(demo_server, path, body)["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == (reason, stop_reason), extra
+        *before, last = _stream_choices(demo_server, path, body)
+        assert (last["finish_reason"], last["stop_reason"]) == (reason, stop_reason), extra
+        if "messages" in prompt:
+            assert all("stop_reason" not in ch for ch in before)
+        else:
+            assert all(ch["stop_reason"] is None for ch in before)
+
+
+@pytest.mark.parametrize("end", [ChoiceEnd("stop_string", stop_string="é\"n"), ChoiceEnd("eos", stop_token=33)])
+def test_chat_fast_path_writes_stop_reason_as_the_chunk_dicts(end):
+    from ember.server.openai_encoder import ChatChoiceEncoder, ChunkMeta, sse_line
+
+    meta = ChunkMeta(id="chatcmpl-x", created=1, model="m", return_token_ids=True, include_usage=True)
+    step = ChoiceStep(0, [TokenInfo(5, channel="content")], [ContentDelta("hi")], end)
+    want = "".join(sse_line(ch) for ch in ChatChoiceEncoder(meta, 0, lambda t: b"hi").step(step))
+    assert ChatChoiceEncoder(meta, 0, lambda t: b"hi").step_sse(step) == want
+    assert want.count('"stop_reason"') == 1
+
+
+def test_a_stop_token_that_is_a_delimiter_leaves_no_text(demo_server):
+    """`stop_token_ids` naming a delimiter (`<tool_call>` in the answer, `</think>` in a thought): the reply ends
+    there without its text."""
+    tok = demo_server.tokenizer
+    a = tok.convert_tokens_to_ids("A")
+    for delim, thinking, field in (("<tool_call>", False, "content"), ("</think>", True, "reasoning_content")):
+        d = tok.convert_tokens_to_ids(delim)
+        body = _forced_demo([a, d], messages=[{"role": "user", "content": "x"}], stop_token_ids=[d],
+                            chat_template_kwargs={"enable_thinking": thinking})
+        choice = _post(demo_server, "/v1/chat/completions", body)["choices"][0]
+        assert (choice["message"][field], choice["stop_reason"]) == ("A", d), choice
