@@ -18,7 +18,9 @@ _event = st.one_of(
 _token = st.builds(TokenInfo, st.integers(0, 50000), st.one_of(st.none(), st.floats(-20, 0)),
                    st.lists(st.tuples(st.integers(0, 300), st.floats(-20, 0)), max_size=3),
                    st.sampled_from([None, "content", "reasoning", "tool"]))
-_end = st.one_of(st.none(), st.builds(ChoiceEnd, st.sampled_from(["eos", "stop_string", "length", "abort", "error"])))
+_end = st.one_of(st.none(), st.builds(ChoiceEnd, st.sampled_from(["eos", "stop_string", "length", "abort", "error"]),
+                                      stop_string=st.one_of(st.none(), st.text(max_size=4)),
+                                      stop_token=st.one_of(st.none(), st.integers(0, 99))))
 _meta = st.builds(ChunkMeta, id=_text, created=st.integers(0, 2**40), model=_text, logprobs=st.booleans(),
                   top_logprobs=st.integers(0, 3), return_token_ids=st.booleans(), include_usage=st.booleans(),
                   continuous_usage=st.booleans())
