@@ -29,6 +29,7 @@ from .admission import (check_capacity, check_model, check_token_ids, client_req
                         tokens_to_keep)
 from .errors import ApiError, bad_request
 from .generation import ModelRuntime
+from .metrics import Metrics
 
 MAX_INPUTS = 2048
 """Inputs one request may carry (the OpenAI API's limit)."""
@@ -212,9 +213,10 @@ def _finish(pooled: list[float], dimensions: int | None, normalize: bool) -> np.
 
 
 async def _pooled(rt: ModelRuntime, typed: list[tuple[list[int], int | None]], request_id: str,
-                  lora: str | None) -> AsyncIterator[dict]:
+                  lora: str | None, metrics: Metrics) -> AsyncIterator[dict]:
     """``{"index", "pooled"}`` for each (prompt, token type start) as it finishes, the prompts running as concurrent
-    engine requests. Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
+    engine requests, each counted in ``metrics`` as it ends (a refused one is a 400, not a finished request).
+    Closing the iterator aborts those still running; a refusal or failure raises (400 or 500)."""
     prompts = [p for p, _ in typed]
 
     async def one(i: int) -> dict:
@@ -236,6 +238,8 @@ async def _pooled(rt: ModelRuntime, typed: list[tuple[list[int], int | None]], r
             reason = "rejected"
             raise
         finally:
+            if reason != "rejected":
+                metrics.finished(reason)
             if rt.request_log is not None:
                 rt.request_log.finished(rid, reason, len(prompts[i]), 0, arrival)
 
@@ -273,7 +277,7 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
     client_id = client_request_id(request)
     rid = client_id or secrets.token_hex(12)
     engine_id = f"{rid}-{secrets.token_hex(4)}" if client_id else rid
-    results = await collect(request, _pooled(rt, prompts, engine_id, lora))
+    results = await collect(request, _pooled(rt, prompts, engine_id, lora, st.metrics))
     out: list[list[float]] = [[] for _ in prompts]
     for r in results:
         out[r["index"]] = r["pooled"]

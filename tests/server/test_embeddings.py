@@ -191,6 +191,23 @@ def test_a_client_that_hangs_up_aborts_its_inputs(demo_server):
     assert s.num_steps - start.num_steps < 40  # most of the 70+ steps never ran
 
 
+def test_each_pooled_input_is_a_finished_request_in_metrics(demo_server):
+    """vLLM's dashboards count pooled inputs in `vllm:request_success_total{finished_reason="stop"}`."""
+    import re
+
+    def counts() -> tuple[float, float]:
+        text = httpx.get(demo_server.url + "/metrics", timeout=10).text
+        found = [re.search(rf"^{pattern} (\S+)$", text, flags=re.M) for pattern in (
+            r'vllm:request_success_total\{finished_reason="stop",model_name="[^"]*"\}',
+            r'ember_request_finished_total\{reason="pooled"\}')]
+        return tuple(float(m.group(1)) if m else 0.0 for m in found)
+
+    before = counts()
+    r = httpx.post(demo_server.url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
+    assert r.status_code == 200
+    assert counts() == (before[0] + 2, before[1] + 2)
+
+
 def test_a_conversation_is_embedded_as_the_chat_template_renders_it(demo_server, demo_hf):
     messages = [{"role": "system", "content": "You embed."}, {"role": "user", "content": "Where is Paris?"}]
     tok = demo_server.tokenizer
