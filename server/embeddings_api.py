@@ -162,8 +162,8 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
                  type_starts: list[int | None] | None = None) -> list[tuple[list[int], int | None]]:
     """Each input's token IDs, truncated to the last ``truncate`` tokens (-1: as many as fit; a text keeps the special
     tokens its encoding adds, as `keep_last` cuts it) and checked against the context and the KV cache (a problem is
-    a 400 naming ``params[i]``), with its first position of token type 1: ``type_starts[i]`` for token lists (None:
-    the model finds it), past the end for a text (one segment)."""
+    a 400 naming ``params[i]``), with its first position of token type 1: ``type_starts[i]`` for a pair's token list
+    (None: the model finds it), else past the end (one segment: a text, or token IDs as transformers reads them)."""
     limit = prompt_limit(rt)
     keep = tokens_to_keep(truncate, limit)
     texts = [x for x in inputs if isinstance(x, str)]
@@ -184,7 +184,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
         else:
             ids = list(x)
             check_token_ids(st, ids, param)
-            start = type_starts[i] if type_starts is not None else None
+            start = type_starts[i] if type_starts is not None else len(ids)  # a token list alone is one segment
             if keep and len(ids) > keep:
                 start = None if start is None else max(0, start - (len(ids) - keep))
                 ids = ids[-keep:]

@@ -45,12 +45,15 @@ def test_embeddings_follow_the_sentence_transformers_pooling(embedder):
 
 def test_a_text_holding_a_separator_is_still_one_segment(embedder, cross_encoder):
     """A literal ``[SEP]`` inside a text is the separator token, but the text's token types stay 0 (as the tokenizer
-    writes them), and a pair whose first text holds one starts type 1 at the pair's own separator."""
+    writes them), as they do for the same tokens sent as IDs; a pair whose first text holds one starts type 1 at the
+    pair's own separator."""
     server, model, tok = embedder
     text = "first part [SEP] second part"
     assert tok(text)["input_ids"].count(tok.sep_token_id) == 2
     got = server.openai().embeddings.create(model="bge-like", input=[text])
     assert np.allclose(got.data[0].embedding, _unit(reference(model, tok, text).mean(0)), atol=1e-5)
+    as_ids = server.openai().embeddings.create(model="bge-like", input=[tok(text)["input_ids"]])  # the same tokens
+    assert np.allclose(as_ids.data[0].embedding, got.data[0].embedding, atol=1e-6)
     server, model, tok = cross_encoder
     query, doc = "capital [SEP] of france", "paris is the capital of france"
     s = httpx.post(server.url + "/v1/score", json={"model": "reranker", "text_1": query, "text_2": doc}, timeout=60)
