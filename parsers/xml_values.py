@@ -1,10 +1,12 @@
-"""Qwen3-Coder parameter values typed by the tool's JSON schema: which values stream as JSON strings, and the JSON
-text of a value written whole at `</parameter>`."""
+"""XML-style parameter values (Qwen3-Coder, MiniMax-M2, GLM-4.5) typed by the tool's JSON schema: which values stream
+as JSON strings, the JSON text of a value written whole at its close tag, and `XmlValue`, which writes one value into
+the open call's arguments."""
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 from urllib.parse import unquote
 
 
@@ -164,6 +166,12 @@ def _reject_constant(name: str) -> None:
 def typed_json(raw: str, types: tuple[str, ...]) -> str:
     """The JSON text of a whole non-string value: the first declared type it converts to (as strict RFC 8259 JSON:
     no NaN or Infinity), else a JSON string."""
+    v = typed_value(raw, types)
+    return json.dumps(raw, ensure_ascii=False) if v is None else v
+
+
+def typed_value(raw: str, types: tuple[str, ...]) -> str | None:
+    """The JSON text of ``raw`` as the first declared type it converts to (strict RFC 8259 JSON), or None."""
     v = raw.strip()
     for t in types:
         if t == "integer":
@@ -191,4 +199,103 @@ def typed_json(raw: str, types: tuple[str, ...]) -> str:
                 continue
             if isinstance(parsed, dict if t == "object" else list):
                 return v
-    return json.dumps(raw, ensure_ascii=False)
+    return None
+
+
+class Emitter(Protocol):
+    """Where `XmlValue` writes: the parser machine's emitting helpers."""
+
+    def drop(self, text: str, reason: str) -> None: ...
+
+    def args(self, fragment: str) -> None: ...
+
+
+class XmlValue:
+    """The parameter values of an XML-style call, each written into the open call's JSON arguments (one instance per
+    syntax, so per choice). A value whose schema allows a string is keyed when it opens and streams as a JSON string;
+    another is written whole, key and all, when it closes (as the first declared type it converts to, else a string).
+
+    Value text that may begin ``close`` (the value's close tag; with ``strip``, Qwen3-Coder's template newline before
+    it, and the one after the open tag, too) is withheld: it is value text when more follows or the tag closes the
+    value, and markup (Dropped) when the output ends there. A call cut there holds no markup, and a non-string value
+    cut before it converts is left out (its key was never written), so what streamed is the final arguments."""
+
+    def __init__(self, out: Emitter, close: str, strip: bool) -> None:
+        self._out = out
+        self._close = close
+        self._strip = strip
+        self.n_keys = 0                      # keys written in the open call (reset when a call starts)
+        self._key = ""
+        self._types: tuple[str, ...] = ()
+        self._str = True
+        self._start = False
+        self._held = ""                      # text that may begin the close tag
+        self._buf: list[str] = []            # a non-string value's raw pieces
+
+    def open(self, key: str, types: tuple[str, ...]) -> None:
+        """A value of parameter ``key`` of the open call begins; ``types`` are its declared JSON types."""
+        self._key, self._types = key, types
+        self._str = streams_as_string(types)
+        self._start, self._held, self._buf = self._strip, "", []
+        if self._str:
+            self._write_key('"')
+
+    def text(self, s: str) -> None:
+        """Text of the value."""
+        if self._start:
+            self._start = False
+            if s.startswith("\n"):
+                self._out.drop("\n", "template newline")
+                s = s[1:]
+        s = self._held + s
+        keep = len(s) - self._markup_tail(s)
+        self._held = s[keep:]
+        self._put(s[:keep])
+
+    def close(self, at_finish: bool) -> None:
+        """The value ends: at its close tag or another construct (``at_finish`` False), or where the output ended."""
+        out = self._out
+        held, self._held = self._held, ""
+        if not at_finish:
+            newline = self._strip and held.endswith("\n")
+            self._put(held[:-1] if newline else held)
+            if newline:
+                out.drop("\n", "template newline")
+        if self._str:
+            if not at_finish:
+                out.args('"')
+        else:
+            raw, self._buf = "".join(self._buf), []
+            value = typed_value(raw, self._types)
+            if value is None and not at_finish:
+                value = json.dumps(raw, ensure_ascii=False)
+            if value is None:
+                out.drop(raw, "non-string value cut short")
+            else:
+                self._write_key(value)
+        if at_finish:
+            out.drop(held, "parameter close tag cut short")
+
+    def _markup_tail(self, s: str) -> int:
+        """How many characters at the end of ``s`` may begin the close tag (a proper prefix of it, after a newline
+        with ``strip``)."""
+        close = self._close
+        n = 0
+        for i in range(max(0, len(s) - len(close) + 1), len(s)):
+            if s[i] == close[0] and close.startswith(s[i:]):
+                n = len(s) - i
+                break
+        if self._strip and s.endswith("\n", 0, len(s) - n):
+            n += 1
+        return n
+
+    def _put(self, text: str) -> None:
+        if text:
+            if self._str:
+                self._out.args(escape(text))
+            else:
+                self._buf.append(text)
+
+    def _write_key(self, value: str) -> None:
+        self._out.args(("{" if self.n_keys == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value)
+        self.n_keys += 1

@@ -2,17 +2,17 @@
 
 The name runs from `<tool_call>` to its newline (or straight to the first `<arg_key>` or `</tool_call>`, as GLM-4.7
 writes it), buffered up to `MAX_NAME`. Arguments become one JSON object as they stream, each value typed by the tool's
-JSON schema (`parsers.xml_values`): a value whose schema allows a string streams as a JSON string, others are written
-whole at `</arg_value>`. Whitespace between tags is Dropped, other stray text Malformed.
+JSON schema (`parsers.xml_values.XmlValue`): a value whose schema allows a string streams as a JSON string, others are
+written whole, with their key, at `</arg_value>`; a call cut by the end of the output keeps no close-tag markup in its
+values. Whitespace between tags is Dropped, other stray text Malformed.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from ..profiles.base import BAD_CALL, TOOL_PREAMBLE
 from ..profiles.glm45 import GLM_BODY, GLM_KEY, GLM_KEYED, GLM_VALUE
-from ..xml_values import escape, parameter_types, streams_as_string, typed_json
+from ..xml_values import XmlValue, parameter_types
 from .base import MAX_NAME, Action, Handler, ToolSyntax
 
 
@@ -25,10 +25,7 @@ class Glm45Syntax(ToolSyntax):
         self._buf = ""                   # the name (TOOL_PREAMBLE) or an argument's key (GLM_KEY) so far
         self._opener = ""                # `<arg_key>`, withheld with the key
         self._key = ""
-        self._n_args = 0
-        self._val_types: tuple[str, ...] = ()
-        self._val_str = True
-        self._val_buf: list[str] = []    # a non-string value's raw pieces
+        self._value = XmlValue(machine, machine.profile.terminals["value_close"], strip=False)
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m
@@ -58,9 +55,9 @@ class Glm45Syntax(ToolSyntax):
             key, self._buf = self._buf, ""
             m.malformed(self._opener + key, "argument cut short")
         elif state == GLM_VALUE:
-            self._end_value(at_finish)
+            self._value.close(at_finish)
         if not at_finish and m.call_open:
-            m.args("}" if self._n_args else "{}")
+            m.args("}" if self._value.n_keys else "{}")
         m.end_call()
 
     def _start(self, after: str) -> bool:
@@ -77,7 +74,7 @@ class Glm45Syntax(ToolSyntax):
         m.drop(raw[:at], "template whitespace")
         m.start_call(name)
         m.drop(raw[at + len(name):] + after, "template whitespace")
-        self._n_args = 0
+        self._value.n_keys = 0
         m.state = GLM_BODY
         return True
 
@@ -110,10 +107,7 @@ class Glm45Syntax(ToolSyntax):
         return len(s)
 
     def _value_text(self, s: str) -> int:
-        if self._val_str:
-            self.m.args(escape(s))
-        else:
-            self._val_buf.append(s)
+        self._value.text(s)
         return len(s)
 
     # ------------------------------------------------------------------------------------------- actions
@@ -136,24 +130,10 @@ class Glm45Syntax(ToolSyntax):
     def _do_value_open(self, text: str) -> None:
         m = self.m
         m.drop(text, "argument tag")
-        self._val_types = self._types.get(m.call_name, {}).get(self._key, ())
-        self._val_str = streams_as_string(self._val_types)
-        m.args(("{" if self._n_args == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": "
-               + ('"' if self._val_str else ""))
-        self._n_args += 1
-        self._val_buf = []
+        self._value.open(self._key, self._types.get(m.call_name, {}).get(self._key, ()))
         m.state = GLM_VALUE
 
     def _do_value_close(self, text: str) -> None:
-        self._end_value(at_finish=False)
+        self._value.close(at_finish=False)
         self.m.drop(text, "argument tag")
         self.m.state = GLM_BODY
-
-    def _end_value(self, at_finish: bool) -> None:
-        m = self.m
-        if self._val_str:
-            if not at_finish:
-                m.args('"')
-        else:
-            m.args(typed_json("".join(self._val_buf), self._val_types))
-            self._val_buf = []

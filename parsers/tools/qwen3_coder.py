@@ -1,15 +1,15 @@
 """Qwen3-Coder XML tool calls: `<function=NAME><parameter=KEY>VALUE</parameter></function>` inside `<tool_call>`.
 
-Values are converted to JSON as they stream, typed by the tool's JSON schema (`parsers.xml_values`): a value whose
-schema allows a string streams as a JSON string; others are written whole at `</parameter>`.
+Values are converted to JSON as they stream, typed by the tool's JSON schema (`parsers.xml_values.XmlValue`): a value
+whose schema allows a string streams as a JSON string; others are written whole, with their key, at `</parameter>`.
+A call cut by the end of the output keeps no close-tag markup in its values.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from ..profiles.base import BAD_CALL, FN_BODY, PARAM_KEY, PARAM_SKIP, PARAM_VALUE, TOOL_BETWEEN, TOOL_NAME
-from ..xml_values import escape, parameter_types, streams_as_string, typed_json
+from ..xml_values import XmlValue, parameter_types
 from .base import MAX_NAME, Action, Handler, ToolSyntax
 
 
@@ -20,15 +20,10 @@ class Qwen3CoderSyntax(ToolSyntax):
     def __init__(self, machine, tools: Sequence[dict] | None) -> None:
         super().__init__(machine, tools)
         self._types = parameter_types(tools)
-        self._strip = machine.profile.strip_value_newlines
+        p = machine.profile
+        self._value = XmlValue(machine, p.terminals["parameter_close"], p.strip_value_newlines)
         self._opener = ""                         # `<function=` / `<parameter=` text, withheld with the name
         self._name_buf = ""
-        self._n_params = 0
-        self._val_types: tuple[str, ...] = ()
-        self._val_str = True
-        self._val_start = False
-        self._val_nl = False
-        self._val_buf: list[str] = []            # a non-string value's raw pieces
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m
@@ -50,9 +45,9 @@ class Qwen3CoderSyntax(ToolSyntax):
                 key, self._name_buf = self._name_buf, ""
                 m.malformed(self._opener + key, "parameter cut short")
             elif state == PARAM_VALUE:
-                self._end_value(at_finish)
+                self._value.close(at_finish)
             if not at_finish and m.call_open:
-                m.args("}" if self._n_params else "{}")
+                m.args("}" if self._value.n_keys else "{}")
             m.end_call()
 
     # ------------------------------------------------------------------------------------------- text handlers
@@ -74,25 +69,8 @@ class Qwen3CoderSyntax(ToolSyntax):
         return len(s)
 
     def _value_text(self, s: str) -> int:
-        n = len(s)
-        strip = self._strip
-        if self._val_start:
-            self._val_start = False
-            if strip and s[0] == "\n":
-                self.m.drop("\n", "template newline")
-                s = s[1:]
-        if self._val_nl:
-            s = "\n" + s
-            self._val_nl = False
-        if strip and s.endswith("\n"):
-            self._val_nl = True
-            s = s[:-1]
-        if s:
-            if self._val_str:
-                self.m.args(escape(s))
-            else:
-                self._val_buf.append(s)
-        return n
+        self._value.text(s)
+        return len(s)
 
     # ------------------------------------------------------------------------------------------- actions
     def _do_name_start(self, text: str) -> None:
@@ -109,7 +87,7 @@ class Qwen3CoderSyntax(ToolSyntax):
         m.drop(self._opener, "function tag")
         m.start_call(name)
         m.drop(text, "function tag")
-        self._n_params = 0
+        self._value.n_keys = 0
         m.state = FN_BODY
 
     def _do_cut_short(self, text: str) -> None:
@@ -129,7 +107,7 @@ class Qwen3CoderSyntax(ToolSyntax):
 
     def _do_function_end(self, text: str) -> None:
         m = self.m
-        m.args("}" if self._n_params else "{}")
+        m.args("}" if self._value.n_keys else "{}")
         m.end_call()
         m.drop(text, "function tag")
         m.state = TOOL_BETWEEN
@@ -146,37 +124,14 @@ class Qwen3CoderSyntax(ToolSyntax):
             m.state = PARAM_SKIP
             return
         m.drop(self._opener + key + text, "parameter tag")
-        self._val_types = self._types.get(m.call_name, {}).get(key, ())
-        self._val_str = streams_as_string(self._val_types)
-        m.args(("{" if self._n_params == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
-               + ('"' if self._val_str else ""))
-        self._n_params += 1
-        self._val_start, self._val_nl, self._val_buf = True, False, []
+        self._value.open(key, self._types.get(m.call_name, {}).get(key, ()))
         m.state = PARAM_VALUE
 
     def _do_value_end(self, text: str) -> None:
-        self._end_value(at_finish=False)
+        self._value.close(at_finish=False)
         self.m.drop(text, "parameter tag")
         self.m.state = FN_BODY
 
     def _do_skip_end(self, text: str) -> None:
         self.m.malformed(text, "malformed parameter")
         self.m.state = FN_BODY
-
-    def _end_value(self, at_finish: bool) -> None:
-        m = self.m
-        if self._val_nl:
-            self._val_nl = False
-            if at_finish:
-                if self._val_str:
-                    m.args(escape("\n"))
-                else:
-                    self._val_buf.append("\n")
-            else:
-                m.drop("\n", "template newline")
-        if self._val_str:
-            if not at_finish:
-                m.args('"')
-        else:
-            m.args(typed_json("".join(self._val_buf), self._val_types))
-            self._val_buf = []

@@ -106,8 +106,9 @@ def test_qwen3_coder_xml_outside_a_tool_call_is_content():
 
 
 def test_qwen3_coder_parameter_cut_by_finish_keeps_what_streamed():
+    """The value's text streamed; the close tag cut short (`</param`) is markup, never part of the value."""
     f = fold(run(machine("qwen3_coder", QWEN_IDS), [CALL, "<function=f>\n<parameter=a>\nhello </param"]))
-    assert f.calls == [["f", '{"a": "hello </param', True]]
+    assert f.calls == [["f", '{"a": "hello ', True]]
 
 
 def test_harmony_with_text_matched_specials_and_a_missing_end():
