@@ -56,6 +56,7 @@ class ModelInfo:
     num_params: int
     labels: tuple[str, ...] = ()  # a classifier's class names, in logit order (empty: the model generates)
     label_activation: str = ""  # a classifier's "softmax" or "sigmoid" (`ember.engine.models.classifier.activation`)
+    score_activation: str = "sigmoid"  # a cross-encoder's score of its logit (`classifier.score_activation`)
     joins_pairs: bool = False  # a cross-encoder reads a text pair joined into one text (vLLM's use_pad_token: false)
     encoder: bool = False  # a bidirectional encoder (BERT, XLM-RoBERTa): generates nothing; pools [CLS] by default
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, folder) of each LoRA adapter requests may name

@@ -51,6 +51,7 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
     mc = engine.model_config
     model = getattr(engine.runner, "model", None)
     num_params = sum(p.numel() for p in model.parameters()) if model is not None else 0
+    labels = classifier.labels(mc) if engine.score_head is not None else ()
     return ModelInfo(
         model_dir=str(engine.model_dir), tokenizer_path=str(engine.tokenizer_dir), model_type=mc.model_type or None,
         architecture=mc.architecture, dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
@@ -59,8 +60,8 @@ def model_info_of(engine: Engine, load_seconds: float = 0.0, kv_cache_dtype: str
         num_kv_blocks=engine.kv.num_blocks, max_num_seqs=engine.config.max_num_seqs,
         tensor_parallel_size=engine.config.tensor_parallel_size, kv_cache_dtype=kv_cache_dtype,
         load_seconds=float(load_seconds), num_params=int(num_params),
-        labels=classifier.labels(mc) if engine.score_head is not None else (),
-        label_activation=classifier.activation(mc) if engine.score_head is not None else "",
+        labels=labels, label_activation=classifier.activation(mc) if engine.score_head is not None else "",
+        score_activation=classifier.score_activation(mc) if len(labels) == 1 else "sigmoid",
         joins_pairs=engine.score_head is not None and classifier.joins_pairs(mc),
         encoder=mc.is_encoder,
         lora_adapters=engine.lora.listed() if engine.lora else (),

@@ -6,12 +6,15 @@ With an embedding model (a bi-encoder), a score is the cosine similarity of the 
 (`ember.server.embeddings_api.embed`, the model's pooling). With a one-class classification model (a cross-encoder
 such as a ``Qwen3ForSequenceClassification`` conversion of Qwen3-Reranker), the two texts are read together (joined
 into one text where the config says ``use_pad_token: false``, as for a converted causal LM; else as the tokenizer
-encodes a text pair) and the score is the sigmoid of the class logit, as vLLM scores them.
+encodes a text pair) and the score is the class logit under the checkpoint's activation, as vLLM scores them
+(`ModelInfo.score_activation`: the sentence-transformers activation config.json names, else sigmoid).
 """
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,6 @@ from pydantic import Field
 
 from . import protocol_openai as po
 from .admission import check_model, model_label, state, tokens_to_keep
-from .classify_api import activated
 from .embeddings_api import (MAX_INPUTS, align, check_count, embed, keep_last, pool, prompt_limit, too_few,
                              too_long)
 from .errors import bad_request
@@ -44,6 +46,12 @@ class RerankRequest(po._Lenient):
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
     truncate_prompt_tokens: po.TruncatePromptTokens = None
+
+
+SCORE_ACTIVATIONS: dict[str, Callable[[float], float]] = {
+    "identity": lambda x: x, "sigmoid": lambda x: 0.5 * (1.0 + math.tanh(0.5 * x)), "tanh": math.tanh,
+    "relu": lambda x: max(x, 0.0)}
+"""A cross-encoder's score of its class logit, by `ModelInfo.score_activation`."""
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -170,7 +178,8 @@ async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], se
     keep = tokens_to_keep(truncate, prompt_limit(rt))
     ids, type_starts = await asyncio.to_thread(_pair_prompts, rt, firsts, seconds, first_params, keep)
     logits, total, rid = await pool(request, ids, params, truncate=None, lora=lora, type_starts=type_starts)
-    return [float(activated(row, sigmoid=True)[0]) for row in logits], total, rid
+    act = SCORE_ACTIVATIONS[rt.model_info.score_activation]
+    return [act(float(row[0])) for row in logits], total, rid
 
 
 async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:

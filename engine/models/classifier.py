@@ -98,6 +98,36 @@ def activation(cfg: ModelConfig) -> str:
     return "sigmoid" if multi or len(labels(cfg)) == 1 else "softmax"
 
 
+SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "sigmoid", "Tanh": "tanh", "ReLU": "relu"}
+"""The ``torch.nn.modules`` classes Ember applies to a cross-encoder's logit, by class name, with the name
+`score_activation` gives each."""
+
+
+def score_activation(cfg: ModelConfig) -> str:
+    """How a cross-encoder's class logit becomes its score, as vLLM's ``get_cross_encoder_activation_function`` reads
+    config.json: the ``torch.nn.modules`` class named by ``sentence_transformers.activation_fn`` (as
+    sentence-transformers' CrossEncoder saves it), else by ``sbert_ce_default_activation_function``, else
+    ``sigmoid``. ConfigError naming the field for a class outside ``torch.nn.modules`` (which vLLM refuses to load)
+    or one not in `SCORE_ACTIVATIONS`."""
+    raw = cfg.raw
+    st = raw.get("sentence_transformers")
+    if isinstance(st, dict) and "activation_fn" in st:
+        field, name = "sentence_transformers.activation_fn", st["activation_fn"]
+    else:
+        field, name = "sbert_ce_default_activation_function", raw.get("sbert_ce_default_activation_function")
+    if name is None:
+        return "sigmoid"
+    where = f"config.json (or --hf-overrides): {field}"
+    if not isinstance(name, str) or not name.startswith("torch.nn.modules."):
+        raise ConfigError(f"{where} must name a torch.nn.modules class (as vLLM, Ember loads a cross-encoder's "
+                          f"activation from nowhere else), got {name!r}")
+    cls = name.rsplit(".", 1)[1]
+    if cls not in SCORE_ACTIVATIONS:
+        raise ConfigError(f"{where}: {name!r} is not supported; Ember applies torch.nn.modules "
+                          f"{', '.join(SCORE_ACTIVATIONS)}")
+    return SCORE_ACTIVATIONS[cls]
+
+
 def attach_head(model: nn.Module, cfg: ModelConfig) -> None:
     """Give ``model`` (built, not yet loaded) the ``score`` head the checkpoint holds, and no LM head."""
     ref = model.model.embed_tokens.weight

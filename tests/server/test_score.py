@@ -1,10 +1,17 @@
 """vLLM's score and rerank routes over the demo model's embeddings: a score is the cosine similarity of the two
-texts' embeddings (as `/v1/embeddings` returns them), rerank orders documents by it, best first."""
+texts' embeddings (as `/v1/embeddings` returns them), rerank orders documents by it, best first. A cross-encoder's
+score is its logit under the activation its config.json names (sigmoid where it names none)."""
 from __future__ import annotations
+
+import json
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
+
+from ember.engine.config import ConfigError
+from ember.engine.models import classifier
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -82,3 +89,67 @@ def test_a_pair_with_an_empty_second_text_is_its_first_text_alone_in_any_batch()
     assert ids == [alone, tok(query, doc)["input_ids"]] and starts == [len(alone), len(alone)]
     cut = tok(query, "", truncation="longest_first", max_length=5)["input_ids"]
     assert _pair_ids(rt, [query, query], ["", doc], 5)[0][0] == cut
+
+
+@pytest.fixture(scope="module")
+def identity_reranker(tmp_path_factory):
+    """A tiny BERT cross-encoder whose config.json names sentence-transformers' Identity activation (as the ms-marco
+    MiniLM rerankers do), served in-process; with its transformers model and tokenizer."""
+    from tests.encoders import save_tiny_encoder, serve_encoder
+
+    path = tmp_path_factory.mktemp("identity-reranker")
+    model, tok = save_tiny_encoder(path, "BertForSequenceClassification", seed=14, num_labels=1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity", "version": "4.0.1"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with serve_encoder(path, "ms-marco-like") as server:
+        yield server, model, tok
+
+
+def test_a_cross_encoder_with_an_identity_activation_scores_its_raw_logit(identity_reranker):
+    from tests.encoders import reference
+
+    server, model, tok = identity_reranker
+    query, docs = "what is the capital of france", ["paris is the capital of france", "the cat sat on the mat"]
+    logits = [float(reference(model, tok, query, d)[0]) for d in docs]
+    s = _post(server, "/v1/score", {"text_1": query, "text_2": docs}).json()
+    assert [d["score"] for d in s["data"]] == pytest.approx(logits, rel=1e-5)
+    r = _post(server, "/rerank", {"query": query, "documents": docs}).json()
+    assert [x["index"] for x in r["results"]] == sorted(range(len(docs)), key=lambda i: -logits[i])
+    assert [x["relevance_score"] for x in r["results"]] == pytest.approx(sorted(logits, reverse=True), rel=1e-5)
+
+
+@pytest.mark.parametrize("raw,want", [
+    ({}, "sigmoid"),
+    ({"is_original_qwen3_reranker": True}, "sigmoid"),
+    ({"sentence_transformers": {"version": "4.0.1"}}, "sigmoid"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, "tanh"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"},
+      "sbert_ce_default_activation_function": "torch.nn.modules.activation.Sigmoid"}, "identity"),
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "identity"),
+    ({"sbert_ce_default_activation_function": None}, "sigmoid"),
+])
+def test_the_score_activation_is_the_one_config_json_names(raw, want):
+    assert classifier.score_activation(SimpleNamespace(raw=raw)) == want
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"sentence_transformers": {"activation_fn": "os.system"}}, "sentence_transformers.activation_fn"),
+    ({"sbert_ce_default_activation_function": "torch.nn.modules.activation.Softmax"},
+     "sbert_ce_default_activation_function"),
+])
+def test_an_activation_ember_cannot_apply_is_refused_naming_the_field(raw, field):
+    with pytest.raises(ConfigError, match=field):
+        classifier.score_activation(SimpleNamespace(raw=raw))
+
+
+@pytest.mark.parametrize("cls", list(classifier.SCORE_ACTIVATIONS))
+def test_each_score_activation_is_the_torch_module_it_names(cls):
+    import torch
+
+    from ember.server.score_api import SCORE_ACTIVATIONS
+
+    act = SCORE_ACTIVATIONS[classifier.SCORE_ACTIVATIONS[cls]]
+    xs = [-40.0, -2.5, 0.0, 0.7, 3.0]
+    want = getattr(torch.nn.modules, cls)()(torch.tensor(xs, dtype=torch.float64)).tolist()
+    assert [act(x) for x in xs] == pytest.approx(want, rel=1e-12, abs=1e-15)
