@@ -1,8 +1,8 @@
 """Gemma 3 (``Gemma3ForCausalLM``, and the language model of ``Gemma3ForConditionalGeneration``) and Gemma 2
 (``Gemma2ForCausalLM``): embeddings scaled by ``sqrt(hidden_size)``; zero-centred RMSNorms (``1 + w``) before and
 after both the attention and the MLP; a softmax scale of ``query_pre_attn_scalar ** -0.5``; a GELU (tanh) gated MLP;
-soft-caps on the attention scores (``attn_logit_softcapping``, Gemma 2) and the final logits
-(``final_logit_softcapping``) where config.json sets them.
+soft-caps on the attention scores (``attn_logit_softcapping``, Gemma 2 only: transformers' Gemma 3 ignores it) and
+the final logits (``final_logit_softcapping``) where config.json sets them.
 
 Gemma 3 adds per-head q/k norms. Layers alternate by ``layer_types`` (or, as older config.json files say, every
 ``sliding_window_pattern``-th layer global: 6 for Gemma 3, 2 for Gemma 2): ``sliding_attention`` layers attend over
@@ -75,7 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
     """Pre- and post-norms around the attention and the MLP, each added to the residual stream: by the next pre-norm,
     fused (one launch on the Triton path), as `DecoderLayer` adds its sublayers."""
 
-    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None, qk_norm: bool, attn_softcap: bool) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
@@ -85,7 +85,8 @@ class Gemma3DecoderLayer(nn.Module):
             self.self_attn.k_norm = OffsetRMSNorm(cfg.head_dim, eps)
         self.self_attn.scale = float(cfg.raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
         self.self_attn.sliding_window = window
-        self.self_attn.softcap = float(cfg.raw.get("attn_logit_softcapping") or 0.0) or None
+        if attn_softcap:
+            self.self_attn.softcap = float(cfg.raw.get("attn_logit_softcapping") or 0.0) or None
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
@@ -106,10 +107,10 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: ModelConfig, windows: list[int | None], qk_norm: bool) -> None:
+    def __init__(self, cfg: ModelConfig, windows: list[int | None], qk_norm: bool, attn_softcap: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, w, qk_norm) for w in windows)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, w, qk_norm, attn_softcap) for w in windows)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -117,6 +118,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3's decoder over the paged KV cache, from the text-only or the multimodal checkpoint layout."""
 
     qk_norm = True
+    attn_softcap = False  # transformers' Gemma 3 reads no attn_logit_softcapping
     local_rope = True  # sliding layers have their own RoPE
     default_pattern = 6  # every 6th layer global, when config.json has no layer_types
 
@@ -131,7 +133,8 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         self.config = cfg
         self.layer_types = layer_types(cfg, self.default_pattern)
         window = int(raw["sliding_window"]) if raw.get("sliding_window") else None
-        self.model = _Body(cfg, [window if t == "sliding_attention" else None for t in self.layer_types], self.qk_norm)
+        self.model = _Body(cfg, [window if t == "sliding_attention" else None for t in self.layer_types], self.qk_norm,
+                           self.attn_softcap)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.local_rope:
             self.rope = RotaryEmbedding(cfg.head_dim, max_position, *rope_settings(cfg, "full_attention"))
@@ -164,5 +167,6 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     """Gemma 2: Gemma 3's layers without q/k norms, one RoPE, every other layer global, soft-capped attention."""
 
     qk_norm = False
+    attn_softcap = True
     local_rope = False
     default_pattern = 2

@@ -1,6 +1,7 @@
 """A tiny random Gemma 3 (7 layers: local sliding-window layers with their own RoPE around a global one with linear
 RoPE scaling; sandwich norms, q/k norms, scaled embeddings, GELU-tanh MLP): Ember's logits and greedy tokens equal
-transformers' for prompts longer than the window, through chunked prefill and prefix hits; the same from the
+transformers' for prompts longer than the window, through chunked prefill and prefix hits (an
+``attn_logit_softcapping`` in config.json is ignored, as transformers' Gemma 3 ignores it); the same from the
 multimodal checkpoint layout and from a transformers-4 config.json; two tensor-parallel ranks decode what one does."""
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.moe.conftest import (assert_greedy_matches_transformers_chunked_and_c
 
 TEXT = dict(vocab_size=1280, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24, max_position_embeddings=256,
-            initializer_range=0.1, rope_parameters={
+            initializer_range=0.1, attn_logit_softcapping=1.0, rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
 
