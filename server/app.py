@@ -162,7 +162,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     template_kwargs = rt.template_kwargs(_template_kwargs(body))
     prompt_ids = await asyncio.to_thread(
         rt.prompt_ids, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message, kwargs=template_kwargs)
+        continue_final_message=body.continue_final_message, kwargs=template_kwargs,
+        size_param="messages" if body.truncate_prompt_tokens is None else None)
     prompt_ids = truncate_prompt(st, prompt_ids, body.truncate_prompt_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
@@ -232,6 +233,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     echo_drop = rt.parser_plain.dropped_ids(body.skip_special_tokens)  # what the echo leaves out, as the output does
     for p_i, p in enumerate(prompts):
         if isinstance(p, str):
+            if body.truncate_prompt_tokens is None:
+                rt.check_text_size(p, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
             ids = list(await asyncio.to_thread(rt.tokenizer.encode, p, add_special_tokens=True))
         else:
             ids = list(p)
@@ -328,7 +331,7 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
     kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own thinking switches
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
     ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, add_generation_prompt=not continue_final,
-                                  continue_final_message=continue_final, kwargs=kwargs)
+                                  continue_final_message=continue_final, kwargs=kwargs, size_param="messages")
     return ids, tools, kwargs
 
 

@@ -102,6 +102,8 @@ def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
     text = rt.render(chat.openai_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
                      continue_final_message=body.continue_final_message,
                      kwargs=rt.template_kwargs(body.chat_template_kwargs))
+    if body.truncate_prompt_tokens is None:
+        rt.check_text_size(text, "messages")
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
@@ -167,6 +169,10 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
     limit = prompt_limit(rt)
     keep = tokens_to_keep(truncate, limit)
     texts = [x for x in inputs if isinstance(x, str)]
+    if not keep:
+        for x, param in zip(inputs, params):
+            if isinstance(x, str):
+                rt.check_text_size(x, param)
     encoded: list[list[int]] = []
     if texts:  # batched calls: the tokenizer's Rust side runs the texts in parallel
         encoded = [list(x) for x in rt.tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]]

@@ -32,6 +32,7 @@ from . import chat
 from . import content_format as cf
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
+from .errors import ApiError
 from .metrics import Metrics
 from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
 from .request_log import RequestLog
@@ -108,6 +109,9 @@ class ModelRuntime:
     """Why generation is being cut short (the server's shutdown deadline is near); set by `stop_generating`."""
     in_flight: set[str] = field(default_factory=set, repr=False)
     """Engine request IDs of the choices running now."""
+    max_prompt_chars: int = 0
+    """Prompt text longer than this cannot fit the context whatever it tokenizes to (`check_text_size`); 0: no
+    limit."""
 
     def stop_generating(self, reason: str) -> None:
         """End every running choice, and each one started from now on, with an error saying ``reason``: a client
@@ -132,9 +136,23 @@ class ModelRuntime:
         return chat.render(self.tokenizer, self.chat_template, messages, content_format=self.content_format,
                            **options)
 
-    def prompt_ids(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
-        """The chat prompt's token IDs (`render`, then `chat.encode`)."""
-        return chat.encode(self.tokenizer, self.render(messages, **options))
+    def prompt_ids(self, messages: list[dict[str, Any]], *, size_param: str | None = None,
+                   **options: Any) -> list[int]:
+        """The chat prompt's token IDs (`render`, then `chat.encode`); with ``size_param``, a text too long for the
+        context is a 400 naming it before it is tokenized (`check_text_size`)."""
+        text = self.render(messages, **options)
+        if size_param is not None:
+            self.check_text_size(text, size_param)
+        return chat.encode(self.tokenizer, text)
+
+    def check_text_size(self, text: str, param: str) -> None:
+        """A 400 (``context_length_exceeded``, naming ``param``) for prompt text longer than `max_prompt_chars`:
+        more characters than ``max_model_len`` tokens can spell, so the tokenizer need not spend seconds and
+        gigabytes on it (a request that truncates its prompt is not checked)."""
+        if self.max_prompt_chars and len(text) > self.max_prompt_chars:
+            raise ApiError(400, f"The prompt has {len(text)} characters, more than this model's maximum context "
+                                f"length of {self.max_model_len} tokens can hold", param=param,
+                           code="context_length_exceeded")
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,
@@ -154,7 +172,10 @@ class ModelRuntime:
         name = config.served_model_name or model_dir.name
         log.debug("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
+        # a token spells at most its longest text (a WordPiece [UNK] up to a 100-character word)
+        longest = max(100, max((len(b) for b in tb.bytes_table), default=0))
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
+                   max_prompt_chars=info.max_model_len * longest,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
                    sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir,

@@ -96,7 +96,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
     template_kwargs = rt.template_kwargs(_template_kwargs(body))
-    prompt_ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, kwargs=template_kwargs, field="input")
+    prompt_ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, kwargs=template_kwargs, field="input",
+                                     size_param="input")
     max_tokens = allowed_tokens(st, len(prompt_ids), body.max_output_tokens, param="input")
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser

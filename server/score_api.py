@@ -159,9 +159,13 @@ def _pair_ids(rt: ModelRuntime, firsts: list[str], seconds: list[str],
 
 
 def _pair_prompts(rt: ModelRuntime, firsts: list[str], seconds: list[str], first_params: list[str],
-                  keep: int | None) -> tuple[list[list[int]], list[int | None]]:
+                  params: list[str], keep: int | None) -> tuple[list[list[int]], list[int | None]]:
     """`_pair_ids`, with a 400 naming ``first_params[i]`` where the first pair over the model's limit is so because
     its first text alone is (a query too long whatever it is paired with); `pool` names the second text of others."""
+    if not keep:
+        for first, second, first_param, param in zip(firsts, seconds, first_params, params):
+            rt.check_text_size(first, first_param)
+            rt.check_text_size(first + second, param)
     ids, type_starts = _pair_ids(rt, firsts, seconds, keep)
     limit = prompt_limit(rt)
     over = next((i for i, x in enumerate(ids) if len(x) > limit), None)
@@ -176,7 +180,7 @@ async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], se
     """A cross-encoder's score of each (first, second) pair, their token count and the request id; errors name
     ``first_params[i]`` or ``params[i]``, the fields the pair's texts came from."""
     keep = tokens_to_keep(truncate, prompt_limit(rt))
-    ids, type_starts = await asyncio.to_thread(_pair_prompts, rt, firsts, seconds, first_params, keep)
+    ids, type_starts = await asyncio.to_thread(_pair_prompts, rt, firsts, seconds, first_params, params, keep)
     logits, total, rid = await pool(request, ids, params, truncate=None, lora=lora, type_starts=type_starts)
     act = SCORE_ACTIVATIONS[rt.model_info.score_activation]
     return [act(float(row[0])) for row in logits], total, rid

@@ -58,6 +58,7 @@ def _runtime(request: Request, model: str | None) -> Any:
 def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
+        rt.check_text_size(body.prompt, "prompt")
         return list(rt.tokenizer.encode(body.prompt, add_special_tokens=special))
     tools = chat.openai_tools(body.tools)
     if tools and rt.tools_enabled:  # the tools /v1/chat/completions would parse, and refuse as it would
@@ -69,6 +70,7 @@ def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
                      add_generation_prompt=body.add_generation_prompt,
                      continue_final_message=body.continue_final_message,
                      kwargs=rt.template_kwargs(body.chat_template_kwargs))
+    rt.check_text_size(text, "messages")
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 

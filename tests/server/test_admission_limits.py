@@ -120,3 +120,25 @@ def test_preemptions_are_counted_in_metrics(small_cache_server):
     text = httpx.get(server.url + "/metrics", timeout=10).text
     [count] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_preemptions_total{")]
     assert count >= 1
+
+
+def test_a_prompt_text_too_long_for_any_tokenization_is_refused_before_tokenizing(demo_server):
+    """More characters than the context's tokens can spell: a 400 naming the field, without tokenizing (a 50 MB
+    prompt took the server's memory), on every route that tokenizes; a prompt that asks for truncation is still
+    tokenized and cut."""
+    huge = "x" * (demo_server.runtime.max_prompt_chars + 1)
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 1}, "messages"),
+             ("/v1/completions", {"prompt": huge, "max_tokens": 1}, "prompt"),
+             ("/v1/messages", {"model": "ember-demo", "max_tokens": 1,
+                               "messages": [{"role": "user", "content": huge}]}, None),
+             ("/v1/responses", {"input": huge, "max_output_tokens": 1}, "input"),
+             ("/v1/embeddings", {"input": ["ok", huge]}, "input[1]"),
+             ("/tokenize", {"prompt": huge}, "prompt")]
+    for path, body, param in cases:
+        r = httpx.post(demo_server.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and "characters" in r.text, (path, r.text)  # refused before tokenizing
+        if param is not None:
+            assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
+    cut = httpx.post(demo_server.url + "/v1/completions", timeout=60,
+                     json={"prompt": huge, "max_tokens": 1, "truncate_prompt_tokens": 8})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8
