@@ -1,17 +1,20 @@
 """What every API route checks before its handler reads the body: the API key (a route that depends on
 `require_api_key` answers 401 before reading anything), the body's Content-Encoding (none is decoded), a client that
-hangs up while sending it (499), and JSON strings holding a lone UTF-16 surrogate.
+hangs up while sending it (499), JSON strings holding a lone UTF-16 surrogate, and numbers JSON has not (NaN,
+Infinity, 1e309).
 
 ``"\\ud800"`` is a valid JSON escape but not valid Unicode: a tokenizer, a response that echoes the string and the
 SSE encoder all fail on it, which used to surface mid-request as a 500 or as a stream cut off after its headers.
-`CheckedRoute` answers such a body with a 400 naming the field. Only bodies holding a surrogate escape at all are
-parsed here (a byte search first), and the handler reuses the body Starlette cached.
+Python's JSON reader also takes ``NaN`` and overflows ``1e309`` to infinity, which a response echoing a tool schema
+cannot write. `CheckedRoute` answers such a body with a 400 naming the field. Only bodies holding such a spelling
+at all are parsed here (a byte search first), and the handler reuses the body Starlette cached.
 """
 from __future__ import annotations
 
 import email.message
 import json
 import logging
+import math
 import re
 from typing import Any, Callable, Coroutine
 
@@ -29,6 +32,7 @@ from .errors import ApiError, bad_request
 log = logging.getLogger("ember.server")
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_NON_FINITE = re.compile(rb"NaN|Infinity|[eE][+]?[0-9]{3}")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -40,10 +44,13 @@ def _valid_unicode(s: str) -> bool:
     return True
 
 
-def lone_surrogate_field(body: bytes) -> str | None:
-    """The path (``messages[0].content``) of the first string in the JSON ``body`` that holds a lone surrogate, as a
-    value or a key (a key names its object); None when there is none or the body is not JSON (validation says so)."""
-    if not _SURROGATE_ESCAPE.search(body):
+def invalid_field(body: bytes) -> tuple[str, str] | None:
+    """The path (``messages[0].content``) of the first value in the JSON ``body`` that no handler can use, and why: a
+    string holding a lone surrogate (as a value, or a key: a key names its object), or a number that is NaN,
+    Infinity or beyond a double's range (JSON has no such numbers; Python's reader lets them through, and a
+    response that echoes them is no JSON). None when there is none or the body is not JSON (validation says so).
+    Only bodies holding such a spelling at all are parsed (a byte search first)."""
+    if not (_SURROGATE_ESCAPE.search(body) or _NON_FINITE.search(body)):
         return None
     try:
         root = json.loads(body)
@@ -54,17 +61,25 @@ def lone_surrogate_field(body: bytes) -> str | None:
         value, path = stack.pop()
         if isinstance(value, str):
             if not _valid_unicode(value):
-                return path or "body"
+                return path or "body", _SURROGATE
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return path or "body", _NON_FINITE_WHY.format(value)
         elif isinstance(value, dict):
             items = []
             for k, v in value.items():
                 if not _valid_unicode(k):
-                    return path or "body"
+                    return path or "body", _SURROGATE
                 items.append((v, f"{path}.{k}" if path else k))
             stack.extend(reversed(items))
         elif isinstance(value, list):
             stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(value))))
     return None
+
+
+_SURROGATE = ("the string holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is not valid "
+              "Unicode")
+_NON_FINITE_WHY = "{} is not a finite JSON number (JSON has no NaN or Infinity; a number past a double's range is one)"
 
 
 def is_json(content_type: str | None) -> bool:
@@ -108,10 +123,10 @@ class CheckedRoute(APIRoute):
                     body = await request.body()
                 except ClientDisconnect:
                     raise ApiError(499, "the client closed the connection") from None
-                field = lone_surrogate_field(body)
-                if field is not None:
-                    raise bad_request(f"Invalid value for '{field}': the string holds a lone UTF-16 surrogate (an "
-                                      "unpaired \\uD800-\\uDFFF escape), which is not valid Unicode", param=field)
+                found = invalid_field(body)
+                if found is not None:
+                    field, why = found
+                    raise bad_request(f"Invalid value for '{field}': {why}", param=field)
             try:
                 return await handler(request)
             except (ApiError, HTTPException, RequestValidationError):

@@ -397,3 +397,14 @@ def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.input_items.list(text.id, limit=0)
     assert bad.value.body["param"] == "limit"  # the query parameter, not "query.limit"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_non_finite_number_in_a_tool_is_a_400_naming_it(demo_server, stream):
+    """Python's JSON reader takes NaN and 1e309; the response echoes its tools, which JSON cannot write (it was a
+    500, or a stream holding `NaN`)."""
+    body = ('{"input": "hi", "max_output_tokens": 1, "stream": %s, "tools": [{"type": "function", "name": "f", '
+            '"parameters": {"type": "object", "x": 1e309}}]}' % str(stream).lower())
+    r = httpx.post(demo_server.url + "/v1/responses", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters.x", r.text
