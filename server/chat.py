@@ -270,6 +270,7 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
         raise bad_request("continue_final_message continues the final message's text, and this one ends with tool "
                           "calls: send their results as tool messages instead", param=f"{field}[{len(messages) - 1}]"
                           ".tool_calls")
+
     def apply(tools: list[dict[str, Any]] | None) -> Any:
         return tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,
@@ -286,14 +287,28 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
             if described is None:
                 raise
             text = apply(described)  # gpt-oss's template adds a tool's description unguarded; the API has it optional
-    except RecursionError:  # a tool call's arguments (or a tool's schema) nested deeper than Jinja and json reach
-        raise bad_request("the chat template could not render these messages: they are nested too deeply",
-                          param=field) from None
+    except RecursionError:  # arguments, a schema or a template variable nested deeper than Jinja and json reach
+        deepest = max((_depth(extra), "chat_template_kwargs"), (_depth(tools), "tools"), (_depth(messages), field))
+        raise bad_request(f"the chat template could not render these messages: {deepest[1]} are nested too deeply",
+                          param=deepest[1]) from None
     except Exception as e:  # jinja2 TemplateError, raise_exception(...) in the template, type errors on odd input
         raise bad_request(f"the chat template could not render these messages: {e}", param=field) from None
     if not isinstance(text, str):
         raise bad_request("the chat template did not produce text", param=field)
     return text
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (without recursion: it may be nested too deeply for that)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, d + 1) for x in v)
+    return deepest
 
 
 def _with_descriptions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

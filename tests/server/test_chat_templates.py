@@ -181,6 +181,10 @@ def test_arguments_too_deep_for_the_template_are_a_400(qwen3_tokenizer):
     with pytest.raises(ApiError, match="nested too deeply") as e:
         chat.render(qwen3_tokenizer, template, msgs)
     assert (e.value.status, e.value.param) == (400, "messages")
+    hi = _openai({"role": "user", "content": "hi"})  # the depth is in a template variable: named so
+    with pytest.raises(ApiError, match="nested too deeply") as e:
+        chat.render(qwen3_tokenizer, "{{ x | tojson }}{{ messages[0].content }}", hi, kwargs={"x": json.loads(deep)})
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
 
 
 # ------------------------------------------------------------------------- continuing a message with tool calls
