@@ -70,11 +70,14 @@ def with_reasoning_of(profile: Profile, other: Profile) -> Profile:
 
 def choose_profile(chat_template: str | dict[str, str] | None, model_type: str | None, reasoning_parser: str | None,
                    tool_parser: str | None) -> Profile:
-    """`--tool-parser` names the family (its tool syntax and, with it, its reasoning syntax); `--reasoning-parser`
-    names it when no tool parser is given, or replaces the thought syntax of a different tool parser; "none"
-    switches that part off; unset, the family is detected from the chat template and model type."""
-    base_name = next((n for n in (tool_parser, reasoning_parser) if n and n != "none"), None)
-    profile = get_profile(base_name or detect_profile(chat_template, model_type))
+    """`--tool-parser` names the family (its tool syntax and, with it, its reasoning syntax); unset, the family is
+    detected from the chat template and model type. `--reasoning-parser` replaces the family's thought syntax (as in
+    vLLM, where it never changes how tool calls are read), and names the family only where none is detected; "none"
+    switches that part off."""
+    base_name = tool_parser if tool_parser and tool_parser != "none" else detect_profile(chat_template, model_type)
+    if base_name == "none" and reasoning_parser and reasoning_parser != "none":
+        base_name = reasoning_parser
+    profile = get_profile(base_name)
     if reasoning_parser not in (None, "none", profile.name) and profile.tool_format != "harmony":
         profile = with_reasoning_of(profile, get_profile(reasoning_parser))
     if tool_parser == "none":

@@ -32,6 +32,7 @@ ALIASES: dict[str, str] = {
     "deepseek_v31": "deepseek_v3",    # vLLM's V3.1 tool parser (one syntax here reads both spellings)
     "llama4_json": "llama3_json",     # vLLM reads Llama 4's JSON calls with its Llama 3 parser
     "llama4_pythonic": "pythonic",    # Llama 4's pythonic calls inside <|python_start|> .. <|python_end|>
+    "glm47": "glm45",                 # vLLM's GLM-4.7 tool parser: the same <arg_key>/<arg_value> syntax
 }
 """vLLM's parser names (its ``--tool-call-parser`` / ``--reasoning-parser`` values) that differ from ours -> our
 profile name, so a vLLM command line works unchanged. The names both share (``hermes``, ``qwen3_coder``, ``qwen3``,

@@ -251,3 +251,24 @@ def test_anthropic_thinking_sets_both_template_switches(rebuilt_server, demo_run
     tok = demo_runtime[0].tokenizer
     assert counts == {"enabled": len(tok.encode("hi|True|True", add_special_tokens=False)),
                       "disabled": len(tok.encode("hi|False|False", add_special_tokens=False))}
+
+
+# ------------------------------------------------------------------------------------- vLLM's parser flags, alone
+
+def test_a_reasoning_parser_alone_keeps_the_detected_tool_syntax(qwen3_tokenizer):
+    """Qwen's recipes for QwQ / Qwen3-Thinking-2507 pass only vLLM's `--reasoning-parser deepseek_r1`: the thought is
+    split off as that parser says, and the calls the template's family writes still parse (they came back as raw
+    `<tool_call>` content); with no family detected, the reasoning parser names it."""
+    from ember.parsers.initial import InitialState
+    from ember.parsers.pipeline import ParserSetup, parse_all
+    from ember.server.generation import choose_profile
+
+    template = shared_path("templates", "hf", "Qwen3-Thinking-2507.jinja").read_text()
+    profile = choose_profile(template, None, "deepseek_r1", None)
+    text = 'Weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    setup = ParserSetup.from_tokenizer(qwen3_tokenizer, profile)
+    out = parse_all(setup.pipeline(initial=InitialState.REASONING, tools=TOOLS),
+                    qwen3_tokenizer.encode(text, add_special_tokens=False))
+    assert out.reasoning == "Weather.\n" and [c.name for c in out.tool_calls] == ["get_weather"]
+    assert choose_profile(None, None, "deepseek_r1", None).name == "deepseek_r1"
+    assert choose_profile(None, None, None, "glm47").name == "glm45"  # vLLM's GLM-4.7 parser name
