@@ -86,8 +86,9 @@ class EngineClient(Protocol):
         ...
 
     async def update_lora(self, name: str, path: str | None) -> None:
-        """Load LoRA adapter ``name`` from ``path`` (``path`` None: unload it) between two engine steps, then list
-        the adapters in ``model_info``; ValueError naming why the engine refused."""
+        """Load LoRA adapter ``name`` from ``path`` (replacing one loaded under that name; ``path`` None: unload it)
+        between two engine steps, then list the adapters in ``model_info``; ValueError naming why the engine
+        refused."""
         ...
 
     def stats(self) -> "EngineStats":
@@ -114,10 +115,19 @@ def settle(fut: asyncio.Future, error: BaseException | None, result: Any = None)
 
 
 def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[str, str], ...]:
-    """What every `EngineClient.update_lora` runs next to the engine (between steps): load or unload, then the
-    adapters now served."""
+    """What every `EngineClient.update_lora` runs next to the engine (between steps): load, unload, or replace an
+    adapter loaded under ``name`` (vLLM's ``load_inplace``: refused while requests run under it, and the old
+    weights stay when the new ones fail to load), then the adapters now served."""
+    loaded = dict(engine.lora.listed()) if engine.lora is not None else {}
     if path is None:
         engine.unload_lora(name)
+    elif name in loaded:
+        engine.unload_lora(name)
+        try:
+            engine.load_lora(name, path)
+        except Exception:
+            engine.load_lora(name, loaded[name])
+            raise
     else:
         engine.load_lora(name, path)
     return engine.lora.listed()

@@ -69,6 +69,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     engine_dead: str | None = None  # why the engine stopped, once it died
     admitted: AdmittedChoices = field(default_factory=AdmittedChoices)
+    lora_updates: asyncio.Lock = field(default_factory=asyncio.Lock)  # one runtime LoRA load/unload at a time
 
 
 def state(request: Request) -> ServerState:

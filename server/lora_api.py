@@ -21,6 +21,7 @@ ENV_SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 class LoadLoRAAdapterRequest(po._Lenient):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: replace the weights of an adapter already loaded under this name
 
 
 class UnloadLoRAAdapterRequest(po._Lenient):
@@ -38,28 +39,33 @@ def _loaded(request: Request) -> list[str]:
 
 
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    rt = state(request).runtime
+    st = state(request)
+    rt = st.runtime
     if not body.lora_name or body.lora_name in (rt.model_name, *rt.model_aliases):
         raise bad_request(f"lora_name must be a new name, not {body.lora_name!r} (a name of the served model)",
                           param="lora_name")
-    if body.lora_name in _loaded(request):
-        raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
-    try:
-        await rt.engine.update_lora(body.lora_name, body.lora_path)
-    except ValueError as e:
-        raise bad_request(str(e), param="lora_path") from None
+    async with st.lora_updates:  # the check and the update as one, against a concurrent call on the same name
+        loaded = body.lora_name in _loaded(request)
+        if loaded and not body.load_inplace:
+            raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load the "
+                              f"adapter in place, set 'load_inplace' to True.", param="lora_name")
+        try:
+            await rt.engine.update_lora(body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise bad_request(str(e), param="lora_name" if "unfinished request" in str(e) else "lora_path") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    rt = state(request).runtime
-    if body.lora_name not in _loaded(request):
-        raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
-                       code="not_found")
-    try:
-        await rt.engine.update_lora(body.lora_name, None)
-    except ValueError as e:
-        raise bad_request(str(e), param="lora_name") from None
+    st = state(request)
+    async with st.lora_updates:
+        if body.lora_name not in _loaded(request):
+            raise ApiError(404, f"The lora adapter '{body.lora_name}' cannot be found.", param="lora_name",
+                           code="not_found")
+        try:
+            await st.runtime.engine.update_lora(body.lora_name, None)
+        except ValueError as e:
+            raise bad_request(str(e), param="lora_name") from None
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 

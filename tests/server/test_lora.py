@@ -134,6 +134,41 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
                       timeout=60).status_code == 404
 
 
+def test_load_inplace_replaces_an_adapter_and_concurrent_updates_are_serialized(updating_server, tmp_path):
+    """vLLM's ``load_inplace``: the name then serves the new weights (a failed replacement keeps the old ones); two
+    unloads of one name at once are one 200 and one 404 naming ``lora_name``, as one after the other."""
+    import asyncio
+
+    server, _, folder = updating_server
+    load, unload = server.url + "/v1/load_lora_adapter", server.url + "/v1/unload_lora_adapter"
+    tensors = save_adapter(tmp_path / "v2", seed=9, rank=4, alpha=8, modules=ALL)
+    merged_v2 = merged_copy(folder.parent / "base", tensors, 2.0, tmp_path / "merged")
+    assert httpx.post(load, json={"lora_name": "sql", "lora_path": str(folder)}, timeout=60).status_code == 200
+    r = httpx.post(load, json={"lora_name": "sql", "lora_path": str(tmp_path / "v2"), "load_inplace": True},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    prompt = server.tokenizer.encode("the quick brown fox")
+    want = server.tokenizer.decode(_greedy_tokens(merged_v2, prompt, 8))
+
+    def sql_text() -> str:
+        return server.openai().completions.create(model="sql", prompt=prompt, max_tokens=8, temperature=0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sql_text() == want
+    bad = httpx.post(load, json={"lora_name": "sql", "lora_path": str(tmp_path / "nope"), "load_inplace": True},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert sql_text() == want  # still the weights it had
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(unload, json={"lora_name": "sql"}) for _ in range(2)))
+
+    codes = sorted((r.status_code, r.json()["error"]["param"] if r.status_code != 200 else None)
+                   for r in asyncio.run(both()))
+    assert codes == [(200, None), (404, "lora_name")]
+
+
 def test_a_request_whose_adapter_is_unloaded_while_it_is_prepared_is_a_404(updating_server):
     """The front end found ``model`` among the adapters, then the engine no longer had it (unloaded meanwhile): the
     404 of an unknown ``model``, not a 400 naming no field. The front end's stale list stands in for the race."""
