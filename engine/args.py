@@ -18,6 +18,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -48,6 +49,41 @@ def parse_memory(text: str) -> int:
     if value <= 0:
         raise SettingValueError(f"{text!r} is not a positive size, e.g. 512M, 2G or 1.5GiB")
     return int(value)
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_human_int(text: str) -> int:
+    """vLLM's human-readable integer: ``2048``, ``32k`` (k, m, g, t: powers of 1000, a fraction allowed where the
+    product is whole, ``25.6k``) or ``32K`` (K, M, G, T: powers of 1024); SettingValueError otherwise."""
+    value = text.strip()
+    match = _HUMAN_INT.fullmatch(value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise SettingValueError(f"{text!r} is not a whole number, e.g. 32768, 32k or 32K") from None
+    number, suffix = match.groups()
+    if "." in number and suffix.isupper():
+        raise SettingValueError(f"{text!r}: a fraction needs a decimal suffix (k, m, g, t), e.g. "
+                                f"{number}{suffix.lower()}")
+    product = Decimal(number) * _SUFFIX[suffix]
+    if product != product.to_integral_value():
+        raise SettingValueError(f"{text!r} is not a whole number of tokens")
+    return int(product)
+
+
+def parse_max_model_len(text: str) -> int | None:
+    """`--max-model-len`: a positive `parse_human_int`, or None (the model's own length) for ``auto`` or ``-1``, as
+    vLLM's ``human_readable_int_or_auto``; SettingValueError otherwise."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    value = parse_human_int(text)
+    if value < 1:
+        raise SettingValueError(f"{text} is out of range: must be at least 1, or auto (-1) for the model's length")
+    return value
 
 
 def checked_by(parse: Callable[[str], Any]) -> Callable[[str], str]:
@@ -142,8 +178,10 @@ def _opt(default: Any, help: str, **meta: Any) -> Any:
 class EngineArgs:
     """How the engine core runs (names follow vLLM's flags). Defaults here are the only engine defaults."""
 
-    max_model_len: int | None = _opt(None, "context length (prompt + output) in tokens; default: the model's "
-                                           "max_position_embeddings", min=1)
+    max_model_len: int | None = _opt(None, "context length (prompt + output) in tokens, e.g. 32768, 32k (k, m, g, t: "
+                                           "powers of 1000) or 32K (K, M, G, T: powers of 1024); default (also "
+                                           "'auto' or -1, as vLLM's): the model's max_position_embeddings",
+                                     type=parse_max_model_len, metavar="TOKENS")
     max_num_seqs: int = _opt(64, "sequences decoded together in one step", min=1)
     max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step", min=1)
     block_size: int = _opt(16, "tokens per KV-cache block", min=1)
@@ -207,7 +245,7 @@ class EngineArgs:
                                  "prompt_logprobs may ask for; -1: the whole vocabulary", metavar="N", min=-1)
     seed: int | None = _opt(None, "seed torch's generator as the engine starts, so unseeded sampling repeats from "
                                   "run to run for the same requests in the same order (vLLM's --seed); a request's "
-                                  "own seed is unaffected", metavar="N")
+                                  "own seed is unaffected", metavar="N", min=-2**63, max=2**63 - 1)
     scheduling_policy: str = _opt("fcfs", "'fcfs' serves requests in arrival order; 'priority' orders them by "
                                           "their request's priority (lower first), then arrival, and preempts the "
                                           "lowest first when the KV cache runs out", choices=("fcfs", "priority"))
@@ -287,7 +325,7 @@ def _bounded(parse: Callable[[str], Any], low: float | None, high: float | None)
     """``parse`` that also refuses a value outside [low, high] (either may be None) or not finite."""
     def check(text: str) -> Any:
         value = parse(text)
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise SettingValueError(f"{text!r} is not a finite number")
         if (low is not None and value < low) or (high is not None and value > high):
             want = f"from {low} to {high}" if low is not None and high is not None else \

@@ -6,18 +6,21 @@ import os
 import sys
 import typing
 from importlib import metadata
-from typing import Sequence
+from typing import Any, Sequence
 
 from ember.engine.args import SettingValueError, add_flags, from_namespace
 
 from .config import ServeConfig, parse_api_key
+from .vllm_argv import config_argv, config_file, flag_names, fold_dotted
 
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (the flag and what is wrong), exit code 2."""
 
+    source = ""  # where the arguments being parsed come from, when not the command line
+
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{self.source} (see {self.prog} --help)\n")
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,6 +32,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_flags(p, ServeConfig)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # the older spelling of --no-enable-prefix-caching
+    p.add_argument("--config", metavar="YAML", help="a YAML file mapping flag names to values, as vLLM's "
+                   "(true: the switch is given; a list: the flag's values); flags on the command line win")
     _vllm_spellings(p)
     return p
 
@@ -177,6 +182,28 @@ def version() -> str:
         return "unknown"
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    if extras:
+        flags = [x.partition("=")[0] for x in extras if x.startswith("-") and x != "-"]
+        parser.error(f"unknown flag{'s' * (len(flags) > 1)} {', '.join(flags)}" if flags else
+                     f"unrecognized arguments: {' '.join(extras)}")
+
+
+def _applyconfig_file(path: str, parser: argparse.ArgumentParser) -> Any:
+    """Parse ``--config`` ``path`` and make its values ``parser``'s defaults, so that the command line wins; the
+    model it names (its ``model`` key), which serves only where the command line names none."""
+    argv = config_argv(path, parser)
+    try:
+        parser.source = f" (in --config {path})"
+        values, extras = parser.parse_known_args(fold_dotted(flag_names(argv, parser), parser))
+        _refuse_unknown(parser, extras)
+    finally:
+        parser.source = ""
+    model = vars(values).pop("model_flag", None)
+    parser.set_defaults(**{k: v for k, v in vars(values).items() if v != parser.get_default(k)})
+    return model
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _Parser(prog="ember", description="Ember: an OpenAI- and Anthropic-compatible server")
@@ -194,11 +221,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ember.engine import quantize
 
         return int(quantize.main(argv[1:]) or 0)
+    config_model = None
+    if argv and argv[0] == "serve":
+        path, rest = config_file(argv[1:], serve_parser)
+        argv = ["serve", *fold_dotted(flag_names(rest, serve_parser), serve_parser)]
+        if path is not None:
+            config_model = _applyconfig_file(path, serve_parser)
     args, extras = parser.parse_known_args(argv)
-    if extras:
-        flags = [x.partition("=")[0] for x in extras if x.startswith("-") and x != "-"]
-        serve_parser.error(f"unknown flag{'s' * (len(flags) > 1)} {', '.join(flags)}" if flags else
-                           f"unrecognized arguments: {' '.join(extras)}")
+    _refuse_unknown(serve_parser, extras)
+    if config_model is not None and args.model_dir is None and args.model_flag is None:
+        args.model_flag = config_model
     try:
         config = serve_config(args)
     except SettingValueError as e:

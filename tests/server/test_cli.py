@@ -1,6 +1,7 @@
 """The `ember` console script: option parsing, the demo-model default, and a real `ember serve` process."""
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -205,7 +206,8 @@ def _stub_serve(monkeypatch) -> list:
     ["--block-size", "0"], ["--tensor-parallel-size", "0"], ["--cpu-threads", "-2"], ["--max-lora-rank", "-4"],
     ["--max-loras", "0"], ["--max-logprobs", "-5"], ["--max-model-len", "0"], ["--device", "tpu"],
     ["--device", "cuda:abc"], ["--tokenizer", "/nonexistent"], ["--runtime-lora-updating"],
-    ["--model", "org/a", "org/b"]])
+    ["--model", "org/a", "org/b"], ["--max-model-len", "1.5K"], ["--max-model-len", "-2"], ["--max-model-len", "1k5"],
+    ["--seed", "99999999999999999999"]])
 def test_a_bad_flag_value_stops_at_parse_in_one_line_naming_the_flag(flags, monkeypatch, capsys):
     seen = _stub_serve(monkeypatch)
     with pytest.raises(SystemExit) as e:
@@ -283,3 +285,51 @@ def test_vllm_api_key_env_and_json_allowed_origins_carry_over(monkeypatch):
     assert main(["serve", "--api-key", "flag"]) == 0 and seen[-1].api_key == ("flag",)
     monkeypatch.delenv("VLLM_API_KEY")
     assert main(["serve"]) == 0 and seen[-1].api_key == ()
+
+
+def test_vllm_underscores_lengths_and_switch_values_carry_over(monkeypatch):
+    """`vllm serve --max_model_len 32k --gpu_memory_utilization=0.8 --enable_chunked_prefill False` parses as vLLM's
+    does: underscores in flag names only, human-readable lengths, auto/-1 the model's own, old boolean values."""
+    seen = _stub_serve(monkeypatch)
+    assert main(["serve", "--max_model_len", "2048", "--gpu_memory_utilization=0.8", "--trust_remote_code",
+                 "--enable_auto_tool_choice", "--tool_call_parser", "hermes", "--served_model_name", "my_model",
+                 "--enable_chunked_prefill", "False", "--enforce-eager=True", "org/x"]) == 0
+    c = seen[-1]
+    assert (c.max_model_len, c.gpu_memory_utilization, c.tool_parser, c.served_model_name) == (
+        2048, 0.8, "hermes", "my_model")
+    assert (c.enable_chunked_prefill, c.enforce_eager, str(c.model_dir)) == (False, True, "org/x")
+    for text, tokens in (("32k", 32000), ("1M", 2**20), ("25.6k", 25600), ("1K", 1024), ("auto", None), ("-1", None)):
+        assert main(["serve", "--max-model-len", text]) == 0 and seen[-1].max_model_len == tokens, text
+
+
+def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
+    """vLLM's `--config FILE.yaml` (the command line wins) and `--x.key value` folded into `--x`'s JSON object."""
+    seen = _stub_serve(monkeypatch)
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: org/file\nmax_model_len: 16k\n--port: 9001\nenforce-eager: true\n"
+                    "enable_chunked_prefill: false\nlora-modules: [a=/x]\nserved-model-name: [qwen, gpt]\n"
+                    "speculative-config: {method: ngram, num_speculative_tokens: 4}\n")
+    assert main(["serve", "--config", str(path)]) == 0
+    c = seen[-1]
+    assert (str(c.model_dir), c.max_model_len, c.port, c.enforce_eager, c.enable_chunked_prefill) == (
+        "org/file", 16000, 9001, True, False)
+    assert (c.lora_modules, c.served_model_name, c.served_model_aliases) == (("a=/x",), "qwen", ("gpt",))
+    assert json.loads(c.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
+    assert main(["serve", "org/cli", "--config", str(path), "--max-model-len", "1K", "--port", "9002"]) == 0
+    assert (str(seen[-1].model_dir), seen[-1].max_model_len, seen[-1].port) == ("org/cli", 1024, 9002)
+    assert main(["serve", "--speculative-config", '{"method": "ngram"}', "--speculative_config.num_speculative_tokens",
+                 "4", "--speculative-config.prompt_lookup_max=3", "--compilation-config.cudagraph_mode",
+                 "FULL_DECODE_ONLY"]) == 0
+    assert json.loads(seen[-1].speculative_config) == {"method": "ngram", "num_speculative_tokens": 4,
+                                                       "prompt_lookup_max": 3}
+    (tmp_path / "bad.yaml").write_text("max-model-len: lots\n")
+    for argv, said in ((["--config", str(tmp_path / "none.yaml")], "argument --config: cannot read"),
+                       (["--config", str(tmp_path / "bad.yaml")], "argument --max-model-len: 'lots' is not a whole "
+                                                                  "number"),
+                       (["--foo.bar", "1"], "unknown flag --foo.bar "),
+                       (["--enforce-eager=maybe"], "argument --enforce-eager: 'maybe' is not true or false"),
+                       (["--speculative-config.method"], "argument --speculative-config.method: expected one")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and said in err, err
