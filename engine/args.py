@@ -155,6 +155,16 @@ def parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def lora_module_parent(text: str) -> tuple[str, str] | None:
+    """(name, base model name) of a `--lora-modules` entry in vLLM's JSON form that gives ``base_model_name`` (the
+    ``parent`` `/v1/models` lists for it); None otherwise."""
+    if not text.lstrip().startswith("{"):
+        return None
+    spec = parse_json_object(text)
+    parent = spec.get("base_model_name")
+    return (spec["name"], parent) if isinstance(parent, str) and parent else None
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
     """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}`` -> (name, path); ValueError otherwise."""
     if text.lstrip().startswith("{"):

@@ -28,6 +28,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import get_route_path
 
+from ember.engine.args import lora_module_parent
+
 from . import chat
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
@@ -423,12 +425,14 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
 
 def _model_card(st: ServerState, lora: str | None, name: str | None = None) -> dict:
     """One `/v1/models` entry (the served model under ``name``, one of its names); a LoRA adapter's names the
-    served model as its ``parent`` and its folder as ``root``, as vLLM lists adapters."""
+    served model as its ``parent`` (its `--lora-modules` ``base_model_name`` where given) and its folder as
+    ``root``, as vLLM lists adapters."""
     rt = st.runtime
     card = {"id": name or model_label(st, lora), "object": "model", "created": st.started, "owned_by": "ember",
             "root": rt.model_info.model_dir, "parent": None, "max_model_len": rt.max_model_len}
     if lora is not None:
-        card.update(root=dict(rt.model_info.lora_adapters)[lora], parent=rt.model_name)
+        parents = dict(p for p in map(lora_module_parent, st.config.lora_modules) if p is not None)
+        card.update(root=dict(rt.model_info.lora_adapters)[lora], parent=parents.get(lora, rt.model_name))
     return card
 
 

@@ -25,7 +25,9 @@ def lora_server(demo_model_dir, tmp_path_factory):
     tensors = save_adapter(root / "sql", seed=7, rank=8, alpha=16, modules=ALL)
     merged = merged_copy(base, tensors, 2.0, root / "merged")
     config = ServeConfig(model_dir=base, served_model_name="tiny", served_model_aliases=("gpt-4o",), max_num_seqs=4,
-                         kv_cache_blocks=64, in_process=True, enable_lora=True, lora_modules=(f"sql={root / 'sql'}",))
+                         kv_cache_blocks=64, in_process=True, enable_lora=True,
+                         lora_modules=(json.dumps({"name": "sql", "path": str(root / "sql"),
+                                                   "base_model_name": "org/base"}),))
     with served(config) as server:
         yield server, merged, root / "sql"
 
@@ -69,8 +71,9 @@ def test_models_lists_the_adapters_and_an_unknown_name_is_a_404(lora_server):
     alias = server.openai().chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2)
     assert alias.model == "tiny"  # another name of the served model: the response carries the first
-    assert listed["sql"].model_extra["parent"] == "tiny" and listed["sql"].model_extra["root"] == str(folder)
-    assert httpx.get(server.url + "/v1/models/sql", timeout=30).json()["parent"] == "tiny"
+    # vLLM's JSON form of --lora-modules names the adapter's parent (base_model_name); else the served model is
+    assert listed["sql"].model_extra["parent"] == "org/base" and listed["sql"].model_extra["root"] == str(folder)
+    assert httpx.get(server.url + "/v1/models/sql", timeout=30).json()["parent"] == "org/base"
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
                    json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'tiny', 'gpt-4o', 'sql'" in r.text
@@ -113,6 +116,7 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
     r = httpx.post(load, json={"lora_name": "sql", "lora_path": str(folder)}, timeout=60)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' added successfully."
     assert [m.id for m in server.openai().models.list().data] == ["tiny", "gpt-4o", "sql"]
+    assert httpx.get(server.url + "/v1/models/sql", timeout=30).json()["parent"] == "tiny"
     prompt = server.tokenizer.encode("the quick brown fox")
     got = server.openai().completions.create(model="sql", prompt=prompt, max_tokens=8, temperature=0,
                                              extra_body={"ignore_eos": True})
