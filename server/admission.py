@@ -21,7 +21,7 @@ from ember.parsers.pipeline import ParserSetup
 from .call_limit import first_call_only
 from .choice import ChoiceStep
 from .config import ServeConfig
-from .errors import ApiError, bad_request, openai_error_body
+from .errors import ApiError, bad_request, openai_error_body, prompt_too_long
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, run_choices
 from .metrics import Metrics
 from .openai_encoder import sse_line
@@ -159,19 +159,19 @@ def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_
         requested = st.runtime.sampling_defaults.max_new_tokens
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
-        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
-                            f"{limit} tokens (prompt plus at least one generated token)", param=param,
-                       code="context_length_exceeded")
+        raise prompt_too_long(f"The prompt has {prompt_len} tokens, but this model's maximum context length is "
+                              f"{limit} tokens (prompt plus at least one generated token)", param, prompt_len,
+                              limit - 1)
     cache_tokens = st.runtime.model_info.kv_capacity_tokens
     if prompt_len >= cache_tokens:
-        raise ApiError(400, f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
-                            f"tokens in all (prompt plus at least one generated token)", param=param,
-                       code="context_length_exceeded")
+        raise prompt_too_long(f"The prompt has {prompt_len} tokens, but the server's KV cache holds {cache_tokens} "
+                              f"tokens in all (prompt plus at least one generated token)", param, prompt_len,
+                              cache_tokens - 1)
     most = st.runtime.model_info.max_prompt_tokens
     if most is not None and prompt_len > most:
-        raise ApiError(400, f"The prompt has {prompt_len} tokens, but this server prefills at most {most} tokens at "
-                            f"once (--max-num-batched-tokens, with chunked prefill disabled)", param=param,
-                       code="context_length_exceeded")
+        raise prompt_too_long(f"The prompt has {prompt_len} tokens, but this server prefills at most {most} tokens "
+                              f"at once (--max-num-batched-tokens, with chunked prefill disabled)", param,
+                              prompt_len, most)
     room = min(limit, cache_tokens) - prompt_len
     allowed = room if requested is None else min(requested, room)
     if min_tokens > allowed:

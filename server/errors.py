@@ -42,9 +42,24 @@ class ApiError(Exception):
     message: str
     param: str | None = None
     code: str | None = None
+    anthropic_message: str | None = None  # the message in Anthropic's own wording, where clients key off it
+    details: dict[str, Any] | None = None  # Anthropic's machine-readable ``error.details`` (e.g. its error_code)
 
     def __str__(self) -> str:
         return self.message
+
+
+THREAD_UNSUPPORTED = "thread_unsupported"
+"""The validation error type of an Anthropic request that names a message thread (``thread``), which Ember does not
+keep: answered with Anthropic's ``thread_unsupported_request`` details."""
+
+
+def prompt_too_long(message: str, param: str, tokens: int | str, maximum: int) -> ApiError:
+    """The 400 ``context_length_exceeded`` for a prompt of ``tokens`` (or a lower bound, as text) over ``maximum``:
+    on the Anthropic routes worded as Anthropic's (``prompt is too long: N tokens > M maximum``), which Claude Code
+    reads to compact the conversation."""
+    return ApiError(400, message, param=param, code="context_length_exceeded",
+                    anthropic_message=f"prompt is too long: {tokens} tokens > {maximum} maximum")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -66,7 +81,11 @@ def anthropic_error_body(err: ApiError) -> dict[str, Any]:
     """Anthropic's error shape, which has no ``param``: the message names the field itself."""
     etype = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
-    return {"type": "error", "error": {"type": etype, "message": message}}
+    message = err.anthropic_message or message
+    body: dict[str, Any] = {"type": etype, "message": message}
+    if err.details:
+        body["details"] = err.details
+    return {"type": "error", "error": body}
 
 
 def is_anthropic_request(path: str, headers: Mapping[str, str]) -> bool:
@@ -121,6 +140,9 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> ApiError:
     if first.get("type") == "union_tag_invalid" and name:  # the tag itself is the bad field
         name += "." + str((first.get("ctx") or {}).get("discriminator", "type")).strip("'")
     msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == THREAD_UNSUPPORTED:  # the SDK's tool runner then resends the whole conversation
+        return ApiError(400, msg, param="thread",
+                        details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]})
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", msg)
         return bad_request(f"Request body is not valid JSON: {detail}", code="json_invalid")

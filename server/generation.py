@@ -32,7 +32,7 @@ from . import chat
 from . import content_format as cf
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
-from .errors import ApiError
+from .errors import prompt_too_long
 from .metrics import Metrics
 from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
 from .request_log import RequestLog
@@ -153,9 +153,9 @@ class ModelRuntime:
         more characters than ``max_model_len`` tokens can spell, so the tokenizer need not spend seconds and
         gigabytes on it (a request that truncates its prompt is not checked)."""
         if self.max_prompt_chars and len(text) > self.max_prompt_chars:
-            raise ApiError(400, f"The prompt has {len(text)} characters, more than this model's maximum context "
-                                f"length of {self.max_model_len} tokens can hold", param=param,
-                           code="context_length_exceeded")
+            raise prompt_too_long(f"The prompt has {len(text)} characters, more than this model's maximum context "
+                                  f"length of {self.max_model_len} tokens can hold", param,
+                                  f"more than {self.max_model_len}", self.max_model_len)
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,

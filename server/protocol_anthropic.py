@@ -7,6 +7,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from .errors import THREAD_UNSUPPORTED
 
 
 class _Lenient(BaseModel):
@@ -105,6 +108,16 @@ class _MessagesBase(_Lenient):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_threads(cls, data: Any) -> Any:
+        """A message thread (the beta ``thread`` field: the server keeps the conversation) is refused before anything
+        else, as a server without threads answers, so the SDK resends the whole conversation."""
+        if isinstance(data, dict) and data.get("thread") is not None:
+            raise PydanticCustomError(THREAD_UNSUPPORTED, "message threads (the thread field) are not supported: "
+                                                          "send the whole conversation in messages")
+        return data
 
     @property
     def omits_thinking(self) -> bool:

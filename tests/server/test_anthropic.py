@@ -303,3 +303,40 @@ def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools):
     assert [r.status_code for r in answers] == [400, 400], [r.text for r in answers]
     messages = [r.json()["error"]["message"] for r in answers]
     assert messages[0] == messages[1] and "tools[" in messages[0] and "function." not in messages[0]
+
+
+def test_the_sdk_tool_runner_falls_back_from_threads_to_the_whole_conversation(demo_server):
+    """The SDK's tool runner asks for a server-kept thread (`thread`); Ember keeps none and says so with Anthropic's
+    `thread_unsupported_request`, so the runner resends the whole conversation: its second turn has the history
+    (before, `thread` was ignored and that turn lost it)."""
+    sent: list[dict] = []
+    import httpx2  # the anthropic SDK's own HTTP client
+
+    http = httpx2.Client(event_hooks={"request": [
+        lambda r: sent.append(json.loads(r.content)) if r.url.path.endswith("/messages") else None]})
+    client = anthropic.Anthropic(base_url=demo_server.url, api_key="x", max_retries=0, http_client=http)
+
+    @anthropic.beta_tool
+    def get_time(zone: str) -> str:
+        """The time in a zone."""
+        return "12:00"
+
+    runner = client.beta.messages.tool_runner(
+        model=demo_server.model, max_tokens=40, tools=[get_time], messages=[{"role": "user", "content": "time?"}],
+        tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}, max_iterations=2)
+    replies = list(runner)
+    assert len(replies) == 2 and replies[0].stop_reason == "tool_use"
+    unthreaded = [b for b in sent if "thread" not in b]
+    assert [len(b["messages"]) for b in unthreaded] == [1, 3]  # the question; then it, the call and its result
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=30, json={
+        "model": demo_server.model, "max_tokens": 4, "thread": {"type": "create"}, "messages": HI})
+    assert r.status_code == 400 and r.json()["error"]["details"]["error_code"] == "thread_unsupported_request"
+
+
+def test_a_prompt_too_long_is_worded_as_anthropic_words_it(demo_server):
+    """Claude Code compacts its conversation when it reads Anthropic's wording of this 400."""
+    n = demo_server.runtime.max_model_len
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={
+        "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * n}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: "), r.text
+    assert r.json()["error"]["message"].endswith(f" tokens > {n - 1} maximum")
