@@ -60,4 +60,8 @@ class Dropped:
     reason: str
 
 
+CHANNEL_ENDS = frozenset({"reasoning close", "reasoning open", "tool call open", "harmony end", "harmony start"})
+"""`Dropped` reasons of the delimiters that end the reasoning or answer text before them (`</think>`, a tool call's
+opener, harmony's message boundaries): text cut by the end of the output after one was not cut itself."""
+
 Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArguments | ToolCallEnd | Malformed | Dropped

@@ -30,18 +30,15 @@ class BackgroundResponse:
     encoder: ResponseEncoder
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as `GET .../input_items` lists them
     task: asyncio.Task | None = None
-    started: bool = False  # a step has arrived: no longer queued
     cancelled: bool = False
     done: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) when events grow or it ends
 
     def view(self) -> dict[str, Any]:
-        body = self.encoder.response()
+        body = self.encoder.response()  # `queued` until its first step
         if self.cancelled:
             body["status"] = "cancelled"
-        elif not self.started:
-            body["status"] = "queued"
         return body
 
     def _publish(self, events: list[dict[str, Any]]) -> None:
@@ -90,7 +87,6 @@ class BackgroundResponses:
         try:
             async with aclosing(steps) as it:  # closing aborts the engine request
                 async for step in it:
-                    bg.started = True
                     events = bg.encoder.events(step)
                     if events:
                         bg._publish(events)

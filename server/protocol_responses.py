@@ -95,6 +95,7 @@ class ResponsesRequest(_Request):
     store: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     background: bool | None = None
     conversation: Any = None

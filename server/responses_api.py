@@ -61,7 +61,7 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
     """The response object's constant fields: identity and the settings it ran with (``params``: the sampling
     settings in effect, the model's defaults included), echoed."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
-    tool_choice: Any = body.tool_choice_or_default
+    tool_choice: Any = body.tool_choice or "auto"  # OpenAI's default, echoed even without tools
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "name": tool_choice.name}
     return {
@@ -72,7 +72,9 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": body.reasoning.summary if body.reasoning else None},
         "store": store, "temperature": params.temperature,
-        "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"}},
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_unset=True) if fmt else {"type": "text"},
+                 "verbosity": body.text.verbosity if body.text is not None else None},
+        "prompt_cache_key": body.prompt_cache_key,
         "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
         "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
         "truncation": "disabled", "user": body.user,
@@ -123,7 +125,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     response_id = req.request_id
     store = body.store and st.responses.capacity > 0
     enc = ResponseEncoder(_head(body, response_id, model_label(st, lora), store, params), rt.token_bytes.token_bytes,
-                          len(prompt_ids), top_logprobs)
+                          len(prompt_ids), top_logprobs, queued=bool(body.background))
     run = Run()
     single_call = not body.parallel_tool_calls
 

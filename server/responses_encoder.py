@@ -4,8 +4,10 @@ One output item per run of the reply, in order: a `reasoning` item (`reasoning_t
 item (`output_text` part) for the answer, a `function_call` item per tool call. Each item is announced
 (`response.output_item.added`, then `response.content_part.added` for text), grows by deltas and is closed with its
 full text (`....done`, `response.content_part.done`, `response.output_item.done`) when the channel changes, a call
-ends or the response finishes. The stream opens with `response.created` and `response.in_progress` and ends with
-`response.completed`, `response.incomplete` (max_output_tokens) or `response.failed`, carrying the whole response.
+ends or the response finishes. The stream opens with `response.created` and `response.in_progress` (a background
+response: `response.created` and `response.queued`, both `queued`, then `response.in_progress` with its first step)
+and ends with `response.completed`, `response.incomplete` (max_output_tokens) or `response.failed`, carrying the whole
+response.
 Every event has the next `sequence_number`. The non-streaming body is the same encoder's final response, so it equals
 what the stream ends with.
 """
@@ -15,11 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ember.parsers.events import ContentDelta, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from ember.parsers.events import (CHANNEL_ENDS, ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments,
+                                  ToolCallEnd, ToolCallStart)
 
 from .choice import ChoiceEnd, ChoiceStep
 from .openai_encoder import TokenBytesFn, logprob_entry
 from .responses_input import new_item_id
+
 
 
 @dataclass
@@ -31,6 +35,7 @@ class _TextItem:
     id: str
     parts: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    ended: bool = False  # a delimiter left its channel: a cut after it does not make it incomplete
 
     def part(self, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         if self.kind == "reasoning":
@@ -60,7 +65,7 @@ class ResponseEncoder:
     """One response's steps -> stream events; `response()` is the response object those events built."""
 
     def __init__(self, head: dict[str, Any], token_bytes: TokenBytesFn, input_tokens: int,
-                 top_logprobs: int | None = None):
+                 top_logprobs: int | None = None, queued: bool = False):
         self.head = head  # the response's constant fields (id, created_at, model, the echoed request settings)
         self.tb = token_bytes
         self.top_logprobs = top_logprobs  # None: the request did not ask for logprobs
@@ -73,7 +78,7 @@ class ResponseEncoder:
         self.text: _TextItem | None = None
         self.calls: dict[int, _CallItem] = {}  # open calls by their index among this response's calls
         self.pending_logprobs: list[dict[str, Any]] = []  # content tokens whose text has not been streamed yet
-        self.status = "in_progress"
+        self.status = "queued" if queued else "in_progress"  # queued: a background response before its first step
         self.incomplete_details: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.completed_at: int | None = None
@@ -86,7 +91,7 @@ class ResponseEncoder:
     def response(self) -> dict[str, Any]:
         """The response object as it stands (items still open are left out)."""
         usage = None
-        if self.status != "in_progress":
+        if self.status not in ("queued", "in_progress"):
             usage = {"input_tokens": self.input_tokens,
                      "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                      "output_tokens": self.output_tokens,
@@ -97,8 +102,8 @@ class ResponseEncoder:
                 "output": [item for item in self.output if item is not None], "usage": usage}
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response()),
-                self._event("response.in_progress", response=self.response())]
+        nxt = "response.queued" if self.status == "queued" else "response.in_progress"
+        return [self._event("response.created", response=self.response()), self._event(nxt, response=self.response())]
 
     # ------------------------------------------------------------------------------------------------ text items
 
@@ -136,6 +141,7 @@ class ResponseEncoder:
         item = self.text
         assert item is not None
         item.parts.append(text)
+        item.ended = False
         where = {"item_id": item.id, "output_index": item.output_index, "content_index": 0}
         if kind == "reasoning":
             out.append(self._event("response.reasoning_text.delta", **where, delta=text))
@@ -174,6 +180,9 @@ class ResponseEncoder:
             elif t.channel == "content" and self.top_logprobs is not None and t.logprob is not None:
                 self.pending_logprobs.append(logprob_entry(self.tb, t, self.top_logprobs))
         out: list[dict[str, Any]] = []
+        if self.status == "queued":
+            self.status = "in_progress"
+            out.append(self._event("response.in_progress", response=self.response()))
         cut_from = step.finish_at if step.end is not None and step.end.reason == "length" else None
         text: list[str] = []  # a run of the step's answer text: one delta, carrying the run's tokens' logprobs
         for k, ev in enumerate(step.events):
@@ -183,7 +192,10 @@ class ResponseEncoder:
             if any(text):
                 out += self._text_delta("message", "".join(text))
             text = []
-            if isinstance(ev, ReasoningDelta):
+            if isinstance(ev, Dropped):
+                if self.text is not None and ev.reason in CHANNEL_ENDS:
+                    self.text.ended = True
+            elif isinstance(ev, ReasoningDelta):
                 if ev.text:
                     out += self._text_delta("reasoning", ev.text)
             elif isinstance(ev, ToolCallStart):
@@ -208,8 +220,8 @@ class ResponseEncoder:
         """Close what is open, settle the status and send the final lifecycle event."""
         if end.cached_tokens is not None:
             self.cached_tokens = end.cached_tokens
-        item_status = "incomplete" if end.reason == "length" else "completed"
-        out = self._close_text(item_status)
+        cut = end.reason == "length" and self.text is not None and not self.text.ended
+        out = self._close_text("incomplete" if cut else "completed")
         for index in sorted(self.calls):
             out += self._close_call(index, "incomplete")
         if end.reason == "length":

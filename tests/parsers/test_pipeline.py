@@ -675,3 +675,24 @@ def test_unknown_and_out_of_range_ids_surface_nothing_and_do_not_raise():
     s = setup("qwen3")
     f = parse_all(pipe(s, C), ids_of("a") + [s.tb.vocab_size + 5, -1] + ids_of("b"))
     assert f.content == "ab"
+
+
+def test_every_channel_ending_delimiter_is_dropped_under_its_declared_reason():
+    """`CHANNEL_ENDS` names the `Dropped` reasons the Responses encoder reads to tell a closed thought or answer from
+    one the cut fell in: each is what the parsers write for that delimiter."""
+    from ember.parsers.events import CHANNEL_ENDS
+
+    s = setup("qwen3")
+    d = s.delimiter_ids
+    seen = {e.reason for e in stream(pipe(s, C, tools=CODER_TOOLS), [ids_of("a") + [d["<think>"]] + ids_of("b")
+                                                                      + [d["</think>"]] + ids_of("c")
+                                                                      + [d["<tool_call>"]]]) if isinstance(e, Dropped)}
+    if HAVE_SHARED:
+        h = setup("gpt_oss", "gpt-oss")
+        tok = load_tokenizer("gpt-oss")
+        ids = [h.tb.added_token_id(t) if t.startswith("<|") else i for t in (
+            "<|channel|>", "analysis", "<|message|>", "x", "<|end|>", "<|start|>", "assistant")
+            for i in ([0] if t.startswith("<|") else tok.encode(t).ids)]
+        seen |= {e.reason for e in stream(pipe(h, C), [ids]) if isinstance(e, Dropped)}
+    assert CHANNEL_ENDS - {"harmony end", "harmony start"} <= seen
+    assert not HAVE_SHARED or CHANNEL_ENDS <= seen

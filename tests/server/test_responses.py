@@ -177,8 +177,10 @@ def test_reasoning_and_calls_render_as_one_assistant_turn(demo_server):
 def test_store_retrieve_delete(demo_server):
     client = demo_server.openai()
     r = client.responses.create(model=demo_server.model, input="Say hello.", max_output_tokens=4, temperature=0,
-                                metadata={"k": "v"})
+                                metadata={"k": "v"}, text={"verbosity": "low"}, prompt_cache_key="pck")
     assert r.store is True and r.metadata == {"k": "v"}
+    assert r.tool_choice == "auto"  # the default, as OpenAI echoes it, though there are no tools
+    assert r.text.verbosity == "low" and r.text.format.type == "text" and r.prompt_cache_key == "pck"
     got = client.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
     follow = client.responses.create(model=demo_server.model, previous_response_id=r.id, input="More.",
@@ -248,6 +250,20 @@ def test_cut_call_is_incomplete_and_still_replays(demo_server):
     assert follow.status in ("completed", "incomplete")
 
 
+def test_a_thought_closed_before_the_cut_is_complete(qwen3_thinking_server):
+    """max_output_tokens falls after `</think>` but before the tool call has its name: the reasoning item ended
+    normally, so only the response is incomplete (streamed, its `output_item.done` says the same)."""
+    server = qwen3_thinking_server
+    kw = dict(model=server.model, input="hi", tools=[WEATHER], tool_choice="required", temperature=0,
+              max_output_tokens=7, extra_body={"max_thinking_tokens": 1})
+    r = server.openai().responses.create(**kw)
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [("reasoning", "completed")]
+    events = _stream(server.openai(), **kw)
+    final = _check_stream(events, "incomplete")
+    assert _items(final) == _items(r)
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["completed"]
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"background": True, "store": False}, "store"),
     ({"truncation": "auto"}, "truncation"),
@@ -272,6 +288,7 @@ def test_cut_call_is_incomplete_and_still_replays(demo_server):
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
     ({"tools": [{**WEATHER, "name": "bad name"}]}, "tools[0].name"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"verbosity": "loud"}}, "text.verbosity"),
 ])
 def test_bad_requests_name_the_field(demo_server, extra, param):
     body = {"model": demo_server.model, "input": "Hi", "max_output_tokens": 2, **extra}
@@ -408,3 +425,4 @@ def test_a_non_finite_number_in_a_tool_is_a_400_naming_it(demo_server, stream):
     r = httpx.post(demo_server.url + "/v1/responses", content=body, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters.x", r.text
+

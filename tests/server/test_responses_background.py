@@ -95,6 +95,9 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_replays(d
     stream.close()  # the client leaves; the response goes on
     rid = first[0].response.id
     assert first[0].type == "response.created" and first[0].response.background is True
+    # queued, as the create call and GET show it, until generation starts
+    assert [e.type for e in first] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in first] == ["queued", "queued", "in_progress"]
     done = _poll(client, rid, ("completed", "incomplete"))
     assert done.output_text == fg.output_text
     rest = list(client.responses.retrieve(rid, stream=True, starting_after=2))
@@ -102,6 +105,7 @@ def test_a_streamed_background_response_goes_on_without_its_client_and_replays(d
     assert rest[-1].type == f"response.{done.status}" and rest[-1].response.output_text == fg.output_text
     whole = list(client.responses.retrieve(rid, stream=True))
     assert [e.sequence_number for e in whole] == list(range(len(whole))) and whole[3:] == rest
+    assert [e.type for e in whole[:3]] == [e.type for e in first] and whole[0].response.status == "queued"
 
 
 def test_joining_a_running_stream_follows_it_until_it_is_cancelled(demo_server):

@@ -145,3 +145,28 @@ def test_a_failed_generation_ends_in_response_failed():
     assert final["response"]["output"][0]["content"][0]["text"] == "a"
     refused = _encode([ChoiceStep(0, [], [], ChoiceEnd("error", error="too long", rejected=True))])[-1]
     assert refused["response"]["error"] == {"code": "invalid_prompt", "message": "too long"}  # the client's fault
+
+
+def test_an_item_whose_channel_closed_before_the_cut_is_complete():
+    """The cut falls after `</think>` (or after a call's opener), in structure no item holds: the reasoning (or
+    message) item ended normally; only the response is incomplete, in the stream and in the final response."""
+    for text, close in ((ReasoningDelta("hm"), Dropped("</think>", "reasoning close")),
+                        (ContentDelta("Checking."), Dropped("<tool_call>", "tool call open"))):
+        closed = [text, close, Dropped("\n", "template whitespace")]
+        for events, status in ((closed, "completed"), ([text], "incomplete")):
+            out = _encode([ChoiceStep(0, [TokenInfo(1)] * len(events), events, ChoiceEnd("length"),
+                                      finish_at=len(events))])
+            [done] = [e for e in out if e["type"] == "response.output_item.done"]
+            assert done["item"]["status"] == out[-1]["response"]["output"][0]["status"] == status
+            assert out[-1]["type"] == "response.incomplete"
+
+
+def test_a_background_response_is_queued_until_its_first_step():
+    enc = ResponseEncoder(dict(HEAD), lambda t: b"x", input_tokens=3, queued=True)
+    start = enc.start()
+    assert [(e["type"], e["response"]["status"]) for e in start] == [("response.created", "queued"),
+                                                                     ("response.queued", "queued")]
+    assert enc.response()["status"] == "queued"
+    first = enc.events(ChoiceStep(0, [TokenInfo(1)], [ContentDelta("a")]))
+    assert (first[0]["type"], first[0]["response"]["status"]) == ("response.in_progress", "in_progress")
+    assert [e["sequence_number"] for e in start + first] == list(range(len(start + first)))
