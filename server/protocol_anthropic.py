@@ -108,6 +108,7 @@ class _MessagesBase(_Lenient):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    thread: dict[str, Any] | None = None  # the SDK's message threads: always refused (`_no_threads`)
 
     @model_validator(mode="before")
     @classmethod
