@@ -354,20 +354,11 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                              frequency_penalty=0.0, repetition_penalty=None, logprobs=None, logit_bias=None,
                              lora=lora, defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
-    thinking_on = body.thinking is not None and body.thinking.type != "disabled"
-    budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
-    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
-    if tool_choice == "named":
-        tool_choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True},
                                    "param": "output_config.format.schema"}
-    try:
-        [constraint] = await build_constraints(
-            st, 1, setup=setup, initial=initial, response_format=rf, tools=parse_tools, tool_choice=tool_choice,
-            parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
-    except ApiError as e:
-        raise flat_tool_fields(e, "input_schema") from None
+    constraint = await _anthropic_constraint(st, body, initial, parse_tools, tool_choice, rf)
+    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking)
@@ -388,6 +379,25 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     collected = await collect(request, noted_steps(st, req, run, not parallel))
     run.raise_for_errors()
     return JSONResponse(enc.body(collected))
+
+
+async def _anthropic_constraint(st: ServerState, body: pa._MessagesBase, initial: InitialState,
+                                parse_tools: list[dict] | None, tool_choice: str, response_format: dict | None) -> Any:
+    """The grammar a message runs under (forced tool calls, ``response_format``, the thinking budget); its 400s name
+    Anthropic's flat tool fields (``tools[0].input_schema``)."""
+    thinking_on = body.thinking is not None and body.thinking.type != "disabled"
+    budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
+    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
+    choice: Any = tool_choice
+    if tool_choice == "named":
+        choice = {"type": "function", "function": {"name": body.tool_choice.name}}
+    try:
+        [constraint] = await build_constraints(
+            st, 1, setup=st.runtime.parser, initial=initial, response_format=response_format, tools=parse_tools,
+            tool_choice=choice, parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
+    except ApiError as e:
+        raise flat_tool_fields(e, "input_schema") from None
+    return constraint
 
 
 def _anthropic_tool_choice(st: ServerState, body: pa._MessagesBase,
@@ -413,11 +423,13 @@ async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = 
     st = state(request)
     check_model(st, body.model)
     prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
-    _, parse_tools = _anthropic_tool_choice(st, body, tools)
+    tool_choice, parse_tools = _anthropic_tool_choice(st, body, tools)
     try:
         check_tools(parse_tools)  # the tool names /v1/messages would refuse
     except GrammarError as e:
         raise flat_tool_fields(bad_request(e.message), "input_schema") from None
+    # the tool schemas a forced call compiles, as /v1/messages would refuse them (a client preflights with this)
+    await _anthropic_constraint(st, body, st.runtime.parser.initial_state(prompt_ids), parse_tools, tool_choice, None)
     return {"input_tokens": len(prompt_ids)}
 
 

@@ -292,12 +292,14 @@ def test_an_empty_system_or_final_assistant_message_is_as_absent(demo_server):
     assert count(messages=[*HI, {"role": "assistant", "content": ""}]) > 0
 
 
-@pytest.mark.parametrize("tools", [[{**WEATHER, "name": "bad name"}], [WEATHER, WEATHER],
-                                   [{"name": "f", "input_schema": {}}]])
-def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools):
+@pytest.mark.parametrize("tools,choice", [
+    ([{**WEATHER, "name": "bad name"}], None), ([WEATHER, WEATHER], None), ([{"name": "f", "input_schema": {}}], None),
+    ([{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}],
+     {"type": "any"})], ids=["name", "repeated", "schema-type", "forced-schema"])
+def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools, choice):
     """A client that counts a prompt before sending it learns of a bad tool list from either endpoint, in the same
-    words."""
-    body = {"model": demo_server.model, "messages": HI, "tools": tools}
+    words (a forced call's schema that the grammar cannot compile too)."""
+    body = {"model": demo_server.model, "messages": HI, "tools": tools} | ({"tool_choice": choice} if choice else {})
     answers = [httpx.post(demo_server.url + path, json=extra | body, timeout=60)
                for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {}))]
     assert [r.status_code for r in answers] == [400, 400], [r.text for r in answers]
