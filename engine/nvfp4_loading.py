@@ -321,7 +321,9 @@ def _install_linears(model: nn.Module, p: NVFP4Plan,
                                     "that projection's weights directly, so it must stay unquantized (exclude it "
                                     "from quantization)")
         leaf = target.rsplit(".", 1)[-1]
-        if leaf == "gate_up_proj":  # halves of the module itself: shared experts have their own width
+        if target in p.modules:  # the checkpoint's own module, fused there too (Phi-3's qkv_proj): one partition
+            sizes = [old.out_features]
+        elif leaf == "gate_up_proj":  # halves of the module itself: shared experts have their own width
             sizes = [old.out_features // 2] * 2
         else:
             sizes = model._shard_sizes(leaf) if leaf == "qkv_proj" else [old.out_features]

@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ember.engine import nvfp4_loading
 from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models.layers import DecoderForCausalLM, RotaryEmbedding, partial_rotary_dim
 
@@ -26,15 +27,16 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
     @staticmethod
     def tp_split_rule(name: str, cfg: ModelConfig) -> tuple:
-        """The checkpoint's fused q/k/v and gate/up rows split part by part; the rest as usual."""
+        """The checkpoint's fused q/k/v and gate/up rows (and NVFP4 block scales) split part by part; the rest as
+        usual."""
         from ember.engine import distributed
 
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module.endswith(".self_attn.qkv_proj"):
+        if leaf in ("weight", "weight_scale") and module.endswith(".self_attn.qkv_proj"):
             d = cfg.head_dim
             return "segments", 0, (cfg.num_attention_heads * d, cfg.num_key_value_heads * d,
                                    cfg.num_key_value_heads * d)
-        if leaf == "weight" and module.endswith(".mlp.gate_up_proj"):
+        if leaf in ("weight", "weight_scale") and module.endswith(".mlp.gate_up_proj"):
             return "segments", 0, (cfg.intermediate_size, cfg.intermediate_size)
         return distributed._split_rule(name)
 
@@ -56,4 +58,7 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
-        super().load_weights(self._unfused(weights), source)
+        """NVFP4 fused projections stay fused (one packed linear each, with the checkpoint's one tensor scale); the
+        other fused weights are split into their parts."""
+        prepared = nvfp4_loading.prepare(self, weights, source)
+        super().load_weights(nvfp4_loading.PreparedWeights(self._unfused(prepared)), source)
