@@ -36,6 +36,10 @@ SCALE = ".weight_scale_inv"
 """The scales' suffix in DeepSeek's and Qwen's block releases, and the name of every scale grid the loaders pass on."""
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Ember's fused projections and the checkpoint projections they stack, in row order."""
+_WHOLE = -2
+"""`install_linears`' partition key for a checkpoint tensor that is the fused projection itself."""
 
 
 @dataclass(frozen=True)
@@ -265,9 +269,11 @@ def install_linears(model: nn.Module, fmt: FP8Format) -> set[str]:
     in ``model.fp8_linears``, by the names the model's loader reads) and return the checkpoint's module names now
     read packed. A fused layer needs every partition in FP8 and each
     partition but the last a whole number of scale-block rows; under tensor parallelism (``model.shard_shape``)
-    this rank's slice of each tensor must start on a block boundary. Modules the model reads as plain weights
-    (``model.dense_only``, e.g. MLA's ``kv_b_proj``) and experts (placed by the MoE loader) stay out; whatever
-    stays out is dequantized as it loads."""
+    this rank's slice of each tensor must start on a block boundary. A checkpoint that stores the fused layer itself
+    (Phi-3's ``qkv_proj`` / ``gate_up_proj``) covers every partition with one weight and its own scales, so its
+    partitions need no block alignment, except under tensor parallelism, where each rank takes a share of every
+    partition. Modules the model reads as plain weights (``model.dense_only``, e.g. MLA's ``kv_b_proj``) and experts
+    (placed by the MoE loader) stay out; whatever stays out is dequantized as it loads."""
     from ember.engine.nvfp4_loading import fused_target
 
     rename = getattr(model, "checkpoint_name", lambda n: n)
@@ -284,6 +290,8 @@ def install_linears(model: nn.Module, fmt: FP8Format) -> set[str]:
             continue
         local = shape if shard_shape is None else shard_shape(hf_module + ".weight", shape)
         target, idx = fused_target(module)
+        if module.rsplit(".", 1)[-1] in _FUSED_PARTS:
+            idx = _WHOLE
         # a slice that cuts a block poisons its whole group (-1)
         groups.setdefault(target, {})[idx if _aligned(shape, local, block) else -1] = (hf_module, module, local)
     named = dict(model.named_modules())
@@ -298,16 +306,30 @@ def install_linears(model: nn.Module, fmt: FP8Format) -> set[str]:
             sizes = [old.out_features // 2] * 2
         else:
             sizes = model._shard_sizes(leaf) if leaf == "qkv_proj" else [old.out_features]
-        if sorted(parts) != list(range(len(sizes))) or any(n % block[0] for n in sizes[:-1]):
-            continue
-        if any(local != [sizes[i], old.in_features] for i, (_, _, local) in parts.items()):
-            continue  # shapes the dense loader will name in its error
+        if _WHOLE in parts:
+            hf, module, local = parts[_WHOLE]
+            sliced = shard_shape is not None and local != model.fp8_candidates[hf][1]
+            if len(parts) > 1 or local != [old.out_features, old.in_features] \
+                    or (sliced and any(n % block[0] for n in sizes)):
+                continue
+            parent = target.rpartition(".")[0]
+            # the whole weight and scales, or (as a model that splits fused tensors yields them) each part's rows
+            spans = [(module, 0, old.out_features)] + [
+                (f"{parent}.{name}", sum(sizes[:i]), sizes[i]) for i, name in enumerate(_FUSED_PARTS[leaf])]
+            hfs = [hf]
+        else:
+            if sorted(parts) != list(range(len(sizes))) or any(n % block[0] for n in sizes[:-1]):
+                continue
+            if any(local != [sizes[i], old.in_features] for i, (_, _, local) in parts.items()):
+                continue  # shapes the dense loader will name in its error
+            spans = [(module, sum(sizes[:i]), sizes[i]) for i, (_, module, _) in parts.items()]
+            hfs = [hf for hf, _, _ in parts.values()]
         new = FP8Linear(old.out_features, old.in_features, block, old.bias, old.weight.device)
         parent, _, leaf = target.rpartition(".")
         setattr(named[parent], leaf, new)
-        for i, (hf, module, _) in parts.items():
-            model.fp8_linears[module] = (new, sum(sizes[:i]), sizes[i])
-            packed.add(hf)
+        for module, row, size in spans:
+            model.fp8_linears[module] = (new, row, size)
+        packed.update(hfs)
     return packed
 
 
@@ -323,27 +345,36 @@ def check_packed(name: str, tensor: torch.Tensor, dest: torch.Tensor, source: st
 def fill_linears(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  source: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with the packed FP8 weights and scales of ``model.fp8_linears`` copied into their
-    :class:`FP8Linear` rows (and left out); every other tensor passes on. Raises if one of them never came."""
+    :class:`FP8Linear` rows (and left out); every other tensor passes on. Raises unless every row of each layer's
+    weight and scales came exactly once."""
     placed: dict[str, tuple[FP8Linear, int, int]] = getattr(model, "fp8_linears", {})
     seen: set[str] = set()
     for name, tensor in weights:
         module, _, leaf = name.rpartition(".")
         if module in placed and leaf in ("weight", SCALE[1:]):
-            lin, row, size = placed[module]
-            bn = lin.block[0]
-            if leaf == "weight":
-                dest = lin.weight[row:row + size]
-            else:
-                dest = lin.scale[row // bn:row // bn - (-size // bn)]
+            dest = _rows(*placed[module], leaf)
             check_packed(name, tensor, dest, source)
             dest.copy_(tensor)
             seen.add(name)
             continue
         yield name, tensor
-    for module in placed:
-        for leaf in ("weight", SCALE[1:]):
-            if f"{module}.{leaf}" not in seen:
-                raise QuantizationError(f"{source}: tensor {module}.{leaf} was never read")
+    by_linear: dict[FP8Linear, list[str]] = {}
+    for module, (lin, _, _) in placed.items():
+        by_linear.setdefault(lin, []).append(module)
+    for lin, modules in by_linear.items():
+        for leaf, total in (("weight", lin.out_features), (SCALE[1:], lin.scale.shape[0])):
+            names = [f"{m}.{leaf}" for m in modules]
+            if sum(_rows(*placed[m], leaf).shape[0] for m in modules if f"{m}.{leaf}" in seen) != total:
+                missing = next((n for n in names if n not in seen), names[0])
+                raise QuantizationError(f"{source}: tensor {missing} was never read")
+
+
+def _rows(lin: FP8Linear, row: int, size: int, leaf: str) -> torch.Tensor:
+    """The rows of ``lin``'s weight (``leaf`` ``weight``) or scales that hold output rows ``row:row + size``."""
+    if leaf == "weight":
+        return lin.weight[row:row + size]
+    bn = lin.block[0]
+    return lin.scale[row // bn:row // bn - (-size // bn)]
 
 
 def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, source: str = "checkpoint",

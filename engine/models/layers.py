@@ -472,7 +472,12 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_KV_SCALES = ("k_scale", "v_scale")
+_KV_SCALES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale"),
+              "q_scale": (), "prob_scale": (), "prob_output_scale": ()}
+"""FP8 attention scales a checkpoint may carry -> the `Attention` scales each sets: the deprecated ``kv_scale``
+both; query and softmax-probability scales none (Ember keeps queries and probabilities in the model dtype)."""
+_PROJ_OUTPUT_SCALES = {"q_proj": (), "k_proj": ("k_scale",), "v_proj": ("v_scale",)}
+"""AutoFP8's ``-FP8-KV`` ``{q,k,v}_proj.output_scale`` -> the `Attention` scales each sets."""
 
 
 def _materialized(packed: Any, device: torch.device) -> Any:
@@ -502,12 +507,19 @@ def language_model_name(name: str) -> str | None:
     return name
 
 
-def _kv_scale_module(parts: list[str]) -> str | None:
-    """The attention module an FP8 KV scale belongs to: ModelOpt's ``self_attn.k_proj.k_scale`` /
-    ``self_attn.v_proj.v_scale`` or the older ``self_attn.k_scale`` / ``self_attn.v_scale``; None for other names."""
-    if len(parts) < 3 or parts[-1] not in _KV_SCALES:
+def _kv_scale_target(parts: list[str]) -> tuple[str, tuple[str, ...]] | None:
+    """(the attention module, the `Attention` scales it sets) for an FP8 attention scale: ModelOpt's
+    ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale``, the older ``self_attn.k_scale`` /
+    ``self_attn.v_scale`` or deprecated ``self_attn.kv_scale`` (both), AutoFP8's ``self_attn.k_proj.output_scale`` /
+    ``v_proj.output_scale``; query and probability scales set none. None for other names."""
+    if len(parts) < 3:
         return None
-    return ".".join(parts[:-2] if parts[-2] in ("k_proj", "v_proj") else parts[:-1])
+    leaf, owner = parts[-1], parts[-2]
+    if leaf == "output_scale" and owner in _PROJ_OUTPUT_SCALES:
+        return ".".join(parts[:-2]), _PROJ_OUTPUT_SCALES[owner]
+    if leaf not in _KV_SCALES:
+        return None
+    return ".".join(parts[:-2] if owner in _PROJ_OUTPUT_SCALES else parts[:-1]), _KV_SCALES[leaf]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -577,14 +589,18 @@ class DecoderForCausalLM(nn.Module):
             if new is not None:
                 yield new, tensor
 
-    def _load_kv_scale(self, attn: nn.Module | None, name: str, tensor: torch.Tensor, source: str) -> None:
+    def _load_kv_scale(self, attn: nn.Module | None, scales: tuple[str, ...], name: str, tensor: torch.Tensor,
+                       source: str) -> None:
         if not isinstance(attn, Attention):
             raise ConfigError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+        if not scales:
+            return
         value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else float("nan")
         if not math.isfinite(value) or value <= 0:
             raise ConfigError(f"{source}: tensor {name!r} must be one positive finite FP8 KV scale, got "
                               f"{tuple(tensor.shape)} {tensor.flatten()[:4].tolist()}")
-        setattr(attn, name.rsplit(".", 1)[-1], value)
+        for scale in scales:
+            setattr(attn, scale, value)
 
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config
@@ -610,9 +626,9 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            attn_name = _kv_scale_module(name.split("."))
-            if attn_name is not None:
-                self._load_kv_scale(modules.get(attn_name), name, tensor, source)
+            kv_scale = _kv_scale_target(name.split("."))
+            if kv_scale is not None:
+                self._load_kv_scale(modules.get(kv_scale[0]), kv_scale[1], name, tensor, source)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
