@@ -18,18 +18,11 @@ from ember.engine.engine import Engine, load_model
 from ember.engine.fp8_loading import FP8Linear
 from ember.kernels import fp8_block
 from tests.engine.test_phi3 import CONFIG
-from tests.moe.conftest import clear_margin, ember_logits, hf_greedy, hf_logits, prompts, run_greedy, \
-    save_with_tokenizer
+from tests.moe.conftest import (clear_margin, compressed_tensors_fp8, ember_logits, hf_greedy, hf_logits, prompts,
+                                run_greedy, save_with_tokenizer)
 
 BLOCK = (48, 48)  # q/k/v rows 64 + 32 + 32: the second block row holds q's last rows and k's first
-COMPRESSED_TENSORS_TENSOR = {
-    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
-}
+COMPRESSED_TENSORS_TENSOR = compressed_tensors_fp8("tensor")
 LAYOUTS = {"block": BLOCK, "tensor": (fp8_block.CHANNEL, fp8_block.CHANNEL), "on-load": (1, fp8_block.CHANNEL)}
 
 

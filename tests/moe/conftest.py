@@ -16,6 +16,19 @@ NEW_TOKENS = 8
 MIN_MARGIN = 1e-3
 
 
+def compressed_tensors_fp8(strategy: str) -> dict:
+    """A compressed-tensors ``quantization_config`` of FP8 weights by ``strategy`` (``channel``, ``tensor``) and
+    dynamic per-token FP8 activations, as llm-compressor writes it (``lm_head`` left out)."""
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
+    }
+
+
 def tiny_moe_config(**over):
     from transformers import Qwen3MoeConfig
 

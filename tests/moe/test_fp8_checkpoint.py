@@ -17,21 +17,14 @@ from ember.engine import fp8_loading
 from ember.kernels import fp8_block
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.engine.nvfp4_loading import QuantizationError
-from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
-    hf_greedy, prompts, run_greedy
+from tests.moe.conftest import (assert_two_ranks_match_one, clear_margin, compressed_tensors_fp8, ember_greedy,
+                                ember_logits, ember_model, hf_greedy, prompts, run_greedy)
 
 BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks is partial
 SMALL_BLOCK = (16, 16)  # two ranks' 16 expert channels each are whole blocks: experts stay FP8 under TP=2
 
 
-COMPRESSED_TENSORS_CHANNEL = {
-    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-    "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}},
-}
+COMPRESSED_TENSORS_CHANNEL = compressed_tensors_fp8("channel")
 
 
 def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLOCK, layout: str = "block") -> None:
