@@ -136,11 +136,14 @@ def too_few(keep: int, specials: int) -> ApiError:
                        f"adds to each input", param="truncate_prompt_tokens")
 
 
-def too_long(n: int, limit: int, param: str) -> ApiError:
-    """The 400 naming ``param`` for an input of ``n`` tokens, over ``limit``, the most one pooled prompt may have."""
-    return ApiError(400, f"The input has {n} tokens, but this model's maximum context length is {limit} tokens "
-                         f"(send truncate_prompt_tokens to keep the last ones)", param=param,
-                    code="context_length_exceeded")
+def too_long(n: int, rt: ModelRuntime, param: str) -> ApiError:
+    """The 400 naming ``param`` for an input of ``n`` tokens, over `prompt_limit`, the most one pooled prompt may
+    have: the model's context length, or the KV cache's size where that is smaller (named as such)."""
+    limit = prompt_limit(rt)
+    what = (f"this model's maximum context length is {limit} tokens" if limit >= rt.max_model_len
+            else f"the server's KV cache holds {limit} tokens in all")
+    return ApiError(400, f"The input has {n} tokens, but {what} (send truncate_prompt_tokens to keep the last ones)",
+                    param=param, code="context_length_exceeded")
 
 
 def keep_last(full: list[int], content: list[int], keep: int) -> list[int]:
@@ -197,7 +200,7 @@ def _token_lists(rt: ModelRuntime, st: Any, inputs: list[str | list[int]], param
         if not ids:
             raise bad_request("an input must have at least one token", param=param)
         if len(ids) > limit:
-            raise too_long(len(ids), limit, param)
+            raise too_long(len(ids), rt, param)
         out.append((ids, start))
     return out
 

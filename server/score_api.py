@@ -170,7 +170,7 @@ def _pair_prompts(rt: ModelRuntime, firsts: list[str], seconds: list[str], first
     limit = prompt_limit(rt)
     over = next((i for i, x in enumerate(ids) if len(x) > limit), None)
     if over is not None and (n := len(rt.tokenizer(firsts[over])["input_ids"])) > limit:
-        raise too_long(n, limit, first_params[over])
+        raise too_long(n, rt, first_params[over])
     return ids, type_starts
 
 

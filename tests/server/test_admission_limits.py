@@ -143,3 +143,11 @@ def test_a_prompt_text_too_long_for_any_tokenization_is_refused_before_tokenizin
     cut = httpx.post(demo_server.url + "/v1/completions", timeout=60,
                      json={"prompt": huge, "max_tokens": 1, "truncate_prompt_tokens": 8})
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8
+
+
+def test_an_input_longer_than_the_cache_names_the_cache_not_the_context(small_cache_server):
+    """Pooling routes, as chat: a limit set by the KV cache is named as the cache's, not the model's context."""
+    server, model = small_cache_server
+    r = httpx.post(server.url + "/v1/embeddings", json={"model": model, "input": "word " * 60}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"KV cache holds {CACHE_BLOCKS * 16} tokens" in r.json()["error"]["message"], r.text
