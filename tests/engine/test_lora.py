@@ -165,8 +165,11 @@ def test_the_in_process_engine_client_loads_and_unloads_adapters(lora_setup):
     async def go() -> None:
         await engine.update_lora("sql", path)
         assert engine.model_info.lora_adapters == (("sql", path),)
-        with pytest.raises(ValueError, match="already loaded"):
-            await engine.update_lora("sql", path)
+        await engine.update_lora("sql", path)  # a second load replaces it (the HTTP route asks for load_inplace)
+        assert engine.model_info.lora_adapters == (("sql", path),)
+        with pytest.raises(ValueError, match="not a directory"):
+            await engine.update_lora("sql", path + "-missing")
+        assert engine.model_info.lora_adapters == (("sql", path),)  # a failed replacement keeps it
         async for out in engine.generate([5, 6, 7], _greedy("sql", 2)):
             assert out.error is None
         await engine.update_lora("sql", None)
