@@ -301,15 +301,25 @@ def client_request_id(request: Request, body_id: str | None = None) -> str | Non
     return request.headers.get("x-request-id") or body_id or None
 
 
+def request_names(client_id: str | None) -> tuple[str, str]:
+    """(the name a request's ``id`` carries after its prefix, the one its engine requests are named by): the client's
+    ID (`client_request_id`) or random hex; two requests running at once may share a client's ID, so its engine name
+    adds random hex."""
+    if client_id:
+        return client_id, f"{client_id}-{secrets.token_hex(4)}"
+    name = secrets.token_hex(12)
+    return name, name
+
+
 def new_request(st: ServerState, choices: list[ChoiceSpec], stop: list[str], prefix: str,
                 arrival: float, sep: str = "-", client_id: str | None = None) -> GenRequest:
     """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end. Its ID,
     ``prefix``, ``sep`` and ``client_id`` (random hex when None), is the ``id`` its response carries. Two running
     requests may share a client's ID: their engine IDs (in the logs) add random hex to it."""
     check_capacity(st)
-    public = f"{prefix}{sep}{client_id or secrets.token_hex(12)}"
-    engine_id = f"{public}-{secrets.token_hex(4)}" if client_id else public
-    req = GenRequest(request_id=public, choices=choices, stop=stop, arrival=arrival, engine_id=engine_id)
+    name, engine_name = request_names(client_id)
+    req = GenRequest(request_id=f"{prefix}{sep}{name}", choices=choices, stop=stop, arrival=arrival,
+                     engine_id=f"{prefix}{sep}{engine_name}")
     st.admitted.hold(req)
     return req
 

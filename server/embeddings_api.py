@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import secrets
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Literal
@@ -25,8 +24,8 @@ from ember.engine.params import SamplingParams
 
 from . import chat
 from . import protocol_openai as po
-from .admission import (check_capacity, check_model, check_token_ids, client_request_id, collect, model_label, state,
-                        tokens_to_keep)
+from .admission import (check_capacity, check_model, check_token_ids, client_request_id, collect, model_label,
+                        request_names, state, tokens_to_keep)
 from .errors import ApiError, bad_request
 from .generation import ModelRuntime
 from .metrics import Metrics
@@ -283,9 +282,7 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
     check_capacity(st)
     total = sum(len(p) for p, _ in prompts)
     st.metrics.prompt_tokens.inc(total)
-    client_id = client_request_id(request)
-    rid = client_id or secrets.token_hex(12)
-    engine_id = f"{rid}-{secrets.token_hex(4)}" if client_id else rid
+    rid, engine_id = request_names(client_request_id(request))
     results = await collect(request, _pooled(rt, prompts, engine_id, lora, st.metrics))
     out: list[list[float]] = [[] for _ in prompts]
     for r in results:
