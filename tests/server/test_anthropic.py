@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import anthropic
 import httpx
@@ -319,15 +320,15 @@ def test_the_sdk_tool_runner_falls_back_from_threads_to_the_whole_conversation(d
     client = anthropic.Anthropic(base_url=demo_server.url, api_key="x", max_retries=0, http_client=http)
 
     @anthropic.beta_tool
-    def get_time(zone: str) -> str:
-        """The time in a zone."""
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone (an enum, so the forced call always closes within max_tokens)."""
         return "12:00"
 
     runner = client.beta.messages.tool_runner(
         model=demo_server.model, max_tokens=40, tools=[get_time], messages=[{"role": "user", "content": "time?"}],
         tool_choice={"type": "tool", "name": "get_time", "disable_parallel_tool_use": True}, max_iterations=2)
     replies = list(runner)
-    assert len(replies) == 2 and replies[0].stop_reason == "tool_use"
+    assert len(replies) == 2 and replies[0].stop_reason == "tool_use", replies
     unthreaded = [b for b in sent if "thread" not in b]
     assert [len(b["messages"]) for b in unthreaded] == [1, 3]  # the question; then it, the call and its result
     r = httpx.post(demo_server.url + "/v1/messages", timeout=30, json={
