@@ -189,9 +189,10 @@ def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
                      f"unrecognized arguments: {' '.join(extras)}")
 
 
-def _applyconfig_file(path: str, parser: argparse.ArgumentParser) -> Any:
-    """Parse ``--config`` ``path`` and make its values ``parser``'s defaults, so that the command line wins; the
-    model it names (its ``model`` key), which serves only where the command line names none."""
+def _applyconfig_file(path: str, parser: argparse.ArgumentParser) -> tuple[Any, dict[str, Any]]:
+    """Parse ``--config`` ``path`` and make its values ``parser``'s defaults, so that the command line wins. Returns
+    the model it names (its ``model`` key), which serves only where the command line names none, and the defaults
+    it replaced (by dest)."""
     argv = config_argv(path, parser)
     try:
         parser.source = f" (in --config {path})"
@@ -200,8 +201,23 @@ def _applyconfig_file(path: str, parser: argparse.ArgumentParser) -> Any:
     finally:
         parser.source = ""
     model = vars(values).pop("model_flag", None)
-    parser.set_defaults(**{k: v for k, v in vars(values).items() if v != parser.get_default(k)})
-    return model
+    changed = {k: v for k, v in vars(values).items() if v != parser.get_default(k)}
+    replaced = {k: parser.get_default(k) for k in changed}
+    parser.set_defaults(**changed)
+    return model, replaced
+
+
+def _command_line_wins_in_groups(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str],
+                                 from_config: dict[str, Any]) -> None:
+    """A flag given on the command line displaces the ``--config`` value of a flag it excludes (``--kv-cache-memory``
+    over the file's ``kv-cache-blocks``), as the command line wins over the file for the flag itself."""
+    given = {a.dest for a in parser._actions for s in a.option_strings
+             if any(x == s or x.startswith(s + "=") for x in argv)}
+    for group in parser._mutually_exclusive_groups:
+        members = {a.dest for a in group._group_actions}
+        if members & given:
+            for dest in (members - given) & from_config.keys():
+                setattr(args, dest, from_config[dest])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,14 +237,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ember.engine import quantize
 
         return int(quantize.main(argv[1:]) or 0)
-    config_model = None
+    config_model, from_config = None, {}
     if argv and argv[0] == "serve":
         path, rest = config_file(argv[1:], serve_parser)
         argv = ["serve", *fold_dotted(flag_names(rest, serve_parser), serve_parser)]
         if path is not None:
-            config_model = _applyconfig_file(path, serve_parser)
+            config_model, from_config = _applyconfig_file(path, serve_parser)
     args, extras = parser.parse_known_args(argv)
     _refuse_unknown(serve_parser, extras)
+    _command_line_wins_in_groups(args, serve_parser, argv[1:], from_config)
     if config_model is not None and args.model_dir is None and args.model_flag is None:
         args.model_flag = config_model
     try:

@@ -317,6 +317,11 @@ def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
     assert json.loads(c.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
     assert main(["serve", "org/cli", "--config", str(path), "--max-model-len", "1K", "--port", "9002"]) == 0
     assert (str(seen[-1].model_dir), seen[-1].max_model_len, seen[-1].port) == ("org/cli", 1024, 9002)
+    (tmp_path / "blocks.yaml").write_text("kv-cache-blocks: 64\n")  # the command line's exclusive flag wins
+    assert main(["serve", "--config", str(tmp_path / "blocks.yaml"), "--kv-cache-memory", "1G"]) == 0
+    assert (seen[-1].kv_cache_blocks, seen[-1].kv_cache_memory) == (None, 2**30)
+    assert main(["serve", "--config", str(tmp_path / "blocks.yaml")]) == 0
+    assert (seen[-1].kv_cache_blocks, seen[-1].kv_cache_memory) == (64, None)
     assert main(["serve", "--speculative-config", '{"method": "ngram"}', "--speculative_config.num_speculative_tokens",
                  "4", "--speculative-config.prompt_lookup_max=3", "--compilation-config.cudagraph_mode",
                  "FULL_DECODE_ONLY"]) == 0
