@@ -109,6 +109,7 @@ class _MessagesBase(_Lenient):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     thread: dict[str, Any] | None = None  # the SDK's message threads: always refused (`_no_threads`)
+    mcp_servers: list[dict[str, Any]] | None = None  # the MCP connector: refused when non-empty, as server tools are
 
     @model_validator(mode="before")
     @classmethod
@@ -136,6 +137,9 @@ class _MessagesBase(_Lenient):
 
     @model_validator(mode="after")
     def _tools(self) -> "_MessagesBase":
+        if self.mcp_servers:
+            raise ValueError("mcp_servers: the MCP connector (tools run by remote MCP servers) is not supported; "
+                             "run the MCP client yourself and pass its tools in tools")
         for i, t in enumerate(self.tools or ()):
             if t.type not in (None, "custom"):
                 raise ValueError(f"tools[{i}]: server tool type {t.type!r} is not supported")

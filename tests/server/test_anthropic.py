@@ -247,6 +247,7 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
     ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
      ["output_config.format.schema"]),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["server tool type 'web_search_20250305'"]),
+    ({"mcp_servers": [{"type": "url", "url": "https://mcp.example/sse", "name": "x"}]}, ["mcp_servers", "MCP"]),
     ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
     ({"tools": [{"name": "f", "input_schema": {}}]}, ["tools[0].input_schema.type"]),
     ({"tools": [WEATHER, {"name": "f", "input_schema": {"type": "string"}}], "tool_choice": {"type": "any"}},
