@@ -135,10 +135,12 @@ def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[s
 
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """One output carrying ``old``'s tokens then ``new``'s, with ``new``'s status (the coalescing of a lagging
-    stream)."""
-    old.new_token_ids = old.new_token_ids + new.new_token_ids
-    if old.logprobs is not None or new.logprobs is not None:
-        old.logprobs = (old.logprobs or []) + (new.logprobs or [])
+    stream). ``old``'s lists are extended in place, so coalescing N outputs costs O(N): the caller owns them."""
+    old.new_token_ids.extend(new.new_token_ids)
+    if new.logprobs is not None:
+        if old.logprobs is None:
+            old.logprobs = []
+        old.logprobs.extend(new.logprobs)
     for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens",
                  "embedding", "rejected"):
         setattr(old, name, getattr(new, name))
@@ -151,11 +153,12 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 class OutputStream:
     """A single-consumer mailbox of `RequestOutput`s living on one event loop; `put` never blocks and coalesces."""
 
-    __slots__ = ("loop", "_pending", "_error", "_waiter", "puts")
+    __slots__ = ("loop", "_pending", "_owned", "_error", "_waiter", "puts")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._pending: RequestOutput | None = None
+        self._owned = False  # whether `_pending`'s lists are this stream's own copies (merged into in place)
         self._error: BaseException | None = None
         self._waiter: asyncio.Future | None = None
         self.puts = 0
@@ -164,8 +167,13 @@ class OutputStream:
         """Deliver (on the stream's loop)."""
         self.puts += 1
         if self._pending is None:
-            self._pending = out
+            self._pending, self._owned = out, False
         else:
+            if not self._owned:
+                p = self._pending
+                p.new_token_ids = list(p.new_token_ids)
+                p.logprobs = None if p.logprobs is None else list(p.logprobs)
+                self._owned = True
             merge_outputs(self._pending, out)
         self._wake()
 

@@ -221,3 +221,26 @@ def test_a_lagging_consumer_still_learns_its_request_was_refused(aengine):
     outs = asyncio.run(main())
     assert len(outs) == 1 and outs[0].new_token_ids == [5]
     assert (outs[-1].finish_reason, outs[-1].rejected) == ("error", True)
+
+
+def test_a_stalled_stream_coalesces_every_output_in_order_without_touching_them():
+    """A client that stops reading gets, on its next read, every token and logprob in order with the last status;
+    the outputs put (which the engine may still hold) are left as they were."""
+    from ember.engine.client import OutputStream
+    from ember.engine.params import RequestOutput, TokenLogprob
+
+    async def main():
+        stream = OutputStream(asyncio.get_running_loop())
+        outs = [RequestOutput("r", [i, i + 100], logprobs=[TokenLogprob(i, -0.5), TokenLogprob(i + 100, -1.5)])
+                for i in range(50)]
+        outs[-1].finished, outs[-1].finish_reason = True, "length"
+        held = [(out.new_token_ids, out.logprobs) for out in outs]
+        for out in outs:
+            stream.put(out)
+        return held, await stream.get()
+
+    held, merged = asyncio.run(main())
+    assert merged.new_token_ids == [t for i in range(50) for t in (i, i + 100)]
+    assert [lp.token_id for lp in merged.logprobs] == merged.new_token_ids
+    assert (merged.finished, merged.finish_reason) == (True, "length")
+    assert all(ids == [i, i + 100] and len(lps) == 2 for i, (ids, lps) in enumerate(held))
