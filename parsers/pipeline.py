@@ -4,8 +4,10 @@ Per token: a single-token delimiter is routed whole to the machine (the UTF-8 as
 flushed first, so earlier text lands before it); an EOS / end-of-turn / pad id that the machine does not handle, or
 one of ``ending_ids`` (the stop tokens a request leaves out, delimiters too), is Dropped and adds no text (a
 character or a stop string split around it still joins, as in vLLM's detokenized text); any other id becomes
-bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the profile's `ParserMachine`. Each
-step costs O(its tokens + bounded holdback): nothing already seen is scanned again.
+bytes -> whole characters (`Utf8Assembler`) -> stop strings (`StopMatcher`) -> the profile's `ParserMachine`. One of
+``passed_ids`` (an EOS a request ignores) is neither delimiter nor end of turn: an ordinary token, Dropped only where
+``special_ids_to_drop`` holds it. Each step costs O(its tokens + bounded holdback): nothing already seen is scanned
+again.
 Streaming and non-streaming use this same object; the final message is `fold` of all events (`parsers.result`).
 """
 from __future__ import annotations
@@ -89,26 +91,29 @@ class OutputPipeline:
                  *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
                  special_ids_to_drop: Collection[int] = (), tools: Sequence[dict] | None = None,
                  call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None,
-                 min_tokens: int = 0, ending_ids: Collection[int] = ()) -> None:
+                 min_tokens: int = 0, ending_ids: Collection[int] = (),
+                 passed_ids: Collection[int] = ()) -> None:
         self.profile = profile
         self.initial = initial
         self._tb = tb
         self._bytes = tb.bytes_table
         self._texts = tb.text_table
         self._size = tb.vocab_size
+        passed = frozenset(passed_ids)
+        machine_ids = {t: i for t, i in delimiter_ids.items() if i is not None and i not in passed}
         # a token that ends the output and is left out of it (a request's stop_token_ids) is no delimiter then
-        self._delims: dict[int, str] = {i: t for t, i in delimiter_ids.items() if i is not None and i not in ending_ids}
+        self._delims: dict[int, str] = {i: t for t, i in machine_ids.items() if i not in ending_ids}
         self._delims_as_text = frozenset(self._delims.keys() - tb.special_ids)  # in the raw text stop strings see
         drop = set(special_ids_to_drop)
         for t in profile.end_of_turn:
             i = tb.added_token_id(t)
-            if i is not None:
+            if i is not None and i not in passed:
                 drop.add(i)
         self._drop = frozenset((drop - self._delims.keys()) | set(ending_ids))
         if parse_tools is None:
             parse_tools = bool(tools)
-        self._machine = ParserMachine(profile, {t: i for t, i in delimiter_ids.items() if i is not None}, initial,
-                                      tools=tools, call_id=call_id, parse_tools=parse_tools)
+        self._machine = ParserMachine(profile, machine_ids, initial, tools=tools, call_id=call_id,
+                                      parse_tools=parse_tools)
         self._asm = Utf8Assembler()
         self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
         self._min_tokens = min_tokens  # a stop string ends the output only in a token past these (vLLM)
@@ -286,19 +291,29 @@ class ParserSetup:
     """A model's parsing facts, built once at load and shared by every request (server and grammar).
 
     ``drop_ids``: specials never surfaced (EOS, pad, BOS) besides the profile's end-of-turn tokens; `dropped_ids`
-    adds the other specials for a request's ``skip_special_tokens``.
+    adds the other specials for a request's ``skip_special_tokens``. ``eos_ids``: the model's EOS tokens.
     """
 
     tb: TokenBytes
     profile: Profile
     delimiter_ids: Mapping[str, int]
     drop_ids: frozenset[int] = frozenset()
+    eos_ids: frozenset[int] = frozenset()
 
     @classmethod
     def from_tokenizer(cls, tok: Any, profile: Profile | str, *, drop_ids: Iterable[int] = (),
-                       tb: TokenBytes | None = None) -> "ParserSetup":
+                       tb: TokenBytes | None = None, eos_ids: Iterable[int] = ()) -> "ParserSetup":
         p = get_profile(profile) if isinstance(profile, str) else profile
-        return cls(tb or TokenBytes.from_tokenizer(tok), p, profile_delimiter_ids(tok, p), frozenset(drop_ids))
+        return cls(tb or TokenBytes.from_tokenizer(tok), p, profile_delimiter_ids(tok, p), frozenset(drop_ids),
+                   frozenset(eos_ids))
+
+    @cached_property
+    def ignorable_eos_ids(self) -> frozenset[int]:
+        """The EOS ids that end nothing for a request ignoring EOS (the pipeline's ``passed_ids``): all but those
+        the profile gives a role besides ending the turn (harmony's `<|call|>` and `<|return|>` end a message)."""
+        p = self.profile
+        structural = {p.terminals.get(n) for (_, n), r in p.transitions.items() if r.action != "end_of_turn"}
+        return self.eos_ids - {i for t, i in self.delimiter_ids.items() if t in structural}
 
     def initial_state(self, prompt_ids: Sequence[int]) -> InitialState:
         return initial_state(prompt_ids, self.profile, self.tb, self.delimiter_ids)
@@ -319,7 +334,7 @@ class ParserSetup:
                  **options: Any) -> OutputPipeline:
         """A fresh pipeline for one choice; ``initial`` defaults to the state of ``prompt_ids`` (CONTENT if none).
         ``options``: `OutputPipeline`'s keywords (stop, include_stop_str_in_output, min_tokens, tools, call_id,
-        parse_tools)."""
+        parse_tools, ending_ids, passed_ids)."""
         if initial is None:
             initial = self.initial_state(prompt_ids) if prompt_ids is not None else InitialState.CONTENT
         options.setdefault("special_ids_to_drop", self.drop_ids)

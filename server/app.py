@@ -184,7 +184,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     for i in range(body.n):
         pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
                              tools=parse_tools, stop_token_ids=base.stop_token_ids,
-                             skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens)
+                             skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens,
+                             ignore_eos=body.ignore_eos)
         params = seeded(base, i)
         if i:
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
@@ -271,7 +272,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None,
                                  stop_token_ids=base.stop_token_ids, skip_special_tokens=body.skip_special_tokens,
-                                 min_tokens=body.min_tokens)
+                                 min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text)
             echo_offsets.append(offsets)

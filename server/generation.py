@@ -170,8 +170,9 @@ class ModelRuntime:
             tid = getattr(tok, attr, None)
             if isinstance(tid, int):
                 drop.add(tid)
-        setup = ParserSetup.from_tokenizer(tok, profile, drop_ids=drop, tb=tb)
-        plain = ParserSetup.from_tokenizer(tok, "none", drop_ids=drop, tb=tb)
+        eos = info.eos_token_ids
+        setup = ParserSetup.from_tokenizer(tok, profile, drop_ids=drop, tb=tb, eos_ids=eos)
+        plain = ParserSetup.from_tokenizer(tok, "none", drop_ids=drop, tb=tb, eos_ids=eos)
         name = config.served_model_name or model_dir.name
         log.debug("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
@@ -227,15 +228,21 @@ class GenRequest:
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
                   include_stop_str_in_output: bool, tools: Sequence[dict] | None,
                   stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None,
-                  min_tokens: int = 0) -> OutputPipeline:
+                  min_tokens: int = 0, ignore_eos: bool = False) -> OutputPipeline:
     """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
     text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
     ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
     is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text. A stop
-    string ends the reply only past the first ``min_tokens`` tokens (vLLM's rule)."""
+    string ends the reply only past the first ``min_tokens`` tokens (vLLM's rule). With ``ignore_eos`` an EOS is
+    an ordinary special token, as in vLLM: it ends no turn, adds no text (unless ``skip_special_tokens`` is false)
+    and splits neither a character nor a stop string (`ParserSetup.ignorable_eos_ids`)."""
+    passed = setup.ignorable_eos_ids if ignore_eos else frozenset()
+    drop = setup.dropped_ids(skip_special_tokens)
+    if skip_special_tokens is False:
+        drop -= passed
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
                           min_tokens=min_tokens, tools=list(tools) if tools else None, call_id=new_call_id,
-                          parse_tools=bool(tools), special_ids_to_drop=setup.dropped_ids(skip_special_tokens),
+                          parse_tools=bool(tools), special_ids_to_drop=drop, passed_ids=passed,
                           ending_ids=() if include_stop_str_in_output else frozenset(stop_token_ids))
 
 

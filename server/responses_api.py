@@ -110,7 +110,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
                              frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
                              logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos, lora=lora,
                              defaults=rt.sampling_defaults)
-    pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools)
+    pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools,
+                         ignore_eos=body.ignore_eos)
     fmt = body.text.format if body.text is not None else None
     thinking_off = chat.thinking_switched_off(template_kwargs)
     try:

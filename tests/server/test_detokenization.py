@@ -107,6 +107,45 @@ def test_skip_special_tokens_never_drops_a_delimiter_the_parser_needs(qwen3_runt
     assert (out.reasoning, out.content) == ("hm", "ok")
 
 
+@pytest.mark.parametrize("setup_name", ["parser", "parser_plain"])  # chat's Qwen3 profile, completions' plain one
+def test_an_ignored_eos_splits_neither_a_character_nor_a_stop_string(qwen3_runtime, setup_name):
+    """Under `ignore_eos` an EOS (`<|im_end|>`, `<|endoftext|>`) is an ordinary special, as vLLM detokenizes it:
+    skipped (the default, or `skip_special_tokens` true), the bytes of "é" and the stop string "AB" around it still
+    join; with `skip_special_tokens` false its text is in the reply."""
+    from ember.parsers.initial import InitialState
+    from ember.parsers.pipeline import parse_all
+    from ember.server.generation import make_pipeline
+
+    runtime, _ = qwen3_runtime
+    setup = getattr(runtime, setup_name)
+    tok = runtime.tokenizer
+    T = tok.convert_tokens_to_ids
+    assert tok.convert_tokens_to_string(["Ã", "©"]) == "é"  # the byte-level pieces of "é"
+    for eos in runtime.model_info.eos_token_ids:
+        ids = [T("x"), T("Ã"), eos, T("©"), T("A"), eos, T("B"), T("C")]
+        for skip in (None, True, False):
+            pipe = make_pipeline(setup, InitialState.CONTENT, stop=["AB"], include_stop_str_in_output=False,
+                                 tools=None, skip_special_tokens=skip, ignore_eos=True)
+            decoded = tok.decode(ids, skip_special_tokens=skip is not False)
+            out = parse_all(pipe, ids)
+            assert out.content == decoded.partition("AB")[0], (eos, skip)
+            assert pipe.matched_stop == ("AB" if "AB" in decoded else None)
+
+
+def test_an_eos_that_ends_a_harmony_message_stays_structure_under_ignore_eos(qwen3_runtime):
+    """gpt-oss's `<|call|>` and `<|return|>` end a message whether or not the turn ends: only `<|endoftext|>`
+    becomes an ordinary token."""
+    import dataclasses
+
+    from ember.parsers.profiles import get_profile
+
+    runtime, _ = qwen3_runtime
+    ids = {"<|call|>": 1, "<|return|>": 2, "<|endoftext|>": 3}
+    setup = dataclasses.replace(runtime.parser, profile=get_profile("gpt_oss"), delimiter_ids=ids,
+                                eos_ids=frozenset(ids.values()))
+    assert setup.ignorable_eos_ids == {3}
+
+
 # ------------------------------------------------------------------------------------ text_offset of generated tokens
 
 def _forced_strict(ids: list[int], **body) -> dict:
