@@ -98,4 +98,5 @@ def test_a_continued_final_message_streams_as_content(gpt_oss_server):
     assert client.chat.completions.create(**kw).choices[0].message.content == " world" * 4
     deltas = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kw)
               if c.choices and c.choices[0].delta.content]
-    assert deltas == [" world"] * 4
+    assert "".join(deltas) == " world" * 4 and all(d and not d.replace(" world", "") for d in deltas), deltas
+    # (a client that lags may get tokens coalesced into one delta; each still holds whole words of the answer)
