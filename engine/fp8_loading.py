@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ SCALE = ".weight_scale_inv"
 """The scales' suffix in DeepSeek's and Qwen's block releases, and the name of every scale grid the loaders pass on."""
 _ACTIVATION_SCALES = (".input_scale", ".activation_scale")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+"""transformers 5's fused expert stacks: every expert's gate and up rows of a layer in one tensor, down in another."""
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """Ember's fused projections and the checkpoint projections they stack, in row order."""
 _WHOLE = -2
@@ -115,25 +117,67 @@ def _legacy_quant_algo(legacy: Path) -> str | None:
 
 
 def _quantizable_on_load(module: str) -> bool:
-    """A decoder layer's projection (``*_proj``, MLA's ``kv_a_proj_with_mqa``), including per-expert ones."""
-    return ".layers." in module and module.rsplit(".", 1)[-1].endswith(("proj", "proj_with_mqa"))
+    """A decoder layer's projection (``*_proj``, MLA's ``kv_a_proj_with_mqa``), including per-expert ones (also
+    Mixtral's and MiniMax-M2's ``experts.{e}.w1/w2/w3``)."""
+    leaf = module.rsplit(".", 1)[-1]
+    return ".layers." in module and (leaf.endswith(("proj", "proj_with_mqa"))
+                                     or leaf in ("w1", "w2", "w3") and ".experts." in module)
+
+
+def fused_expert_stack(name: str) -> tuple[str, str] | None:
+    """(``...experts.`` prefix, ``gate_up_proj`` or ``down_proj``) of a decoder layer's fused expert stack (transformers
+    5's key form), else None."""
+    if ".layers." in name and name.endswith(_FUSED_EXPERTS):
+        prefix, _, leaf = name.rpartition(".")
+        return prefix + ".", leaf
+    return None
+
+
+def fused_expert_dims(gate_up: Sequence[int], down: Sequence[int]) -> tuple[int, int, bool] | None:
+    """(I, H, transposed) of one layer's fused expert stacks from their shapes: transformers' ``[E, 2I, H]`` and
+    ``[E, H, I]``, or transposed ``[E, H, 2I]`` and ``[E, I, H]`` (Qwen3-VL-MoE's and Llama 4's releases); no pair of
+    shapes fits both. None when they fit neither."""
+    if len(gate_up) != 3 or len(down) != 3 or gate_up[0] != down[0]:
+        return None
+    (_, a, b), (_, c, d) = gate_up, down
+    if a == 2 * d and b == c:
+        return d, c, False
+    if b == 2 * c and a == d:
+        return c, d, True
+    return None
 
 
 def packed_candidates(files: list[Path], fmt: FP8Format) -> dict[str, tuple[Path, list[int]]]:
     """Module -> (file, weight shape) of every module that can run packed: for an FP8 checkpoint, those with an
     e4m3 weight and its scale (`paired_scales`); quantizing on load, every 2-D floating-point projection weight of a
-    decoder layer."""
+    decoder layer, and each expert's gate, up and down projections of a layer whose experts are fused
+    (`fused_expert_dims`)."""
     if not fmt.on_load:
         return paired_scales(files, fmt.scale_suffix)
     out: dict[str, tuple[Path, list[int]]] = {}
+    stacks: dict[str, dict[str, tuple[Path, list[int]]]] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 module = name[: -len(".weight")]
-                if name.endswith(".weight") and _quantizable_on_load(module):
-                    sl = sf.get_slice(name)
-                    if sl.get_dtype() in ("F32", "F16", "BF16") and len(sl.get_shape()) == 2:
-                        out[module] = (f, list(sl.get_shape()))
+                stack = fused_expert_stack(name)
+                if not (stack or name.endswith(".weight") and _quantizable_on_load(module)):
+                    continue
+                sl = sf.get_slice(name)
+                if sl.get_dtype() not in ("F32", "F16", "BF16"):
+                    continue
+                if stack is not None:
+                    stacks.setdefault(stack[0], {})[stack[1]] = (f, list(sl.get_shape()))
+                elif len(sl.get_shape()) == 2:
+                    out[module] = (f, list(sl.get_shape()))
+    for prefix, pair in stacks.items():
+        dims = fused_expert_dims(pair["gate_up_proj"][1], pair["down_proj"][1]) if len(pair) == 2 else None
+        if dims is None:
+            continue  # the model's loader names the stack that does not fit
+        inter, hidden, _ = dims
+        for e in range(pair["gate_up_proj"][1][0]):
+            out[f"{prefix}{e}.gate_proj"] = out[f"{prefix}{e}.up_proj"] = (pair["gate_up_proj"][0], [inter, hidden])
+            out[f"{prefix}{e}.down_proj"] = (pair["down_proj"][0], [hidden, inter])
     return out
 
 
@@ -383,7 +427,7 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, sou
     activation scales are left out. A module for which ``keep(module)`` holds (a model running it in FP8) comes as
     its e4m3 weight followed by ``{module}.weight_scale_inv``, the scale as a grid of ``fmt.block``."""
     if fmt.on_load:
-        yield from _quantized_on_load(weights, keep)
+        yield from _quantized_on_load(weights, keep, source)
         return
     suffix = fmt.scale_suffix
     weights_waiting: dict[str, torch.Tensor] = {}
@@ -424,15 +468,52 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]], fmt: FP8Format, sou
         raise QuantizationError(f"{source}: tensor {next(iter(scales_waiting))}{suffix} has no FP8 weight beside it")
 
 
-def _quantized_on_load(weights: Iterable[tuple[str, torch.Tensor]],
-                       keep: Callable[[str], bool] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _quantized_on_load(weights: Iterable[tuple[str, torch.Tensor]], keep: Callable[[str], bool] | None,
+                       source: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``--quantization fp8``: each projection the model keeps packed comes as its e4m3 weight, quantized per output
-    channel (``amax / 448``), followed by its ``[N, 1]`` scale grid; every other tensor passes on as it is."""
+    channel (``amax / 448``), followed by its ``[N, 1]`` scale grid; so does each expert's of a layer whose fused
+    stacks the model keeps (split per expert once both have come, as `_quantized_experts`); every other tensor passes
+    on as it is."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # a kept layer's first fused stack, until its partner comes
     for name, tensor in weights:
         module = name[: -len(".weight")]
-        if name.endswith(".weight") and keep is not None and keep(module) and tensor.dtype in _FLOATS:
+        stack = fused_expert_stack(name)
+        if stack is not None and keep is not None and tensor.dtype in _FLOATS \
+                and keep(stack[0] + ("0.gate_proj" if stack[1] == "gate_up_proj" else "0.down_proj")):
+            pair = waiting.setdefault(stack[0], {})
+            pair[stack[1]] = tensor
+            if len(pair) == 2:
+                del waiting[stack[0]]
+                yield from _quantized_experts(stack[0], pair["gate_up_proj"], pair["down_proj"], source)
+        elif name.endswith(".weight") and keep is not None and keep(module) and tensor.dtype in _FLOATS:
             q = fp8_block.quantize(tensor, ON_LOAD.block)
             yield name, q.weight
             yield module + SCALE, q.scale
         else:
             yield name, tensor
+    for prefix, pair in waiting.items():
+        have, = pair
+        raise QuantizationError(f"{source}: tensor {prefix}{have} has no "
+                                f"{prefix}{'down_proj' if have == 'gate_up_proj' else 'gate_up_proj'} beside it")
+
+
+def _quantized_experts(prefix: str, gate_up: torch.Tensor, down: torch.Tensor,
+                       source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's fused expert stacks (either layout) as every expert's per-channel e4m3 ``{gate,up,down}_proj.weight``
+    and scale grid: exactly what the same experts stored one by one quantize to (one expert in float32 at a time);
+    QuantizationError naming both stacks when their shapes fit neither layout."""
+    dims = fused_expert_dims(list(gate_up.shape), list(down.shape))
+    if dims is None:
+        raise QuantizationError(f"{source}: tensors {prefix}gate_up_proj {tuple(gate_up.shape)} and {prefix}down_proj "
+                                f"{tuple(down.shape)} are neither [E, 2I, H] and [E, H, I] nor [E, H, 2I] and "
+                                "[E, I, H]")
+    inter, _, transposed = dims
+    for e in range(gate_up.shape[0]):
+        w13, w2 = (gate_up[e].T, down[e].T) if transposed else (gate_up[e], down[e])
+        q13 = fp8_block.quantize(w13, ON_LOAD.block)  # one scale per row: gate's and up's are their own
+        for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
+            yield f"{prefix}{e}.{proj}.weight", q13.weight[rows]
+            yield f"{prefix}{e}.{proj}{SCALE}", q13.scale[rows]
+        q2 = fp8_block.quantize(w2, ON_LOAD.block)
+        yield f"{prefix}{e}.down_proj.weight", q2.weight
+        yield f"{prefix}{e}.down_proj{SCALE}", q2.scale

@@ -1,9 +1,9 @@
 """``ember quantize-nvfp4 SRC DST``: write a ModelOpt-format NVFP4 checkpoint from a bf16/fp16/fp32 one.
 
 What is quantized: every linear projection inside the decoder layers (``q/k/v/o_proj``, ``gate/up/down_proj``
-of dense MLPs and of each MoE expert; transformers 5's fused expert keys are split back into per-expert ModelOpt
-names). Kept as they are: embeddings, ``lm_head``, norms, the MoE router ``mlp.gate``, and any projection whose
-input size is not a multiple of 16; all of those are listed in ``exclude_modules``.
+of dense MLPs and of each MoE expert; transformers 5's fused expert keys, in either layout, are split back into
+per-expert ModelOpt names). Kept as they are: embeddings, ``lm_head``, norms, the MoE router ``mlp.gate``, and any
+projection whose input size is not a multiple of 16; all of those are listed in ``exclude_modules``.
 
 Output: ``model.safetensors`` with ``{m}.weight`` U8 ``[N, K/2]``, ``{m}.weight_scale`` F8_E4M3 ``[N, K/16]``,
 ``{m}.weight_scale_2`` F32 scalar per module; ``config.json`` with ``quantization_config`` and the legacy
@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ember.engine import loader
+from ember.engine import fp8_loading, loader
 from ember.kernels import nvfp4
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -39,21 +39,50 @@ _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def _expand_fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5 fused experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) ->
-    per-expert ``experts.{e}.{gate,up,down}_proj.weight``."""
+def _is_stack(name: str) -> bool:
+    """A fused expert stack under ``mlp.experts`` (`fp8_loading.fused_expert_stack`)."""
+    return ".mlp.experts." in name and fp8_loading.fused_expert_stack(name) is not None
+
+
+def _fused_stacks(files: list[Path]) -> dict[str, list[int]]:
+    """Name -> shape of every fused expert stack in ``files`` (from their headers: a layer's two stacks may sit in
+    different shards); ValueError naming a file that is not readable safetensors."""
+    shapes: dict[str, list[int]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                shapes |= {n: list(sf.get_slice(n).get_shape()) for n in sf.keys() if _is_stack(n)}
+        except SafetensorError as e:
+            raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+    return shapes
+
+
+def _expand_fused_experts(tensors: dict[str, torch.Tensor],
+                          stacks: dict[str, list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """transformers 5 fused experts (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, or both
+    transposed as Qwen3-VL-MoE releases them) -> per-expert ``experts.{e}.{gate,up,down}_proj.weight``; ``stacks``
+    (`_fused_stacks`; default: those of ``tensors``) orient each layer's pair. ValueError naming a pair of neither
+    layout."""
+    if stacks is None:
+        stacks = {n: list(t.shape) for n, t in tensors.items() if _is_stack(n)}
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = t[e, inter:]
-        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
-            for e in range(t.shape[0]):
-                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e]
-        else:
+        if name not in stacks or t.dim() != 3:
             out[name] = t
+            continue
+        prefix, leaf = fp8_loading.fused_expert_stack(name)
+        gate_up, down = stacks.get(prefix + "gate_up_proj", []), stacks.get(prefix + "down_proj", [])
+        dims = fp8_loading.fused_expert_dims(gate_up, down)
+        if dims is None:
+            raise ValueError(f"fused experts {prefix}gate_up_proj {gate_up} and {prefix}down_proj {down} are neither "
+                             "[E, 2I, H] and [E, H, I] nor [E, H, 2I] and [E, I, H]")
+        inter, _, transposed = dims
+        for e in range(t.shape[0]):
+            w = t[e].T if transposed else t[e]
+            if leaf == "gate_up_proj":
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = w[:inter], w[inter:]
+            else:
+                out[f"{prefix}{e}.down_proj.weight"] = w
     return out
 
 
@@ -127,14 +156,18 @@ def quant_configs(exclude: list[str]) -> tuple[dict, dict]:
     return legacy, compressed
 
 
-def _read(f: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of weight file ``f``, fused experts split; ValueError naming ``f`` when it is not readable
-    safetensors (truncated, or another format)."""
+def _read(f: Path, stacks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Every tensor of weight file ``f``, fused experts split (as ``stacks`` orient them); ValueError naming ``f``
+    when it is not readable safetensors (truncated, or another format) or its fused experts fit no layout."""
     try:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
-            return _expand_fused_experts({name: sf.get_tensor(name) for name in sf.keys()})
+            tensors = {name: sf.get_tensor(name) for name in sf.keys()}
     except SafetensorError as e:
         raise ValueError(f"{f}: not a readable safetensors file ({e})") from None
+    try:
+        return _expand_fused_experts(tensors, stacks)
+    except ValueError as e:
+        raise ValueError(f"{f}: {e}") from None
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
@@ -150,10 +183,11 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
     if dst.exists() and any(dst.glob("*.safetensors")):
         raise ValueError(f"{dst}: already holds a checkpoint")
     files = loader.weight_files(src)
+    stacks = _fused_stacks(files)
     amax: dict[str, float] = {}
     exclude: set[str] = set()
     for f in files:
-        a, e = _classify(_read(f))
+        a, e = _classify(_read(f, stacks))
         amax.update(a)
         exclude |= e
     scales = _group_scales(amax)
@@ -161,7 +195,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
     weight_map: dict[str, str] = {}
     total = 0
     for f in files:
-        out = _apply(_read(f), scales)
+        out = _apply(_read(f, stacks), scales)
         name = "model.safetensors" if len(files) == 1 else f.name
         save_file({k: v.contiguous() for k, v in out.items()}, str(dst / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in out})

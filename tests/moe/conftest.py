@@ -3,6 +3,7 @@ share: transformers greedy, Ember greedy, one-prefill logits through Ember's mod
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -177,12 +178,43 @@ def assert_greedy_matches_transformers_chunked_and_cached(path: Path) -> None:
     assert got == [hf_greedy(path, [shared])[0][0]]
 
 
-def ember_model(path: Path):
+def ember_model(path: Path, quantization: str | None = None):
     from ember.engine import loader
     from ember.engine.engine import load_model
 
     cfg = loader.load_model_config(path)
-    return load_model(path, cfg, 256, torch.device("cpu"), torch.float32)
+    return load_model(path, cfg, 256, torch.device("cpu"), torch.float32, quantization=quantization)
+
+
+def save_fused_experts(src: Path, dst: Path, transposed: bool = False) -> Path:
+    """Checkpoint ``src`` (per-expert keys, one file) with each layer's experts fused as transformers 5 holds them
+    (``mlp.experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) or, ``transposed``, as Qwen3-VL-MoE and Llama 4
+    release them (``[E, H, 2I]``, ``[E, I, H]``)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for name, v in t.items():
+        m = re.fullmatch(r"(.*\.experts\.)(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            out[name] = v
+        else:
+            experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
+    for prefix, by_expert in experts.items():
+        ws = [by_expert[e] for e in sorted(by_expert)]
+        gate_up = torch.stack([torch.cat((w["gate"], w["up"])) for w in ws])
+        down = torch.stack([w["down"] for w in ws])
+        if transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        out[prefix + "gate_up_proj"], out[prefix + "down_proj"] = gate_up.contiguous(), down.contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
 
 
 def ember_logits(model, prompt: list[int]) -> torch.Tensor:

@@ -18,7 +18,8 @@ from ember.kernels import fp8_block
 from ember.kernels.fp8_block import FP8BlockTensor
 from ember.engine.nvfp4_loading import QuantizationError
 from tests.moe.conftest import (assert_two_ranks_match_one, clear_margin, compressed_tensors_fp8, ember_greedy,
-                                ember_logits, ember_model, hf_greedy, prompts, run_greedy)
+                                ember_logits, ember_model, hf_greedy, prompts, run_greedy, save_fused_experts,
+                                save_with_tokenizer)
 
 BLOCK = (32, 48)  # 64 and 96 wide projections: the last row / column of blocks is partial
 SMALL_BLOCK = (16, 16)  # two ranks' 16 expert channels each are whole blocks: experts stay FP8 under TP=2
@@ -359,6 +360,44 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_as_it_loads(tiny_m
                                    max_num_seqs=16, quantization="compressed-tensors")
     assert run_greedy(named, ps, 8) == expected
 
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "released"])
+def test_quantization_fp8_quantizes_fused_expert_stacks(tiny_moe_dir, tmp_path, transposed):
+    """``--quantization fp8`` on experts stored fused (transformers 5's ``gate_up_proj [E, 2I, H]`` / ``down_proj
+    [E, H, I]``, or transposed as Qwen3-VL-MoE and Llama 4 release them): every expert is e4m3, quantized exactly as
+    the same experts stored one by one are (equal logits), within e4m3's rounding of the unquantized model."""
+    fused = save_fused_experts(tiny_moe_dir, tmp_path / "fused", transposed)
+    model = ember_model(fused, quantization="fp8")
+    for i in (0, 2):
+        ex = model.model.layers[i].mlp.experts
+        assert ex.w13 is None and ex.w2 is None
+        assert ex.quant13.weight.dtype == ex.quant2.weight.dtype == torch.float8_e4m3fn
+        assert ex.quant13.scale.shape == (8, 64, 1) and ex.quant2.scale.shape == (8, 64, 1)  # per output channel
+    prompt = prompts(1, seed=7, min_len=12, max_len=12)[0]
+    got = ember_logits(model, prompt)
+    assert torch.equal(got, ember_logits(ember_model(tiny_moe_dir, quantization="fp8"), prompt))
+    want = ember_logits(ember_model(tiny_moe_dir), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 0.15  # e4m3 rounding, not wrong weights
+
+
+def test_quantization_fp8_quantizes_mixtral_named_experts(tmp_path, demo_model_dir):
+    """Mixtral's (and MiniMax-M2's) experts, ``block_sparse_moe.experts.{e}.w1/w3/w2``, are quantized too."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    hf = MixtralForCausalLM(MixtralConfig(
+        vocab_size=1280, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        initializer_range=0.1, tie_word_embeddings=True))
+    path = save_with_tokenizer(hf, tmp_path / "mixtral", demo_model_dir)
+    model = ember_model(path, quantization="fp8")
+    ex = model.model.layers[0].mlp.experts
+    assert ex.w13 is None and ex.quant13.weight.dtype == ex.quant2.weight.dtype == torch.float8_e4m3fn
+    prompt = prompts(1, seed=7, min_len=12, max_len=12)[0]
+    want = ember_logits(ember_model(path), prompt)
+    got = ember_logits(model, prompt)
+    assert ((got - want).norm() / want.norm()).item() < 0.15  # e4m3 rounding, not wrong weights
 
 def test_a_quantization_flag_names_the_checkpoints_own_method(tmp_path):
     """vLLM's rule for ``--quantization`` on a quantized checkpoint: the name must be the checkpoint's method (then

@@ -15,7 +15,7 @@ from ember.engine import quantize
 from ember.engine.nvfp4_loading import NVFP4Linear
 from ember.kernels import nvfp4
 from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
-    hf_greedy, hf_logits, prompts, write_dequantized
+    hf_greedy, hf_logits, prompts, save_fused_experts, write_dequantized
 from tests.server.processes import ember_cmd
 
 
@@ -125,6 +125,23 @@ def test_sharded_source_gives_the_same_tensors_in_shards(tiny_moe_dir, tiny_moe_
     assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
     assert isinstance(ember_model(dst).model.layers[0].self_attn.qkv_proj, NVFP4Linear)
 
+
+
+def test_fused_expert_stacks_in_either_layout_give_the_per_expert_checkpoint(tiny_moe_dir, tiny_moe_nvfp4_dir,
+                                                                              tmp_path):
+    """Experts stored fused, as transformers 5 holds them or transposed as Qwen3-VL-MoE releases them, are split per
+    expert by their layout: the same tensors and configs as from per-expert keys."""
+    with safe_open(str(tiny_moe_nvfp4_dir / "model.safetensors"), framework="pt") as f:
+        want = {k: f.get_tensor(k) for k in f.keys()}
+    for layout, transposed in (("transformers", False), ("released", True)):
+        dst = tmp_path / f"{layout}-nvfp4"
+        assert quantize.main([str(save_fused_experts(tiny_moe_dir, tmp_path / layout, transposed)), str(dst)]) == 0
+        with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}
+        assert set(got) == set(want)
+        assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8))
+                   for k in want), layout
+        assert (dst / "hf_quant_config.json").read_text() == (tiny_moe_nvfp4_dir / "hf_quant_config.json").read_text()
 
 def test_two_ranks_keep_their_share_of_every_packed_weight_and_decode_what_one_process_does(tiny_moe_nvfp4_dir):
     """TP=2 on an NVFP4 checkpoint: column-parallel projections keep half the rows of the packed bytes and block
