@@ -232,7 +232,10 @@ class Sampler:
                     if 0 <= tok < v:
                         ban_rows.append(i), ban_cols.append(tok)
             if p.bad_words_ids:  # (a token banned twice is set to -inf twice)
-                output = s.output_token_ids + list(ahead[i]) if ahead[i] else s.output_token_ids
+                output = s.output_token_ids
+                if ahead[i]:  # only the tail a bad word can reach: copying the whole output grew with its length
+                    reach = max(map(len, p.bad_words_ids)) - 1
+                    output = (output[len(output) - reach:] if reach else []) + list(ahead[i])
                 for tok in _completing_bad_words(output, p.bad_words_ids):
                     ban_rows.append(i), ban_cols.append(tok)
             if p.allowed_token_ids:
