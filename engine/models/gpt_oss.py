@@ -162,7 +162,12 @@ class GptOssForCausalLM(DecoderForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
         """Expert tensors are placed here (de-interleaving gate/up); everything else, router and sinks included,
-        goes through the shared loader."""
+        goes through the shared loader. ``--quantization fp8`` is refused: the experts (nearly all the weights) have
+        no FP8 path here, and quantizing attention alone would save almost nothing."""
+        fmt = getattr(self, "fp8", None)
+        if fmt is not None and fmt.on_load:
+            raise ConfigError(f"{source}: --quantization fp8 cannot quantize gpt-oss's experts (they run as MXFP4 or "
+                              "unquantized); serve the MXFP4 release, or leave --quantization unset")
         filled: dict[tuple[int, str], int] = {}
 
         def rest() -> Iterable[tuple[str, torch.Tensor]]:

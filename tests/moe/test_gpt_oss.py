@@ -61,6 +61,15 @@ def test_layers_follow_layer_types_with_sinks_and_biases(tiny_gpt_oss_dir):
     assert cfg.rope_scaling["rope_type"] == "yarn"
 
 
+def test_quantization_fp8_is_refused_naming_the_experts(tiny_gpt_oss_dir):
+    """An unquantized gpt-oss under `--quantization fp8` is refused at load, naming what cannot be quantized (before,
+    the start crashed with an AttributeError)."""
+    from ember.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--quantization fp8 cannot quantize gpt-oss's experts"):
+        ember_model(tiny_gpt_oss_dir, quantization="fp8")
+
+
 def test_prefill_logits_match_transformers(tiny_gpt_oss_dir):
     assert_prefill_logits_match_transformers(tiny_gpt_oss_dir)
 
