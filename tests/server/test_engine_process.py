@@ -154,7 +154,7 @@ def test_sigterm_cuts_the_streams_still_running_at_the_shutdown_deadline(demo_mo
                 served.proc.send_signal(signal.SIGTERM)
                 sent = time.monotonic()
                 rest = [x for x in lines if x.startswith("data: ")]
-            assert 0.5 < time.monotonic() - sent < 4, served.log_tail()
+            assert 0.5 < time.monotonic() - sent < 6, served.log_tail()  # the 2 s drain, with room for a busy CI
             assert rest[-1] == "data: [DONE]", rest[-3:]
             error = json.loads(rest[-2][6:])
             assert "shutting down" in error["error"]["message"], error
@@ -163,4 +163,4 @@ def test_sigterm_cuts_the_streams_still_running_at_the_shutdown_deadline(demo_mo
                 code = served.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 code = None
-            assert code == 0 and time.monotonic() - sent < 8, served.log_tail()
+            assert code == 0 and time.monotonic() - sent < 10, served.log_tail()

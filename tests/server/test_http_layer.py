@@ -60,7 +60,7 @@ def test_a_completion_prompt_is_tokenized_off_the_event_loop(demo_runtime):
             time.sleep(0.3)
             t0 = time.monotonic()
             assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-            assert time.monotonic() - t0 < 0.6, path
+            assert time.monotonic() - t0 < 1.0, path  # a blocked loop answers after the 1.5 s encode (>= 1.2 s)
             slow.join()
     finally:
         srv.stop()
