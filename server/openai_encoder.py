@@ -18,8 +18,8 @@ from json.encoder import encode_basestring
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ember.engine.params import TokenLogprob
-from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
-                                  ToolCallEnd, ToolCallStart)
+from ember.parsers.events import (ContentDelta, Event, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
+                                  ToolCallStart)
 from ember.parsers.pipeline import DROPPED
 from ember.parsers.result import fold
 from ember.parsers.tokens import TokenBytes
@@ -68,30 +68,38 @@ class ChunkMeta:
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
     """Group events into chat deltas, one channel per delta, in order. `Malformed` text is content;
-    `Dropped` and `ToolCallEnd` surface nothing."""
+    `Dropped` and `ToolCallEnd` surface nothing. Linear in the events' text: an open delta's pieces are joined once."""
     deltas: list[dict[str, Any]] = []
     kind: str | None = None
+    target: dict[str, Any] | None = None  # where the open text goes: a delta, or a tool call entry's `function`
+    key = ""  # its field ("reasoning" fills both reasoning fields)
+    call = -1  # the open tool call entry's index
+    parts: list[str] = []
     for ev in events:
         if isinstance(ev, ReasoningDelta):
             if not ev.text:
                 continue
             if kind == "reasoning":
-                deltas[-1]["reasoning_content"] += ev.text
-                deltas[-1]["reasoning"] += ev.text
-            else:
-                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
-                kind = "reasoning"
+                parts.append(ev.text)
+                continue
+            _close(target, key, parts)
+            target, key, parts = {"reasoning_content": "", "reasoning": ""}, "reasoning", [ev.text]
+            deltas.append(target)
+            kind = "reasoning"
         elif isinstance(ev, (ContentDelta, Malformed)):
             if not ev.text:
                 continue
             if kind == "content":
-                deltas[-1]["content"] += ev.text
-            else:
-                deltas.append({"content": ev.text})
-                kind = "content"
+                parts.append(ev.text)
+                continue
+            _close(target, key, parts)
+            target, key, parts = {"content": ""}, "content", [ev.text]
+            deltas.append(target)
+            kind = "content"
         elif isinstance(ev, ToolCallStart):
-            entry = {"index": ev.index, "id": ev.id, "type": "function",
-                     "function": {"name": ev.name, "arguments": ""}}
+            _close(target, key, parts)
+            target, key, parts, call = {"name": ev.name, "arguments": ""}, "arguments", [], ev.index
+            entry = {"index": ev.index, "id": ev.id, "type": "function", "function": target}
             if kind == "tool":
                 deltas[-1]["tool_calls"].append(entry)
             else:
@@ -100,18 +108,30 @@ def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
         elif isinstance(ev, ToolCallArguments):
             if not ev.fragment:
                 continue
-            if kind == "tool" and deltas[-1]["tool_calls"][-1]["index"] == ev.index:
-                deltas[-1]["tool_calls"][-1]["function"]["arguments"] += ev.fragment
+            if kind == "tool" and call == ev.index:
+                parts.append(ev.fragment)
+                continue
+            _close(target, key, parts)
+            target, key, parts, call = {"arguments": ""}, "arguments", [ev.fragment], ev.index
+            entry = {"index": ev.index, "function": target}
+            if kind == "tool":
+                deltas[-1]["tool_calls"].append(entry)
             else:
-                entry = {"index": ev.index, "function": {"arguments": ev.fragment}}
-                if kind == "tool":
-                    deltas[-1]["tool_calls"].append(entry)
-                else:
-                    deltas.append({"tool_calls": [entry]})
-                    kind = "tool"
-        elif isinstance(ev, (ToolCallEnd, Dropped)):
-            continue
+                deltas.append({"tool_calls": [entry]})
+                kind = "tool"
+    _close(target, key, parts)
     return deltas
+
+
+def _close(target: dict[str, Any] | None, key: str, parts: list[str]) -> None:
+    """Set ``target``'s ``key`` field to the joined ``parts`` (both reasoning fields for "reasoning")."""
+    if target is None or not parts:
+        return
+    text = "".join(parts)
+    if key == "reasoning":
+        target["reasoning_content"] = target["reasoning"] = text
+    else:
+        target[key] = text
 
 
 class TokenIdNames:
@@ -368,8 +388,9 @@ class CompletionChoiceEncoder:
         self.echo_offsets = list(echo_offsets) if echo_offsets is not None else None
         self.prompt_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
-        self.offsets = TextOffsets()  # the generated tokens' `text_offset`s, after the echo
+        self.offsets = TextOffsets(len(echo or ""))  # the generated tokens' `text_offset`s, after the echo
         self.text_len = 0  # characters of `text` sent so far (the echo's included)
+        self.waiting: list[tuple[TokenInfo, int]] = []  # with logprobs: tokens starting past the text sent
         self.num_tokens = 0
 
     def _add_logprob(self, lp: dict[str, list], token_id: int, logprob: float | None,
@@ -389,24 +410,19 @@ class CompletionChoiceEncoder:
         lp["text_offset"].append(offset)
 
     def _chunk(self, text: str, tokens: Sequence[TokenInfo], finish_reason: str | None,
-               extra: dict[str, Any] | None = None, *, last: bool = False,
+               extra: dict[str, Any] | None = None, *, offsets: Sequence[int] = (),
                stop_reason: str | int | None = None) -> dict[str, Any]:
-        """``last``: the choice's text ends with this chunk's, so no offset may pass its end (the token that
-        completed a stop string starts inside the cut text). Every chunk holds `stop_reason`, as vLLM's."""
+        """``offsets``: the ``tokens``' `text_offset`s, with logprobs. Every chunk holds `stop_reason`, as vLLM's."""
         choice: dict[str, Any] = {"index": self.index, "text": text, "logprobs": None, "finish_reason": finish_reason,
                                   "stop_reason": stop_reason}
         self.text_len += len(text)
         if self.meta.logprobs and tokens:
             lp = _legacy_logprobs()
-            for t in tokens:
-                # a token whose text the pipeline dropped (EOS under ignore_eos, a skipped special) adds no text
-                at = self.offsets.next(b"" if t.channel == DROPPED else self.tb(t.token_id))
-                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], min(at, self.text_len) if last else at)
+            for t, at in zip(tokens, offsets):
+                self._add_logprob(lp, t.token_id, t.logprob, t.top or [], at)
             choice["logprobs"] = lp
         if self.meta.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
-        if not tokens:  # the echoed prompt
-            self.offsets.length += len(text)
         if extra:  # vLLM's stream choice holds `prompt_token_ids` (chat's chunk holds it at the top)
             choice.update(extra)
         chunk: dict[str, Any] = {"id": self.meta.id, "object": "text_completion", "created": self.meta.created,
@@ -453,13 +469,30 @@ class CompletionChoiceEncoder:
             chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(
                 self.tb, self.prompt_ids, step.prompt_logprobs, self.meta.prompt_logprobs)
             chunks.append(chunk)
-        carries_tokens = bool(step.tokens) and (self.meta.return_token_ids or self.meta.logprobs)
-        if text or carries_tokens:
-            chunks.append(self._chunk(text, step.tokens, None, last=step.end is not None))
+        tokens, offsets = self._released(step, self.text_len + len(text))
+        if text or (tokens and (self.meta.return_token_ids or self.meta.logprobs)):
+            chunks.append(self._chunk(text, tokens, None, offsets=offsets))
         if step.end is not None:
             reason = "length" if step.end.reason == "length" else ("error" if step.end.reason == "error" else "stop")
             chunks.append(self._chunk("", (), reason, stop_reason=step.end.stop_reason))
         return chunks
+
+    def _released(self, step: ChoiceStep, text_len: int) -> tuple[Sequence[TokenInfo], list[int]]:
+        """The tokens to send with ``step``'s text (which makes the text ``text_len`` long), and with logprobs their
+        `text_offset`s. A token whose text starts past it (text held back for a stop string) waits, its ID and
+        logprob with it, until the text reaches its offset; at the end the rest go, at most at the text's end (the
+        stop string cut their text), so each offset is the one in the whole text."""
+        if not self.meta.logprobs:
+            return step.tokens, []
+        waiting = self.waiting
+        for t in step.tokens:
+            # a token whose text the pipeline dropped (EOS under ignore_eos, a skipped special) adds no text
+            waiting.append((t, self.offsets.next(b"" if t.channel == DROPPED else self.tb(t.token_id))))
+        k = len(waiting)
+        if step.end is None:
+            k = next((i for i, (_, at) in enumerate(waiting) if at > text_len), k)
+        out, self.waiting = waiting[:k], waiting[k:]
+        return [t for t, _ in out], [min(at, text_len) for _, at in out]
 
 
 def prompt_text_offsets(tb: TokenBytes, ids: Sequence[int], drop: Collection[int] = ()) -> tuple[str, list[int]]:
@@ -561,8 +594,6 @@ def fold_completion(chunks: Iterable[dict[str, Any]], *, usage_body: dict[str, A
     out = []
     for i in sorted(texts):
         text = "".join(texts[i])
-        if i in lps:  # a token within a stop string cut off in an earlier chunk starts at most where the text ends
-            lps[i]["text_offset"] = [min(o, len(text)) for o in lps[i]["text_offset"]]
         choice: dict[str, Any] = {"index": i, "text": text, "logprobs": lps.get(i),
                                   "finish_reason": reasons[i], "stop_reason": stops.get(i)}
         if i in tids or i in prompt_ids:

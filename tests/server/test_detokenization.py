@@ -306,3 +306,76 @@ def test_a_stop_token_that_is_a_delimiter_leaves_no_text(demo_server):
                             chat_template_kwargs={"enable_thinking": thinking})
         choice = _post(demo_server, "/v1/chat/completions", body)["choices"][0]
         assert (choice["message"][field], choice["stop_reason"]) == ("A", d), choice
+
+
+# ------------------------------------------------------------- text_offset of tokens held for a stop string (streamed)
+
+def _completion_steps(runtime, ids: list[int], cuts: tuple[int, ...], stop: list[str]) -> list[ChoiceStep]:
+    """`run_choice`'s steps for a completion that generates ``ids``, the engine's outputs split before the positions
+    ``cuts`` (as a lagging client's coalesced outputs split them)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ember.engine.params import RequestOutput, SamplingParams, TokenLogprob
+    from ember.parsers.initial import InitialState
+    from ember.server.generation import ChoiceSpec, GenRequest, make_pipeline, run_choice
+
+    bounds = [0, *cuts, len(ids)]
+
+    async def generate(prompt_ids, params, *, request_id, constraint):
+        for a, b in zip(bounds, bounds[1:]):
+            done = b == len(ids)
+            yield RequestOutput(request_id, ids[a:b], [TokenLogprob(t, -1.0) for t in ids[a:b]], finished=done,
+                                finish_reason="length" if done else None)
+
+    pipe = make_pipeline(runtime.parser_plain, InitialState.CONTENT, stop=stop, include_stop_str_in_output=False,
+                         tools=None)
+    req = GenRequest("cmpl-x", [ChoiceSpec([1], SamplingParams(max_tokens=len(ids), logprobs=0), pipe)])
+    rt = SimpleNamespace(engine=SimpleNamespace(generate=generate), stopping=None, in_flight=set(),
+                         request_log=None, model_info=runtime.model_info)
+
+    async def steps() -> list[ChoiceStep]:
+        return [s async for s in run_choice(rt, req, 0)]
+    return asyncio.run(steps())
+
+
+@pytest.mark.parametrize("stop, text, offsets", [
+    (["ABC"], "x", [0, 1, 1, 1]),           # "ABC" completes at C: "B", held, starts past the cut text
+    (["ABD"], "xABCD", [0, 1, 2, 3, 4]),    # "AB" held, then released with "C"
+    (["CD"], "xAB", [0, 1, 2, 3, 3]),
+])
+def test_streamed_offsets_of_text_held_for_a_stop_string_equal_the_body(qwen3_runtime, stop, text, offsets):
+    """A token whose text the stop matcher holds back may start past the text the choice ends with: in every split
+    into chunks its streamed `text_offset` is the body's (at most the text's length), and each token's logprob rides
+    in exactly one chunk, in order."""
+    import itertools
+
+    from ember.server.openai_encoder import ChunkMeta, CompletionChoiceEncoder, fold_completion
+
+    runtime, _ = qwen3_runtime
+    ids = runtime.tokenizer.convert_tokens_to_ids(["x", "A", "B", "C", "D"])
+    meta = ChunkMeta(id="cmpl-x", created=1, model="m", logprobs=True, return_token_ids=True)
+    n = len(offsets)
+    for k in range(len(ids)):
+        for cuts in itertools.combinations(range(1, len(ids)), k):
+            enc = CompletionChoiceEncoder(meta, 0, runtime.token_bytes.token_bytes)
+            chunks = [ch for s in _completion_steps(runtime, ids, cuts, stop) for ch in enc.step(s)]
+            streamed = [o for ch in chunks if ch["choices"][0]["logprobs"] for o in ch["choices"][0]["logprobs"][
+                "text_offset"]]
+            assert streamed == offsets, cuts
+            for ch in chunks:
+                c = ch["choices"][0]
+                assert len(c["token_ids"]) == len(c["logprobs"]["tokens"] if c["logprobs"] else ())
+            body = fold_completion(chunks, usage_body=None)["choices"][0]
+            assert (body["text"], body["token_ids"], body["logprobs"]["text_offset"]) == (text, ids[:n], offsets)
+
+
+def test_streamed_offsets_of_a_cut_stop_string_equal_the_body(qwen3_server):
+    """Through the server: "B", held for the stop string "ABC" and cut with it, starts where the text ends in the
+    stream as in the body."""
+    T = qwen3_server.tokenizer.convert_tokens_to_ids
+    body = _forced_strict([T("Hello"), T("A"), T("B"), T("C")], prompt="x", logprobs=0, stop=["ABC"])
+    c = _post(qwen3_server, "/v1/completions", body)["choices"][0]
+    assert (c["text"], c["logprobs"]["text_offset"]) == ("Hello", [0, 5, 5, 5])
+    text, _, _, offsets, _ = _stream_completion(qwen3_server, body)
+    assert (text, offsets) == ("Hello", [0, 5, 5, 5])

@@ -191,3 +191,51 @@ def test_interleaved_reply_stream_equals_body_in_both_apis():
         assert [b["input"] for b in folded["content"] if b["type"] == "tool_use"] == [{"x": 1}, {"y": 2}]
         assert folded["content"][-1]["text"] == "<oopsend"
         assert folded["stop_reason"] == sdk["stop_reason"] == "tool_use"
+
+
+def _merged(deltas: list[dict]) -> list[dict]:
+    """Consecutive deltas of one channel as one: text concatenated, a call's argument fragments onto its entry."""
+    out: list[dict] = []
+    for d in deltas:
+        prev = out[-1] if out else {}
+        if "content" in d and "content" in prev:
+            prev["content"] += d["content"]
+        elif "reasoning" in d and "reasoning" in prev:
+            prev["reasoning_content"] += d["reasoning_content"]
+            prev["reasoning"] += d["reasoning"]
+        elif "tool_calls" in d and "tool_calls" in prev:
+            for entry in d["tool_calls"]:
+                last = prev["tool_calls"][-1]
+                if "id" not in entry and last["index"] == entry["index"]:
+                    last["function"]["arguments"] += entry["function"]["arguments"]
+                else:
+                    prev["tool_calls"].append(entry)
+        else:
+            out.append(d)
+    return out
+
+
+def test_a_coalesced_step_of_many_events_gives_the_deltas_of_one_step_per_event():
+    """A lagging client's step merges thousands of events: its deltas hold exactly the text that one step per event
+    gives, concatenated per channel and per call, in the chunk dicts, the SSE text and the completion's text."""
+    from ember.server.openai_encoder import CompletionChoiceEncoder, event_deltas, sse_line
+
+    events = []
+    for r in range(4):
+        events += [ReasoningDelta(f"r{k} ") for k in range(300)] + [Dropped("</think>", "delimiter")]
+        events += [Malformed("<x", "bad") if k % 50 == 0 else ContentDelta(f"é{k} ") for k in range(300)]
+        events += [ToolCallStart(2 * r, f"call_{r}", "f"), *[ToolCallArguments(2 * r, f"{k},") for k in range(300)],
+                   ToolCallEnd(2 * r), ToolCallStart(2 * r + 1, f"call_{r}b", "g"), ToolCallArguments(2 * r + 1, "{}"),
+                   ToolCallArguments(2 * r, "]"), ToolCallEnd(2 * r + 1), ContentDelta("")]
+    one_by_one = _merged([d for ev in events for d in event_deltas([ev])])
+    coalesced = event_deltas(events)
+    assert coalesced == one_by_one and len(coalesced) == 12
+    assert coalesced[0]["reasoning"] == coalesced[0]["reasoning_content"] == "".join(f"r{k} " for k in range(300))
+    assert coalesced[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": "".join(f"{k}," for k in range(300))}
+    step = ChoiceStep(0, [TokenInfo(5, channel="content")], events)
+    meta = ChunkMeta(id="c", created=1, model="m")
+    chunks = ChatChoiceEncoder(meta, 0, _tb).step(step)
+    assert [ch["choices"][0]["delta"] for ch in chunks] == coalesced
+    assert ChatChoiceEncoder(meta, 0, _tb).step_sse(step) == "".join(sse_line(ch) for ch in chunks)
+    text = CompletionChoiceEncoder(meta, 0, _tb).step(step)[0]["choices"][0]["text"]
+    assert text == "".join(d.get("reasoning", "") + d.get("content", "") for d in one_by_one)
