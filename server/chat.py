@@ -59,6 +59,10 @@ def _texts(parts: Iterable[Any], field: str, assistant: bool = False) -> list[st
 
 
 def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
+    """A replayed tool call's arguments as the template gets them: the parsed JSON, or ``{}`` for text that is no
+    JSON (a call cut by ``max_tokens``, replayed as the client got it: OpenAI takes any string there, and an
+    agent's history must not be refused on every later turn; templates iterate arguments, so the raw text would
+    fail or misrender). Nesting json cannot decode is a 400 naming ``field``."""
     if isinstance(arguments, dict):
         return arguments
     if arguments.strip() == "":
@@ -66,7 +70,7 @@ def arguments_object(arguments: str | dict[str, Any], field: str) -> Any:
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
-        raise bad_request("tool call arguments are not valid JSON", param=field) from None
+        return {}
     except RecursionError:  # json's decoder gives up on arrays and objects nested about a thousand deep
         raise bad_request("tool call arguments are nested too deeply", param=field) from None
 

@@ -172,6 +172,32 @@ def test_deeply_nested_arguments_are_a_400_naming_them(demo_server):
     assert r.json()["error"]["param"] == "input[1].arguments"
 
 
+def test_a_cut_call_replayed_by_the_client_renders_with_empty_arguments(demo_server):
+    """A call cut by max_tokens comes back in the next request as the client got it (arguments '{"city": '): it
+    renders as `{}`, as Ember replays it for previous_response_id, instead of a 400 that would refuse every later
+    turn of the agent's conversation (the OpenAI Agents SDK replays it so)."""
+    def prompt_tokens(arguments: str) -> int:
+        messages = [{"role": "user", "content": "hi"}, _call(arguments),
+                    {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+        r = httpx.post(demo_server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "ember-demo", "max_tokens": 1, "messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    def input_tokens(arguments: str, **status) -> int:
+        r = httpx.post(demo_server.url + "/v1/responses", timeout=60, json={
+            "model": "ember-demo", "max_output_tokens": 1, "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments, **status},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    assert prompt_tokens('{"city": ') == prompt_tokens("{}") != prompt_tokens('{"city": "x"}')  # arguments render
+    assert input_tokens('{"city": ', status="incomplete") == input_tokens('{"city": ') == input_tokens("{}")
+    assert input_tokens('"ber', status="incomplete") == input_tokens("{}")
+
+
 def test_arguments_too_deep_for_the_template_are_a_400(qwen3_tokenizer):
     """Arguments json parses but the template's `tojson` cannot print: the request's fault, not the server's."""
     template = shared_path("templates", "hf", "Qwen3-0.6B.jinja").read_text()
