@@ -165,6 +165,19 @@ class MessagesRequest(_MessagesBase):
     metadata: dict[str, Any] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64, strict=True)  # extension: reproducible sampling
     output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's first spelling of output_config.format
+
+    @model_validator(mode="after")
+    def _output_format(self) -> "MessagesRequest":
+        """The beta's ``output_format`` (which the SDKs still send) is ``output_config.format``; both given is a
+        400 unless they agree."""
+        if self.output_format is None:
+            return self
+        config = self.output_config or OutputConfig()
+        if config.format is not None and config.format != self.output_format:
+            raise ValueError("output_format: give the schema in output_config.format or in output_format, not both")
+        self.output_config = config.model_copy(update={"format": self.output_format})
+        return self
 
     @model_validator(mode="after")
     def _stops(self) -> "MessagesRequest":

@@ -344,3 +344,18 @@ def test_a_prompt_too_long_is_worded_as_anthropic_words_it(demo_server):
         "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * n}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: "), r.text
     assert r.json()["error"]["message"].endswith(f" tokens > {n - 1} maximum")
+
+
+def test_the_beta_output_format_spelling_constrains_the_answer_as_output_config_does(demo_server):
+    """The SDKs still send the structured-outputs beta's `output_format` (before, it was ignored and the answer was
+    free text); given beside a different `output_config.format` it is a 400 naming it."""
+    fmt = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"enum": ["yes", "no"]}},
+                                             "required": ["a"], "additionalProperties": False}}
+    body = {"model": demo_server.model, "max_tokens": 30, "messages": HI, "output_format": fmt}
+    for extra in ({}, {"output_config": {"format": fmt, "effort": "low"}}):
+        r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, **extra})
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["content"][0]["text"])["a"] in ("yes", "no")
+    other = {"type": "json_schema", "schema": {"type": "object"}}
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "output_config": {"format": other}})
+    assert r.status_code == 400 and "output_format" in r.json()["error"]["message"], r.text
