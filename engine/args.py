@@ -264,8 +264,9 @@ class EngineArgs:
                                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                                 "\"prompt_lookup_max\": 3}'",
                                           type=checked_by(lambda text: _speculative(text)), metavar="JSON")
-    cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process; default: every core but one "
-                                         "(left to the HTTP front end)", min=1)
+    cpu_threads: int | None = _opt(None, "torch CPU threads of the engine process and of each tensor-parallel "
+                                         "worker (per rank, as in vLLM); default: every core but one (left to the "
+                                         "HTTP front end), divided among the tensor-parallel ranks", min=1)
 
     def engine_options(self) -> dict[str, Any]:
         """Keyword arguments of `Engine.from_pretrained` (everything but the backends, see `apply_environment`)."""
@@ -295,10 +296,13 @@ class EngineArgs:
 
     def apply_threads(self) -> None:
         """Size torch's CPU thread pool for an engine process that shares the machine with the front end (on a
-        2-core host, two spinning OpenMP threads beside a busy front end make each step many times slower)."""
+        2-core host, two spinning OpenMP threads beside a busy front end make each step many times slower):
+        ``cpu_threads``, else every core but one divided among the tensor-parallel ranks, at least one each
+        (the workers take the driver's count)."""
         import torch
 
-        torch.set_num_threads(self.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+        ranks = max(1, self.tensor_parallel_size)
+        torch.set_num_threads(self.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // ranks))
 
 
 def _speculative(text: str) -> dict[str, Any]:

@@ -5,10 +5,11 @@ The loop never waits on the front end: commands are drained without blocking bet
 leave as one message on a send queue with no high-water mark, and the loop only blocks (on the command socket) when
 it has nothing to run. Constraint specs are turned into Constraints on a helper thread, so compiling a new grammar
 never stalls the steps of other requests. The process exits when told to, when its parent dies, or on a fatal error
-(reported as a ``fatal`` event first).
+(reported as a ``fatal`` event first), such as a tensor-parallel worker's death.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -60,6 +61,10 @@ def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, c
     finally:
         core.close()
         _close(ctx, events, commands)
+    if core.fatal is not None:  # reported: exit at once, so the front end sees the engine gone
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _close(ctx: Any, events: Any, commands: Any) -> None:
@@ -85,6 +90,7 @@ class _Core:
         self.builder: ThreadPoolExecutor | None = None
         self.building: dict[str, tuple[Future, list, Any]] = {}
         self.stopping = False
+        self.fatal: str | None = None
         events.send(wire.pack(["ready", wire.encode_fields(info)]))
 
     def run(self, commands: Any, parent: int) -> None:
@@ -100,6 +106,8 @@ class _Core:
                     self._adopt_built()
                     if os.getppid() != parent:
                         log.warning("the front-end process is gone; the engine core exits")
+                        return
+                    if self._group_broken([]):
                         return
                     continue
             while True:  # drain every queued command, never waiting
@@ -121,6 +129,10 @@ class _Core:
                     outputs = engine.fail_all(f"engine error: {type(e).__name__}: {e}")
                 if engine.num_steps != n0:
                     self.clock.add(time.perf_counter() - t0)
+                # a worker that died breaks the step's collectives; its exit may trail the broken connection
+                failed = any(o.finish_reason == "error" and not o.rejected for o in outputs)
+                if failed and self._group_broken(outputs, wait=1.0):
+                    return
                 if outputs:
                     self._send_step(outputs)
             now = time.monotonic()
@@ -129,10 +141,30 @@ class _Core:
                 if os.getppid() != parent:
                     log.warning("the front-end process is gone; the engine core exits")
                     return
+                if self._group_broken([]):
+                    return
+
+    def _group_broken(self, outputs: list[RequestOutput], wait: float = 0.0) -> bool:
+        """True once a tensor-parallel worker has died (waiting up to ``wait`` seconds for one to exit): every
+        request, those that end in ``outputs`` included, then ends with an error naming the worker, a ``fatal``
+        event follows, and the loop must stop (the group cannot run another step)."""
+        dead_worker = getattr(self.engine.runner, "dead_worker", None)
+        reason = dead_worker(wait) if dead_worker is not None else None
+        if reason is None:
+            return False
+        self.fatal = f"{reason}; the engine stops"
+        ended = [dataclasses.replace(o, error=self.fatal) if o.finish_reason == "error" and not o.rejected else o
+                 for o in outputs]
+        ended += self.engine.fail_all(self.fatal)
+        ended += [RequestOutput(rid, [], finished=True, finish_reason="error", error=self.fatal,
+                                num_prompt_tokens=len(prompt)) for rid, (_, prompt, _) in self.building.items()]
+        self.building.clear()
+        if ended:
+            self._send_step(ended)
+        self.events.send(wire.pack(["fatal", self.fatal]))
+        return True
 
     def _send_step(self, outputs: list) -> None:
-        import dataclasses
-
         stats = dataclasses.replace(self.engine.stats(), step_ms=self.clock.mean_ms)
         self.events.send(wire.pack(["step", [wire.encode_output(o) for o in outputs], wire.encode_fields(stats)]))
 

@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -442,7 +445,15 @@ def worker_main(rank: int, world_size: int, port: int, model_dir: str, spec: Sha
             cmd: RunnerCommand | None = tp.broadcast(None)
             if cmd is None:
                 break
-            getattr(runner, cmd.method)(*cmd.args)
+            try:
+                getattr(runner, cmd.method)(*cmd.args)
+            except Exception:
+                # the group cannot go on without this rank: say why, then exit at once, so the driver finds this
+                # process gone when its collectives break
+                log.error("tensor-parallel rank %d failed in %s; the worker exits:\n%s", rank, cmd.method,
+                          traceback.format_exc())
+                sys.stderr.flush()
+                os._exit(1)
     finally:
         dist.destroy_process_group()
 
@@ -519,6 +530,16 @@ class DriverRunner(ModelRunner):
     def unload_lora(self, name: str) -> None:
         self._send("unload_lora", name)
         super().unload_lora(name)
+
+    def dead_worker(self, wait: float = 0.0) -> str | None:
+        """Why this group is broken when a worker process has exited (waiting up to ``wait`` seconds for one to
+        exit), naming it and its exit code; None while every worker runs."""
+        if wait > 0 and self.workers:
+            wait_for_any([p.sentinel for p in self.workers], timeout=wait)
+        dead = next((p for p in self.workers if not p.is_alive()), None)
+        if dead is None:
+            return None
+        return f"tensor-parallel worker {dead.name} died unexpectedly (exit code {dead.exitcode})"
 
     def shutdown(self) -> None:
         """Tell the workers to exit and wait for them; idempotent."""
@@ -606,11 +627,17 @@ def _reap(procs: list[mp.process.BaseProcess], timeout: float = 30.0) -> None:
 
 
 def stop_workers(tp: TensorParallel, procs: list[mp.process.BaseProcess]) -> None:
-    """Tell the workers to exit (driver side), leave the group and wait for them."""
+    """Tell the workers to exit (driver side), leave the group and wait for them; when one has already exited the
+    group is broken, and the others are terminated instead."""
     if not tp.enabled:
         return
+    alive = [p for p in procs if p.is_alive()]
     try:
-        tp.broadcast(None)
+        if len(alive) == len(procs):
+            tp.broadcast(None)
+        else:
+            for p in alive:
+                p.terminate()
         dist.destroy_process_group()
     except Exception:  # the group may already be broken; the processes are still reaped below
         log.exception("stopping tensor-parallel workers")

@@ -109,3 +109,20 @@ def test_the_dtype_help_names_one_default():
     text = text[text.index("options:"):]
     dtype = text[text.index("--dtype"):text.index("--device")]
     assert "default: auto, bfloat16 on CUDA and float32 on CPU" in dtype and "default: none" not in dtype
+
+
+def test_the_default_cpu_threads_are_shared_out_among_tensor_parallel_ranks(monkeypatch):
+    """Every core but one, divided among the ranks (each worker takes the driver's count), at least one each: two
+    ranks on 9 cores run 4 threads each, not 8 (oversubscribed, 4x slower); --cpu-threads is per rank."""
+    import torch
+
+    monkeypatch.setattr("ember.engine.args.os.cpu_count", lambda: 9)
+    saved = torch.get_num_threads()
+    try:
+        for tp, cpu_threads, per_rank in ((1, None, 8), (2, None, 4), (3, None, 2), (16, None, 1), (2, 3, 3)):
+            EngineArgs(tensor_parallel_size=tp, cpu_threads=cpu_threads).apply_threads()
+            assert torch.get_num_threads() == per_rank, (tp, cpu_threads)
+    finally:
+        torch.set_num_threads(saved)
+    text = " ".join(_parser(EngineArgs).format_help().split())
+    assert "worker (per rank, as in vLLM); default: every core but one" in text

@@ -4,8 +4,10 @@ workers exit on shutdown; a split that does not divide fails up front, naming th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
+import os
 import shutil
 
 import pytest
@@ -335,3 +337,56 @@ def test_two_ranks_serve_lora_adapters_as_one_process(qwen3_dir, tmp_path):
     finally:
         engine.shutdown()
     _assert_workers_exited(workers)
+
+
+def test_a_dead_worker_ends_the_requests_and_stops_the_engine_core(qwen3_dir, capfd):
+    """A worker that fails (here on a command it has no method for) logs its traceback and exits; the engine core
+    then ends the request in flight with an error naming that worker and its exit code, reports it as fatal and
+    stops, so the front end answers 503 and exits instead of failing every later request on the broken group."""
+    import threading
+
+    import zmq
+
+    from ember.engine import core_process, wire
+    from ember.engine.args import EngineArgs
+
+    class Events:
+        def __init__(self) -> None:
+            self.sent: list[list] = []
+
+        def send(self, data: bytes) -> None:
+            self.sent.append(wire.unpack(data))
+
+    args = EngineArgs(tensor_parallel_size=2, cpu_threads=1, max_model_len=128, max_num_batched_tokens=32,
+                      kv_cache_blocks=64)
+    events = Events()
+    core = core_process._Core(str(qwen3_dir), dataclasses.asdict(args), None, events)
+    (worker,) = core.engine.runner.workers
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    front.bind("inproc://tp-commands")
+    back.connect("inproc://tp-commands")
+    loop = threading.Thread(target=core.run, args=(back, os.getppid()))
+    try:
+        core.engine.runner._send("no_such_method")
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        front.send(wire.pack(["add", "r1", _prompts()[0], wire.encode_params(params), None]))
+        loop.start()
+        loop.join(timeout=30)
+        stopped = not loop.is_alive()
+        if not stopped:
+            front.send(wire.pack(["shutdown"]))
+            loop.join()
+    finally:
+        core.close()
+        front.close(linger=0)
+        back.close(linger=0)
+        ctx.term()
+    assert stopped, "the engine core went on stepping with a dead tensor-parallel worker"
+    reason = "tensor-parallel worker ember-tp-worker-1 died unexpectedly (exit code 1)"
+    assert events.sent[-1] == ["fatal", f"{reason}; the engine stops"]
+    (ended,) = [wire.decode_output(o) for m in events.sent if m[0] == "step" for o in m[1]]
+    assert (ended.request_id, ended.finish_reason, ended.error) == ("r1", "error", f"{reason}; the engine stops")
+    err = capfd.readouterr().err
+    assert "tensor-parallel rank 1 failed in no_such_method; the worker exits" in err and "AttributeError" in err
+    assert not worker.is_alive()
