@@ -63,7 +63,7 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._cached: dict[bytes, int] = {}
         self.prefix_hits = 0  # tokens served from the cache, cumulative
-        self.prefix_queries = 0  # tokens looked up at admission, cumulative
+        self.prefix_queries = 0  # tokens looked up at a first admission (not a preempted one's), cumulative
         self.num_evictions = 0
 
     # ---- state -------------------------------------------------------------------------------------------------
@@ -183,7 +183,8 @@ class KVCacheManager:
         needed = self.num_blocks_to_allocate(seq, num_new_tokens, computed_blocks)
         if needed + reserve > self.num_free_blocks:
             return False
-        if not block_ids and seq.num_computed_tokens == 0 and self.enable_prefix_caching:  # an admission
+        if (not block_ids and seq.num_computed_tokens == 0 and seq.num_preemptions == 0
+                and self.enable_prefix_caching):  # a first admission (vLLM leaves a preempted request's out)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(computed_blocks) * bs
         for block_id in computed_blocks:

@@ -12,8 +12,30 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_FINISH_REASONS = ("eos", "stop_string", "length", "abort", "error", "cancelled", "pooled")
+"""Every `ember_request_finished_total` reason, each series exported from startup."""
+_VLLM_REASONS = {"eos": "stop", "stop_string": "stop", "pooled": "stop", "length": "length", "abort": "abort",
+                       "cancelled": "abort", "error": "error"}
+"""vLLM's finished_reason of each Ember reason (vLLM's FinishReason also has ``repetition``, which Ember never ends
+with: exported at 0)."""
+
+
+def _buckets_1_2_5(top: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``top``."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _Both:
@@ -34,7 +56,8 @@ class _Both:
 class Metrics:
     """Counters and histograms updated by the request handlers; gauges refreshed from `stats()` on each scrape."""
 
-    def __init__(self, model_name: str, stats: Callable[[], object]):
+    def __init__(self, model_name: str, stats: Callable[[], object], max_model_len: int = 10**6):
+        """``max_model_len`` (the engine's) tops the token-count histograms' 1-2-5 buckets, as in vLLM."""
         self.registry = CollectorRegistry()
         self._stats = stats
         self.model_name = model_name
@@ -53,11 +76,15 @@ class Metrics:
                                  registry=r)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 [*m, "finished_reason"], registry=r)
+        for reason in _FINISH_REASONS:
+            self._finished.labels(reason)
+        for vllm_reason in (*dict.fromkeys(_VLLM_REASONS.values()), "repetition"):
+            self._success.labels(model_name, vllm_reason)
         self.ttft = _Both(
             Histogram("ember_time_to_first_token_seconds", "Time from admission to the first token",
-                      buckets=_LATENCY_BUCKETS, registry=r),
+                      buckets=_TTFT_BUCKETS, registry=r),
             Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m,
-                      buckets=_LATENCY_BUCKETS, registry=r).labels(model_name))
+                      buckets=_TTFT_BUCKETS, registry=r).labels(model_name))
         self.itl = _Both(
             Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
                       buckets=_LATENCY_BUCKETS, registry=r),
@@ -65,12 +92,30 @@ class Metrics:
                       buckets=_LATENCY_BUCKETS, registry=r).labels(model_name))
         self.e2e = _Both(
             Histogram("ember_request_latency_seconds", "Time from admission to the last token",
-                      buckets=_LATENCY_BUCKETS, registry=r),
+                      buckets=_REQUEST_BUCKETS, registry=r),
             Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m,
                       buckets=_REQUEST_BUCKETS, registry=r).labels(model_name))
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.", m,
                                     buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        tokens = _buckets_1_2_5(max_model_len)
+        self._prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m,
+                                     buckets=tokens, registry=r).labels(model_name)
+        self._generated = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", m,
+                                    buckets=tokens, registry=r).labels(model_name)
+        self._max_tokens = Histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                     m, buckets=tokens, registry=r).labels(model_name)
+        self._decode = Histogram("vllm:request_decode_time_seconds",
+                                 "Histogram of time spent in DECODE phase for request.", m,
+                                 buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        self._tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                               "Histogram of time_per_output_token_seconds per request.", m,
+                               buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self._max_generated = Histogram("vllm:request_max_num_generation_tokens",
+                                        "Histogram of maximum number of requested generation tokens.", m,
+                                        buckets=tokens, registry=r).labels(model_name)
+        self._n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", m,
+                            buckets=_N_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("ember_num_requests_running", "Sequences running in the engine", registry=r)
         self.waiting = Gauge("ember_num_requests_waiting", "Sequences waiting in the engine", registry=r)
         self.kv_usage = Gauge("ember_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
@@ -103,12 +148,30 @@ class Metrics:
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
         self._seen: dict[object, int] = {}  # each exported total's value at the previous scrape
 
-    def finished(self, reason: str) -> None:
-        """A choice ended for ``reason`` (`ember_request_finished_total`), counted as vLLM's finished_reason too:
-        stop (EOS, a stop string, a pooled input), length, or abort (aborted, failed, cancelled)."""
+    def finished(self, reason: str, rejected: bool = False) -> None:
+        """A choice ended for ``reason`` (`ember_request_finished_total`), counted as vLLM's finished_reason too
+        (`_VLLM_REASONS`) unless the engine ``rejected`` it (a 400, which vLLM refuses before its engine)."""
         self._finished.labels(reason).inc()
-        vllm = "length" if reason == "length" else "stop" if reason in ("eos", "stop_string", "pooled") else "abort"
-        self._success.labels(self._model_name, vllm).inc()
+        if not rejected:
+            self._success.labels(self._model_name, _VLLM_REASONS.get(reason, "abort")).inc()
+
+    def choice_ran(self, prompt_tokens: int, generated: int, max_tokens: int | None, first_token: float | None,
+                   last_token: float | None) -> None:
+        """vLLM's per-request histograms of a choice the engine ran (one vLLM request), its first and last tokens
+        received at ``first_token`` and ``last_token`` (None: it produced none, so no decode phase is known)."""
+        self._prompt_len.observe(prompt_tokens)
+        self._generated.observe(generated)
+        if max_tokens:
+            self._max_tokens.observe(max_tokens)
+        if first_token is not None and last_token is not None:
+            decode = last_token - first_token
+            self._decode.observe(decode)
+            self._tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
+
+    def prompt_done(self, n: int, max_generated: int) -> None:
+        """Every one of the ``n`` choices of one prompt ended, the longest with ``max_generated`` tokens."""
+        self._n.observe(n)
+        self._max_generated.observe(max_generated)
 
     def render(self) -> bytes:
         s = self._stats()

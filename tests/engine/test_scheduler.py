@@ -120,6 +120,18 @@ def test_a_small_cache_forces_preemption_and_every_request_still_completes():
     assert seqs[0].num_preemptions == 0  # the oldest is never preempted for a newer one
 
 
+def test_a_preempted_request_is_no_new_prefix_cache_query():
+    """Its recompute finds its own freed blocks again: vLLM counts only a request's first lookup, so the hit rate
+    of distinct prompts stays 0 however often the cache runs out."""
+    sched = new_scheduler(num_blocks=12, block_size=4, budget=32)
+    seqs = [make(f"r{i}", 6 + i, max_tokens=20, base=1000 * i) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    run_all(sched)
+    assert sched.num_preemptions > 0
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (sum(s.num_prompt_tokens for s in seqs), 0)
+
+
 @pytest.mark.parametrize("prefix", [False, True])
 def test_a_prompt_is_admitted_only_when_all_of_it_fits_so_its_prefill_is_not_thrown_away(prefix):
     # Admitting r2 as soon as its first chunk fits would let r0's growth preempt it mid-prefill, again and again.

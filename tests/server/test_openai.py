@@ -304,6 +304,84 @@ def test_health_and_metrics(demo_server):
     assert 'ember_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 
 
+def _samples(text: str) -> dict[str, float]:
+    """/metrics samples by name and labels."""
+    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
+
+
+def test_metrics_observe_the_per_request_histograms_of_vllms_dashboard(demo_server):
+    """Each choice is one vLLM request (its prompt and generated tokens, max_tokens, decode time and time per output
+    token after the first); each prompt's `n` choices together give `n` and the longest one's token count."""
+    def scrape() -> dict[str, float]:
+        return _samples(httpx.get(demo_server.url + "/metrics", timeout=10).text)
+
+    before = scrape()
+    demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=5, n=2, seed=3,
+                                                 temperature=1.0, extra_body={"ignore_eos": True})
+    after = scrape()
+
+    def grew(name: str, part: str) -> float:
+        key = f'vllm:{name}_{part}{{model_name="{demo_server.model}"}}'
+        return after[key] - before.get(key, 0.0)
+
+    def seen(name: str) -> tuple[float, float]:
+        return grew(name, "count"), grew(name, "sum")
+
+    assert seen("request_prompt_tokens") == (2, 2 * _prompt_len(demo_server, HI))
+    assert seen("request_generation_tokens") == seen("request_params_max_tokens") == (2, 10)
+    assert seen("request_params_n") == (1, 2)
+    assert seen("request_max_num_generation_tokens") == (1, 5)
+    decode, tpot = seen("request_decode_time_seconds"), seen("request_time_per_output_token_seconds")
+    assert decode[0] == tpot[0] == 2
+    assert tpot[1] == pytest.approx(decode[1] / 4)  # 4 tokens after each choice's first
+
+
+def test_metrics_export_every_finished_reason_at_0_from_startup():
+    """`increase()` over a series that appears with its first count misses that count (a first abort)."""
+    from ember.server.metrics import Metrics
+
+    text = Metrics("m", lambda: None).render().decode()
+    for reason in ("stop", "length", "abort", "error", "repetition"):  # vLLM's FinishReason
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text
+    for reason in ("eos", "stop_string", "length", "abort", "error", "cancelled", "pooled"):
+        assert f'ember_request_finished_total{{reason="{reason}"}} 0.0' in text
+
+
+def test_a_failed_choice_is_vllms_error_reason_and_a_refused_one_no_vllm_request():
+    from ember.server.metrics import Metrics
+
+    metrics = Metrics("m", lambda: None)
+    metrics.finished("error")
+    metrics.finished("error", rejected=True)  # the engine refused it: the client got a 400
+    metrics.finished("cancelled")
+    samples = _samples(metrics.render().decode())
+    assert samples['ember_request_finished_total{reason="error"}'] == 2
+    vllm = {r: samples[f'vllm:request_success_total{{finished_reason="{r}",model_name="m"}}']
+            for r in ("error", "abort", "stop")}
+    assert vllm == {"error": 1, "abort": 1, "stop": 0}
+
+
+def test_latency_histograms_reach_vllms_longest_buckets():
+    """A 100 s first token and a 30-minute request are told apart from an 80 s one; token counts reach
+    max_model_len in vLLM's 1-2-5 steps."""
+    from ember.server.metrics import Metrics
+
+    metrics = Metrics("m", lambda: None, max_model_len=2048)
+    metrics.ttft.observe(100.0)
+    metrics.e2e.observe(1800.0)
+    text = metrics.render().decode()
+    samples = _samples(text)
+    for name in ("ember_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"):
+        labels = ',model_name="m"' if name.startswith("vllm") else ""
+        assert samples[f'{name}_bucket{{le="80.0"{labels}}}'] == 0
+        assert samples[f'{name}_bucket{{le="160.0"{labels}}}'] == 1 and f'le="2560.0"{labels}' in text
+    assert samples['ember_request_latency_seconds_bucket{le="960.0"}'] == 0
+    assert samples['ember_request_latency_seconds_bucket{le="1920.0"}'] == 1
+    tops = [k for k in samples if k.startswith("vllm:request_prompt_tokens_bucket")]
+    assert tops[0].startswith('vllm:request_prompt_tokens_bucket{le="1.0"') and 'le="2000.0"' in tops[-2]
+    assert 'le="+Inf"' in tops[-1]
+
+
 def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(demo_server):
     """vLLM's `stream_options.continuous_usage_stats`: every chunk's usage counts its choice's tokens so far; the
     last chunk still carries the whole request's usage."""
