@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 from typing import Any, Iterable
 
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
@@ -189,12 +190,21 @@ def stop_reason(end: ChoiceEnd, completed_calls: int) -> str:
     return "end_turn"
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is beyond a double's range")
+    return value
+
+
 def _tool_input(raw: str) -> dict[str, Any]:
-    """A tool_use block's ``input`` and, when the arguments are not a JSON object, ``partial_input`` (raw text)."""
+    """A tool_use block's ``input`` and, when the arguments are not a JSON object a body can hold (cut short, or a
+    number beyond a double's range or Python's digit limit, which JSON can spell but the body cannot carry),
+    ``partial_input`` (raw text)."""
     if not raw.strip():
         return {"input": {}}
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
+        value = json.loads(raw, parse_float=_finite)
+    except ValueError:  # JSONDecodeError included
         value = None
     return {"input": value} if isinstance(value, dict) else {"input": {}, "partial_input": raw}

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 from hypothesis import given, settings, strategies as st
+import pytest
 
 from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDelta, ToolCallArguments, ToolCallEnd,
                                   ToolCallStart)
@@ -148,6 +149,16 @@ def test_anthropic_sdk_accumulator_equals_fold(cuts):
     for mine, theirs in zip(folded["content"], sdk["content"]):
         assert {k: theirs[k] for k in mine} == mine
     assert sdk["stop_reason"] == folded["stop_reason"]
+
+
+@pytest.mark.parametrize("raw", ['{"x": -4249e4242491}', '{"x": ' + "7" * 5000 + "}"])
+def test_anthropic_tool_input_with_a_number_no_body_can_carry_keeps_its_raw_text(raw):
+    """A finished call whose number JSON spells but a double (or Python's digit limit) cannot hold: before, the body
+    held inf and its serialization was a 500; now `input` is {} and the raw text is in `partial_input`."""
+    steps = [ChoiceStep(0, [], [ToolCallStart(0, "call_q", "f"), ToolCallArguments(0, raw), ToolCallEnd(0)])]
+    msg = _anthropic_body(steps, ChoiceEnd("eos"))
+    json.dumps(msg, allow_nan=False)
+    assert msg["content"][0]["input"] == {} and msg["content"][0]["partial_input"] == raw
 
 
 def test_anthropic_truncated_tool_input_is_empty_with_raw_text():
