@@ -171,6 +171,8 @@ def anthropic_tools(tools: Sequence[pa.ToolDef] | None) -> list[dict[str, Any]] 
         if t.description is not None:
             fn["description"] = t.description
         fn["parameters"] = t.input_schema
+        if t.strict is not None:
+            fn["strict"] = t.strict
         out.append({"type": "function", "function": fn})
     return out
 

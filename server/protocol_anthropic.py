@@ -66,6 +66,7 @@ class ToolDef(_Lenient):
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of custom tools (checked after the type)
     type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
+    strict: bool | None = Field(default=None, strict=True)  # strict tool use: its inputs must match input_schema
 
 
 class ToolChoice(_Lenient):

@@ -249,6 +249,8 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, ["server tool type 'web_search_20250305'"]),
     ({"mcp_servers": [{"type": "url", "url": "https://mcp.example/sse", "name": "x"}]}, ["mcp_servers", "MCP"]),
     ({"tools": [{"name": "f"}]}, ["tools[0].input_schema"]),
+    ({"tools": [{**WEATHER, "strict": True, "input_schema": {"type": "object", "properties": {"a": {
+        "type": "array", "uniqueItems": True}}}}]}, ["tools[0].input_schema", "uniqueItems"]),  # strict is read
     ({"tools": [{"name": "f", "input_schema": {}}]}, ["tools[0].input_schema.type"]),
     ({"tools": [WEATHER, {"name": "f", "input_schema": {"type": "string"}}], "tool_choice": {"type": "any"}},
      ["tools[1].input_schema.type", "'object'"]),
