@@ -144,7 +144,7 @@ def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     for name in ("finished", "finish_reason", "stop_token_id", "error", "num_prompt_tokens", "num_cached_tokens",
                  "embedding", "rejected"):
         setattr(old, name, getattr(new, name))
-    for name in ("queue_seconds", "prompt_logprobs"):  # first-output facts: kept from whichever output had them
+    for name in ("queue_seconds", "scheduled_at", "prompt_logprobs"):  # first-output facts: the first that had them
         if getattr(old, name) is None:
             setattr(old, name, getattr(new, name))
     return old

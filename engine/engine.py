@@ -59,6 +59,14 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of those, the ones kept
     spec_drafts: int = 0  # speculative chunks verified
     spec_accepted_per_pos: tuple[int, ...] = ()  # kept drafts by their position in the chunk (0: the first draft)
+    max_loras: int = 0  # LoRA adapter slots (0: the engine serves no adapters)
+    running_lora_adapters: tuple[str, ...] = ()  # the adapters the running sequences use, sorted
+    waiting_lora_adapters: tuple[str, ...] = ()  # the adapters the waiting sequences use, sorted
+
+
+def _adapters(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The LoRA adapters ``seqs`` run under, sorted by name."""
+    return tuple(sorted({s.params.lora for s in seqs if s.params.lora is not None}))
 
 
 def _default_device() -> torch.device:
@@ -375,6 +383,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         q = self.kv.prefix_queries
+        lora = self.lora
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_usage=self.kv.usage(), num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
@@ -383,6 +392,9 @@ class Engine:
             last_batch_size=self.last_batch_size, num_steps=self.num_steps,
             spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
             spec_drafts=self.spec_drafts, spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
+            max_loras=lora.slots if lora is not None else 0,
+            running_lora_adapters=_adapters(self.scheduler.running) if lora is not None else (),
+            waiting_lora_adapters=_adapters(self.scheduler.waiting) if lora is not None else (),
         )
 
     # ---- steps -------------------------------------------------------------------------------------------------
@@ -652,7 +664,7 @@ class Engine:
                              finish_reason=reason, stop_token_id=stop_token_id, error=error,
                              num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                              queue_seconds=None if seq.scheduled_at is None else seq.scheduled_at - seq.queued_at,
-                             prompt_logprobs=prompt_lps)
+                             scheduled_at=seq.scheduled_at, prompt_logprobs=prompt_lps)
 
     def _finish(self, seq: Sequence, new: list[int], lp, reason: FinishReason, stop_token_id: int | None = None,
                 error: str | None = None) -> RequestOutput:

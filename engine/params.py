@@ -72,6 +72,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_seconds: float | None = None  # from add_request to the first step that scheduled it (None: not yet)
+    scheduled_at: float | None = None
+    """The engine's `time.monotonic()` at the first step that scheduled it (None: not yet): the system-wide clock of the
+    host, so comparable with the front end's readings across the engine-process boundary (vLLM's first SCHEDULED
+    event)."""
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (with the first output), when requested
     embedding: list[float] | None = None  # the pooled hidden state (fp32, not normalized): a pooling request's end
     rejected: bool = False  # with "error": the request's own settings caused it (a client error, not the server's)

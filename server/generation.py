@@ -272,6 +272,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     rid = f"{req.engine_id}-{index}"
     first_t: float | None = None
     last_t: float | None = None
+    scheduled_at: float | None = None  # the engine's first scheduling of it (`time.monotonic()`, as first_t)
     ntok = 0
     end: ChoiceEnd | None = None
     if rt.request_log is not None:
@@ -302,6 +303,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             async for out in gen:
                 if last_t is None and metrics is not None and out.queue_seconds is not None:
                     metrics.queue_time.observe(out.queue_seconds)  # the first output: waiting time is known
+                    scheduled_at = out.scheduled_at
                 if prompt_only:
                     if out.new_token_ids or out.finished or out.prompt_logprobs is not None:
                         end = _prompt_end(out)
@@ -395,7 +397,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
             if last_t is not None:
                 metrics.e2e.observe(last_t - req.arrival)
             if not rejected:
-                metrics.choice_ran(len(spec.prompt_ids), ntok, spec.params.max_tokens, first_t, last_t)
+                metrics.choice_ran(len(spec.prompt_ids), ntok, spec.params.max_tokens, first_t, last_t, scheduled_at)
                 req.generated[index] = ntok
                 same_prompt = [i for i, c in enumerate(req.choices) if c.prompt_ids is spec.prompt_ids]
                 if all(i in req.generated for i in same_prompt):

@@ -108,6 +108,12 @@ class Metrics:
         self._decode = Histogram("vllm:request_decode_time_seconds",
                                  "Histogram of time spent in DECODE phase for request.", m,
                                  buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        self._prefill = Histogram("vllm:request_prefill_time_seconds",
+                                  "Histogram of time spent in PREFILL phase for request.", m,
+                                  buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        self._inference = Histogram("vllm:request_inference_time_seconds",
+                                    "Histogram of time spent in RUNNING phase for request.", m,
+                                    buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
         self._tpot = Histogram("vllm:request_time_per_output_token_seconds",
                                "Histogram of time_per_output_token_seconds per request.", m,
                                buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
@@ -141,6 +147,7 @@ class Metrics:
                                 "Accepted tokens per draft position.", [*m, "position"], registry=r)
         preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m,
                               registry=r).labels(model_name)
+        self._lora_info: Gauge | None = None  # vLLM's, registered at the first scrape of an engine serving LoRA
         self._model_name = model_name
         self._totals = {"prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
                         "spec_draft_tokens": spec_drafts, "spec_accepted_tokens": spec_accepted,
@@ -156,9 +163,11 @@ class Metrics:
             self._success.labels(self._model_name, _VLLM_REASONS.get(reason, "abort")).inc()
 
     def choice_ran(self, prompt_tokens: int, generated: int, max_tokens: int | None, first_token: float | None,
-                   last_token: float | None) -> None:
+                   last_token: float | None, scheduled_at: float | None = None) -> None:
         """vLLM's per-request histograms of a choice the engine ran (one vLLM request), its first and last tokens
-        received at ``first_token`` and ``last_token`` (None: it produced none, so no decode phase is known)."""
+        received at ``first_token`` and ``last_token`` (None: it produced none, so no decode phase is known), first
+        scheduled by the engine at ``scheduled_at`` (`time.monotonic()`, as the others; None: unknown, so no prefill
+        or inference phase is)."""
         self._prompt_len.observe(prompt_tokens)
         self._generated.observe(generated)
         if max_tokens:
@@ -167,6 +176,9 @@ class Metrics:
             decode = last_token - first_token
             self._decode.observe(decode)
             self._tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
+            if scheduled_at is not None:
+                self._prefill.observe(first_token - scheduled_at)
+                self._inference.observe(last_token - scheduled_at)
 
     def prompt_done(self, n: int, max_generated: int) -> None:
         """Every one of the ``n`` choices of one prompt ended, the longest with ``max_generated`` tokens."""
@@ -188,7 +200,22 @@ class Metrics:
             self._add(name, counter, getattr(s, name, 0))
         for pos, total in enumerate(getattr(s, "spec_accepted_per_pos", ())):
             self._add(("spec_accepted_per_pos", pos), self._per_pos.labels(self._model_name, str(pos)), total)
+        max_loras = getattr(s, "max_loras", 0)
+        if max_loras:
+            self._lora_requests(max_loras, getattr(s, "running_lora_adapters", ()),
+                                getattr(s, "waiting_lora_adapters", ()))
         return generate_latest(self.registry)
+
+    def _lora_requests(self, max_loras: int, running: Any, waiting: Any) -> None:
+        """vLLM's `vllm:lora_requests_info`: one series whose labels name the adapters of the running and the
+        waiting requests (comma-joined) and the adapter slots, valued at the time (`time.time()`) they were read.
+        The previous scrape's series goes (vLLM keeps every combination ever seen; readers take the latest value)."""
+        if self._lora_info is None:
+            self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=self.registry)
+        self._lora_info.clear()
+        self._lora_info.labels(str(max_loras), ",".join(waiting), ",".join(running)).set_to_current_time()
 
     def _add(self, key: object, counter: Any, total: int) -> None:
         """Advance ``counter`` by what the engine total under ``key`` gained since the previous scrape."""

@@ -4,6 +4,9 @@ the served model as their parent, and an unknown name is a 404 that lists what i
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -231,3 +234,51 @@ def test_an_adapter_cannot_take_a_served_models_alias(updating_server):
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
     assert [m.id for m in server.openai().models.list().data] == ["tiny", "gpt-4o"]
+
+
+def _lora_info(server) -> dict[str, float]:
+    """The `vllm:lora_requests_info` samples of one /metrics scrape, by their labels."""
+    lines = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+    return {ln.rsplit(" ", 1)[0].removeprefix("vllm:lora_requests_info"): float(ln.rsplit(" ", 1)[1])
+            for ln in lines if ln.startswith("vllm:lora_requests_info{")}
+
+
+def test_metrics_name_the_adapters_of_the_waiting_and_running_requests(lora_server, updating_server, monkeypatch):
+    """vLLM's `vllm:lora_requests_info`: one series naming the adapters in use and the adapter slots, valued at the
+    scrape's time; from the engine process too. The engine is held before each step while a request under ``sql``
+    is in it, and scraped there: first waiting, then running."""
+    server, _, _ = lora_server
+    engine = server.runtime.engine.engine
+    step, paused, resume = engine.step, threading.Event(), threading.Event()
+
+    def held_step():
+        if not resume.is_set() and any(s.params.lora == "sql"
+                                       for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
+            paused.set()
+            assert resume.wait(30)
+            resume.clear()
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    scrapes = []
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(server.openai().completions.create, model="sql", prompt="hi", max_tokens=3,
+                           extra_body={"ignore_eos": True})
+        for _ in range(2):
+            assert paused.wait(30)
+            paused.clear()
+            t0 = time.time()
+            scrapes.append((t0, _lora_info(server), time.time()))
+            resume.set()
+        monkeypatch.setattr(engine, "step", step)
+        resume.set()
+        assert done.result(timeout=30).usage.completion_tokens == 3
+    (t0, waiting, t1), (_, running, _) = scrapes
+    assert list(waiting) == ['{max_lora="1",running_lora_adapters="",waiting_lora_adapters="sql"}']
+    assert t0 <= next(iter(waiting.values())) <= t1
+    assert list(running) == ['{max_lora="1",running_lora_adapters="sql",waiting_lora_adapters=""}']
+    assert list(_lora_info(server)) == ['{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}']
+
+    process, _, _ = updating_server
+    process.openai().completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert list(_lora_info(process)) == ['{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}']

@@ -336,6 +336,32 @@ def test_metrics_observe_the_per_request_histograms_of_vllms_dashboard(demo_serv
     assert tpot[1] == pytest.approx(decode[1] / 4)  # 4 tokens after each choice's first
 
 
+def test_metrics_observe_vllms_prefill_and_inference_time_from_the_engines_first_scheduling(demo_server):
+    """The engine (its own process) stamps a request's first scheduling; prefill runs from it to the first token and
+    inference to the last, both as received by the server: prefill + decode = inference, within the first token's
+    time (the request was scheduled after it arrived)."""
+    def scrape() -> dict[str, float]:
+        return _samples(httpx.get(demo_server.url + "/metrics", timeout=10).text)
+
+    before = scrape()
+    demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=4, seed=3,
+                                                 extra_body={"ignore_eos": True})
+    after = scrape()
+
+    def seen(name: str) -> tuple[float, float]:
+        count, total = (f'vllm:{name}_{part}{{model_name="{demo_server.model}"}}' for part in ("count", "sum"))
+        return after[count] - before.get(count, 0.0), after[total] - before.get(total, 0.0)
+
+    n_prefill, prefill = seen("request_prefill_time_seconds")
+    n_inference, inference = seen("request_inference_time_seconds")
+    n_ttft, ttft = seen("time_to_first_token_seconds")
+    decode = seen("request_decode_time_seconds")[1]
+    assert n_prefill == n_inference == n_ttft == 1
+    assert 0 < prefill <= ttft
+    assert inference == pytest.approx(prefill + decode)
+    assert after[f'vllm:request_inference_time_seconds_bucket{{le="7680.0",model_name="{demo_server.model}"}}'] >= 1
+
+
 def test_metrics_export_every_finished_reason_at_0_from_startup():
     """`increase()` over a series that appears with its first count misses that count (a first abort)."""
     from ember.server.metrics import Metrics
