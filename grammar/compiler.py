@@ -230,6 +230,8 @@ def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenie
     except (TypeError, ValueError) as e:
         raise GrammarError(f"{where} is not JSON: {e}") from None
     _check_integers(schema, where)
+    if not lenient:
+        _check_counted_open_objects(schema, where)
     return "%json " + body
 
 
@@ -255,6 +257,33 @@ def _check_integers(schema: Any, where: str) -> None:
             stack.extend((v, is_value) for v in node)
 
 
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _check_counted_open_objects(schema: Any, where: str) -> None:
+    """A `GrammarError` naming ``where`` when a strict schema bounds the property count (``minProperties``,
+    ``maxProperties``) of an object whose keys are not all named (``patternProperties``, or ``additionalProperties``
+    not false): llguidance may write such a key twice, which counts twice there but once in the parsed object, so
+    the bound would not hold."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            counted = "minProperties" in node or "maxProperties" in node
+            if counted and ("patternProperties" in node or node.get("additionalProperties", True) is not False):
+                raise GrammarError(f"{where}: minProperties/maxProperties need an object whose keys are all named "
+                                   "in properties (additionalProperties: false, no patternProperties): keys matched "
+                                   "otherwise may repeat in strict output")
+            for k, v in node.items():
+                if k in _SCHEMA_MAPS and isinstance(v, Mapping):
+                    stack.extend(v.values())  # names -> subschemas: the names are no keywords
+                elif k not in _DATA_KEYWORDS:
+                    stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
     """A `GrammarError` naming ``tools[i].function.parameters`` for the first tool schema that is not JSON (NaN,
     Infinity) or that llguidance refuses on its own (an unknown type, no value satisfies it): checked per tool, so
@@ -265,6 +294,8 @@ def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
         except (TypeError, ValueError) as e:
             raise GrammarError(f"tools[{t.index}].function.parameters is not JSON: {e}") from None
         _check_integers(t.parameters, f"tools[{t.index}].function.parameters")
+        if t.strict:
+            _check_counted_open_objects(t.parameters, f"tools[{t.index}].function.parameters")
         problem = _schema_problem(body)
         if problem:
             raise GrammarError(f"tools[{t.index}].function.parameters is not a usable JSON schema: {problem}")

@@ -71,3 +71,31 @@ def test_closing_leaves_data_and_what_the_schema_says_alone():
         assert out[key]["additionalProperties"] is False, key
     assert out["dependentSchemas"]["d"]["additionalProperties"] is False
     assert "additionalProperties" not in INNER  # the request's own schema is not modified
+
+
+@pytest.mark.parametrize("counted", [
+    {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}, "additionalProperties": False,
+     "minProperties": 2},
+    {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 1},
+    {"type": "object", "properties": {"o": {"type": "object", "minProperties": 1}}},
+])
+def test_a_strict_property_count_over_keys_that_may_repeat_is_refused(counted):
+    """llguidance may write a key matched by patternProperties or additionalProperties twice ({"a": -4, "a": 3}):
+    strict, a property count over such keys would not hold in the parsed object, so it is a 400 naming the field;
+    lenient, and over named keys only, it compiles."""
+    from ember.grammar import GrammarError
+
+    def compile_(schema, strict=True):
+        return compile_request(get_profile("hermes"), InitialState.CONTENT, {}, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}})
+
+    with pytest.raises(GrammarError, match="^response_format.*minProperties/maxProperties"):
+        compile_(counted)
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": counted}, "required": ["x"], "additionalProperties": False}}}]
+    with pytest.raises(GrammarError, match=r"^tools\[0\].function.parameters"):
+        compile_request(get_profile("hermes"), InitialState.CONTENT, {}, tools=tools, tool_choice="required")
+    assert compile_(counted, strict=False) is not None
+    named = {"type": "object", "properties": {"a": {"type": "integer"}, "minProperties": {"type": "integer"}},
+             "additionalProperties": False, "minProperties": 1, "enum": [{"minProperties": 1}]}
+    assert compile_(named) is not None
