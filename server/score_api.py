@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from . import protocol_openai as po
 from .admission import check_model, model_label, state, tokens_to_keep
@@ -43,6 +43,14 @@ class RerankRequest(po._Lenient):
     model: str | None = None
     query: str
     documents: list[str]
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _document_texts(cls, value: Any) -> Any:
+        """Cohere's and Jina's document objects (``{"text": ...}``) stand for their text."""
+        if isinstance(value, list):
+            return [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d for d in value]
+        return value
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True
     truncate_prompt_tokens: po.TruncatePromptTokens = None

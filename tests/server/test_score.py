@@ -54,6 +54,11 @@ def test_rerank_orders_documents_by_score_best_first(demo_server, path):
     assert scores == sorted(scores, reverse=True) and r["usage"]["total_tokens"] > 0
     top = _post(demo_server, path, {"query": q, "documents": DOCS, "top_n": 2, "return_documents": False}).json()
     assert [x["index"] for x in top["results"]] == want[:2] and "document" not in top["results"][0]
+    objects = _post(demo_server, path, {"query": q, "documents": [{"text": d} for d in DOCS]}).json()
+    # Cohere's and Jina's {"text": ...} documents read as their text
+    ranked = [(x["index"], x["document"]) for x in r["results"]]
+    assert [(x["index"], x["document"]) for x in objects["results"]] == ranked
+    assert np.allclose([x["relevance_score"] for x in objects["results"]], scores, atol=1e-5)
 
 
 @pytest.mark.parametrize("path,body,param", [
