@@ -257,10 +257,6 @@ def _check_integers(schema: Any, where: str) -> None:
             stack.extend((v, is_value) for v in node)
 
 
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
 def _check_counted_open_objects(schema: Any, where: str) -> None:
     """A `GrammarError` naming ``where`` when a strict schema bounds the property count (``minProperties``,
     ``maxProperties``) of an object whose keys are not all named (``patternProperties``, or ``additionalProperties``
