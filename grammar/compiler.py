@@ -80,7 +80,9 @@ render tool calls (Jinja ``tojson``). Flexible whitespace lets a model pad JSON 
 _HARMONY_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 """gpt-oss writes compact JSON (its recorded tool arguments: ``{"city":"Tokyo"}``); used for its answers too."""
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+"""A tool name: Anthropic's length limit (OpenAI's is 64), as MCP tools named the Claude Code way
+(``mcp__<server>__<tool>``) often pass 64 characters."""
 
 _TEXT = "/(?s:.*)/"
 _WS = "/[ \\t\\r\\n]{0,8}/"

@@ -361,3 +361,17 @@ def test_the_beta_output_format_spelling_constrains_the_answer_as_output_config_
     other = {"type": "json_schema", "schema": {"type": "object"}}
     r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "output_config": {"format": other}})
     assert r.status_code == 400 and "output_format" in r.json()["error"]["message"], r.text
+
+
+def test_tool_names_up_to_anthropics_128_characters_are_served(demo_server):
+    """Claude Code names MCP tools `mcp__<server>__<tool>`, often past OpenAI's 64 characters (before, every request
+    holding one was a 400); Anthropic's limit, 128, still holds."""
+    name = "mcp__claude_ai_Atlassian_Rovo__getConfluencePageDescendantsWithAncestors"
+    body = {"model": demo_server.model, "messages": HI, "tools": [{**WEATHER, "name": name}],
+            "tool_choice": {"type": "tool", "name": name}}
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert httpx.post(demo_server.url + "/v1/messages/count_tokens", timeout=60, json=body).status_code == 200
+    body["tools"][0]["name"] = body["tool_choice"]["name"] = "x" * 129
+    r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "max_tokens": 2})
+    assert r.status_code == 400 and "tools[0].name" in r.json()["error"]["message"], r.text
