@@ -210,8 +210,9 @@ def check_tools(tools: Sequence[Mapping] | None, tool_choice: str | Mapping | No
 
 
 def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) -> dict:
-    """A copy of ``schema`` with our JSON layout (and leniency) as defaults under its top-level ``x-guidance``."""
-    out = dict(schema)
+    """A copy of ``schema`` with our JSON layout (and leniency) as defaults under its top-level ``x-guidance``;
+    lenient, without the regexes llguidance cannot read (`_readable_patterns`)."""
+    out = dict(_readable_patterns(schema) if lenient else schema)
     x = dict(options)
     if lenient:
         x["lenient"] = True
@@ -219,6 +220,39 @@ def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) ->
     if isinstance(user, Mapping):
         x.update(user)
     out["x-guidance"] = x
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _regex_readable(pattern: str) -> bool:
+    """Whether llguidance reads ``pattern`` (look-around, back-references and ``\\b`` it does not)."""
+    try:
+        _check_regex(pattern, "pattern")
+    except GrammarError:
+        return False
+    return True
+
+
+def _readable_patterns(schema: Any) -> Any:
+    """``schema`` without the ``pattern`` keywords and ``patternProperties`` entries whose regex llguidance cannot
+    read, as a lenient schema ignores what it cannot enforce (OpenAI and Anthropic take such tools unless strict;
+    zod's email pattern has look-aheads): the string is then free, the key falls to ``additionalProperties``."""
+    if isinstance(schema, list):
+        return [_readable_patterns(v) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "pattern" and isinstance(v, str):
+            if _regex_readable(v):
+                out[k] = v
+        elif k in _DATA_KEYWORDS:
+            out[k] = v
+        elif k in _SCHEMA_MAPS and isinstance(v, Mapping):
+            out[k] = {name: _readable_patterns(sub) for name, sub in v.items()
+                      if k != "patternProperties" or _regex_readable(name)}
+        else:
+            out[k] = _readable_patterns(v)
     return out
 
 

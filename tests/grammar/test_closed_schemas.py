@@ -99,3 +99,37 @@ def test_a_strict_property_count_over_keys_that_may_repeat_is_refused(counted):
     named = {"type": "object", "properties": {"a": {"type": "integer"}, "minProperties": {"type": "integer"}},
              "additionalProperties": False, "minProperties": 1, "enum": [{"minProperties": 1}]}
     assert compile_(named) is not None
+
+
+ZOD_EMAIL = r"^(?!\.)(?!.*\.\.)([A-Za-z0-9_'+\-\.]*)[A-Za-z0-9_+-]@([A-Za-z0-9][A-Za-z0-9\-]*\.)+[A-Za-z]{2,}$"
+
+
+def test_a_lenient_schema_drops_only_the_patterns_llguidance_cannot_read(hf_tok, backend):
+    """zod's email pattern (look-aheads), a back-reference: OpenAI and Anthropic take such tools unless strict, so a
+    lenient schema leaves those strings free (before, a forced call or a json_schema answer was a 400) while the
+    patterns llguidance reads still hold; strict, the pattern is a 400 naming the field."""
+    from ember.grammar import GrammarError
+
+    schema = {"type": "object", "properties": {"email": {"type": "string", "pattern": ZOD_EMAIL},
+                                               "code": {"type": "string", "pattern": "^[0-9]{3}$"}},
+              "patternProperties": {r"^(a)\1$": {"type": "integer"}},
+              "required": ["email", "code"], "additionalProperties": False}
+
+    def plan(strict: bool, **request):
+        return compile_request(get_profile("hermes"), InitialState.CONTENT, {}, **request) if request else \
+            compile_request(get_profile("none"), InitialState.CONTENT, {}, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}})
+
+    def takes(answer) -> bool:
+        c = backend.constraint(plan(False))
+        ids = hf_tok.encode(json.dumps(answer), add_special_tokens=False) + [backend.eos_ids[0]]
+        return all(c.accept_token(t) for t in ids)
+
+    assert takes({"email": "..@x", "code": "123"}) and not takes({"email": "a@b.co", "code": "12a"})
+    tools = [{"type": "function", "function": {"name": "add_contact", "parameters": schema}}]
+    assert plan(False, tools=tools, tool_choice="required") is not None
+    with pytest.raises(GrammarError, match="^response_format"):
+        backend.validate(plan(True).grammar)
+    tools[0]["function"]["strict"] = True
+    with pytest.raises(GrammarError, match=r"^tools\[0\].function.parameters"):
+        plan(True, tools=tools, tool_choice="required")
