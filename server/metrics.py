@@ -5,7 +5,7 @@ Every measurement is exported twice: under Ember's own `ember_*` names and under
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
@@ -95,33 +95,28 @@ class Metrics:
                       buckets=_REQUEST_BUCKETS, registry=r),
             Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m,
                       buckets=_REQUEST_BUCKETS, registry=r).labels(model_name))
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", m,
-                                    buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
+        def vllm_histogram(name: str, text: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, text, m, buckets=buckets, registry=r).labels(model_name)
+
         tokens = _buckets_1_2_5(max_model_len)
-        self._prompt_len = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m,
-                                     buckets=tokens, registry=r).labels(model_name)
-        self._generated = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", m,
-                                    buckets=tokens, registry=r).labels(model_name)
-        self._max_tokens = Histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                                     m, buckets=tokens, registry=r).labels(model_name)
-        self._decode = Histogram("vllm:request_decode_time_seconds",
-                                 "Histogram of time spent in DECODE phase for request.", m,
-                                 buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
-        self._prefill = Histogram("vllm:request_prefill_time_seconds",
-                                  "Histogram of time spent in PREFILL phase for request.", m,
-                                  buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
-        self._inference = Histogram("vllm:request_inference_time_seconds",
-                                    "Histogram of time spent in RUNNING phase for request.", m,
-                                    buckets=_REQUEST_BUCKETS, registry=r).labels(model_name)
-        self._tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                               "Histogram of time_per_output_token_seconds per request.", m,
-                               buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
-        self._max_generated = Histogram("vllm:request_max_num_generation_tokens",
-                                        "Histogram of maximum number of requested generation tokens.", m,
-                                        buckets=tokens, registry=r).labels(model_name)
-        self._n = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", m,
-                            buckets=_N_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = vllm_histogram("vllm:request_queue_time_seconds",
+                                         "Histogram of time spent in WAITING phase for request.", _REQUEST_BUCKETS)
+        self._prompt_len = vllm_histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self._generated = vllm_histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                         tokens)
+        self._max_tokens = vllm_histogram("vllm:request_params_max_tokens",
+                                          "Histogram of the max_tokens request parameter.", tokens)
+        self._decode = vllm_histogram("vllm:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.", _REQUEST_BUCKETS)
+        self._prefill = vllm_histogram("vllm:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", _REQUEST_BUCKETS)
+        self._inference = vllm_histogram("vllm:request_inference_time_seconds",
+                                         "Histogram of time spent in RUNNING phase for request.", _REQUEST_BUCKETS)
+        self._tpot = vllm_histogram("vllm:request_time_per_output_token_seconds",
+                                    "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
+        self._max_generated = vllm_histogram("vllm:request_max_num_generation_tokens",
+                                             "Histogram of maximum number of requested generation tokens.", tokens)
+        self._n = vllm_histogram("vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
         self.running = Gauge("ember_num_requests_running", "Sequences running in the engine", registry=r)
         self.waiting = Gauge("ember_num_requests_waiting", "Sequences waiting in the engine", registry=r)
         self.kv_usage = Gauge("ember_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
