@@ -298,7 +298,8 @@ def test_an_empty_system_or_final_assistant_message_is_as_absent(demo_server):
 
 @pytest.mark.parametrize("tools,choice", [
     ([{**WEATHER, "name": "bad name"}], None), ([WEATHER, WEATHER], None), ([{"name": "f", "input_schema": {}}], None),
-    ([{"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}],
+    ([{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                                       "pattern": "(?<=a)b"}}}}],
      {"type": "any"})], ids=["name", "repeated", "schema-type", "forced-schema"])
 def test_count_tokens_refuses_the_tools_messages_refuses(demo_server, tools, choice):
     """A client that counts a prompt before sending it learns of a bad tool list from either endpoint, in the same
