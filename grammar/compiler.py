@@ -139,28 +139,42 @@ def _pointer(*tokens: str | int) -> str:
                    for t in tokens)
 
 
+def _edited(schema: Any, edit: Callable[[Mapping], Mapping | None]) -> Any:
+    """A copy of ``schema`` where each subschema is first replaced by ``edit(subschema)`` (None: kept as it is, with
+    everything under it), then has its own subschemas edited: every value but those of data keywords, names in
+    schema maps (``properties``, ``$defs``, ...) not being keywords. The one walk `_rebased`,
+    `_readable_patterns` and `_check_counted_open_objects` take."""
+    if isinstance(schema, list):
+        return [_edited(s, edit) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    node = edit(schema)
+    if node is None:
+        return dict(schema)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: _edited(sub, edit) for name, sub in value.items()}
+        else:
+            out[key] = _edited(value, edit)
+    return out
+
+
 def _rebased(schema: Any, prefix: str) -> Any:
     """A copy of ``schema`` that means the same once embedded at the JSON pointer ``prefix`` of a larger document:
     each local reference (``#`` or ``#/...``) gets ``prefix`` in front. References under a nested ``$id`` (a
     resource of its own, whose ``#`` is itself) and the values of data keywords are kept as they are."""
-    if isinstance(schema, list):
-        return [_rebased(s, prefix) for s in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    own_id = schema.get("$id")
-    if isinstance(own_id, str) and not own_id.startswith("#"):
-        return dict(schema)
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = "#" + prefix + value[1:]
-        elif key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
-            out[key] = {name: _rebased(sub, prefix) for name, sub in value.items()}
-        else:
-            out[key] = _rebased(value, prefix)
-    return out
+    def rebase(node: Mapping) -> Mapping | None:
+        own_id, ref = node.get("$id"), node.get("$ref")
+        if isinstance(own_id, str) and not own_id.startswith("#"):
+            return None
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            return {**node, "$ref": "#" + prefix + ref[1:]}
+        return node
+
+    return _edited(schema, rebase)
 
 
 def _has_local_refs(schema: Any) -> bool:
@@ -237,23 +251,14 @@ def _readable_patterns(schema: Any) -> Any:
     """``schema`` without the ``pattern`` keywords and ``patternProperties`` entries whose regex llguidance cannot
     read, as a lenient schema ignores what it cannot enforce (OpenAI and Anthropic take such tools unless strict;
     zod's email pattern has look-aheads): the string is then free, the key falls to ``additionalProperties``."""
-    if isinstance(schema, list):
-        return [_readable_patterns(v) for v in schema]
-    if not isinstance(schema, Mapping):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k == "pattern" and isinstance(v, str):
-            if _regex_readable(v):
-                out[k] = v
-        elif k in _DATA_KEYWORDS:
-            out[k] = v
-        elif k in _SCHEMA_MAPS and isinstance(v, Mapping):
-            out[k] = {name: _readable_patterns(sub) for name, sub in v.items()
-                      if k != "patternProperties" or _regex_readable(name)}
-        else:
-            out[k] = _readable_patterns(v)
-    return out
+    def readable(node: Mapping) -> Mapping:
+        out = {k: v for k, v in node.items() if not (k == "pattern" and isinstance(v, str) and not _regex_readable(v))}
+        named = out.get("patternProperties")
+        if isinstance(named, Mapping):
+            out["patternProperties"] = {regex: sub for regex, sub in named.items() if _regex_readable(regex)}
+        return out
+
+    return _edited(schema, readable)
 
 
 def _json_rule(schema: Mapping, options: Mapping[str, Any] = JSON_OPTIONS, lenient: bool = False,
@@ -298,22 +303,15 @@ def _check_counted_open_objects(schema: Any, where: str) -> None:
     ``maxProperties``) of an object whose keys are not all named (``patternProperties``, or ``additionalProperties``
     not false): llguidance may write such a key twice, which counts twice there but once in the parsed object, so
     the bound would not hold."""
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, Mapping):
-            counted = "minProperties" in node or "maxProperties" in node
-            if counted and ("patternProperties" in node or node.get("additionalProperties", True) is not False):
-                raise GrammarError(f"{where}: minProperties/maxProperties need an object whose keys are all named "
-                                   "in properties (additionalProperties: false, no patternProperties): keys matched "
-                                   "otherwise may repeat in strict output")
-            for k, v in node.items():
-                if k in _SCHEMA_MAPS and isinstance(v, Mapping):
-                    stack.extend(v.values())  # names -> subschemas: the names are no keywords
-                elif k not in _DATA_KEYWORDS:
-                    stack.append(v)
-        elif isinstance(node, list):
-            stack.extend(node)
+    def check(node: Mapping) -> Mapping:
+        counted = "minProperties" in node or "maxProperties" in node
+        if counted and ("patternProperties" in node or node.get("additionalProperties", True) is not False):
+            raise GrammarError(f"{where}: minProperties/maxProperties need an object whose keys are all named in "
+                               "properties (additionalProperties: false, no patternProperties): keys matched "
+                               "otherwise may repeat in strict output")
+        return node
+
+    _edited(schema, check)
 
 
 def _check_tool_schemas(tools: Sequence[_Tool]) -> None:
