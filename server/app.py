@@ -359,7 +359,7 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True},
                                    "param": "output_config.format.schema"}
     constraint = await _anthropic_constraint(st, body, initial, parse_tools, tool_choice, rf)
-    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
+    parallel = body.parallel_tool_use
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking)
@@ -388,14 +388,14 @@ async def _anthropic_constraint(st: ServerState, body: pa._MessagesBase, initial
     Anthropic's flat tool fields (``tools[0].input_schema``)."""
     thinking_on = body.thinking is not None and body.thinking.type != "disabled"
     budget = body.thinking.budget_tokens if thinking_on and body.thinking.type == "enabled" else None
-    parallel = not (body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use)
     choice: Any = tool_choice
     if tool_choice == "named":
         choice = {"type": "function", "function": {"name": body.tool_choice.name}}
     try:
         [constraint] = await build_constraints(
             st, 1, setup=st.runtime.parser, initial=initial, response_format=response_format, tools=parse_tools,
-            tool_choice=choice, parallel_tool_calls=parallel, thinking_budget=budget, thinking=thinking_on)
+            tool_choice=choice, parallel_tool_calls=body.parallel_tool_use, thinking_budget=budget,
+            thinking=thinking_on)
     except ApiError as e:
         raise flat_tool_fields(e, "input_schema") from None
     return constraint

@@ -123,6 +123,11 @@ class _MessagesBase(_Lenient):
         return data
 
     @property
+    def parallel_tool_use(self) -> bool:
+        """Whether the reply may hold several tool calls (``tool_choice.disable_parallel_tool_use`` not set)."""
+        return not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
+
+    @property
     def omits_thinking(self) -> bool:
         """Whether thinking blocks are returned with their signature only (``thinking.display: "omitted"``)."""
         return self.thinking is not None and self.thinking.display == "omitted"
