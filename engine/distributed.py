@@ -300,12 +300,20 @@ class ShardedWeights:
         # quantizing on load, the loader's stream quantizes this rank's (floating-point) slices
         paired = fp8_loading.paired_scales(files, fmt.scale_suffix) if fmt is not None and not fmt.on_load else {}
         suffix = fmt.scale_suffix if fmt is not None else None
+        stacks: dict[str, dict[str, tuple[Path, str]]] = {}  # a kept layer's first fused stack, until its partner
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     module = name.rsplit(".", 1)[0]
                     if module in paired and name.endswith(suffix):
                         continue  # read with its weight
+                    stack = self._kept_stack(name)
+                    if stack is not None:
+                        pair = stacks.setdefault(stack[0], {})
+                        pair[stack[1]] = (f, name)
+                        if len(pair) == 2:
+                            yield from self._quantized_experts(stacks.pop(stack[0]))
+                        continue
                     rule = self.rule(name)
                     kept_fp8 = name.endswith(".weight") and self.keep_fp8 is not None and self.keep_fp8(module)
                     if kept_fp8 and fmt.on_load:
@@ -316,13 +324,50 @@ class ShardedWeights:
                         yield name, self._dequantized_shard(sf, name, rule, fmt, paired[module][0], f)
                     else:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
+        for pair in stacks.values():  # partnerless: the loader's quantizer names what is missing
+            for f, name in pair.values():
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                    yield name, _read_shard(sf, name, self.rule(name), self.tp, f)
+
+    def _kept_stack(self, name: str) -> tuple[str, str] | None:
+        """`fp8_loading.fused_expert_stack` of a fused expert stack that ``--quantization fp8`` quantizes (the
+        loader keeps its experts packed), else None."""
+        stack = fp8_loading.fused_expert_stack(name)
+        if stack is None or self.fp8 is None or not self.fp8.on_load or self.keep_fp8 is None:
+            return None
+        return stack if self.keep_fp8(stack[0] + ("0.gate_proj" if stack[1] == "gate_up_proj" else "0.down_proj")) \
+            else None
+
+    def _quantized_experts(self, pair: dict[str, tuple[Path, str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``--quantization fp8`` on one layer's fused expert stacks: each expert read whole and quantized per output
+        channel as one process does (`fp8_loading.quantized_expert`), then this rank's share of its gate, up and down
+        weights and scales (down's scales come from whole rows, not this rank's half of them)."""
+        (f13, n13), (f2, n2) = pair["gate_up_proj"], pair["down_proj"]
+        with safe_open(str(f13), framework="pt", device="cpu") as a, \
+                safe_open(str(f2), framework="pt", device="cpu") as b:
+            s13, s2 = a.get_slice(n13), b.get_slice(n2)
+            dims = fp8_loading.fused_expert_dims(list(s13.get_shape()), list(s2.get_shape()))
+            if dims is None:  # the loader's quantizer names both shapes
+                yield n13, _read_shard(a, n13, self.rule(n13), self.tp, f13)
+                yield n2, _read_shard(b, n2, self.rule(n2), self.tp, f2)
+                return
+            inter, _, transposed = dims
+            prefix = n13[: -len("gate_up_proj")]
+            for e in range(s13.get_shape()[0]):
+                for name, q in fp8_loading.quantized_expert(f"{prefix}{e}.", s13[e:e + 1][0], s2[e:e + 1][0],
+                                                                inter, transposed):
+                    yield from self._share(name, q, self.rule(name), f13)
 
     def _quantized_shard(self, sf: Any, name: str, rule: tuple, fmt: fp8_loading.FP8Format,
                          source: Path) -> Iterator[tuple[str, torch.Tensor]]:
         """``--quantization fp8``: the whole weight quantized per output channel, then this rank's slice of it and
         of its scales, so every rank holds exactly its share of what one process would (a row-parallel slice's
         scales come from whole rows)."""
-        q = fp8_block.quantize(sf.get_tensor(name), fmt.block)
+        yield from self._share(name, fp8_block.quantize(sf.get_tensor(name), fmt.block), rule, source)
+
+    def _share(self, name: str, q: fp8_block.FP8BlockTensor, rule: tuple,
+               source: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's slice of the per-channel quantized weight ``name`` and of its ``[N, 1]`` scales."""
         kept = _kept_ranges(list(q.weight.shape), name, rule, self.tp, source)
         if kept is None:
             yield name, q.weight

@@ -509,11 +509,18 @@ def _quantized_experts(prefix: str, gate_up: torch.Tensor, down: torch.Tensor,
                                 "[E, I, H]")
     inter, _, transposed = dims
     for e in range(gate_up.shape[0]):
-        w13, w2 = (gate_up[e].T, down[e].T) if transposed else (gate_up[e], down[e])
-        q13 = fp8_block.quantize(w13, ON_LOAD.block)  # one scale per row: gate's and up's are their own
-        for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
-            yield f"{prefix}{e}.{proj}.weight", q13.weight[rows]
-            yield f"{prefix}{e}.{proj}{SCALE}", q13.scale[rows]
-        q2 = fp8_block.quantize(w2, ON_LOAD.block)
-        yield f"{prefix}{e}.down_proj.weight", q2.weight
-        yield f"{prefix}{e}.down_proj{SCALE}", q2.scale
+        for name, q in quantized_expert(f"{prefix}{e}.", gate_up[e], down[e], inter, transposed):
+            yield name, q.weight
+            yield name[: -len(".weight")] + SCALE, q.scale
+
+
+def quantized_expert(prefix: str, gate_up: torch.Tensor, down: torch.Tensor, inter: int,
+                     transposed: bool) -> Iterator[tuple[str, fp8_block.FP8BlockTensor]]:
+    """One expert of a fused stack (its ``[2I, H]`` and ``[H, I]`` slices, or ``[H, 2I]`` and ``[I, H]`` when
+    ``transposed``) as ``{prefix}{gate,up,down}_proj.weight`` names, each with its per-output-channel e4m3 weight
+    and ``[N, 1]`` scales."""
+    w13, w2 = (gate_up.T, down.T) if transposed else (gate_up, down)
+    q13 = fp8_block.quantize(w13, ON_LOAD.block)  # one scale per row: gate's and up's are their own
+    for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, None))):
+        yield f"{prefix}{proj}.weight", fp8_block.FP8BlockTensor(q13.weight[rows], q13.scale[rows], ON_LOAD.block)
+    yield f"{prefix}down_proj.weight", fp8_block.quantize(w2, ON_LOAD.block)

@@ -381,6 +381,31 @@ def test_quantization_fp8_quantizes_fused_expert_stacks(tiny_moe_dir, tmp_path, 
     assert ((got - want).norm() / want.norm()).item() < 0.15  # e4m3 rounding, not wrong weights
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["transformers", "released"])
+def test_two_ranks_quantize_fused_expert_stacks_as_one_process(tiny_moe_dir, tmp_path, transposed):
+    """``--quantization fp8`` over two ranks on fused expert stacks: each rank holds exactly its slice of every
+    expert as one process quantizes it. down_proj's per-row scales come from whole rows, not the rank's half of
+    each row (TP=2 was valid FP8 but not bit-exact with TP=1)."""
+    from ember.engine import distributed
+
+    fused = save_fused_experts(tiny_moe_dir, tmp_path / "fused", transposed)
+    with safe_open(str(tiny_moe_dir / "model.safetensors"), framework="pt") as f:
+        experts = {k: f.get_tensor(k) for k in f.keys() if ".mlp.experts." in k}
+    for rank in (0, 1):
+        stream = distributed.iter_shard_weights(fused, distributed.TensorParallel(rank, 2), fp8=fp8_loading.ON_LOAD)
+        stream.keep_fp8 = lambda module: ".mlp.experts." in module
+        got = dict(fp8_loading.dequantized(stream, fp8_loading.ON_LOAD, "fused", stream.keep_fp8))
+        for name, w in experts.items():
+            want = fp8_block.quantize(w, fp8_loading.ON_LOAD.block)
+            n, k = want.weight.shape
+            down = name.endswith("down_proj.weight")
+            cols = slice(rank * k // 2, (rank + 1) * k // 2) if down else slice(None)
+            rows = slice(None) if down else slice(rank * n // 2, (rank + 1) * n // 2)
+            scale = got[name[: -len(".weight")] + fp8_loading.SCALE]
+            assert torch.equal(got[name].float(), want.weight[rows, cols].float()), name
+            assert torch.equal(scale, want.scale[rows]), name
+
+
 def test_quantization_fp8_quantizes_mixtral_named_experts(tmp_path, demo_model_dir):
     """Mixtral's (and MiniMax-M2's) experts, ``block_sparse_moe.experts.{e}.w1/w3/w2``, are quantized too."""
     from transformers import MixtralConfig, MixtralForCausalLM
