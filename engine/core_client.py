@@ -57,6 +57,7 @@ class ProcessEngineClient:
         self._lora_calls: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._stats: EngineStats | None = None
         self._dead: str | None = None
+        self._fatal: str | None = None  # what the engine process reported before it stopped itself
         self._stopping = False
         self.on_death: list[Callable[[str], None]] = []
         self.steps_received = 0
@@ -226,6 +227,8 @@ class ProcessEngineClient:
                     return
                 self.process.join(1)
                 reason = f"the engine process died (exit code {self.process.exitcode})"
+                if self._fatal is not None:
+                    reason += f": {self._fatal}"
                 log.error("%s; failing every request in flight", reason)
                 self._dead = reason
                 self._fail_all(reason)
@@ -266,6 +269,7 @@ class ProcessEngineClient:
                 error = None if msg[2] is None else ValueError(msg[2])
                 loop.call_soon_threadsafe(settle, fut, error, msg[3])
         elif kind == "fatal":
+            self._fatal = msg[1]
             log.error("engine process: %s", msg[1])
 
     def _fail_all(self, reason: str) -> None:

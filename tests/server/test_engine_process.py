@@ -136,6 +136,27 @@ def test_stopping_a_client_whose_engine_died_unnoticed_returns(demo_model_dir, m
     assert done.wait(20), "shutdown() is stuck sending to the dead engine process"
 
 
+def test_a_dead_tensor_parallel_worker_is_named_in_the_engines_death_reason(demo_model_dir):
+    """A tensor-parallel worker killed under a running engine: the engine process reports why it stops before it
+    exits, and the front end's death reason (what /health and later requests answer) names the worker, not only
+    the engine process's own exit code."""
+    from ember.engine.args import EngineArgs
+
+    client = ProcessEngineClient(demo_model_dir, EngineArgs(tensor_parallel_size=2, cpu_threads=1,
+                                                            kv_cache_blocks=64))
+    try:
+        pid = client.process.pid
+        (worker,) = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        os.kill(int(worker), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while client.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.death_reason == ("the engine process died (exit code 1): tensor-parallel worker "
+                                       "ember-tp-worker-1 died unexpectedly (exit code -9); the engine stops")
+    finally:
+        client.shutdown()
+
+
 def test_sigterm_cuts_the_streams_still_running_at_the_shutdown_deadline(demo_model_dir, tmp_path):
     """On SIGTERM the server drains for --shutdown-timeout: a client still reading a long stream then learns why it
     ended (the error event, then [DONE], before its connection closes); a client that holds its stream open without
