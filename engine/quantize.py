@@ -40,8 +40,10 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def _is_stack(name: str) -> bool:
-    """A fused expert stack under ``mlp.experts`` (`fp8_loading.fused_expert_stack`)."""
-    return ".mlp.experts." in name and fp8_loading.fused_expert_stack(name) is not None
+    """A fused expert stack under ``mlp.experts`` (Llama 4's ``feed_forward.experts``; see
+    `fp8_loading.fused_expert_stack`)."""
+    return (".mlp.experts." in name or ".feed_forward.experts." in name) \
+        and fp8_loading.fused_expert_stack(name) is not None
 
 
 def _fused_stacks(files: list[Path]) -> dict[str, list[int]]:

@@ -26,6 +26,10 @@ from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import qwen3_moe
 from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, language_model_name
 from ember.kernels import moe_reference
+from ember.kernels.nvfp4 import NVFP4Tensor
+
+
+_PER_ROW_QK = tuple(f".self_attn.{p}_proj.{leaf}" for p in "qk" for leaf in ("weight", "bias", "weight_scale"))
 
 
 class WeightlessRMSNorm(nn.Module):
@@ -57,7 +61,11 @@ class Llama4MoE(qwen3_moe.SparseMoeBlock):
         if nvfp4_loading.use_triton(x.device):
             from ember.kernels import moe
 
-            routed = moe.fused_moe(routed_in, w13, w2, ones, ids)
+            if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
+                routed = moe.fused_moe_nvfp4(routed_in, w13, w2, ones, ids, self.experts.a13_scale,
+                                             self.experts.a2_scale)
+            else:
+                routed = moe.fused_moe(routed_in, w13, w2, ones, ids)
         else:
             routed = moe_reference.fused_moe(routed_in, w13, w2, ones, ids)
         return routed + self.shared_expert.local(x)  # reduced with the routed part
@@ -150,12 +158,13 @@ class Llama4ForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         super().load_weights(self._halves(weights), source)
 
     def _halves(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """q/k projection rows of each head reordered from interleaved pairs to halves (even channels first)."""
+        """q/k projection rows of each head reordered from interleaved pairs to halves (even channels first), with
+        the per-row scales of a quantized projection (NVFP4's ``[N, K/16]`` block scales, per-channel FP8's
+        ``[N, 1]``) moved with their rows."""
         d = self.config.head_dim
         perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
         for name, tensor in weights:
-            if name.endswith((".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.q_proj.bias",
-                              ".self_attn.k_proj.bias")) and tensor.shape[0] % d == 0:
+            if name.endswith(_PER_ROW_QK) and tensor.dim() >= 1 and tensor.shape[0] % d == 0:
                 rows = tensor.reshape(tensor.shape[0] // d, d, *tensor.shape[1:])
                 tensor = rows[:, perm].reshape(tensor.shape)
             yield name, tensor
