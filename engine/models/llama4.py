@@ -29,7 +29,8 @@ from ember.kernels import moe_reference
 from ember.kernels.nvfp4 import NVFP4Tensor
 
 
-_PER_ROW_QK = tuple(f".self_attn.{p}_proj.{leaf}" for p in "qk" for leaf in ("weight", "bias", "weight_scale"))
+_PER_ROW_QK = tuple(f".self_attn.{p}_proj.{leaf}" for p in "qk" for leaf in ("weight", "bias", "weight_scale",
+                                                                              "weight_scale_inv"))
 
 
 class WeightlessRMSNorm(nn.Module):

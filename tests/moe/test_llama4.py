@@ -87,3 +87,36 @@ def test_quantize_nvfp4_runs_like_its_dequantized_weights(tiny_llama4_dir, tmp_p
     assert ((ember_logits(model, prompt) - want).norm() / want.norm()).item() < 1e-5
     monkeypatch.setenv("EMBER_MOE", "triton")  # the Triton interpreter on CPU
     assert ((ember_logits(ember_model(dst), prompt) - want).norm() / want.norm()).item() < 1e-4
+
+
+def test_quantization_fp8_runs_like_its_dequantized_weights(tiny_llama4_dir, tmp_path):
+    """``--quantization fp8`` on Llama 4: each projection's per-channel scales move with the q/k rows reordered for
+    the rotary halves, so Ember runs exactly the weights quantized and dequantized (the scales stayed in checkpoint
+    row order, a quarter of the logits' norm off)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ember.engine import fp8_loading
+    from ember.kernels import fp8_block
+    from tests.moe.conftest import ember_logits
+
+    def rounded(w: torch.Tensor) -> torch.Tensor:
+        return fp8_block.quantize(w, fp8_loading.ON_LOAD.block).dequantize()
+
+    with safe_open(str(tiny_llama4_dir / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for name, w in tensors.items():
+        if name.endswith("proj.weight") and ".layers." in name:
+            tensors[name] = rounded(w)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, H, 2I], [E, I, H]: rows are outputs
+            tensors[name] = torch.stack([rounded(e.T).T for e in w])
+    ref = tmp_path / "rounded"
+    ref.mkdir()
+    save_file(tensors, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    for other in tiny_llama4_dir.iterdir():
+        if other.name != "model.safetensors":
+            (ref / other.name).write_bytes(other.read_bytes())
+    prompt = prompts(1, seed=7, min_len=12, max_len=12)[0]
+    want = ember_logits(ember_model(ref), prompt)
+    got = ember_logits(ember_model(tiny_llama4_dir, quantization="fp8"), prompt)
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
