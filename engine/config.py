@@ -226,6 +226,10 @@ class ModelConfig:
                     rope_scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
                 elif rope_scaling.get("original_max_position_embeddings") is None:
                     rope_scaling["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
+            if kind == "yarn" and rope_scaling.get("factor") is None and cfg.get("max_position_embeddings"):
+                # transformers' implicit YaRN factor: the served length over the pretrained one
+                pretrained = rope_scaling["original_max_position_embeddings"]
+                rope_scaling["factor"] = cfg["max_position_embeddings"] / pretrained
             if kind in ("longrope", "su"):
                 rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         eos = cfg.get("eos_token_id")

@@ -85,9 +85,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
     if not scaling:
         return inv_freq, 1.0
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    factor = float(scaling.get("factor", 1.0))
     if kind == "default":
         return inv_freq, 1.0
+    if kind in ("linear", "llama3", "yarn") and scaling.get("factor") is None:
+        raise ConfigError(f"config.json: {kind} RoPE scaling needs rope_scaling.factor")
+    factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor, 1.0
     if kind == "llama3":

@@ -197,7 +197,8 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 16),  # ... over the dict's
     (_LLAMA3, None),  # llama3 without one: max_position_embeddings
     (_LLAMA3, 16),
-], ids=["yarn-top", "yarn-top-over-dict", "llama3-none", "llama3-top"])
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16}, None),  # implicit: 64 / 16
+], ids=["yarn-top", "yarn-top-over-dict", "llama3-none", "llama3-top", "yarn-null-factor"])
 def test_rope_original_max_position_embeddings_as_transformers_reads_it(rope, top, tmp_path, demo_model_dir):
     path = _tiny(tmp_path, demo_model_dir, "LlamaForCausalLM", "LlamaConfig", head_dim=16, max_position_embeddings=64,
                  rope_parameters=dict(rope, rope_theta=10000.0))
