@@ -48,8 +48,10 @@ def listed_items(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         listed = {"type": kind, **item}
-        listed.setdefault("id", new_item_id(kind))
-        listed.setdefault("status", "completed")
+        if listed.get("id") is None:  # absent or JSON null (the SDK's model_dump() writes null)
+            listed["id"] = new_item_id(kind)
+        if listed.get("status") is None:
+            listed["status"] = "completed"
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             listed["content"] = [{"type": part, "text": item["content"]}]

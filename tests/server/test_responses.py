@@ -393,11 +393,13 @@ def test_a_client_that_hangs_up_aborts_its_response(demo_server, stream):
 
 
 def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
+    """Every item gets an id and a status, also one sent with them null (the SDK's model_dump() writes null): a
+    null id left in the list ended the SDK's paging, which had no cursor to go on from."""
     client = demo_server.openai()
     r = client.responses.create(model=demo_server.model, max_output_tokens=1, input=[
         {"role": "user", "content": "Weather?"},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}", "id": "fc_given"},
-        {"type": "function_call_output", "call_id": "call_1", "output": "18C"}])
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C", "id": None, "status": None}])
     asc = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # the SDK follows `after` pages
     assert [i.type for i in asc] == ["message", "function_call", "function_call_output"]
     assert asc[0].content[0].type == "input_text" and asc[0].content[0].text == "Weather?"
