@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from . import anthropic_turns
 from . import content_format as cf
 from . import protocol_anthropic as pa
 from . import protocol_openai as po
@@ -187,58 +188,69 @@ def _tool_result_text(block: pa.ToolResultBlock, field: str) -> Content:
 
 def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
                        messages: Sequence[pa.Message]) -> list[dict[str, Any]]:
-    """Anthropic system + messages -> template messages: `thinking` blocks become the assistant's
-    `reasoning_content`, `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages. A system without
-    text (``""``, ``[]``, empty blocks) is no system turn, so the template's default system prompt stays."""
+    """Anthropic system + messages -> template messages, one per turn (`anthropic_turns`: consecutive messages of a
+    role combined, tool results in call order): `thinking` blocks become the assistant's `reasoning_content`,
+    `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages. A system without text (``""``, ``[]``,
+    empty blocks) is no system turn, so the template's default system prompt stays."""
     out: list[dict[str, Any]] = []
     if system is not None:
         text: Content = system if isinstance(system, str) else _texts(system, "system")
         if "".join(text):
             out.append({"role": "system", "content": text})
-    for i, m in enumerate(messages):
-        field = f"messages[{i}].content"
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+    conversation = anthropic_turns.turns(messages)
+    for t, turn in enumerate(conversation):
+        if turn.text is not None:
+            out.append({"role": turn.role, "content": turn.text})
+        elif turn.role == "assistant":
+            out.append(_assistant_turn(turn, last=t == len(conversation) - 1))
+        else:
+            out.extend(_user_turn(turn))
+    return out
+
+
+def _assistant_turn(turn: anthropic_turns.Turn, last: bool) -> dict[str, Any]:
+    text, thinking, calls = [], [], []
+    for where, b in turn.blocks:
+        if b.type == "text":
+            text.append(b.text)
+        elif b.type == "thinking":
+            thinking.append(b.thinking)
+        elif b.type == "redacted_thinking":
             continue
-        if m.role == "assistant":
-            text, thinking, calls = [], [], []
-            for j, b in enumerate(m.content):
-                if b.type == "text":
-                    text.append(b.text)
-                elif b.type == "thinking":
-                    thinking.append(b.thinking)
-                elif b.type == "redacted_thinking":
-                    continue
-                elif b.type in ("tool_use", "server_tool_use"):
-                    calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
-                else:
-                    raise bad_request(f"content block type {b.type!r} is not allowed in an assistant message",
-                                      param=f"{field}[{j}].type")
-            msg: dict[str, Any] = {"role": "assistant", "content": text}
-            if thinking:
-                set_reasoning(msg, "".join(thinking))
-            if calls:
-                if i == len(messages) - 1:  # a continued reply cannot start after calls the template renders
-                    raise bad_request("the final assistant message ends with tool_use blocks: send their results "
-                                      "as tool_result blocks in a following user message", param=field)
-                msg["tool_calls"] = calls
-            out.append(msg)
-            continue
-        pending_text: list[str] = []
-        for j, b in enumerate(m.content):
-            if b.type == "text":
-                pending_text.append(b.text)
-            elif b.type == "tool_result":
-                if pending_text:
-                    out.append({"role": "user", "content": pending_text})
-                    pending_text = []
-                content = _tool_result_text(b, f"{field}[{j}]")
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
-            else:
-                raise bad_request(f"content block type {b.type!r} is not supported in a user message by this "
-                                  "text-only model", param=f"{field}[{j}].type")
-        if pending_text or not m.content:
-            out.append({"role": "user", "content": pending_text})
+        elif b.type in ("tool_use", "server_tool_use"):
+            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+        else:
+            raise bad_request(f"content block type {b.type!r} is not allowed in an assistant message",
+                              param=f"{where}.type")
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        set_reasoning(msg, "".join(thinking))
+    if calls:
+        if last:  # a continued reply cannot start after calls the template renders
+            raise bad_request("the final assistant message ends with tool_use blocks: send their results as "
+                              "tool_result blocks in a following user message",
+                              param=f"messages[{turn.index}].content")
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _user_turn(turn: anthropic_turns.Turn) -> list[dict[str, Any]]:
+    """A user turn's messages: its tool results as `tool` messages, the texts between them as user messages."""
+    out: list[dict[str, Any]] = []
+    pending_text: list[str] = []
+    for where, b in turn.blocks:
+        if b.type == "text":
+            pending_text.append(b.text)
+        elif b.type == "tool_result":
+            if pending_text:
+                out.append({"role": "user", "content": pending_text})
+                pending_text = []
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, where)})
+        else:
+            raise bad_request(f"content block type {b.type!r} is not supported in a user message by this text-only "
+                              "model", param=f"{where}.type")
+    if pending_text or not turn.blocks:
+        out.append({"role": "user", "content": pending_text})
     return out
 
 
