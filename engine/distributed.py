@@ -579,8 +579,10 @@ class DriverRunner(ModelRunner):
     def dead_worker(self, wait: float = 0.0) -> str | None:
         """Why this group is broken when a worker process has exited (waiting up to ``wait`` seconds for one to
         exit), naming it and its exit code; None while every worker runs."""
-        if wait > 0 and self.workers:
-            wait_for_any([p.sentinel for p in self.workers], timeout=wait)
+        ended = wait_for_any([p.sentinel for p in self.workers], timeout=wait) if self.workers else []
+        for p in self.workers:
+            if p.sentinel in ended:
+                p.join(5.0)  # its sentinel closes as it exits, a moment before it can be reaped
         dead = next((p for p in self.workers if not p.is_alive()), None)
         if dead is None:
             return None
