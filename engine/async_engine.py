@@ -58,6 +58,7 @@ class AsyncEngine:
         self._commands: deque[tuple[Any, ...]] = deque()
         self._streams: dict[str, OutputStream] = {}
         self._stopped = False
+        self._death: str | None = None  # why the loop stopped on its own (a dead tensor-parallel worker)
         self._thread = threading.Thread(target=self._run, name="ember-engine-loop", daemon=True)
         self._thread.start()
 
@@ -120,6 +121,10 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopped
+
+    @property
+    def death_reason(self) -> str | None:
+        return self._death
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread (which then shuts the engine down, stopping any tensor-parallel workers); requests
@@ -193,14 +198,18 @@ class AsyncEngine:
             loop.call_soon_threadsafe(settle, fut, None, adapters)
 
     def _run(self) -> None:
+        # with tensor-parallel workers, an idle loop still looks for one that died every second
+        idle_wait = 1.0 if getattr(self.engine.runner, "dead_worker", None) is not None else None
         while True:
             with self._cond:
                 while not self._stopped and not self._commands and not self.engine.has_unfinished():
-                    self._cond.wait()
+                    if not self._cond.wait(idle_wait) and self._group_broken([]):
+                        break
                 if self._stopped:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+            outputs: list[RequestOutput] = []
             try:
                 for cmd in commands:
                     self._apply(cmd)
@@ -209,18 +218,35 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if self.engine.num_steps != n0:
                         self._clock.add(time.perf_counter() - t0)
-                    self._deliver(outputs)
             except Exception as e:  # a bug outside the forward: fail what is in flight, keep serving
                 log.exception("engine loop error")
                 try:
-                    self._deliver(self.engine.fail_all(f"engine error: {type(e).__name__}: {e}"))
+                    outputs = self.engine.fail_all(f"engine error: {type(e).__name__}: {e}")
                 except Exception:
                     log.exception("could not fail the in-flight requests")
+            failed = any(o.finish_reason == "error" and not o.rejected for o in outputs)
+            if failed and self._group_broken(outputs, wait=self.engine.failed_step_wait_s):
+                break
+            self._deliver(outputs)
         self._close_streams()
         try:  # the loop thread owns the engine, so it is the one to stop tensor-parallel workers
             self.engine.shutdown()
         except Exception:
             log.exception("engine shutdown failed")
+
+    def _group_broken(self, outputs: list[RequestOutput], wait: float = 0.0) -> bool:
+        """True once a tensor-parallel worker has died (`Engine.broken_group`): every request then ends with an
+        error naming it, the engine is dead (`death_reason`, so the server answers 503 and stops) and the loop must
+        stop: the group cannot run another step."""
+        broken = self.engine.broken_group(outputs, wait)
+        if broken is None:
+            return False
+        self._death, ended = broken
+        log.error("%s", self._death)
+        self._deliver(ended)
+        with self._cond:
+            self._stopped = True
+        return True
 
     def _close_streams(self) -> None:
         with self._cond:

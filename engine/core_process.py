@@ -131,7 +131,7 @@ class _Core:
                     self.clock.add(time.perf_counter() - t0)
                 # a worker that died breaks the step's collectives; its exit may trail the broken connection
                 failed = any(o.finish_reason == "error" and not o.rejected for o in outputs)
-                if failed and self._group_broken(outputs, wait=1.0):
+                if failed and self._group_broken(outputs, wait=self.engine.failed_step_wait_s):
                     return
                 if outputs:
                     self._send_step(outputs)
@@ -145,17 +145,13 @@ class _Core:
                     return
 
     def _group_broken(self, outputs: list[RequestOutput], wait: float = 0.0) -> bool:
-        """True once a tensor-parallel worker has died (waiting up to ``wait`` seconds for one to exit): every
-        request, those that end in ``outputs`` included, then ends with an error naming the worker, a ``fatal``
-        event follows, and the loop must stop (the group cannot run another step)."""
-        dead_worker = getattr(self.engine.runner, "dead_worker", None)
-        reason = dead_worker(wait) if dead_worker is not None else None
-        if reason is None:
+        """True once a tensor-parallel worker has died (`Engine.broken_group`): every request, those that end in
+        ``outputs`` and those still building included, then ends with an error naming the worker, a ``fatal`` event
+        follows, and the loop must stop (the group cannot run another step)."""
+        broken = self.engine.broken_group(outputs, wait)
+        if broken is None:
             return False
-        self.fatal = f"{reason}; the engine stops"
-        ended = [dataclasses.replace(o, error=self.fatal) if o.finish_reason == "error" and not o.rejected else o
-                 for o in outputs]
-        ended += self.engine.fail_all(self.fatal)
+        self.fatal, ended = broken
         ended += [RequestOutput(rid, [], finished=True, finish_reason="error", error=self.fatal,
                                 num_prompt_tokens=len(prompt)) for rid, (_, prompt, _) in self.building.items()]
         self.building.clear()

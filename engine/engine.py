@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -676,6 +676,25 @@ class Engine:
         """Forget the recurrent-state snapshots a failed step was to save, so no later request restores them."""
         if self.scheduler.snapshots is not None:
             self.scheduler.snapshots.discard_pending()
+
+    failed_step_wait_s = 1.0
+    """How long a failed step waits for a tensor-parallel worker to exit (`broken_group`) before the failure is taken
+    as the step's own: the broken collective can reach the driver a moment before the worker's exit."""
+
+    def broken_group(self, outputs: list[RequestOutput],
+                     wait: float = 0.0) -> tuple[str, list[RequestOutput]] | None:
+        """When a tensor-parallel worker has died (waiting up to ``wait`` seconds for one to exit; its exit may
+        trail the broken collective): why (naming the worker; the engine can run no more steps), and every request
+        ended with that reason, those failing in ``outputs`` included. None while the group is whole or there is
+        none."""
+        dead_worker = getattr(self.runner, "dead_worker", None)
+        reason = dead_worker(wait) if dead_worker is not None else None
+        if reason is None:
+            return None
+        fatal = f"{reason}; the engine stops"
+        ended = [replace(o, error=fatal) if o.finish_reason == "error" and not o.rejected else o
+                 for o in outputs]
+        return fatal, ended + self.fail_all(fatal)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every unfinished request with finish_reason "error" (used when the step loop itself breaks)."""

@@ -174,6 +174,37 @@ def test_async_engine_with_two_ranks_matches_and_stops_its_workers(llama_dir):
     _assert_workers_exited(workers)
 
 
+def test_an_in_process_engine_stops_when_a_worker_dies(qwen3_dir):
+    """The engine loop in the server process (``--in-process``) with two ranks: a worker killed mid-request ends
+    the request with an error naming the worker, and the engine is then dead with that reason (the server answers
+    503 and exits 1). Before, /health stayed 200 and every later request failed on the broken group."""
+    import time
+
+    ae = AsyncEngine.from_pretrained(str(qwen3_dir), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    (worker,) = ae.engine.runner.workers
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    async def killed_midway():
+        outputs = []
+        async for o in ae.generate(_prompts()[0], params):
+            if not outputs:
+                worker.kill()
+            outputs.append(o)
+        return outputs
+
+    reason = "tensor-parallel worker ember-tp-worker-1 died unexpectedly (exit code -9); the engine stops"
+    try:
+        last = asyncio.run(killed_midway())[-1]
+        assert (last.finish_reason, last.error) == ("error", reason)
+        deadline = time.monotonic() + 10
+        while ae.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ae.is_alive() and ae.death_reason == reason
+    finally:
+        ae.shutdown()
+    assert not worker.is_alive()
+
+
 def _all_at_once(engine: Engine, prompts: list[list[int]], counter=None) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens of ``prompts`` added together, and the host reads of each step (with a ``SyncCounter``)."""
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
