@@ -272,7 +272,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None,
                                  stop_token_ids=base.stop_token_ids, skip_special_tokens=body.skip_special_tokens,
-                                 min_tokens=body.min_tokens, ignore_eos=body.ignore_eos)
+                                 min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_ids=ids)
             choices.append(ChoiceSpec(ids, seeded(base, j), pipe))
             echoes.append(text)
             echo_offsets.append(offsets)
@@ -299,7 +299,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
         """The start chunks, then each engine step's chunks: one group per body message of the stream."""
         tb = token_names(rt.token_bytes.token_bytes, meta)
         encs = [CompletionChoiceEncoder(meta, i, tb, echo=echoes[i], prompt_tokens=len(c.prompt_ids),
-                                        echo_offsets=echo_offsets[i])
+                                        echo_offsets=echo_offsets[i], prompt=c.pipeline.prompt_context)
                 for i, c in enumerate(choices)]
         yield [ch for i, e in enumerate(encs) for ch in e.start(choices[i].prompt_ids)]
         async with aclosing(run_choices(rt, req, st.metrics)) as steps:

@@ -26,7 +26,7 @@ from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import DELIMITER, PENDING, OutputPipeline, ParserSetup, PipelineStep
 from ember.parsers.profiles import Profile, detect_profile, get_profile
-from ember.parsers.tokens import TokenBytes
+from ember.parsers.tokens import PromptContext, TokenBytes
 
 from . import chat
 from . import content_format as cf
@@ -231,22 +231,27 @@ class GenRequest:
 def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
                   include_stop_str_in_output: bool, tools: Sequence[dict] | None,
                   stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None,
-                  min_tokens: int = 0, ignore_eos: bool = False) -> OutputPipeline:
+                  min_tokens: int = 0, ignore_eos: bool = False,
+                  prompt_ids: Sequence[int] | None = None) -> OutputPipeline:
     """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
     text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
     ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
     is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text. A stop
     string ends the reply only past the first ``min_tokens`` tokens (vLLM's rule). With ``ignore_eos`` an EOS is
     an ordinary special token, as in vLLM: it ends no turn, adds no text (unless ``skip_special_tokens`` is false)
-    and splits neither a character nor a stop string (`ParserSetup.ignorable_eos_ids`)."""
+    and splits neither a character nor a stop string (`ParserSetup.ignorable_eos_ids`). With ``prompt_ids`` (a raw
+    completion, whose prompt is not a template's) the text continues the prompt's (`PromptContext`: a character the
+    prompt left unfinished, a SentencePiece leading space after a prompt with no text)."""
     passed = setup.ignorable_eos_ids if ignore_eos else frozenset()
     drop = setup.dropped_ids(skip_special_tokens)
+    context = PromptContext() if prompt_ids is None else PromptContext.of(setup.tb, prompt_ids, drop)
     if skip_special_tokens is False:
         drop -= passed
     return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
                           min_tokens=min_tokens, tools=list(tools) if tools else None, call_id=new_call_id,
                           parse_tools=bool(tools), special_ids_to_drop=drop, passed_ids=passed,
-                          ending_ids=() if include_stop_str_in_output else frozenset(stop_token_ids))
+                          ending_ids=() if include_stop_str_in_output else frozenset(stop_token_ids),
+                          prompt_context=context)
 
 
 def _end_reason(engine_reason: str | None) -> str:

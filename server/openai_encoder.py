@@ -22,7 +22,7 @@ from ember.parsers.events import (ContentDelta, Event, Malformed, ReasoningDelta
                                   ToolCallStart)
 from ember.parsers.pipeline import DROPPED
 from ember.parsers.result import fold
-from ember.parsers.tokens import TokenBytes
+from ember.parsers.tokens import PromptContext, TokenBytes
 
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 
@@ -377,9 +377,13 @@ class CompletionChoiceEncoder:
     """Turns one choice's steps into `text_completion` chunks (the legacy completions API: all text is `text`)."""
 
     def __init__(self, meta: ChunkMeta, index: int, token_bytes: TokenBytesFn, *, echo: str | None = None,
-                 prompt_tokens: int = 0, echo_offsets: Sequence[int] | None = None):
+                 prompt_tokens: int = 0, echo_offsets: Sequence[int] | None = None,
+                 prompt: PromptContext = PromptContext()):
         """``echo_offsets``: the prompt tokens' ``text_offset``s in ``echo`` (`prompt_text_offsets`), for an echo
-        with logprobs."""
+        with logprobs. ``prompt``: the context the choice's pipeline continued (its ``prompt_context``), which the
+        generated tokens' offsets follow. An echo is the prompt's text as it reads alone, the output's as it continues
+        it (vLLM's concatenation): a character the prompt left unfinished is U+FFFD in the echo and whole in the
+        output when the output finishes it."""
         self.meta = meta
         self.index = index
         self.tb = token_bytes
@@ -388,7 +392,7 @@ class CompletionChoiceEncoder:
         self.echo_offsets = list(echo_offsets) if echo_offsets is not None else None
         self.prompt_ids: list[int] = []
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
-        self.offsets = TextOffsets(len(echo or ""))  # the generated tokens' `text_offset`s, after the echo
+        self.offsets = TextOffsets(len(echo or ""), prompt)  # the generated tokens' `text_offset`s, after the echo
         self.text_len = 0  # characters of `text` sent so far (the echo's included)
         self.waiting: list[tuple[TokenInfo, int]] = []  # with logprobs: tokens starting past the text sent
         self.num_tokens = 0
@@ -529,12 +533,16 @@ def literal_prompt_offsets(tb: TokenBytes, ids: Sequence[int], plain: Sequence[i
 class TextOffsets:
     """Legacy ``text_offset``s: where, in the text that tokens' bytes decode to (after ``length`` characters already
     there), each token's text starts, i.e. the character holding its first byte; a token inside a character split
-    across tokens shares that character's offset, and a token that completes no character advances nothing."""
+    across tokens shares that character's offset, and a token that completes no character advances nothing. The text
+    continues ``prompt`` as the output pipeline's does: its first bytes may finish the prompt's unfinished character
+    (which starts at ``length``), and its leading space may be dropped."""
 
-    __slots__ = ("_decoder", "length")
+    __slots__ = ("_decoder", "length", "_strip")
 
-    def __init__(self, length: int = 0) -> None:
+    def __init__(self, length: int = 0, prompt: PromptContext = PromptContext()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoder.decode(prompt.tail)
+        self._strip = prompt.strip_space
         self.length = length
 
     def next(self, raw: bytes) -> int:
@@ -543,7 +551,11 @@ class TextOffsets:
         at = self.length
         if held and raw and not _continues(held, raw[0]):
             at += len(held.decode("utf-8", "replace"))  # the held bytes end as U+FFFD before this token's text
-        self.length += len(self._decoder.decode(raw))
+        text = self._decoder.decode(raw)
+        if self._strip and text:
+            self._strip = False
+            text = text[1:] if text[0] == " " else text
+        self.length += len(text)
         return at
 
 

@@ -18,6 +18,7 @@ from ember.parsers.events import (ContentDelta, Dropped, Malformed, ReasoningDel
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import DELIMITER, DROPPED, PENDING, OutputPipeline, ParserSetup, parse_all
 from ember.parsers.result import fold
+from ember.parsers.tokens import PromptContext
 from tests.conftest import SHARED_DATA
 from tests.parsers.test_tokens import demo_tokenizer, load_token_bytes, load_tokenizer
 
@@ -396,15 +397,17 @@ def test_gpt_oss_harmony_replies(data):
 
 @settings(max_examples=int(os.environ.get("EMBER_PARSER_EXAMPLES", "40")), deadline=None)
 @given(st.sampled_from(["qwen3", "qwen3_coder", "hermes", "deepseek_r1", "none"]), st.sampled_from([R, C]),
-       st.integers(0, 2**32), st.booleans())
-def test_any_token_sequence_is_total_and_chunking_invariant(profile, initial, seed, with_stop):
-    """I13: random IDs (specials, delimiters, broken UTF-8 pieces included) never raise, in any chunking."""
+       st.integers(0, 2**32), st.booleans(),
+       st.sampled_from([PromptContext(), PromptContext(b"\xf0\x9f"), PromptContext(strip_space=True)]))
+def test_any_token_sequence_is_total_and_chunking_invariant(profile, initial, seed, with_stop, context):
+    """I13: random IDs (specials, delimiters, broken UTF-8 pieces included) never raise, in any chunking, whatever
+    the prompt left unfinished or whether it has text."""
     rnd = random.Random(seed)
     s = setup(profile)
     tok, tb = chatml()
     pool = list(s.delimiter_ids.values()) + [tb.added_token_id("<|im_start|>")]
     ids = [rnd.choice(pool) if rnd.random() < 0.25 else rnd.randrange(tb.vocab_size + 10) for _ in range(40)]
-    kw = {"tools": CODER_TOOLS, "stop": ["ab", "\n\n"] if with_stop else ()}
+    kw = {"tools": CODER_TOOLS, "stop": ["ab", "\n\n", " "] if with_stop else (), "prompt_context": context}
     p = pipe(s, initial, **kw)
     step = p.feed(ids)
     whole = fold(step.events + p.finish("length"))

@@ -136,7 +136,7 @@ def test_ember_serve_a_converted_llama2c_model(tmp_path):
         r = httpx.post(served.url + "/v1/completions", timeout=120, json={
             "model": "stories", "prompt": [1], "max_tokens": 256, "temperature": 0})
         assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"].removeprefix(" ") == expected
+        assert r.json()["choices"][0]["text"] == expected  # llama2.c prints no space first, as decode gives it
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")

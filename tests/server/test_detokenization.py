@@ -190,6 +190,23 @@ def test_the_token_that_completes_a_stop_string_points_inside_the_text(qwen3_ser
     assert offsets == [0, 3]
 
 
+def test_a_token_prompt_that_ends_inside_a_character_is_finished_by_the_output(qwen3_server):
+    """"Smile: " and 😀's first two bytes, then its last two and "!": the text is "😀!" as vLLM's (its detokenizer
+    primed with the prompt), streamed alike. An echo is the prompt as it reads alone ("Smile: �"), then that text
+    (vLLM's concatenation), and the generated tokens' offsets index the 😀 in it."""
+    prompt, gen = [10673, 457, 25, 220, 172, 253], [246, 222, 0]
+    assert qwen3_server.tokenizer.decode(prompt + gen) == "Smile: 😀!"
+    c = _post(qwen3_server, "/v1/completions", _forced(gen, prompt=prompt))["choices"][0]
+    assert (c["text"], c["token_ids"]) == ("😀!", gen)
+    assert _stream_completion(qwen3_server, _forced(gen, prompt=prompt))[:2] == ("😀!", gen)
+    body = _forced(gen, prompt=prompt, echo=True, logprobs=0)
+    c = _post(qwen3_server, "/v1/completions", body)["choices"][0]
+    assert c["text"] == "Smile: \ufffd😀!"
+    assert c["logprobs"]["text_offset"][len(prompt):] == [8, 8, 9]
+    text, _, _, offsets, _ = _stream_completion(qwen3_server, body)
+    assert (text, offsets) == (c["text"], c["logprobs"]["text_offset"])
+
+
 # ---------------------------------------------------------------------------------------------- echo (stories260K)
 
 @pytest.fixture(scope="module")
@@ -240,6 +257,21 @@ def test_echo_of_a_token_prompt_reads_as_the_tokenizer_decodes_it(stories_server
     gen = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0))["choices"][0]
     c = _post(stories_server, "/v1/completions", dict(prompt=ids, max_tokens=2, temperature=0, echo=True))
     assert c["choices"][0]["text"] == "Once upon" + gen["text"]
+
+
+def test_after_a_bos_only_prompt_the_text_has_no_leading_space(stories_server):
+    """The SentencePiece space of the first word is dropped when the prompt has no text, as `tokenizer.decode` and
+    vLLM drop it (not after a prompt with text: " a time"), so a stop string " " matches no phantom space."""
+    tok = stories_server.tokenizer
+    body = dict(prompt=[1], max_tokens=4, temperature=0, logprobs=0, return_token_ids=True)
+    c = _post(stories_server, "/v1/completions", body)["choices"][0]
+    assert c["text"] == tok.decode(c["token_ids"], skip_special_tokens=True) == "Once upon a time"
+    assert c["logprobs"]["text_offset"] == [0, 4, 9, 11]
+    text, _, _, offsets, _ = _stream_completion(stories_server, body)
+    assert (text, offsets) == ("Once upon a time", [0, 4, 9, 11])
+    assert _post(stories_server, "/v1/completions", dict(body, stop=[" "]))["choices"][0]["text"] == "Once"
+    after = _post(stories_server, "/v1/completions", dict(body, prompt=c["token_ids"][:2], max_tokens=2))
+    assert after["choices"][0]["text"] == " a time"
 
 
 # ------------------------------------------------------------------------------------------- stop_reason (vLLM's)
