@@ -269,7 +269,7 @@ class Sampler:
         floats = _Uploads(self._f32)
         if settings:
             floats.add("settings", [x for p in params for x in (
-                p.temperature, p.top_p, p.min_p, float(p.top_k if p.top_k > 0 else v), p.repetition_penalty,
+                p.temperature, p.top_p, p.min_p, float(min(p.top_k, v) if p.top_k > 0 else v), p.repetition_penalty,
                 p.frequency_penalty, p.presence_penalty)])
         if bias_vals:
             floats.add("bias_vals", bias_vals)

@@ -39,6 +39,8 @@ def test_top_k_top_p_min_p_keep_the_documented_tokens():
     assert set(_draw(SamplingParams(temperature=1.0, top_p=0.75))) == {0, 1, 2}
     assert set(_draw(SamplingParams(temperature=1.0, min_p=0.6))) == {0, 1}  # keep p >= 0.6 * 0.4
     assert set(_draw(SamplingParams(temperature=1.0))) == {0, 1, 2, 3}
+    # a top_k past any float (a 310-digit JSON integer) keeps every token; it failed the whole batch's step
+    assert set(_draw(SamplingParams(temperature=1.0, top_k=10**309))) == {0, 1, 2, 3}
     # min_p first, as vLLM: it keeps 0.4, 0.3, 0.2 (renormalised 4/9, 3/9, 2/9), whose 0.75 nucleus is the first two
     assert set(_draw(SamplingParams(temperature=1.0, min_p=0.4, top_p=0.75))) == {0, 1}
 
