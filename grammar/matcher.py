@@ -225,6 +225,7 @@ class GrammarBackend:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._specials: torch.Tensor | None = None
+        self._blanks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer: Any, *, vocab_size: int | None = None, eos_ids: Iterable[int] = (),
@@ -279,8 +280,9 @@ class GrammarBackend:
         llguidance builds its lexer lazily, so a grammar whose lexer runs out of fuel or states fails only at the mask
         that needs it; the probe catches what fails early on one path: at each step the first structure token the
         mask allows (a delimiter such as ``</think>`` or ``<tool_call>``, which leads out of free text), else its
-        lowest token. Its copy shares ``compiled``'s lexer, which a failure leaves broken (the grammar is then not
-        cached)."""
+        lowest token that is not whitespace alone, else its longest (whitespace before a JSON answer is bounded: the
+        longest runs out in a few steps, where one tab at a time used up the walk before the answer began). Its copy
+        shares ``compiled``'s lexer, which a failure leaves broken (the grammar is then not cached)."""
         probe = compiled.deep_copy()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.zeros(1, words, dtype=torch.int32)
@@ -293,7 +295,10 @@ class GrammarBackend:
             if probe.is_stopped() or not allowed.any():
                 return None
             special = (allowed & self._special_mask()).nonzero()
-            token = int(special[0] if len(special) else allowed.nonzero()[0])
+            blank, length = self._blanks_and_lengths()
+            solid = (allowed & ~blank).nonzero()
+            token = int(special[0] if len(special) else solid[0] if len(solid)
+                        else torch.where(allowed, length, -1).argmax())
             if not probe.consume_token(token):
                 return probe.get_error()
         return None
@@ -302,6 +307,14 @@ class GrammarBackend:
         if self._specials is None:
             self._specials = torch.tensor([self.ll_tokenizer.is_special_token(i) for i in range(self.vocab_size)])
         return self._specials
+
+    def _blanks_and_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which tokens are whitespace alone, and every token's length in bytes."""
+        if self._blanks is None:
+            pieces = [self.ll_tokenizer.decode_bytes([i]) for i in range(self.vocab_size)]
+            self._blanks = (torch.tensor([bool(b) and not b.strip() for b in pieces]),
+                            torch.tensor([len(b) for b in pieces]))
+        return self._blanks
 
     def _eos_mask(self) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)

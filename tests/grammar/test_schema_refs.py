@@ -134,6 +134,17 @@ def test_a_grammar_whose_lexer_gives_up_is_a_bad_request(hf_tok, backend):
         backend.constraint(plan)  # the same request again: still refused, never admitted half-broken
 
 
+def test_a_schema_that_fails_only_past_a_thought_is_a_bad_request(hf_tok, backend):
+    """``{"$ref": "#"}`` fails at the answer's first token: after ``</think>`` the admission walk takes the answer's
+    first solid token, not whitespace (which used up its steps, so the request was admitted and failed mid-reply)."""
+    profile = get_profile("qwen3")
+    fmt = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+    for initial in (InitialState.CONTENT, InitialState.REASONING):
+        plan = compile_request(profile, initial, profile_delimiter_ids(hf_tok, profile), response_format=fmt)
+        with pytest.raises(GrammarError, match=r"^response_format: invalid structured-output grammar"):
+            backend.constraint(plan)
+
+
 def test_a_lexer_failure_past_admission_fails_its_request_and_not_the_next(hf_tok, backend):
     """The lexer gives up only after a 40-character prefix (past what admission walks): that request ends with an
     error, EOS included, and an identical request gets a fresh grammar instead of an EOS-only mask."""
