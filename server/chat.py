@@ -117,10 +117,10 @@ def openai_messages(messages: Sequence[po.ChatMessage]) -> list[dict[str, Any]]:
         reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         if role == "assistant" and reasoning is not None:
             set_reasoning(msg, reasoning)
-        if m.tool_calls:
+        if m.tool_calls:  # an id the client left out stays out (templates test `id is defined`), as vLLM passes it
             msg["tool_calls"] = [
                 {
-                    "id": tc.id,
+                    **({"id": tc.id} if tc.id is not None else {}),
                     "type": "function",
                     "function": {
                         "name": tc.function.name,
@@ -267,10 +267,11 @@ def named_template(template: str | dict[str, str] | None, tools: list[dict[str, 
 def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list[dict[str, Any]], *,
            tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
            continue_final_message: bool = False, kwargs: dict[str, Any] | None = None, field: str = "messages",
-           content_format: cf.ContentFormat = "string") -> str:
+           content_format: cf.ContentFormat = "string", documents: list[dict[str, Any]] | None = None) -> str:
     """The prompt text, each message's content given to the template in ``content_format`` (``template``: the text,
-    a tokenizer's named templates, see `named_template`, or None for the tokenizer's own); a template that fails on
-    these messages is the request's fault (400 naming ``field``, the request field the messages came from)."""
+    a tokenizer's named templates, see `named_template`, or None for the tokenizer's own); ``documents`` (vLLM's RAG
+    field) go to the template as its ``documents`` (Granite, Command R render them); a template that fails on these
+    messages is the request's fault (400 naming ``field``, the request field the messages came from)."""
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
     bad = sorted(set(kwargs or {}) - set(extra))
     if bad:
@@ -293,7 +294,7 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
         return tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tokenize=False,
-            **extra)
+            documents=documents, **extra)
 
     try:
         try:

@@ -287,6 +287,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for the template to render (RAG)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role

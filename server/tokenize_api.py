@@ -32,6 +32,7 @@ class TokenizeRequest(po._Lenient):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -69,7 +70,7 @@ def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
     text = rt.render(chat.openai_messages(body.messages or []), tools=tools,
                      add_generation_prompt=body.add_generation_prompt,
                      continue_final_message=body.continue_final_message,
-                     kwargs=rt.template_kwargs(body.chat_template_kwargs))
+                     kwargs=rt.template_kwargs(body.chat_template_kwargs), documents=body.documents)
     rt.check_text_size(text, "messages")
     return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 

@@ -263,6 +263,31 @@ def test_gpt_oss_renders_a_tool_without_a_description(qwen3_tokenizer):
     assert "type get_weather = " in text and text == chat.render(qwen3_tokenizer, template, messages, tools=blank)
 
 
+def test_documents_reach_the_template(qwen3_tokenizer):
+    """vLLM's ``documents`` (RAG) field goes to the template, which renders them (Granite 3.3); it was dropped, and the
+    model answered without them."""
+    template = shared_path("templates", "llama.cpp", "ibm-granite-granite-3.3-2B-Instruct.jinja").read_text()
+    docs = [{"doc_id": 1, "title": "Paris", "text": "The secret code is 4711."}]
+    body = po.ChatCompletionRequest.model_validate({"model": "m", "documents": docs, "messages": [
+        {"role": "user", "content": "What is the secret code?"}]})
+    messages = chat.openai_messages(body.messages)
+    assert "4711" in chat.render(qwen3_tokenizer, template, messages, documents=body.documents)
+    assert "4711" not in chat.render(qwen3_tokenizer, template, messages)
+
+
+def test_a_replayed_tool_call_without_an_id_renders(qwen3_tokenizer):
+    """A call whose client left out ``id`` reaches the template without one, as vLLM passes it: Apriel's template
+    tests ``id is defined`` and concatenated a null (a 400)."""
+    template = shared_path("templates", "llama.cpp", "Apriel-1.6-15b-Thinker-fixed.jinja").read_text()
+    messages = _openai({"role": "user", "content": "Weather in Paris?"},
+                       {"role": "assistant", "content": None, "tool_calls": [
+                           {"type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                       {"role": "tool", "content": "18C"})
+    assert "id" not in messages[1]["tool_calls"][0]
+    assert "get_weather" in chat.render(qwen3_tokenizer, template, messages)
+
+
 def test_anthropic_thinking_sets_both_template_switches(rebuilt_server, demo_runtime):
     """DeepSeek-V3.1's template reads `thinking`, Qwen3's `enable_thinking`: `thinking` on /v1/messages sets both."""
     srv = rebuilt_server("{% for m in messages %}{{ m.content }}{% endfor %}"
