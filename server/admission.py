@@ -152,11 +152,15 @@ def check_generates(st: ServerState) -> None:
 def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_tokens: int = 0,
                 param: str = "messages") -> int:
     """Tokens the reply may have: the request's limit (unset: the sampling defaults' ``max_new_tokens``, when the
-    generation config has one), clamped to what the context and the whole KV cache leave (a sequence can never
-    outgrow the cache, so a larger limit would only be refused later, mid-stream). A prompt the engine would refuse
-    for its length is a 400 here, before any stream opens."""
+    generation config has one) within the server's cap (`SamplingDefaults.max_tokens_cap`), clamped to what the
+    context and the whole KV cache leave (a sequence can never outgrow the cache, so a larger limit would only be
+    refused later, mid-stream). A prompt the engine would refuse for its length is a 400 here, before any stream
+    opens."""
+    defaults = st.runtime.sampling_defaults
     if requested is None:
-        requested = st.runtime.sampling_defaults.max_new_tokens
+        requested = defaults.max_new_tokens
+    if defaults.max_tokens_cap is not None:
+        requested = defaults.max_tokens_cap if requested is None else min(requested, defaults.max_tokens_cap)
     limit = st.runtime.max_model_len
     if prompt_len >= limit:
         raise prompt_too_long(f"The prompt has {prompt_len} tokens, but this model's maximum context length is "

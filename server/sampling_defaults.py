@@ -4,19 +4,22 @@ leaves one unset takes (vLLM's ``--generation-config auto``; Qwen3,
 for instance, asks for temperature 0.6, top_p 0.95 and top_k 20). ``--generation-config vllm`` ignores them (each
 unset setting is then neutral: temperature 1, no truncation, no penalty); a folder reads its generation_config.json
 instead of the model's. ``--override-generation-config`` (vLLM's flag) sets some of them over whichever of those
-applies."""
+applies. As in vLLM, the override's ``max_new_tokens`` (or, with a folder, the folder's) is also a cap on every
+reply, a request's own limit included; the model's own ``max_new_tokens`` is only a default."""
 from __future__ import annotations
 
 import json
 import logging
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("ember.server")
 
 IGNORE = ("vllm", "none")
+_SETTINGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+"""The generation_config.json keys read (and the only ones ``--override-generation-config`` may set)."""
 
 
 @dataclass(frozen=True)
@@ -29,33 +32,34 @@ class SamplingDefaults:
     min_p: float | None = None
     repetition_penalty: float | None = None
     max_new_tokens: int | None = None
+    max_tokens_cap: int | None = None
+    """The most tokens any reply may have, whatever the request asks (vLLM's override_max_tokens)."""
 
     @classmethod
     def from_generation_config(cls, raw: dict[str, Any], source: str, strict: bool = False) -> "SamplingDefaults":
         """The usable settings of a generation_config.json (a value out of its range is logged and skipped; with
         ``strict``, ValueError naming it, as for a key that is not one of these settings)."""
         if strict:
-            unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+            unknown = sorted(set(raw) - set(_SETTINGS))
             if unknown:
-                raise ValueError(f"{source}: {', '.join(unknown)} not supported (only "
-                                 f"{', '.join(f.name for f in fields(cls))})")
+                raise ValueError(f"{source}: {', '.join(unknown)} not supported (only {', '.join(_SETTINGS)})")
         ranges = {"temperature": (0.0, 100.0), "top_p": (1e-9, 1.0), "top_k": (-1, 1 << 31), "min_p": (0.0, 1.0),
                   "repetition_penalty": (1e-9, 100.0), "max_new_tokens": (1, 1 << 31)}
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            v = raw.get(f.name)
+        for name in _SETTINGS:
+            v = raw.get(name)
             if v is None:
                 continue
-            lo, hi = ranges[f.name]
+            lo, hi = ranges[name]
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
-            if f.name in ("top_k", "max_new_tokens"):
+            if name in ("top_k", "max_new_tokens"):
                 ok = ok and float(v).is_integer()
             if not ok:
                 if strict:
-                    raise ValueError(f"{source}: {f.name} = {v!r} is not a usable value")
-                log.warning("%s: %s = %r is not a usable default; ignored", source, f.name, v)
+                    raise ValueError(f"{source}: {name} = {v!r} is not a usable value")
+                log.warning("%s: %s = %r is not a usable default; ignored", source, name, v)
                 continue
-            values[f.name] = int(v) if f.name in ("top_k", "max_new_tokens") else float(v)
+            values[name] = int(v) if name in ("top_k", "max_new_tokens") else float(v)
         return cls(**values)
 
     @classmethod
@@ -63,10 +67,13 @@ class SamplingDefaults:
         """``setting`` is ``--generation-config``: ``auto`` (the model's), ``vllm`` / ``none``, or a folder;
         ``override`` (``--override-generation-config``) sets values over it."""
         defaults = cls._from_setting(setting, model_dir)
+        given = cls.from_generation_config(override or {}, "--override-generation-config", strict=True)
         if override:
-            given = cls.from_generation_config(override, "--override-generation-config", strict=True)
-            defaults = replace(defaults, **{f.name: getattr(given, f.name) for f in fields(cls)
-                                            if getattr(given, f.name) is not None})
+            defaults = replace(defaults, **{name: getattr(given, name) for name in _SETTINGS
+                                            if getattr(given, name) is not None})
+        folder = setting != "auto" and setting not in IGNORE
+        defaults = replace(defaults, max_tokens_cap=defaults.max_new_tokens if folder else given.max_new_tokens)
+        if override:
             log.info("sampling defaults after --override-generation-config: %s", defaults)
         return defaults
 
@@ -86,7 +93,7 @@ class SamplingDefaults:
         if not isinstance(raw, dict):
             raise _unusable(setting, path, "is not a JSON object")
         defaults = cls.from_generation_config(raw, str(path))
-        chosen = {f.name: getattr(defaults, f.name) for f in fields(cls) if getattr(defaults, f.name) is not None}
+        chosen = {name: getattr(defaults, name) for name in _SETTINGS if getattr(defaults, name) is not None}
         if chosen:
             log.info("sampling defaults from %s: %s (--generation-config vllm ignores them)", path,
                      ", ".join(f"{k}={v}" for k, v in chosen.items()))

@@ -71,14 +71,19 @@ def test_the_flag_takes_auto_vllm_or_a_folder_with_the_file(tmp_path):
     assert parse_generation_config("auto") == "auto" and parse_generation_config("vllm") == "vllm"
     with pytest.raises(SettingValueError, match="generation_config.json"):
         parse_generation_config(str(tmp_path))
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                                 "max_new_tokens": 100}))
+    # a folder's max_new_tokens is also a cap (vLLM's rule); the model's own (auto) is only a default
     assert SamplingDefaults.load(parse_generation_config(str(tmp_path)), "elsewhere") == SamplingDefaults(
-        temperature=0.6, top_p=0.95, top_k=20)
+        temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=100, max_tokens_cap=100)
+    assert SamplingDefaults.load("auto", tmp_path).max_tokens_cap is None
 
 
 def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir, tmp_path):
     """vLLM's `--override-generation-config` sets sampling defaults over the model's (a request's own value still
-    wins); `--default-chat-template-kwargs` gives every request template variables it does not set itself."""
+    wins), and its max_new_tokens caps every reply, as vLLM's override_max_tokens does (a request's larger
+    max_tokens got it); `--default-chat-template-kwargs` gives every request template variables it does not set
+    itself."""
     import httpx
 
     from ember.server.config import ServeConfig
@@ -93,14 +98,15 @@ def test_server_wide_overrides_of_sampling_and_template_defaults(demo_model_dir,
                          default_chat_template_kwargs='{"enable_thinking": false}')
     with served(config) as server:
         assert server.runtime.sampling_defaults == SamplingDefaults(temperature=0.0, top_p=0.9, top_k=50,
-                                                                    max_new_tokens=7)
-        # a request without max_tokens stops at max_new_tokens (vLLM's default length); its own limit still wins
-        unset = server.openai().chat.completions.create(model="demo", messages=HI,
+                                                                    max_new_tokens=7, max_tokens_cap=7)
+        # a request without max_tokens stops at max_new_tokens; one asking more is capped, one asking less gets it
+        for asked, got in ((None, 7), (9, 7), (5, 5)):
+            r = server.openai().chat.completions.create(model="demo", messages=HI, max_tokens=asked,
                                                         extra_body={"ignore_eos": True})
-        assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (7, "length")
-        own = server.openai().chat.completions.create(model="demo", messages=HI, max_tokens=9,
-                                                      extra_body={"ignore_eos": True})
-        assert own.usage.completion_tokens == 9
+            assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (got, "length")
+        text = server.openai().completions.create(model="demo", prompt="Once", max_tokens=12,
+                                                  extra_body={"ignore_eos": True})
+        assert text.usage.completion_tokens == 7
         greedy = _chat(server)
         assert all(_chat(server, seed=s) == greedy for s in range(3))  # temperature 0 by default
         assert any(_chat(server, temperature=1.5, seed=s) != greedy for s in range(4))
