@@ -473,7 +473,9 @@ class Engine:
                 usable = next((j for j in range(i + 1, end) if j in result.errors), end) - i
                 kept, why, err = self._verify(seq, c.draft[:usable - 1], result.token_ids[i:i + usable])
                 if err is not None:
-                    outputs.append(self._finish(seq, [], None, "error", error=err))
+                    out = self._finish(seq, [], None, "error", error=err[0])
+                    out.rejected = err[1]
+                    outputs.append(out)
                 else:
                     sampled[seq.request_id], spec_ends[seq.request_id] = kept, why
                 continue
@@ -528,10 +530,11 @@ class Engine:
         return outputs
 
     def _verify(self, seq: Sequence, draft: tuple[int, ...], sampled: list[int]
-                ) -> tuple[list[int], tuple[FinishReason | None, int | None], str | None]:
+                ) -> tuple[list[int], tuple[FinishReason | None, int | None], tuple[str, bool] | None]:
         """The tokens a speculative chunk emits: its drafts up to the first position whose sampled token differs,
         then that token; cut at the first that ends the request (with why). Each is accepted by the sequence's
-        constraint in turn; the third value is why the constraint refused one (None: it did not)."""
+        constraint in turn; the third value, when the constraint did not, is why and whether it refused the token
+        (a client error, as in `_accepted`)."""
         accepted = 0
         while accepted < len(draft) and draft[accepted] == sampled[accepted]:
             accepted += 1
@@ -545,9 +548,9 @@ class Engine:
         tokens = list(draft[:accepted]) + [sampled[accepted]]
         for m, tok in enumerate(tokens, 1):
             if seq.constraint is not None:
-                err, _ = self._accept(seq, tok)
+                err, refused = self._accept(seq, tok)
                 if err is not None:
-                    return [], (None, None), err
+                    return [], (None, None), (err, refused)
             why = self._stop_reason(seq, tok, seq.num_output_tokens + m, seq.num_tokens + m)
             if why[0] is not None:
                 return tokens[:m], why, None

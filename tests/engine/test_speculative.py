@@ -176,6 +176,31 @@ def test_no_drafts_while_the_engine_holds_more_requests_than_disable_by_batch_si
     assert [out[i] for i in ids] == _run(demo_model_dir, None, requests).tokens
 
 
+class _LookaheadAllowList(AllowList):
+    def fill_bitmask_after(self, draft, bitmask: torch.Tensor, row: int) -> None:
+        self.fill_bitmask(bitmask, row)
+
+
+def test_a_grammar_refusing_a_kept_draft_is_the_requests_fault(demo_model_dir):
+    """A constraint that refuses a token of a step's kept drafts ends the request as its own fault (``rejected``: the
+    server answers a 400 / invalid_request error), as it does one token at a time; it was a server error."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng = Engine.from_pretrained(demo_model_dir, speculative_config=NGRAM, num_kv_blocks=256)
+    eng.add_request(_prompts()[0], params)
+    steps = []
+    while eng.has_unfinished():
+        steps += [len(o.new_token_ids) for o in eng.step()]
+    kept_at = sum(steps[:next(i for i, n in enumerate(steps) if n > 1)])  # the first step that kept drafts
+    ends = []
+    for spec in (None, NGRAM):
+        eng = Engine.from_pretrained(demo_model_dir, speculative_config=spec, num_kv_blocks=256)
+        refusing = _LookaheadAllowList(list(range(eng.runner.model.config.vocab_size)), reject_after=kept_at + 1)
+        eng.add_request(_prompts()[0], params, constraint=refusing)  # refuses that step's second token
+        while eng.has_unfinished():
+            ends += [(o.finish_reason, o.rejected) for o in eng.step() if o.finished]
+    assert ends == [("error", True), ("error", True)]
+
+
 def test_a_draft_never_preempts_anything():
     """A running sequence whose drafts need a block the cache does not have decodes one token instead."""
     sched = new_scheduler(num_blocks=2, block_size=4, budget=64, max_num_seqs=2)
