@@ -75,11 +75,15 @@ def parse_human_int(text: str) -> int:
     return int(product)
 
 
-def parse_max_model_len(text: str) -> int | None:
-    """`--max-model-len`: a positive `parse_human_int`, or None (the model's own length) for ``auto`` or ``-1``, as
-    vLLM's ``human_readable_int_or_auto``; SettingValueError otherwise."""
+FIT_MAX_MODEL_LEN = -1
+"""``max_model_len`` auto, as vLLM's -1: the model's length, cut to the tokens the KV cache holds once it is sized."""
+
+
+def parse_max_model_len(text: str) -> int:
+    """`--max-model-len`: a positive `parse_human_int`, or `FIT_MAX_MODEL_LEN` for ``auto`` or ``-1``, as vLLM's
+    ``human_readable_int_or_auto``; SettingValueError otherwise."""
     if text.strip().lower() in ("auto", "-1"):
-        return None
+        return FIT_MAX_MODEL_LEN
     value = parse_human_int(text)
     if value < 1:
         raise SettingValueError(f"{text} is out of range: must be at least 1, or auto (-1) for the model's length")
@@ -189,8 +193,10 @@ class EngineArgs:
     """How the engine core runs (names follow vLLM's flags). Defaults here are the only engine defaults."""
 
     max_model_len: int | None = _opt(None, "context length (prompt + output) in tokens, e.g. 32768, 32k (k, m, g, t: "
-                                           "powers of 1000) or 32K (K, M, G, T: powers of 1024); default (also "
-                                           "'auto' or -1, as vLLM's): the model's max_position_embeddings",
+                                           "powers of 1000) or 32K (K, M, G, T: powers of 1024); 'auto' or -1 (as "
+                                           "vLLM's): the model's length cut to the tokens the KV cache holds (the "
+                                           "longest sequence it can take), logged; default: the model's "
+                                           "max_position_embeddings",
                                      type=parse_max_model_len, metavar="TOKENS")
     max_num_seqs: int = _opt(64, "sequences decoded together in one step", min=1)
     max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step", min=1)

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ember.engine import checkpoint, fp8_loading, loader, pooling
+from ember.engine.args import FIT_MAX_MODEL_LEN
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
@@ -152,7 +153,9 @@ class Engine:
             yarn = " (YaRN's pretrained length times its factor)" if mc.max_context > mc.max_position_embeddings else ""
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_context} "
                               f"tokens{yarn} in {self.model_dir / 'config.json'}")
-        self.max_model_len = config.max_model_len or mc.max_context
+        self.fit_max_model_len = config.max_model_len == FIT_MAX_MODEL_LEN
+        """vLLM's ``max_model_len`` auto (-1): the model's length, cut to what the KV cache holds once it is sized."""
+        self.max_model_len = mc.max_context if self.fit_max_model_len else config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
         self.speculative = parse_speculative_config(config.speculative_config) if config.speculative_config else None
         if self.speculative is not None and mc.linear_attention_layers:
@@ -186,6 +189,8 @@ class Engine:
             snapshots = self._num_state_snapshots()
             self.runner.allocate_recurrent_state(config.max_num_seqs, snapshots)
             num_blocks = self._num_kv_blocks()
+            if self.fit_max_model_len:
+                self._fit_max_model_len(num_blocks)
             self.runner.allocate_kv_cache(num_blocks)
             if self.cuda_graphs:
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len)
@@ -300,17 +305,29 @@ class Engine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * c.gpu_memory_utilization) - (total - free) - act
             n = budget // per_block
-            if n < one_seq:
-                raise RuntimeError(f"KV cache budget {budget} bytes holds {n} blocks; one {self.max_model_len}-token "
-                                   f"sequence needs {one_seq}: raise gpu_memory_utilization or lower max_model_len")
+            if n < (1 if self.fit_max_model_len else one_seq):
+                raise RuntimeError(f"KV cache budget {budget} bytes holds {max(n, 0)} blocks; one "
+                                   f"{self.max_model_len}-token sequence needs {one_seq}: raise "
+                                   f"gpu_memory_utilization, lower max_model_len or set it to auto (-1) to fit")
             log.info("KV cache: %d blocks (%.2f GiB), activations %.2f GiB", n, n * per_block / 2**30, act / 2**30)
             return int(n)
         wanted = c.max_num_seqs * one_seq
-        n = int(max(one_seq, min(wanted, _CPU_DEFAULT_KV_BYTES // per_block)))
+        n = int(max(1 if self.fit_max_model_len else one_seq, min(wanted, _CPU_DEFAULT_KV_BYTES // per_block)))
         if n * per_block > _CPU_DEFAULT_KV_BYTES:
             log.warning("KV cache: one %d-token sequence needs %.2f GiB; pass max_model_len or kv_cache_memory "
                         "to use less", self.max_model_len, n * per_block / 2**30)
         return n
+
+    def _fit_max_model_len(self, num_blocks: int) -> None:
+        """vLLM's auto-fit: ``max_model_len`` cut to the tokens ``num_blocks`` KV blocks hold (the longest sequence
+        the cache can take), where that is shorter than the model's length; logged either way."""
+        tokens = num_blocks * self.config.block_size
+        if tokens >= self.max_model_len:
+            log.info("max_model_len auto: the model's full length %d fits in the KV cache", self.max_model_len)
+            return
+        log.info("max_model_len auto: reduced from %d to %d to fit in the KV cache (%d blocks of %d tokens)",
+                 self.max_model_len, tokens, num_blocks, self.config.block_size)
+        self.max_model_len = tokens
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
