@@ -646,7 +646,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
             runtime.engine.shutdown()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **docs)
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, root_path=config.root_path, **docs)
     app.router.route_class = CheckedRoute
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats,
                                                                       runtime.model_info.max_model_len),

@@ -284,7 +284,7 @@ def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
 
     return Server(uvicorn.Config(
         app, log_level=config.uvicorn_log_level or config.log_level, lifespan="on",
-        access_log=not config.disable_uvicorn_access_log, root_path=config.root_path,
+        access_log=not config.disable_uvicorn_access_log,
         timeout_graceful_shutdown=config.shutdown_timeout,
         ssl_keyfile=str(config.ssl_keyfile) if config.ssl_keyfile else None,
         ssl_certfile=str(config.ssl_certfile) if config.ssl_certfile else None))
