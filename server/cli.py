@@ -6,12 +6,13 @@ import os
 import sys
 import typing
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Sequence
 
-from ember.engine.args import SettingValueError, add_flags, from_namespace
+from ember.engine.args import SettingValueError, add_flags, checked_by, from_namespace
 
 from .config import ServeConfig, parse_api_key
-from .vllm_argv import config_argv, config_file, flag_names, fold_dotted
+from .vllm_argv import add_negations, config_argv, config_file, flag_names, fold_dotted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,6 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="YAML", help="a YAML file mapping flag names to values, as vLLM's "
                    "(true: the switch is given; a list: the flag's values); flags on the command line win")
     _vllm_spellings(p)
+    add_negations(p)
     return p
 
 
@@ -50,7 +52,7 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
     ``...ForSequenceClassification`` checkpoint (checked once it is loaded); a reward head is refused by name."""
     from .config import parse_model_arg, parse_profile_name
 
-    p.add_argument("--model", dest="model_flag", type=parse_model_arg, help=argparse.SUPPRESS)
+    p.add_argument("--model", dest="model_flag", type=checked_by(parse_model_arg), help=argparse.SUPPRESS)
     p.add_argument("--tool-call-parser", dest="tool_parser", type=parse_profile_name, help=argparse.SUPPRESS)
     for flag in ("--enable-auto-tool-choice", "--trust-remote-code", *_NO_EFFECT_SWITCHES):
         for spelling in (flag, *_SHORT_SPELLINGS.get(flag, ())):
@@ -135,11 +137,14 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if isinstance(config.served_model_name, list):  # --served-model-name NAME [NAME ...]
         config.served_model_name, *aliases = config.served_model_name
         config.served_model_aliases = tuple(dict.fromkeys(a for a in aliases if a != config.served_model_name))
-    flag = getattr(args, "model_flag", None)  # vLLM's --model MODEL
+    flag = getattr(args, "model_flag", None)  # vLLM's --model MODEL, as given
     if flag is not None:
-        if config.model_dir is not None and config.model_dir != flag:
+        if config.model_dir is not None and config.model_dir != Path(flag):
             raise SettingValueError(f"argument --model: MODEL given twice ({config.model_dir} and --model {flag})")
-        config.model_dir = flag
+        config.model_dir = Path(flag)
+    given = args.model_dir if isinstance(args.model_dir, str) else flag
+    if config.served_model_name is None and given is not None:
+        config.served_model_aliases = _model_alias(given)
     for name in ("convert", "task"):
         value = getattr(args, f"{name}_flag", None)
         if value in ("classify", "score"):
@@ -148,19 +153,28 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
+def _model_alias(given: str) -> tuple[str, ...]:
+    """MODEL as given (vLLM's default served name, ``/models/qwen3`` for ``vllm serve /models/qwen3``) as a name
+    of the served model besides Ember's own (`served_name`: the directory's name), where the two differ."""
+    from .model_source import served_name
+
+    return (given,) if given != served_name(given, Path(given).expanduser()) else ()
+
+
 def _check_lora_names(config: ServeConfig) -> None:
     """SettingValueError naming --lora-modules when an adapter would take a name of the served model (its
-    --served-model-name names, else the name it is served under by default), as the runtime load route refuses."""
+    --served-model-name names, else the names it is served under by default), as the runtime load route refuses."""
     from ember.engine.args import parse_lora_module
 
     from .model_source import served_name
 
     if config.served_model_name:
-        names = (config.served_model_name, *config.served_model_aliases)
+        served = config.served_model_name
     elif config.model_dir is not None:
-        names = (served_name(config.model_dir, config.model_dir),)
+        served = served_name(config.model_dir, config.model_dir)
     else:
-        names = ("demo",)  # the built-in demo model's directory
+        served = "demo"  # the built-in demo model's directory
+    names = (served, *config.served_model_aliases)
     for module in config.lora_modules:
         name = parse_lora_module(module)[0]
         if name in names:

@@ -11,7 +11,7 @@ from typing import Any
 
 def flag_names(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """vLLM's spellings of flag names rewritten to Ember's: ``--foo_bar`` is ``--foo-bar`` (the name only, up to a
-    ``.`` or ``=``); a switch given a value (``--x=True``, ``--x false``) is the switch or its absence."""
+    ``.`` or ``=``); a switch given a value (``--x=True``, ``--x false``) is the switch or its negation (`_switch`)."""
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -41,12 +41,39 @@ _SWITCHES = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.Boo
 
 
 def _switch(parser: argparse.ArgumentParser, flag: str, on: bool) -> list[str]:
-    """The spelling of switch ``flag`` given as true or false: the flag, its ``--no-`` form, or nothing."""
+    """The spelling of switch ``flag`` given as true or false: the flag itself, or a flag that sets its setting to
+    the other value (``--no-x`` for ``--x``, ``--x`` for ``--no-x``), so that an explicit false overrides a
+    ``--config`` file's true."""
     if on:
         return [flag]
-    if isinstance(parser._option_string_actions[flag], argparse.BooleanOptionalAction):
-        return [flag.replace("--no-", "--", 1) if flag.startswith("--no-") else "--no-" + flag[2:]]
-    return []
+    action = parser._option_string_actions[flag]
+    value = not _switch_value(action, flag)
+    for option, other in parser._option_string_actions.items():
+        if other.dest == action.dest and option.startswith("--") and _switch_value(other, option) is value:
+            return [option]
+    parser.error(f"argument {flag}: cannot be given false")
+
+
+def _switch_value(action: argparse.Action, option: str) -> bool | None:
+    """The value switch ``option`` (of ``action``) gives its setting; None for a flag that is no switch."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return not option.startswith("--no-")
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return bool(action.const)
+    return None
+
+
+def add_negations(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``--no-x`` spelling (its switches are ``BooleanOptionalAction``s) for every ``--x`` switch of
+    ``parser`` that has none: ``--x`` off, as ``--x false`` is."""
+    for action in list(parser._actions):
+        if not isinstance(action, argparse._StoreTrueAction):
+            continue
+        for option in action.option_strings:
+            negation = "--no-" + option[2:]
+            if option.startswith("--") and negation not in parser._option_string_actions:
+                parser.add_argument(negation, dest=action.dest, action="store_false", default=argparse.SUPPRESS,
+                                    help=argparse.SUPPRESS)
 
 
 def fold_dotted(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -141,7 +168,7 @@ def config_file(argv: list[str], parser: argparse.ArgumentParser) -> tuple[str |
 
 def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     """The flags of vLLM's YAML config file: each key (dashes or underscores, leading ``--`` optional) is a flag;
-    true gives a switch, false its ``--no-`` form or nothing, a list the flag's values (one flag with them all, or
+    true gives a switch, false its ``--no-`` form, a list the flag's values (one flag with them all, or
     the flag repeated for a flag that takes one), a mapping its JSON, null nothing."""
     try:
         import yaml

@@ -171,6 +171,31 @@ def test_max_model_len_ends_with_length(demo_model_dir):
         eng.add_request(_ids(32, 9), SamplingParams())
 
 
+def test_max_model_len_auto_is_cut_to_what_the_kv_cache_holds(demo_model_dir, caplog):
+    """vLLM's ``--max-model-len auto`` (-1): the model's length cut to the KV cache's tokens (logged), so the longest
+    sequence the cache holds is served; without it the model's full length stays, as before."""
+    from ember.engine.launch import model_info_of
+
+    caplog.set_level("INFO", logger="ember")
+    full = _engine(demo_model_dir, num_kv_blocks=8).max_model_len
+    assert full > 8 * 16
+    eng = _engine(demo_model_dir, max_model_len=-1, num_kv_blocks=None,
+                  kv_cache_memory=8 * _engine_block_bytes(demo_model_dir))
+    assert eng.max_model_len == model_info_of(eng).max_model_len == 8 * 16
+    assert f"max_model_len auto: reduced from {full} to 128" in caplog.text
+    r = eng.add_request(_ids(120, 3), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    outs = _drain(eng)[r]
+    assert len(_tokens(outs)) == 8 and outs[-1].finish_reason == "length"
+    assert _engine(demo_model_dir, max_model_len=-1, num_kv_blocks=full).max_model_len == full
+
+
+def _engine_block_bytes(path) -> int:
+    from ember.engine.model_runner import kv_bytes_per_block
+
+    eng = _engine(path, num_kv_blocks=1)
+    return kv_bytes_per_block(eng.runner.cfg, eng.config.block_size, eng.kv_cache_dtype)
+
+
 def test_logprobs_are_normalised_and_sorted(demo_model_dir):
     eng = _engine(demo_model_dir)
     r = eng.add_request(_ids(10, 10), SamplingParams(max_tokens=4, temperature=0.0, logprobs=5))

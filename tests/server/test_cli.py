@@ -125,24 +125,26 @@ def test_no_model_dir_builds_the_demo_model_once(tmp_path, monkeypatch):
 
 
 def test_ember_serve_a_converted_llama2c_model(tmp_path):
-    """`ember convert-llama2c` then `ember serve DIR` in a real process: greedy text equals llama2.c's."""
+    """`ember convert-llama2c` then `ember serve DIR` in a real process: greedy text equals llama2.c's. The model is
+    served as the directory's name, and also as DIR as given (vLLM's default name), which clients of vLLM send."""
     src = shared_path("models", "stories260K")
     expected = (src / "expected_greedy_t0.txt").read_text(encoding="utf-8").removesuffix("\n")
     out = tmp_path / "stories"
     assert main(["convert-llama2c", str(src / "stories260K.bin"), str(src / "tok512.bin"), str(out)]) == 0
-    with serving([str(out), "--served-model-name", "stories", "--max-num-seqs", "2", "--kv-cache-blocks", "64",
-                  "--log-level", "warning"], tmp_path / "serve.log") as served:
+    with serving([str(out), "--max-num-seqs", "2", "--kv-cache-blocks", "64", "--log-level", "warning"],
+                 tmp_path / "serve.log") as served:
         assert httpx.get(served.url + "/v1/models", timeout=10).json()["data"][0]["id"] == "stories"
         r = httpx.post(served.url + "/v1/completions", timeout=120, json={
-            "model": "stories", "prompt": [1], "max_tokens": 256, "temperature": 0})
-        assert r.status_code == 200, r.text
+            "model": str(out), "prompt": [1], "max_tokens": 256, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "stories", r.text
         assert r.json()["choices"][0]["text"] == expected  # llama2.c prints no space first, as decode gives it
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_ember_serve_over_https_under_a_root_path(tmp_path, demo_model_dir, capsys):
-    """`--ssl-keyfile/--ssl-certfile` serve HTTPS (the client checks the certificate); `--root-path` is what the
-    generated docs link under; a key without its certificate stops the start before the model loads."""
+    """`--ssl-keyfile/--ssl-certfile` serve HTTPS (the client checks the certificate); under `--root-path` every
+    route answers with and without the prefix (as vLLM's) and the generated docs link under it; a key without its
+    certificate stops the start before the model loads."""
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
@@ -154,6 +156,9 @@ def test_ember_serve_over_https_under_a_root_path(tmp_path, demo_model_dir, caps
         r = httpx.post(served.url + "/v1/completions", verify=str(cert), timeout=60,
                        json={"model": "demo", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+        for path in ("/ember/v1/models", "/v1/models"):  # a proxy that forwards the prefix, one that strips it
+            r = httpx.get(served.url + path, verify=str(cert), timeout=30)
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "demo", (path, r.text)
         assert "/ember/openapi.json" in httpx.get(served.url + "/docs", verify=str(cert), timeout=30).text
         with pytest.raises(httpx.HTTPError):  # not plain HTTP
             httpx.get(served.url.replace("https://", "http://") + "/health", timeout=5)
@@ -263,7 +268,8 @@ def test_vllm_short_flags_and_an_unknown_flag_before_model(monkeypatch, capsys):
     (["--served-model-name", "qwen", "gpt-4o", "--lora-modules", "gpt-4o=/a"], "gpt-4o"),
     (["--served-model-name", "qwen", "--lora-modules", "sql=/a", '{"name": "qwen", "path": "/b"}'], "qwen"),
     (["org/x@v1", "--lora-modules", "org/x=/a"], "org/x"),
-    (["--lora-modules", "demo=/a"], "demo")])
+    (["--lora-modules", "demo=/a"], "demo"),
+    ([".", "--lora-modules", ".=/a"], ".")])
 def test_a_lora_adapter_may_not_take_a_name_of_the_served_model(argv, name, monkeypatch, capsys):
     seen = _stub_serve(monkeypatch)
     with pytest.raises(SystemExit) as e:
@@ -289,7 +295,7 @@ def test_vllm_api_key_env_and_json_allowed_origins_carry_over(monkeypatch):
 
 def test_vllm_underscores_lengths_and_switch_values_carry_over(monkeypatch):
     """`vllm serve --max_model_len 32k --gpu_memory_utilization=0.8 --enable_chunked_prefill False` parses as vLLM's
-    does: underscores in flag names only, human-readable lengths, auto/-1 the model's own, old boolean values."""
+    does: underscores in flag names only, human-readable lengths, auto/-1 (fit to the KV cache), old boolean values."""
     seen = _stub_serve(monkeypatch)
     assert main(["serve", "--max_model_len", "2048", "--gpu_memory_utilization=0.8", "--trust_remote_code",
                  "--enable_auto_tool_choice", "--tool_call_parser", "hermes", "--served_model_name", "my_model",
@@ -298,7 +304,7 @@ def test_vllm_underscores_lengths_and_switch_values_carry_over(monkeypatch):
     assert (c.max_model_len, c.gpu_memory_utilization, c.tool_parser, c.served_model_name) == (
         2048, 0.8, "hermes", "my_model")
     assert (c.enable_chunked_prefill, c.enforce_eager, str(c.model_dir)) == (False, True, "org/x")
-    for text, tokens in (("32k", 32000), ("1M", 2**20), ("25.6k", 25600), ("1K", 1024), ("auto", None), ("-1", None)):
+    for text, tokens in (("32k", 32000), ("1M", 2**20), ("25.6k", 25600), ("1K", 1024), ("auto", -1), ("-1", -1)):
         assert main(["serve", "--max-model-len", text]) == 0 and seen[-1].max_model_len == tokens, text
 
 
@@ -317,6 +323,17 @@ def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
     assert json.loads(c.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
     assert main(["serve", "org/cli", "--config", str(path), "--max-model-len", "1K", "--port", "9002"]) == 0
     assert (str(seen[-1].model_dir), seen[-1].max_model_len, seen[-1].port) == ("org/cli", 1024, 9002)
+    (tmp_path / "on.yaml").write_text("enforce-eager: true\nreturn-tokens-as-token-ids: true\nenable-log-requests: "
+                                      "true\nenable-chunked-prefill: false\nno-prefix-caching: true\n")
+    for off in (["--enforce-eager", "false", "--return_tokens_as_token_ids=False", "--no-enable-log-requests",
+                 "--enable-chunked-prefill", "--no-prefix-caching", "false"],
+                ["--no-enforce-eager", "--no-return-tokens-as-token-ids", "--enable-log-requests=false",
+                 "--enable-chunked-prefill=true", "--enable-prefix-caching"]):  # a command-line false wins the file
+        assert main(["serve", "--config", str(tmp_path / "on.yaml"), *off]) == 0
+        c = seen[-1]
+        assert not (c.enforce_eager or c.return_tokens_as_token_ids or c.enable_log_requests), off
+        assert c.enable_chunked_prefill and c.enable_prefix_caching, off
+    assert main(["serve", "--no-enforce-eager=false", "--no-trust-remote-code"]) == 0 and seen[-1].enforce_eager
     (tmp_path / "blocks.yaml").write_text("kv-cache-blocks: 64\n")  # the command line's exclusive flag wins
     assert main(["serve", "--config", str(tmp_path / "blocks.yaml"), "--kv-cache-memory", "1G"]) == 0
     assert (seen[-1].kv_cache_blocks, seen[-1].kv_cache_memory) == (None, 2**30)
