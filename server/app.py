@@ -780,14 +780,13 @@ def _structured(model_dir: Path, tokenizer: Any) -> tuple[Any, str | None]:
 class BackgroundServer:
     """The app on uvicorn in a daemon thread, on a free loopback port unless one is given."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
-                 root_path: str = ""):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         import uvicorn
 
         self.host = host
         self.port = port or free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level=log_level,
-                                                    lifespan="on", timeout_graceful_shutdown=2, root_path=root_path))
+                                                    lifespan="on", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, name="ember-uvicorn", daemon=True)
 
     @property

@@ -124,7 +124,8 @@ class ServeConfig(EngineArgs):
         "help": "serve HTTPS with this certificate chain (PEM; its private key is given too)", "metavar": "PATH",
         "type": lambda text: parse_existing_file(text)})
     root_path: str = field(default="", metadata={
-        "help": "the path prefix a proxy serves this server under (ASGI root_path), for the generated docs' links"})
+        "help": "the path prefix a proxy serves this server under (ASGI root_path, set on the app as vLLM does): "
+                "routes answer under it and at their own paths, and the generated docs link under it"})
     hf_token: str | None = field(default=None, repr=False, metadata={
         "help": "the Hugging Face token for downloading gated or private models (default: $HF_TOKEN, or the one "
                 "saved by 'hf auth login')", "metavar": "TOKEN"})

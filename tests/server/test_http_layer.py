@@ -67,18 +67,22 @@ def test_a_completion_prompt_is_tokenized_off_the_event_loop(demo_runtime):
 
 
 def test_anthropic_routes_answer_in_anthropics_shape_under_a_root_path(demo_runtime):
+    import dataclasses
+
     from ember.server.app import BackgroundServer, create_app
 
     runtime, config = demo_runtime
-    srv = BackgroundServer(create_app(runtime, config, shutdown_engine=False), root_path="/ember").start()
+    app = create_app(runtime, dataclasses.replace(config, root_path="/ember"), shutdown_engine=False)
+    srv = BackgroundServer(app).start()
     try:
-        r = httpx.post(srv.url + "/v1/messages", json={"messages": HI, "max_tokens": 2}, timeout=30)
-        assert r.status_code == 400 and r.json()["type"] == "error", r.text
-        assert "model" in r.json()["error"]["message"]
-        r = httpx.get(srv.url + "/v1/messages", timeout=30)
-        assert r.status_code == 405 and r.json()["type"] == "error", r.text
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": 5}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        for prefix in ("", "/ember"):  # a proxy that strips the prefix, and one that forwards it
+            r = httpx.post(srv.url + prefix + "/v1/messages", json={"messages": HI, "max_tokens": 2}, timeout=30)
+            assert r.status_code == 400 and r.json()["type"] == "error", r.text
+            assert "model" in r.json()["error"]["message"]
+            r = httpx.get(srv.url + prefix + "/v1/messages", timeout=30)
+            assert r.status_code == 405 and r.json()["type"] == "error", r.text
+            r = httpx.post(srv.url + prefix + "/v1/chat/completions", json={"messages": 5}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     finally:
         srv.stop()
 
