@@ -184,7 +184,9 @@ class KVCacheManager:
         if needed + reserve > self.num_free_blocks:
             return False
         if (not block_ids and seq.num_computed_tokens == 0 and seq.num_preemptions == 0
-                and self.enable_prefix_caching):  # a first admission (vLLM leaves a preempted request's out)
+                and self.enable_prefix_caching and not seq.computes_whole_prompt):
+            # a first admission that looked the prefix up (vLLM leaves out a preempted request's, and one that may
+            # not read the cache: prompt logprobs, a pooling over every position)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(computed_blocks) * bs
         for block_id in computed_blocks:

@@ -132,6 +132,19 @@ def test_a_preempted_request_is_no_new_prefix_cache_query():
     assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (sum(s.num_prompt_tokens for s in seqs), 0)
 
 
+def test_a_request_that_may_not_read_the_prefix_cache_is_no_query():
+    """Prompt logprobs (echo with logprobs) compute the whole prompt without a lookup; vLLM counts no query for it,
+    so it does not drag the hit rate down as a miss."""
+    sched = new_scheduler(num_blocks=32, block_size=4, budget=64)
+    first, scored = make("a", 12, max_tokens=2), make("b", 12, max_tokens=2)
+    scored.params.prompt_logprobs = 0
+    for s in (first, scored):
+        sched.add(s)
+        run_all(sched)
+    assert scored.computes_whole_prompt
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (first.num_prompt_tokens, 0)
+
+
 @pytest.mark.parametrize("prefix", [False, True])
 def test_a_prompt_is_admitted_only_when_all_of_it_fits_so_its_prefill_is_not_thrown_away(prefix):
     # Admitting r2 as soon as its first chunk fits would let r0's growth preempt it mid-prefill, again and again.
