@@ -108,17 +108,20 @@ class GrammarConstraint:
         self.reasoning_tokens = 0
         self._error: str | None = None
 
-    def budget_spent(self) -> bool:
-        """True when only the close delimiter may come next."""
+    def must_close(self) -> bool:
+        """True when only the close delimiter may come next: the budget is spent and the grammar lets the thought
+        end here. A thought whose last token began a UTF-8 character cannot end before the character does, so it
+        runs a token or so past the budget, as the grammar allows, until it can."""
         b = self.budget
-        return b is not None and self.in_reasoning and self.reasoning_tokens >= b.tokens
+        return b is not None and self.in_reasoning and self.reasoning_tokens >= b.tokens and (
+            self.matcher is None or self._error is not None or self.matcher.validate_tokens([b.close_id]) == 1)
 
     def needs_matcher_mask(self) -> bool:
-        return self.matcher is not None and not self.budget_spent() and self._error is None
+        return self.matcher is not None and self._error is None and not self.must_close()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write row ``row`` of a host (CPU) int32 bitmask; the engine uploads the packed mask itself."""
-        if self.budget_spent():
+        if self.must_close():
             _only(bitmask, row, self.budget.close_id)
         elif self.matcher is not None and self._error is None:
             llgt.fill_next_token_bitmask(self.matcher, bitmask, row)
@@ -135,7 +138,7 @@ class GrammarConstraint:
                 if token_id == b.close_id or token_id in b.implicit_end_ids:
                     self.in_reasoning = False
                     self._closed_once = True
-                elif self.reasoning_tokens >= b.tokens:
+                elif self.must_close():
                     self._error = f"thinking budget of {b.tokens} tokens is spent but token {token_id} is not the " \
                                   f"close delimiter {b.close_id}"
                     return False
