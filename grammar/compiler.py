@@ -555,15 +555,31 @@ def _check_regex(pattern: str, where: str) -> None:
         raise GrammarError(f"{where} is not a valid regex: {reason}")
 
 
+_LARK_START = re.compile(r"(?m)^\s*[?!]?start\s*:")
+_GBNF_ESCAPE = re.compile(r"\\(\\|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8}))")
+
+
 def _lark_of(text: str, where: str) -> str:
-    """A user grammar as Lark: kept when it is Lark (a ``start:`` rule or ``%llguidance``), else read as GBNF
-    (``root ::= ...``)."""
+    """A user grammar as Lark: kept when it is Lark (a ``start:`` rule, inlined ``?start:`` included, or no GBNF
+    ``::=`` at all), else read as GBNF (``root ::= ...``), its ``\\uXXXX`` / ``\\UXXXXXXXX`` escapes included."""
     from llguidance.gbnf_to_lark import any_to_lark  # a pure string translation
 
+    if "::=" not in text or _LARK_START.search(text):
+        return text
     try:
-        return any_to_lark(text)
+        return any_to_lark(_GBNF_ESCAPE.sub(_short_escape, text))
     except Exception as e:  # noqa: BLE001 - any failure here is the user's grammar
         raise GrammarError(f"{where} is neither Lark nor valid GBNF: {e}") from None
+
+
+def _short_escape(m: re.Match) -> str:
+    """A GBNF ``\\u``/``\\U`` escape as the translator reads it (it cuts their digits short): ``\\xHH`` for ASCII,
+    the character itself beyond (no GBNF syntax is outside ASCII); ``\\\\`` and surrogates as they are."""
+    hexa = m.group(2) or m.group(3)
+    code = int(hexa, 16) if hexa else -1
+    if code < 0 or 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+        return m.group(0)
+    return f"\\x{code:02X}" if code < 0x80 else chr(code)
 
 
 def _regex_literal(pattern: str, where: str = "response_format.regex") -> str:

@@ -63,6 +63,13 @@ def test_regex_and_gbnf_grammar(demo_server):
         gbnf = 'root ::= "id-" digit digit ("!" | "?")\ndigit ::= [0-9]\n'
         text, _, _ = _chat(demo_server, {"structured_outputs": {"grammar": gbnf}, **THINK_OFF}, seed)
         assert re.fullmatch(r"id-[0-9]{2}[!?]", text), text
+    # GBNF's \u / \U escapes (the translator cut their digits short: a 400), and Lark's inlined ?start (read as GBNF)
+    escaped = 'root ::= "\\u00e9" [\\u0041-\\u0043] [\\U0001F600]\n'
+    text, _, _ = _chat(demo_server, {"structured_outputs": {"grammar": escaped}, **THINK_OFF}, 0)
+    assert re.fullmatch("é[A-C]\U0001F600", text), text
+    inlined = '?start: pair\n?pair: word " " word\nword: /[a-z]{2}/\n'
+    text, _, _ = _chat(demo_server, {"structured_outputs": {"grammar": inlined}, **THINK_OFF}, 0)
+    assert re.fullmatch(r"[a-z]{2} [a-z]{2}", text), text
 
 
 def test_json_schema_given_as_text_and_its_layout_options(demo_server):
