@@ -908,8 +908,10 @@ def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | N
         return None  # the model never thinks: nothing to bound
     close = d.id("think_close")
     if close is None:
-        raise GrammarError(f"a thinking budget needs {profile.reasoning.close!r} to be a single token in this "
-                           f"model's vocabulary")
+        if initial is not InitialState.REASONING and may_open is None:
+            return None  # no thought opens on a token here (DeepSeek-V3's vocabulary has no <think>): none to bound
+        raise GrammarError(f"max_thinking_tokens: a thinking budget needs {profile.reasoning.close!r} to be a single "
+                           f"token in this model's vocabulary")
     implicit = frozenset(i for (state, name), rule in profile.transitions.items()
                          if state == REASONING_STATE and rule.action == "tool_open"
                          for i in [d.id(name)] if i is not None)

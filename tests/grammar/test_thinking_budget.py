@@ -37,3 +37,21 @@ def test_a_budget_spent_inside_a_character_closes_once_the_character_ends(hf_tok
     assert _allowed(backend, c) == {close}
     assert c.accept_token(close)
     assert all(c.accept_token(t) for t in hf_tok.encode('{"a": 1}', add_special_tokens=False))
+
+
+def test_a_budget_for_a_model_that_opens_no_thought_on_a_token_is_nothing_to_bound(tmp_path):
+    """DeepSeek-V3's vocabulary has no <think> / </think> tokens: its replies open no thought, so a budget (Anthropic
+    ``thinking: enabled``, as agents send it) is ignored, as for a family without reasoning; it was a 400 naming no
+    field. A reply that starts inside a thought it cannot close on a token is still refused, naming the field."""
+    from transformers import AutoTokenizer
+
+    from ember.grammar import GrammarError
+    from tests.conftest import write_shared_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(write_shared_tokenizer("deepseek-v3", tmp_path / "ds"))
+    setup = ParserSetup.from_tokenizer(tok, "deepseek_v3")
+    assert "</think>" not in setup.delimiter_ids
+    plan = compile_request(setup.profile, InitialState.CONTENT, setup.delimiter_ids, thinking_budget=1024)
+    assert plan is None or plan.budget is None
+    with pytest.raises(GrammarError, match="^max_thinking_tokens: "):
+        compile_request(setup.profile, InitialState.REASONING, setup.delimiter_ids, thinking_budget=1024)
