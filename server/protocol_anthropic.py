@@ -82,7 +82,7 @@ class ToolChoice(_Lenient):
 
 
 class ThinkingConfig(_Lenient):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: int | None = Field(default=None, ge=0, strict=True)
     display: Literal["summarized", "omitted"] | None = None  # "omitted": thinking blocks keep only their signature
 

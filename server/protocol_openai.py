@@ -89,13 +89,19 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
+    function_call: FunctionCall | None = None  # the legacy form of one tool call
+    refusal: str | None = None  # an assistant's refusal: its text when it has no content
 
     @model_validator(mode="after")
     def _role_rules(self) -> "ChatMessage":
-        if self.role != "assistant" and self.tool_calls:
-            raise ValueError("only assistant messages may carry tool_calls")
+        if self.role != "assistant" and (self.tool_calls or self.function_call or self.refusal is not None):
+            raise ValueError("only assistant messages may carry tool_calls, function_call or refusal")
         if self.role in ("system", "developer", "user") and self.content is None:
             raise ValueError(f"a {self.role} message needs content")
+        if self.function_call is not None and not self.tool_calls:  # the call the legacy `function` reply answers
+            self.tool_calls = [ToolCall(function=self.function_call)]
+        if self.content is None and self.refusal is not None:
+            self.content = self.refusal
         return self
 
 
@@ -285,7 +291,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None  # vLLM's: for the template to render (RAG)
     add_generation_prompt: bool = True
@@ -299,6 +305,17 @@ class ChatCompletionRequest(_SamplingFields):
         if self.chat_template is not None:
             raise field_error("chat_template", "a chat template per request is not accepted; start the server with "
                               "--chat-template", "...")
+        extra = self.model_extra or {}
+        for name in ("functions", "function_call"):  # ignored, the model would not see them or not be made to call
+            if extra.get(name) is not None:
+                raise field_error(name, f"the deprecated {name} is not supported: send tools and tool_choice",
+                                  "...")
+        modalities = extra.get("modalities")
+        if (modalities is not None and modalities != ["text"]) or extra.get("audio") is not None:
+            raise field_error("modalities" if extra.get("audio") is None else "audio",
+                              "this model writes text only: no audio output", "...")
+        if extra.get("web_search_options") is not None:
+            raise field_error("web_search_options", "web search is not available on this server", "...")
         if self.top_logprobs and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
         choice = self.tool_choice

@@ -66,7 +66,7 @@ class TextConfig(_Lenient):
 
 
 class ReasoningConfig(_Lenient):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 

@@ -52,12 +52,42 @@ def test_null_fields_take_their_defaults(demo_server):
      "messages[0].content[0].text"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "foo", "text": "x"}]}]},
      "messages[0].content[0].type"),
+    # the model would silently not see them, or not be made to call, speak or search: each was a 200 in plain text
+    ("/v1/chat/completions", {"messages": HI, "functions": [WEATHER["function"]]}, "functions"),
+    ("/v1/chat/completions", {"messages": HI, "function_call": {"name": "get_weather"}}, "function_call"),
+    ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"messages": HI, "web_search_options": {}}, "web_search_options"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == param and param.split(".")[0] in err["message"]
+
+
+def test_a_legacy_function_call_and_a_refusal_in_history_are_rendered(demo_server):
+    """An assistant turn's legacy ``function_call`` renders as its tool call, before the ``function`` reply that
+    answers it, and a ``refusal`` without content as the turn's text (both were dropped: an empty assistant turn);
+    enum values the SDKs send (reasoning_effort "max", thinking "between_tools") are accepted."""
+    call = '{"city": "Paris"}'
+    legacy = [HI[0], {"role": "assistant", "content": None,
+                      "function_call": {"name": "get_weather", "arguments": call}},
+              {"role": "function", "name": "get_weather", "content": "sunny"}]
+    current = [HI[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": call}}]},
+               {"role": "tool", "content": "sunny"}]
+    tokens = [_post(demo_server, "/tokenize", {"messages": m, "tools": [WEATHER]}).json()["tokens"]
+              for m in (legacy, current)]
+    assert tokens[0] == tokens[1]
+    refused = _post(demo_server, "/tokenize", {"messages": [
+        HI[0], {"role": "assistant", "content": None, "refusal": "I cannot help with that."}, HI[0]]})
+    assert "I cannot help with that." in demo_server.tokenizer.decode(refused.json()["tokens"])
+    effort = _post(demo_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1, "reasoning_effort": "max"})
+    assert effort.status_code == 200, effort.text
+    thinking = _post(demo_server, "/v1/messages/count_tokens", {"model": demo_server.model, "messages": HI,
+                                                                 "thinking": {"type": "between_tools"}})
+    assert thinking.status_code == 200, thinking.text
 
 
 def test_a_bad_text_format_schema_names_text_format(demo_server):
