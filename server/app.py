@@ -648,7 +648,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
             runtime.engine.shutdown()
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, root_path=config.root_path, **docs)
+    app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **docs)
+    app.root_path = config.root_path  # as vLLM sets it (FastAPI's keyword for it is deprecated)
     app.router.route_class = CheckedRoute
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats,
                                                                       runtime.model_info.max_model_len),

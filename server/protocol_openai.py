@@ -299,22 +299,25 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default
+    functions: list[Any] | None = None  # refused (as function_call): the deprecated form of tools
+    function_call: Any = None
+    modalities: list[str] | None = None  # ["text"] only: audio output is refused
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None  # refused: no web search
 
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":
         if self.chat_template is not None:
             raise field_error("chat_template", "a chat template per request is not accepted; start the server with "
                               "--chat-template", "...")
-        extra = self.model_extra or {}
         for name in ("functions", "function_call"):  # ignored, the model would not see them or not be made to call
-            if extra.get(name) is not None:
+            if getattr(self, name) is not None:
                 raise field_error(name, f"the deprecated {name} is not supported: send tools and tool_choice",
                                   "...")
-        modalities = extra.get("modalities")
-        if (modalities is not None and modalities != ["text"]) or extra.get("audio") is not None:
-            raise field_error("modalities" if extra.get("audio") is None else "audio",
+        if self.audio is not None or self.modalities not in (None, ["text"]):
+            raise field_error("modalities" if self.audio is None else "audio",
                               "this model writes text only: no audio output", "...")
-        if extra.get("web_search_options") is not None:
+        if self.web_search_options is not None:
             raise field_error("web_search_options", "web search is not available on this server", "...")
         if self.top_logprobs and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
