@@ -305,6 +305,18 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None  # refused: no web search
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_type(cls, data: Any) -> Any:
+        """A tool_choice object of another type than ``function`` (``allowed_tools``, ``custom``) is a 400 naming
+        ``tool_choice.type``, not pydantic's three mismatches ending in ``tool_choice.function``."""
+        choice = data.get("tool_choice") if isinstance(data, dict) else None
+        if isinstance(choice, dict) and choice.get("type", "function") != "function":
+            raise field_error("tool_choice.type", f"tool_choice type {choice['type']!r} is not supported: give none, "
+                              "auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              choice.get("type"))
+        return data
+
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":
         if self.chat_template is not None:

@@ -58,6 +58,8 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("/v1/chat/completions", {"messages": HI, "web_search_options": {}}, "web_search_options"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {  # named tool_choice.function
+        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [WEATHER]}}}, "tool_choice.type"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
