@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Literal
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field, StrictInt
+from pydantic import Field
 
 from ember.engine.client import EngineDeadError
 from ember.engine.params import SamplingParams
@@ -44,7 +44,7 @@ class PoolingInputs(po._Lenient):
     """The inputs of a pooling route (embeddings, classify): ``input``, or vLLM's chat form ``messages``."""
 
     model: str | None = None
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]] | None = None
+    input: po.Prompt | None = None
     messages: list[po.ChatMessage] | None = Field(default=None, min_length=1)
     user: str | None = None
     truncate_prompt_tokens: po.TruncatePromptTokens = None

@@ -121,12 +121,16 @@ def field_path(loc: Sequence[Any]) -> str:
     return out
 
 
+_LOOKED_AT = 256  # errors `_first_error` reads: a body of a million bad items has a million
+
+
 def _first_error(errors: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The error to report: the first, or the deepest error inside the field it names (a union whose string member
     fails first while its list member names the bad item)."""
     first = errors[0]
     name = field_path(first.get("loc", ()))
-    inside = [e for e in errors[1:] if name and field_path(e.get("loc", ())).startswith((name + "[", name + "."))]
+    inside = [e for e in errors[1:_LOOKED_AT]
+              if name and field_path(e.get("loc", ())).startswith((name + "[", name + "."))]
     return max(inside, key=lambda e: len(field_path(e.get("loc", ())))) if inside else first
 
 

@@ -58,6 +58,10 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("/v1/chat/completions", {"messages": HI, "web_search_options": {}}, "web_search_options"),
+    # the bad item of a token list (a prompt's union member is chosen by its first item: one error, not one per ID)
+    ("/v1/completions", {"prompt": [1, 2, "x"]}, "prompt[2]"),
+    ("/v1/completions", {"prompt": list(range(11)) + ["x"]}, "prompt[11]"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1][1]"),
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {  # named tool_choice.function
         "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [WEATHER]}}}, "tool_choice.type"),
 ])
