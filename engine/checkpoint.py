@@ -27,7 +27,9 @@ def tokenizer_dir(model_dir: str | os.PathLike, tokenizer: str | os.PathLike | N
 
 
 def load_tokenizer(model_dir: str | os.PathLike):
-    """The checkpoint's tokenizer (a transformers PreTrainedTokenizerBase)."""
+    """The checkpoint's tokenizer (a transformers PreTrainedTokenizerBase). Its chat template is the one in
+    tokenizer_config.json or chat_template.jinja, else the one in chat_template.json (where processor-based
+    releases keep it, and which transformers' AutoTokenizer does not read)."""
     from transformers import AutoTokenizer
 
     root = checkpoint_dir(model_dir)
@@ -35,9 +37,27 @@ def load_tokenizer(model_dir: str | os.PathLike):
     if not any((root / n).exists() for n in names):
         raise CheckpointError(f"{root}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     try:
-        return AutoTokenizer.from_pretrained(str(root))
+        tokenizer = AutoTokenizer.from_pretrained(str(root))
     except Exception as e:  # transformers raises many types here; name the directory
         raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    if getattr(tokenizer, "chat_template", None) is None and (root / "chat_template.json").exists():
+        tokenizer.chat_template = processor_chat_template(root / "chat_template.json")
+    return tokenizer
+
+
+def processor_chat_template(path: Path) -> str | dict[str, str]:
+    """The ``chat_template`` of a processor's chat_template.json: a template, or named templates (a list of
+    ``{"name", "template"}``) as a dict by name; CheckpointError naming the file when it holds neither."""
+    data = read_json(path)
+    template = data.get("chat_template") if isinstance(data, dict) else None
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list) and template and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in template):
+        return {t["name"]: t["template"] for t in template}
+    raise CheckpointError(f"{path}: 'chat_template' must be a template string or a list of "
+                          "{\"name\", \"template\"} objects")
 
 
 _ROPE_KEYS = ("rope_scaling", "rope_parameters")  # one setting, spelled by transformers 4 and 5

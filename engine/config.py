@@ -123,7 +123,7 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    torch_dtype: torch.dtype | None = None
+    torch_dtype: torch.dtype | None = None  # config.json torch_dtype / dtype: None unless float32, float16 or bfloat16
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -265,7 +265,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=act,
-            torch_dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype")),
+            torch_dtype=_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype")).removeprefix("torch.").lower()),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
             raw=cfg,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ember.engine.checkpoint import CheckpointError, checkpoint_dir, load_tokenizer  # noqa: F401 (re-exported)
 from ember.engine.checkpoint import read_config, read_json
@@ -58,6 +58,26 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"{root}: no model.safetensors, model.safetensors.index.json or *.safetensors file")
 
 
+READ_ERRORS = (OSError, RuntimeError, SafetensorError)
+"""What opening or reading a safetensors file raises when the file is unreadable or not safetensors."""
+
+_LFS_POINTER = b"version https://git-lfs"
+
+
+def unreadable(path: Path, error: Exception) -> CheckpointError:
+    """The CheckpointError for weight file ``path`` that safetensors could not read; a git-lfs pointer (a clone made
+    without git-lfs) is named as such."""
+    try:
+        with open(path, "rb") as f:
+            lfs = f.read(len(_LFS_POINTER)) == _LFS_POINTER
+    except OSError:
+        lfs = False
+    if lfs:
+        return CheckpointError(f"{path}: a git-lfs pointer, not the weights (the repository was cloned without "
+                               f"git-lfs; run `git lfs pull` in {path.parent})")
+    return CheckpointError(f"{path}: cannot read safetensors ({error})")
+
+
 def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every weight file, loaded on CPU; a sharded checkpoint logs its progress
     (one line per file read)."""
@@ -68,7 +88,7 @@ def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
-        except (OSError, RuntimeError) as e:
-            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+        except READ_ERRORS as e:
+            raise unreadable(f, e) from None
         if len(files) > 1:
             log.info("loading weights: %d/%d files (%s) after %.1f s", i, len(files), f.name, time.monotonic() - t0)

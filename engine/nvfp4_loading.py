@@ -59,11 +59,35 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise QuantizationError(f"{path}: invalid JSON ({e})") from None
 
 
+SUPPORTED_QUANTIZATIONS = (
+    "ModelOpt NVFP4 and FP8 (quant_algo NVFP4 / FP8), quant_method fp8 (block or per-tensor scales), "
+    "compressed-tensors FP8 (float-quantized, 8-bit float weights with tensor, channel or block strategy) "
+    "and mxfp4 (gpt-oss)")
+"""The checkpoint quantizations Ember reads, for the message refusing another."""
+
+
+def _compressed_tensors_scheme(q: dict[str, Any]) -> str:
+    """A compressed-tensors config's scheme in words: its format, and each config group's weights and input
+    activations as type, bits and strategy."""
+    groups = []
+    for grp in (q.get("config_groups") or {}).values():
+        if not isinstance(grp, dict):
+            continue
+        specs = [(role, grp.get(role)) for role in ("weights", "input_activations")]
+        groups.append(", ".join(f"{role} {spec.get('type')} {spec.get('num_bits')}-bit {spec.get('strategy')}"
+                                for role, spec in specs if isinstance(spec, dict)))
+    return "; ".join([f"format {q.get('format')!r}", *dict.fromkeys(g for g in groups if g)])
+
+
 def _parse_quant_dict(q: dict[str, Any], source: str) -> QuantConfig:
     algo = q.get("quant_algo")
-    if algo is None and q.get("quant_method") not in (None, "modelopt"):
-        raise QuantizationError(f"{source}: quant_method {q.get('quant_method')!r} is not supported "
-                                "(Ember reads ModelOpt NVFP4 and FP8 checkpoints: block, per-channel or per-tensor)")
+    method = q.get("quant_method")
+    if algo is None and method == "compressed-tensors":
+        raise QuantizationError(f"{source}: compressed-tensors scheme ({_compressed_tensors_scheme(q)}) is not "
+                                f"supported; Ember reads {SUPPORTED_QUANTIZATIONS}")
+    if algo is None and method not in (None, "modelopt"):
+        raise QuantizationError(f"{source}: quant_method {method!r} is not supported; Ember reads "
+                                f"{SUPPORTED_QUANTIZATIONS}")
     group = q.get("group_size")
     if group is None:
         for grp in (q.get("config_groups") or {}).values():
@@ -143,10 +167,13 @@ def _headers(model_dir: Path) -> dict[str, tuple[str, list[int], str]]:
 
     out: dict[str, tuple[str, list[int], str]] = {}
     for f in loader.weight_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                out[name] = (sl.get_dtype(), list(sl.get_shape()), str(f))
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    sl = sf.get_slice(name)
+                    out[name] = (sl.get_dtype(), list(sl.get_shape()), str(f))
+        except loader.READ_ERRORS as e:
+            raise loader.unreadable(f, e) from None
     return out
 
 

@@ -89,7 +89,7 @@ def check_template(runtime: Any, config: ServeConfig) -> None:
     source = (f"--chat-template {config.chat_template}" if config.chat_template is not None and
               not any(c in config.chat_template for c in "{}\n") else
               "--chat-template" if config.chat_template is not None else
-              "the model's chat template (tokenizer_config.json / chat_template.jinja)")
+              "the model's chat template (tokenizer_config.json / chat_template.jinja / chat_template.json)")
     if runtime.chat_template is None and getattr(runtime.tokenizer, "chat_template", None) is None:
         log.warning("the model has no chat template: chat endpoints answer 400; pass --chat-template FILE")
         return

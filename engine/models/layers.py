@@ -474,10 +474,22 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
 _KV_SCALES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale"),
               "q_scale": (), "prob_scale": (), "prob_output_scale": ()}
 """FP8 attention scales a checkpoint may carry -> the `Attention` scales each sets: the deprecated ``kv_scale``
 both; query and softmax-probability scales none (Ember keeps queries and probabilities in the model dtype)."""
+
+
+def _checkpoint_names(param: str) -> list[str]:
+    """The checkpoint tensors that fill parameter ``param``: its parts (q/k/v, gate/up) for a fused one."""
+    parts = param.split(".")
+    if len(parts) < 2:
+        return [param]
+    shards = [split for split, (fused, _) in _FUSED.items() if fused == parts[-2]]
+    return [".".join(parts[:-2] + [s, parts[-1]]) for s in shards] or [param]
+
+
 _PROJ_OUTPUT_SCALES = {"q_proj": (), "k_proj": ("k_scale",), "v_proj": ("v_scale",)}
 """AutoFP8's ``-FP8-KV`` ``{q,k,v}_proj.output_scale`` -> the `Attention` scales each sets."""
 
@@ -624,7 +636,8 @@ class DecoderForCausalLM(nn.Module):
         self.materialize()
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        filled: dict[str, int] = {}
+        filled: dict[str, set[str]] = {}  # parameter -> the checkpoint tensors copied into it
+        seen: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
@@ -634,6 +647,9 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
+            if name in seen:
+                raise ConfigError(f"{source}: tensor {name!r} appears more than once in the checkpoint")
+            seen.add(name)
             parts = name.split(".")
             target, shard = name, None
             if len(parts) >= 3 and parts[-2] in _FUSED:
@@ -654,12 +670,9 @@ class DecoderForCausalLM(nn.Module):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype=dest.dtype))
-            filled[target] = filled.get(target, 0) + 1
-        for pname, param in params.items():
-            expected = 1
-            if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                expected = 3
-            elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                expected = 2
-            if filled.get(pname, 0) != expected:
-                raise ConfigError(f"{source}: missing tensor(s) for parameter {pname!r}")
+            filled.setdefault(target, set()).add(name)
+        for pname in params:
+            missing = [n for n in _checkpoint_names(pname) if n not in filled.get(pname, ())]
+            if missing:
+                raise ConfigError(f"{source}: missing tensor(s) {', '.join(map(repr, missing))} "
+                                  f"(for parameter {pname!r})")

@@ -149,3 +149,103 @@ def test_rope_scaling_matches_transformers():
         ours, scale = rope_inv_freq(64, 10000.0, scaling, 256)
         torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=1e-7)
         assert scale == pytest.approx(ref_scale)
+
+
+def _copy(demo_model_dir, path, edit_config=None):
+    shutil.copytree(demo_model_dir, path)
+    if edit_config is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        edit_config(cfg)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("form", ["string", "named-list"])
+def test_a_chat_template_only_in_chat_template_json_is_used(tmp_path, demo_model_dir, form):
+    from ember.engine.checkpoint import load_tokenizer
+
+    path = _copy(demo_model_dir, tmp_path / "m")
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    template = tok_cfg.pop("chat_template").replace("<|im_start|>", "<|im_start|>JSON:")
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    value = template if form == "string" else [{"name": "default", "template": template},
+                                               {"name": "tool_use", "template": "TOOLS"}]
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": value}))
+    tok = load_tokenizer(path)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>JSON:user\nhi")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": 3}))
+    with pytest.raises(CheckpointError, match=r"chat_template\.json: 'chat_template' must be"):
+        load_tokenizer(path)
+
+
+def test_an_unknown_config_dtype_does_not_stop_loading(tmp_path, demo_model_dir):
+    from ember.engine.loader import load_model_config
+
+    def set_dtype(key, value):
+        return lambda c: (c.pop("torch_dtype"), c.update({key: value}))
+
+    path = _copy(demo_model_dir, tmp_path / "fp8", set_dtype("torch_dtype", "float8_e4m3fn"))
+    assert Engine.from_pretrained(path, num_kv_blocks=8).dtype == torch.float32
+    for i, value in enumerate(["auto", "int8", "float64"]):
+        for key in ("torch_dtype", "dtype"):
+            assert load_model_config(_copy(demo_model_dir, tmp_path / f"{key}{i}", set_dtype(key, value))
+                                     ).torch_dtype is None
+    path = _copy(demo_model_dir, tmp_path / "bf16", set_dtype("dtype", "bfloat16"))
+    assert load_model_config(path).torch_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n", "git-lfs pointer.*git lfs pull"),
+    (b"\x00" * 100, "cannot read safetensors"),
+    (b"\xff" * 100, "cannot read safetensors"),
+])
+def test_an_unreadable_weight_file_is_named(tmp_path, demo_model_dir, content, reason):
+    from ember.engine.loader import iter_weights
+
+    path = _copy(demo_model_dir, tmp_path / "m")
+    (path / "model.safetensors").write_bytes(content)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{reason}"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{reason}"):
+        list(iter_weights(path))
+
+
+def test_a_tensor_twice_or_a_missing_fused_part_is_named(tmp_path, demo_model_dir):
+    tensors = load_file(demo_model_dir / "model.safetensors")
+    dup = "model.layers.0.self_attn.v_proj.weight"
+    path = _copy(demo_model_dir, tmp_path / "dup")
+    (path / "model.safetensors").unlink()
+    save_file(tensors, str(path / "a.safetensors"))
+    save_file({dup: tensors[dup]}, str(path / "b.safetensors"))
+    weight_map = {**{k: "a.safetensors" for k in tensors}, dup: "b.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConfigError, match=rf"tensor '{dup}' appears more than once"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+    path = _copy(demo_model_dir, tmp_path / "missing")
+    save_file({k: v for k, v in tensors.items() if k != dup}, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"missing tensor\(s\) '{dup}' \(for parameter "
+                                          r"'model\.layers\.0\.self_attn\.qkv_proj\.weight'\)"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"], "config_groups": {
+    "group_0": {"targets": ["Linear"], "input_activations": None,
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+_W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"], "config_groups": {
+    "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}}}}
+
+
+@pytest.mark.parametrize("qc, scheme", [
+    (_W4A16, r"format 'pack-quantized'; weights int 4-bit group"),
+    (_W8A8, r"format 'int-quantized'; weights int 8-bit channel, input_activations int 8-bit token"),
+])
+def test_an_unsupported_compressed_tensors_scheme_is_named(tmp_path, demo_model_dir, qc, scheme):
+    from ember.engine.nvfp4_loading import QuantizationError
+
+    path = _copy(demo_model_dir, tmp_path / "m", lambda c: c.update(quantization_config=qc))
+    with pytest.raises(QuantizationError, match=rf"config\.json:quantization_config: compressed-tensors scheme "
+                                                rf"\({scheme}\) is not supported; .*compressed-tensors FP8.*mxfp4"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
