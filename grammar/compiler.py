@@ -191,8 +191,37 @@ def _param_schema(tool: _Tool, name: str, schema: Mapping) -> Mapping:
             "$ref": "#" + _pointer("$defs", "tool", "properties", name)}
 
 
-def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None]:
-    """("none" | "auto" | "required" | "named", the named tool's name), from OpenAI's or Anthropic's shapes."""
+def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None, frozenset[str] | None]:
+    """("none" | "auto" | "required" | "named", the named tool's name, the tools calls may name: OpenAI's
+    ``allowed_tools``, else None for all), from OpenAI's or Anthropic's shapes."""
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "allowed_tools":
+        return _allowed(tool_choice, tools)
+    mode, named = _mode(tool_choice, tools)
+    return mode, named, None
+
+
+def _allowed(tool_choice: Mapping, tools: list[_Tool]) -> tuple[str, None, frozenset[str]]:
+    """OpenAI's ``allowed_tools`` choice, chat's (``{"allowed_tools": {"mode", "tools"}}``) or the Responses API's
+    flat shape (``{"mode", "tools"}``; a tool ``{"type": "function", "name"}``)."""
+    spec = tool_choice.get("allowed_tools", tool_choice)
+    mode = spec.get("mode") if isinstance(spec, Mapping) else None
+    if mode not in ("auto", "required"):
+        raise GrammarError(f"tool_choice.allowed_tools.mode must be 'auto' or 'required', got {mode!r}")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise GrammarError("tool_choice.allowed_tools.tools must list at least one tool")
+    names = set()
+    for i, t in enumerate(listed):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        name = fn.get("name") if isinstance(fn, Mapping) else t.get("name") if isinstance(t, Mapping) else None
+        if not isinstance(name, str) or name not in {x.name for x in tools}:
+            raise GrammarError(f"tool_choice.allowed_tools.tools[{i}] names no function in tools ({name!r})")
+        names.add(name)
+    return mode, None, frozenset(names)
+
+
+def _mode(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str, str | None]:
+    """("none" | "auto" | "required" | "named", the named tool's name) of any other tool_choice."""
     if tool_choice is None:
         return ("auto" if tools else "none"), None
     if isinstance(tool_choice, str):
@@ -205,7 +234,7 @@ def _choice(tool_choice: str | Mapping | None, tools: list[_Tool]) -> tuple[str,
     if isinstance(tool_choice, Mapping):
         kind = tool_choice.get("type")
         if kind in ("auto", "none", "required", "any"):  # Anthropic's shapes; "any" is OpenAI's "required"
-            return _choice("required" if kind == "any" else kind, tools)
+            return _mode("required" if kind == "any" else kind, tools)
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")  # Anthropic {"type": "tool"}
         if not isinstance(name, str):
@@ -851,8 +880,10 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
 
     ``tool_choice``: ``none`` ignores tools; ``auto`` constrains each call that starts when any tool is ``strict``
     (text stays free); ``required`` forces at least one call (exactly one without ``parallel_tool_calls``); a named
-    function forces that tool once. With tools forced, ``response_format`` does not apply (the reply is calls);
-    ``auto`` with a ``response_format`` allows either the formatted answer or tool calls.
+    function forces that tool once; OpenAI's ``allowed_tools`` (``auto`` or ``required``) lets calls name only the
+    tools it lists, the others staying in the prompt (every call is constrained, strict or not). With tools forced,
+    ``response_format`` does not apply (the reply is calls); ``auto`` with a ``response_format`` allows either the
+    formatted answer or tool calls.
 
     ``thinking=False`` (the request turned thinking off: ``enable_thinking=false``, Anthropic ``thinking.type``
     ``disabled``) means that in the CONTENT state the model may not open a thought of its own; with the default a
@@ -864,11 +895,13 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
     d = _Delims(profile, ids)
     g = _Lark()
     tool_list = _tools(tools)
-    mode, named = _choice(tool_choice, tool_list)
+    mode, named, allowed = _choice(tool_choice, tool_list)
     if mode == "none":
         tool_list = []
     if named is not None:
         tool_list = [t for t in tool_list if t.name == named]
+    if allowed is not None:
+        tool_list = [t for t in tool_list if t.name in allowed]
     if tool_list and profile.tool_format is None:
         if mode in ("required", "named"):
             raise GrammarError(f"tool_choice {mode!r}: model family {profile.name!r} has no tool-call syntax")
@@ -876,7 +909,7 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
 
     may_open = _may_open(profile, d) if thinking else None
     budget = _budget(profile, initial, d, thinking_budget, _may_open(profile, d))
-    answer = _answer(g, d, profile, mode, tool_list, response_format, parallel_tool_calls)
+    answer = _answer(g, d, profile, mode, tool_list, response_format, parallel_tool_calls, allowed is not None)
     if answer is None:
         return GrammarPlan(None, budget) if budget is not None else None
     if profile.tool_format == "harmony":
@@ -928,13 +961,13 @@ def _may_open(profile: Profile, d: _Delims) -> int | None:
 
 
 def _answer(g: _Lark, d: _Delims, profile: Profile, mode: str, tools: list[_Tool], rf: Mapping | None,
-            parallel: bool) -> str | None:
+            parallel: bool, restricted: bool = False) -> str | None:
     harmony = profile.tool_format == "harmony"
     forced = bool(tools) and mode in ("required", "named")
     formatted = None if forced else _response_format_answer(g, rf, _HARMONY_JSON_OPTIONS if harmony else JSON_OPTIONS)
     if harmony and formatted is not None:
         formatted = g.add("final", f'{d.ref("channel")} "final" {d.ref("message")} {formatted}')
-    if not tools or (mode == "auto" and not any(t.strict for t in tools) and formatted is None):
+    if not tools or (mode == "auto" and not restricted and not any(t.strict for t in tools) and formatted is None):
         return formatted
     _check_tool_schemas(tools)
     if profile.tool_format in ("llama3_json", "pythonic", "mistral"):

@@ -159,6 +159,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     tools = chat.openai_tools(body.tools)
     if isinstance(body.tool_choice, po.NamedToolChoice):
         tool_choice: Any = {"type": "function", "function": {"name": body.tool_choice.function.name}}
+    elif isinstance(body.tool_choice, po.AllowedToolsChoice):
+        tool_choice = body.tool_choice.model_dump()  # the grammar lets calls name only these
     else:
         tool_choice = body.tool_choice or ("auto" if tools else "none")
     template_kwargs = rt.template_kwargs(_template_kwargs(body))

@@ -126,6 +126,19 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class AllowedTools(_Lenient):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Lenient):
+    """OpenAI's ``allowed_tools``: calls may name only these tools (``required``: at least one call); every tool
+    stays in the prompt."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class JsonSchemaSpec(_Lenient):
     name: str = "response"
     description: str | None = None
@@ -289,7 +302,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -308,10 +321,10 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="before")
     @classmethod
     def _tool_choice_type(cls, data: Any) -> Any:
-        """A tool_choice object of another type than ``function`` (``allowed_tools``, ``custom``) is a 400 naming
-        ``tool_choice.type``, not pydantic's three mismatches ending in ``tool_choice.function``."""
+        """A tool_choice object of another type than ``function`` or ``allowed_tools`` (``custom``) is a 400 naming
+        ``tool_choice.type``, not pydantic's mismatches with each member."""
         choice = data.get("tool_choice") if isinstance(data, dict) else None
-        if isinstance(choice, dict) and choice.get("type", "function") != "function":
+        if isinstance(choice, dict) and choice.get("type", "function") not in ("function", "allowed_tools"):
             raise field_error("tool_choice.type", f"tool_choice type {choice['type']!r} is not supported: give none, "
                               "auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                               choice.get("type"))
@@ -339,6 +352,13 @@ class ChatCompletionRequest(_SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
             name = choice.function.name
             raise field_error("tool_choice.function.name", f"tool_choice names {name!r}, which is not in tools", name)
+        if isinstance(choice, AllowedToolsChoice):
+            names = {t.function.name for t in self.tools or ()}
+            for i, t in enumerate(choice.allowed_tools.tools):
+                if t.function.name not in names:
+                    raise field_error("tool_choice.allowed_tools.tools",
+                                      f"tool_choice allows {t.function.name!r} (tools[{i}]), which is not in tools",
+                                      t.function.name)
         if self.continue_final_message and self.add_generation_prompt:
             raise field_error("continue_final_message",
                               "continue_final_message and add_generation_prompt exclude each other", True)

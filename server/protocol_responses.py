@@ -32,6 +32,15 @@ class NamedFunction(_Lenient):
     name: str
 
 
+class AllowedTools(_Lenient):
+    """OpenAI's ``allowed_tools``: calls may name only these tools (``required``: at least one call); every tool
+    stays in the prompt."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1)
+
+
 class TextFormat(_Lenient):
     """`text.format`: plain text, any JSON object, or JSON matching `schema` (the fields of chat's `json_schema`
     flattened into the format, as the Responses API spells them)."""
@@ -85,7 +94,7 @@ class ResponsesRequest(_Request):
     ignore_eos: bool = False
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -136,9 +145,14 @@ class ResponsesRequest(_Request):
         if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in names:
             raise bad_request(f"tool_choice names {self.tool_choice.name!r}, which is not in tools",
                               param="tool_choice.name")
+        if isinstance(self.tool_choice, AllowedTools):
+            for i, t in enumerate(self.tool_choice.tools):
+                if t.name not in names:
+                    raise bad_request(f"tool_choice allows {t.name!r}, which is not in tools",
+                                      param=f"tool_choice.tools[{i}].name")
 
     @property
-    def tool_choice_or_default(self) -> str | NamedFunction:
+    def tool_choice_or_default(self) -> str | NamedFunction | AllowedTools:
         """`tool_choice`, or its default: `auto` with tools, `none` without."""
         return self.tool_choice or ("auto" if self.tools else "none")
 

@@ -62,8 +62,8 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
     settings in effect, the model's defaults included), echoed."""
     fmt = body.text.format if body.text is not None and body.text.format is not None else None
     tool_choice: Any = body.tool_choice or "auto"  # OpenAI's default, echoed even without tools
-    if isinstance(tool_choice, pr.NamedFunction):
-        tool_choice = {"type": "function", "name": tool_choice.name}
+    if isinstance(tool_choice, (pr.NamedFunction, pr.AllowedTools)):
+        tool_choice = tool_choice.model_dump()
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
         "background": bool(body.background), "instructions": body.instructions,
@@ -97,6 +97,8 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    elif isinstance(tool_choice, pr.AllowedTools):
+        tool_choice = tool_choice.model_dump()  # the grammar lets calls name only these
     template_kwargs = rt.template_kwargs(_template_kwargs(body))
     prompt_ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, kwargs=template_kwargs, field="input",
                                      size_param="input")

@@ -193,6 +193,31 @@ def test_forced_tool_call_stream_rebuilds_to_the_non_streaming_call(any_server, 
     assert not (full.choices[0].message.content or "").strip()
 
 
+def test_allowed_tools_limit_the_calls_and_keep_every_tool_in_the_prompt(demo_server):
+    """OpenAI's ``allowed_tools`` (chat's and the Responses API's shapes): with ``required`` the call names only an
+    allowed tool, whatever the random model prefers; the prompt still lists every tool. It was a 400."""
+    client = demo_server.openai()
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    eos = demo_server.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    kw = dict(model=demo_server.model, messages=[{"role": "user", "content": "Weather?"}], tools=[other, WEATHER],
+              max_tokens=60, parallel_tool_calls=False, logit_bias={str(eos): 100},
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}
+    for seed in range(3):
+        r = client.chat.completions.create(tool_choice=allowed, seed=seed, **kw)
+        assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    free = client.chat.completions.create(tool_choice="none", **{**kw, "max_tokens": 1})
+    assert r.usage.prompt_tokens == free.usage.prompt_tokens  # both tools are rendered either way
+    resp = client.responses.create(
+        model=demo_server.model, input="Weather?", max_output_tokens=60, parallel_tool_calls=False,
+        tools=[{"type": "function", **t["function"]} for t in (other, WEATHER)],
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [item.name for item in resp.output if item.type == "function_call"] == ["get_time"]
+    assert resp.tool_choice.type == "allowed_tools"  # echoed as sent
+
+
 def test_json_schema_response_format(demo_server):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}

@@ -63,7 +63,10 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/completions", {"prompt": list(range(11)) + ["x"]}, "prompt[11]"),
     ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1][1]"),
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {  # named tool_choice.function
-        "type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [WEATHER]}}}, "tool_choice.type"),
+        "type": "custom", "custom": {"name": "get_weather"}}}, "tool_choice.type"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "allowed_tools",
+     "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}},
+     "tool_choice.allowed_tools.tools"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
