@@ -54,10 +54,11 @@ THREAD_UNSUPPORTED = "thread_unsupported"
 keep: answered with Anthropic's ``thread_unsupported_request`` details."""
 
 
-def prompt_too_long(message: str, param: str, tokens: int | str, maximum: int) -> ApiError:
-    """The 400 ``context_length_exceeded`` for a prompt of ``tokens`` (or a lower bound, as text) over ``maximum``:
-    on the Anthropic routes worded as Anthropic's (``prompt is too long: N tokens > M maximum``), which Claude Code
-    reads to compact the conversation."""
+def prompt_too_long(message: str, param: str, tokens: int, maximum: int) -> ApiError:
+    """The 400 ``context_length_exceeded`` for a prompt of ``tokens`` (or a lower bound) over ``maximum``, the most
+    prompt tokens the context (or the cache or prefill limit that binds) takes: on the Anthropic routes worded as
+    Anthropic's (``prompt is too long: N tokens > M maximum``, two integers), which Claude Code reads to compact the
+    conversation."""
     return ApiError(400, message, param=param, code="context_length_exceeded",
                     anthropic_message=f"prompt is too long: {tokens} tokens > {maximum} maximum")
 

@@ -155,7 +155,7 @@ class ModelRuntime:
         if self.max_prompt_chars and len(text) > self.max_prompt_chars:
             raise prompt_too_long(f"The prompt has {len(text)} characters, more than this model's maximum context "
                                   f"length of {self.max_model_len} tokens can hold", param,
-                                  f"more than {self.max_model_len}", self.max_model_len)
+                                  self.max_model_len + 1, self.max_model_len - 1)  # a lower bound on its tokens
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,

@@ -347,6 +347,13 @@ def test_a_prompt_too_long_is_worded_as_anthropic_words_it(demo_server):
         "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * n}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: "), r.text
     assert r.json()["error"]["message"].endswith(f" tokens > {n - 1} maximum")
+    # text too long to tokenize: the same form, two integers (the tokens a lower bound), the same maximum
+    huge = "x" * (demo_server.runtime.max_prompt_chars + 1)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(demo_server.url + path, timeout=60, json={
+            "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": huge}]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"prompt is too long: {n + 1} tokens > " \
+                                                                        f"{n - 1} maximum", r.text
 
 
 def test_the_beta_output_format_spelling_constrains_the_answer_as_output_config_does(demo_server):
