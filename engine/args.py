@@ -244,7 +244,8 @@ class EngineArgs:
     async_scheduling: bool = _opt(False, "overlap the host's work for the next step (scheduling, inputs, outputs "
                                          "and stop checks) with the device's current step: the next step is "
                                          "launched before this one's tokens are read (vLLM's flag; steps with "
-                                         "grammars, bad words, speculation or scored prompts run in order)")
+                                         "speculation, pooling or scored prompts run in order; grammar and "
+                                         "bad-words steps overlap too)")
     dtype: str | None = _opt(None, "weight/activation dtype: float32, float16 or bfloat16 (also vLLM's float and "
                                    "half); default: auto, bfloat16 on CUDA and float32 on CPU",
                              choices=("auto", "float32", "float", "float16", "half", "bfloat16"))
@@ -266,7 +267,8 @@ class EngineArgs:
                                           "their request's priority (lower first), then arrival, and preempts the "
                                           "lowest first when the KV cache runs out", choices=("fcfs", "priority"))
     speculative_config: str | None = _opt(None, "JSON object of vLLM's speculative decoding settings; Ember "
-                                                "speculates by n-gram prompt lookup for greedy requests: "
+                                                "speculates by n-gram prompt lookup (greedy, sampled and "
+                                                "constrained requests alike): "
                                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                                 "\"prompt_lookup_max\": 3}'",
                                           type=checked_by(lambda text: _speculative(text)), metavar="JSON")
