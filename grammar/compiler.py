@@ -210,11 +210,11 @@ def _allowed(tool_choice: Mapping, tools: list[_Tool]) -> tuple[str, None, froze
     listed = spec.get("tools")
     if not isinstance(listed, list) or not listed:
         raise GrammarError("tool_choice.allowed_tools.tools must list at least one tool")
-    names = set()
+    known, names = {x.name for x in tools}, set()
     for i, t in enumerate(listed):
         fn = t.get("function") if isinstance(t, Mapping) else None
         name = fn.get("name") if isinstance(fn, Mapping) else t.get("name") if isinstance(t, Mapping) else None
-        if not isinstance(name, str) or name not in {x.name for x in tools}:
+        if not isinstance(name, str) or name not in known:
             raise GrammarError(f"tool_choice.allowed_tools.tools[{i}] names no function in tools ({name!r})")
         names.add(name)
     return mode, None, frozenset(names)

@@ -26,7 +26,6 @@ from ember.engine.config import ConfigError, ModelConfig
 from ember.engine.models import qwen3_moe
 from ember.engine.models.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, language_model_name
 from ember.kernels import moe_reference
-from ember.kernels.nvfp4 import NVFP4Tensor
 
 
 _PER_ROW_QK = tuple(f".self_attn.{p}_proj.{leaf}" for p in "qk" for leaf in ("weight", "bias", "weight_scale",
@@ -58,17 +57,10 @@ class Llama4MoE(qwen3_moe.SparseMoeBlock):
         routed_in = x * torch.sigmoid(top.float()).to(x.dtype)
         ones = torch.ones(ids.shape, dtype=torch.float32, device=x.device)
         ids = ids.to(torch.int32)
-        w13, w2 = self.experts.stacks()
         if nvfp4_loading.use_triton(x.device):
-            from ember.kernels import moe
-
-            if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
-                routed = moe.fused_moe_nvfp4(routed_in, w13, w2, ones, ids, self.experts.a13_scale,
-                                             self.experts.a2_scale)
-            else:
-                routed = moe.fused_moe(routed_in, w13, w2, ones, ids)
+            routed = self.experts.triton(routed_in, ones, ids)
         else:
-            routed = moe_reference.fused_moe(routed_in, w13, w2, ones, ids)
+            routed = moe_reference.fused_moe(routed_in, *self.experts.stacks(), ones, ids)
         return routed + self.shared_expert.local(x)  # reduced with the routed part
 
 

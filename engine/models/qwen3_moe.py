@@ -89,6 +89,17 @@ class MoEExperts(nn.Module):
         return (self.quant13 if self.quant13 is not None else self.w13,
                 self.quant2 if self.quant2 is not None else self.w2)
 
+    def triton(self, x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The Triton fused MoE over these experts: NVFP4 stacks through `moe.fused_moe_nvfp4` (which picks W4A4
+        where it runs, with the checkpoint's activation scales), any other stack through `moe.fused_moe`."""
+        from ember.kernels import moe
+
+        w13, w2 = self.stacks()
+        if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
+            return moe.fused_moe_nvfp4(x, w13, w2, topk_w, topk_ids, self.a13_scale, self.a2_scale, shared=shared)
+        return moe.fused_moe(x, w13, w2, topk_w, topk_ids, shared=shared)
+
 
 class SparseMoeBlock(nn.Module):
     """Router + experts; the Triton fused MoE on CUDA (or ``EMBER_MOE=triton``), the torch reference otherwise.
@@ -113,18 +124,14 @@ class SparseMoeBlock(nn.Module):
         """The routed experts' output (this rank's share under tensor parallelism); ``shared = (gate, value)``: plus
         a shared expert's ``sigmoid(gate) * value``, added by the fused MoE's combine on the Triton path."""
         logits = self.gate(x)
-        w13, w2 = self.experts.stacks()
         if nvfp4_loading.use_triton(x.device):
-            from ember.kernels import moe, moe_routing
+            from ember.kernels import moe_routing
 
             topk_w, topk_ids = moe_routing.softmax_topk(logits, self.top_k, self.norm_topk_prob,
                                                         round_through_dtype=True)
-            if isinstance(w13, NVFP4Tensor) and isinstance(w2, NVFP4Tensor):
-                return moe.fused_moe_nvfp4(x, w13, w2, topk_w, topk_ids,
-                                           self.experts.a13_scale, self.experts.a2_scale, shared=shared)
-            return moe.fused_moe(x, w13, w2, topk_w, topk_ids, shared=shared)
+            return self.experts.triton(x, topk_w, topk_ids, shared)
         topk_w, topk_ids = moe_reference.topk_routing(logits, self.top_k, self.norm_topk_prob)
-        out = moe_reference.fused_moe(x, w13, w2, topk_w.to(logits.dtype).float(), topk_ids)
+        out = moe_reference.fused_moe(x, *self.experts.stacks(), topk_w.to(logits.dtype).float(), topk_ids)
         return out if shared is None else out + torch.sigmoid(shared[0]) * shared[1]
 
 
