@@ -335,8 +335,7 @@ class ShardedWeights:
         stack = fp8_loading.fused_expert_stack(name)
         if stack is None or self.fp8 is None or not self.fp8.on_load or self.keep_fp8 is None:
             return None
-        return stack if self.keep_fp8(stack[0] + ("0.gate_proj" if stack[1] == "gate_up_proj" else "0.down_proj")) \
-            else None
+        return stack if self.keep_fp8(fp8_loading.stack_expert(stack)) else None
 
     def _quantized_experts(self, pair: dict[str, tuple[Path, str]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``--quantization fp8`` on one layer's fused expert stacks: each expert read whole and quantized per output

@@ -133,6 +133,13 @@ def fused_expert_stack(name: str) -> tuple[str, str] | None:
     return None
 
 
+def stack_expert(stack: tuple[str, str]) -> str:
+    """The first expert's module a fused stack (`fused_expert_stack`) holds: what a model's keep rule is asked about
+    the whole stack."""
+    prefix, leaf = stack
+    return prefix + ("0.gate_proj" if leaf == "gate_up_proj" else "0.down_proj")
+
+
 def fused_expert_dims(gate_up: Sequence[int], down: Sequence[int]) -> tuple[int, int, bool] | None:
     """(I, H, transposed) of one layer's fused expert stacks from their shapes: transformers' ``[E, 2I, H]`` and
     ``[E, H, I]``, or transposed ``[E, H, 2I]`` and ``[E, I, H]`` (Qwen3-VL-MoE's and Llama 4's releases); no pair of
@@ -479,7 +486,7 @@ def _quantized_on_load(weights: Iterable[tuple[str, torch.Tensor]], keep: Callab
         module = name[: -len(".weight")]
         stack = fused_expert_stack(name)
         if stack is not None and keep is not None and tensor.dtype in _FLOATS \
-                and keep(stack[0] + ("0.gate_proj" if stack[1] == "gate_up_proj" else "0.down_proj")):
+                and keep(stack_expert(stack)):
             pair = waiting.setdefault(stack[0], {})
             pair[stack[1]] = tensor
             if len(pair) == 2:
