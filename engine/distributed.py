@@ -34,7 +34,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from ember.engine import fp8_loading, loader
 from ember.engine.config import ConfigError, EngineConfig, ModelConfig
@@ -302,7 +301,7 @@ class ShardedWeights:
         suffix = fmt.scale_suffix if fmt is not None else None
         stacks: dict[str, dict[str, tuple[Path, str]]] = {}  # a kept layer's first fused stack, until its partner
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
+            with loader.open_safetensors(f) as sf:
                 for name in sf.keys():
                     module = name.rsplit(".", 1)[0]
                     if module in paired and name.endswith(suffix):
@@ -326,7 +325,7 @@ class ShardedWeights:
                         yield name, _read_shard(sf, name, rule, self.tp, f)
         for pair in stacks.values():  # partnerless: the loader's quantizer names what is missing
             for f, name in pair.values():
-                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                with loader.open_safetensors(f) as sf:
                     yield name, _read_shard(sf, name, self.rule(name), self.tp, f)
 
     def _kept_stack(self, name: str) -> tuple[str, str] | None:
@@ -342,8 +341,7 @@ class ShardedWeights:
         channel as one process does (`fp8_loading.quantized_expert`), then this rank's share of its gate, up and down
         weights and scales (down's scales come from whole rows, not this rank's half of them)."""
         (f13, n13), (f2, n2) = pair["gate_up_proj"], pair["down_proj"]
-        with safe_open(str(f13), framework="pt", device="cpu") as a, \
-                safe_open(str(f2), framework="pt", device="cpu") as b:
+        with loader.open_safetensors(f13) as a, loader.open_safetensors(f2) as b:
             s13, s2 = a.get_slice(n13), b.get_slice(n2)
             dims = fp8_loading.fused_expert_dims(list(s13.get_shape()), list(s2.get_shape()))
             if dims is None:  # the loader's quantizer names both shapes
@@ -386,7 +384,7 @@ class ShardedWeights:
         kept = _kept_ranges(shape, name, rule, self.tp, source)
         yield name, _read_shard(sf, name, rule, self.tp, source)
         scale_name = module + fmt.scale_suffix
-        with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
+        with loader.open_safetensors(scale_file) as scales:
             scale = scales.get_tensor(scale_name)
         if kept is None or fmt.granularity == "tensor" or (fmt.granularity == "channel" and kept[0] == 1):
             yield scale_name, scale  # the whole of it covers any slice
@@ -404,7 +402,7 @@ class ShardedWeights:
         """This rank's slice of an FP8 weight, dequantized by the scale blocks its rows and columns fall in (a slice
         need not start or end on a block boundary)."""
         module = name[: -len(".weight")]
-        with safe_open(str(scale_file), framework="pt", device="cpu") as scales:
+        with loader.open_safetensors(scale_file) as scales:
             scale = scales.get_tensor(module + fmt.scale_suffix)
         shape = list(sf.get_slice(name).get_shape())
         grid = fp8_loading.scale_grid(scale, shape, fmt, module, str(source))

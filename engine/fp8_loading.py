@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
+from ember.engine import loader
 from ember.engine.config import ConfigError
 from ember.engine.nvfp4_loading import QuantizationError, use_triton
 from ember.kernels import fp8_block
@@ -164,7 +164,7 @@ def packed_candidates(files: list[Path], fmt: FP8Format) -> dict[str, tuple[Path
     out: dict[str, tuple[Path, list[int]]] = {}
     stacks: dict[str, dict[str, tuple[Path, list[int]]]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
+        with loader.open_safetensors(f) as sf:
             for name in sf.keys():
                 module = name[: -len(".weight")]
                 stack = fused_expert_stack(name)
@@ -273,7 +273,7 @@ def paired_scales(files: list[Path], suffix: str = SCALE) -> dict[str, tuple[Pat
     fp8_weights: dict[str, list[int]] = {}
     scales: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
+        with loader.open_safetensors(f) as sf:
             for name in sf.keys():
                 if name.endswith(suffix):
                     scales[name[: -len(suffix)]] = f

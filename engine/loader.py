@@ -78,17 +78,23 @@ def unreadable(path: Path, error: Exception) -> CheckpointError:
     return CheckpointError(f"{path}: cannot read safetensors ({error})")
 
 
+def open_safetensors(path: Path) -> Any:
+    """safetensors' ``safe_open`` of weight file ``path`` on the CPU (a context manager); a file it cannot read
+    (corrupt, truncated, a git-lfs pointer) raises `unreadable`'s CheckpointError naming it."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except READ_ERRORS as e:
+        raise unreadable(path, e) from None
+
+
 def iter_weights(model_dir: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every weight file, loaded on CPU; a sharded checkpoint logs its progress
     (one line per file read)."""
     files = weight_files(model_dir)
     t0 = time.monotonic()
     for i, f in enumerate(files, 1):
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for name in sf.keys():
-                    yield name, sf.get_tensor(name)
-        except READ_ERRORS as e:
-            raise unreadable(f, e) from None
+        with open_safetensors(f) as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
         if len(files) > 1:
             log.info("loading weights: %d/%d files (%s) after %.1f s", i, len(files), f.name, time.monotonic() - t0)

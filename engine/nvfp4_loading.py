@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ember.engine.attention import check_triton_device
+from ember.engine import loader
 from ember.engine.config import ConfigError
 from ember.kernels import moe_reference
 from ember.kernels.nvfp4 import BLOCK, NVFP4Tensor
@@ -163,17 +163,12 @@ class NVFP4Plan:
 
 
 def _headers(model_dir: Path) -> dict[str, tuple[str, list[int], str]]:
-    from ember.engine import loader
-
     out: dict[str, tuple[str, list[int], str]] = {}
     for f in loader.weight_files(model_dir):
-        try:
-            with safe_open(str(f), framework="pt", device="cpu") as sf:
-                for name in sf.keys():
-                    sl = sf.get_slice(name)
-                    out[name] = (sl.get_dtype(), list(sl.get_shape()), str(f))
-        except loader.READ_ERRORS as e:
-            raise loader.unreadable(f, e) from None
+        with loader.open_safetensors(f) as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                out[name] = (sl.get_dtype(), list(sl.get_shape()), str(f))
     return out
 
 

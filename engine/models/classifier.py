@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from ember.engine import loader
 from ember.engine.config import ConfigError, ModelConfig
 
 SUFFIX = "ForSequenceClassification"
@@ -156,7 +156,7 @@ def converted_head_weight(model: nn.Module, files: list[Path], tokenizer_dir: st
     ids = _token_ids(tokenizer_dir, head)
     wanted = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
+        with loader.open_safetensors(f) as sf:
             name = next((k for k in sf.keys() if model.checkpoint_name(k) == wanted), None)
             if name is None:
                 continue

@@ -209,6 +209,8 @@ def test_an_unreadable_weight_file_is_named(tmp_path, demo_model_dir, content, r
         Engine.from_pretrained(path, num_kv_blocks=8)
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{reason}"):
         list(iter_weights(path))
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: .*{reason}"):
+        Engine.from_pretrained(path, num_kv_blocks=8, quantization="fp8")
 
 
 def test_a_tensor_twice_or_a_missing_fused_part_is_named(tmp_path, demo_model_dir):
