@@ -60,6 +60,10 @@ class ParserMachine:
             REASONING: self.reasoning_text, CONTENT: self.content_text, TOOL_PREAMBLE: self.preamble_text,
             TOOL_BETWEEN: self.between_text, BAD_CALL: self.bad_text}
         self._channels = {REASONING: "reasoning", CONTENT: "content"}
+        self._thought_kept = p.reasoning is not None and p.reasoning.in_content
+        if self._thought_kept:
+            self._handlers[REASONING] = self.content_text
+            self._channels[REASONING] = "content"
         skip = set()
         if syntax is not None:
             actions.update(syntax.actions())
@@ -116,6 +120,8 @@ class ParserMachine:
         else:
             self.state = CONTENT
             self.boundary()
+        # a thought kept in the content starts with the `<think>` the prompt opened it with
+        self._lead = (p.reasoning.open or "") if self._thought_kept and self.state == REASONING else ""
 
     # ----------------------------------------------------------------------------------------------- public
     @property
@@ -128,6 +134,9 @@ class ParserMachine:
         out = self._out = []
         if self._finished:
             return out
+        if self._lead:
+            out.append(ContentDelta(self._lead))
+            self._lead = ""
         if token_id is not None and token_id in self._delimiter_id_set:
             self._flush_pending()
             rule = self._id_rules.get(self.state, {}).get(token_id)
@@ -146,6 +155,9 @@ class ParserMachine:
         out = self._out = []
         if self._finished:
             return out
+        if self._lead:
+            out.append(ContentDelta(self._lead))
+            self._lead = ""
         self._final = True
         self._cut = cut
         if self._pending:
@@ -333,11 +345,18 @@ class ParserMachine:
         return self.structural_ws(s, "text after tool call")
 
     # ----------------------------------------------------------------------------------------------- actions
+    def _thought_tag(self, text: str, reason: str) -> None:
+        """A `<think>` / `</think>` consumed as structure: Dropped, or content where the thought is kept there."""
+        if self._thought_kept:
+            self._out.append(ContentDelta(text))
+        else:
+            self.drop(text, reason)
+
     def _do_absorb_open(self, text: str) -> None:
-        self.drop(text, "reasoning open inside the thought")
+        self._thought_tag(text, "reasoning open inside the thought")
 
     def _do_reasoning_end(self, text: str) -> None:
-        self.drop(text, "reasoning close")
+        self._thought_tag(text, "reasoning close")
         self._closed_once = True
         self.state = CONTENT
         self.boundary()
@@ -346,8 +365,8 @@ class ParserMachine:
         if not self._thinking_allowed:
             self.atomic(text)
             return
-        self._release_ws(drop=True, reason="whitespace before reasoning open")
-        self.drop(text, "reasoning open")
+        self._release_ws(drop=not self._thought_kept, reason="whitespace before reasoning open")
+        self._thought_tag(text, "reasoning open")
         self.state = REASONING
 
     def _do_content_close(self, text: str) -> None:

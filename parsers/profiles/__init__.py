@@ -5,8 +5,9 @@ Families: ``qwen3`` (think + Hermes JSON tool calls), ``qwen3_coder`` (think + X
 ``deepseek_r1`` (the reply starts in the thought; DeepSeek's tool calls), ``deepseek_v3`` (DeepSeek's tool-call
 section, V3 and V3.1 spellings), ``glm45`` (think + `<arg_key>`/`<arg_value>` tool calls), ``kimi_k2`` (think +
 Kimi's tool-call section), ``minimax_m2`` (think + `<invoke name="..">` XML tool calls typed as Qwen3-Coder's, several
-in one block), ``seed_oss`` (`<seed:think>` + Qwen3-Coder's XML calls in `<seed:tool_call>`), ``hermes`` (JSON tool
-calls, no reasoning), ``gpt_oss`` (harmony channels), ``none`` (all content).
+in one block; ``minimax_m2_append_think`` keeps its thought in the content), ``seed_oss`` (`<seed:think>` +
+Qwen3-Coder's XML calls in `<seed:tool_call>`), ``hermes`` (JSON tool calls, no reasoning), ``gpt_oss`` (harmony
+channels), ``none`` (all content).
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from . import (deepseek_r1, deepseek_v3, glm45, gpt_oss, hermes, kimi_k2, llama3
 __all__ = ["Profile", "ReasoningSpec", "Rule", "PROFILE_NAMES", "ALIASES", "PARSER_NAMES", "canonical_name",
            "get_profile", "detect_profile"]
 
-_PROFILES: dict[str, Profile] = {m.PROFILE.name: m.PROFILE
-                                 for m in (qwen3, qwen3_coder, deepseek_r1, deepseek_v3, glm45,
-                                           kimi_k2, minimax_m2, seed_oss, llama3_json, mistral, pythonic, hermes,
-                                           gpt_oss, none)}
+_PROFILES: dict[str, Profile] = {p.name: p for p in (
+    qwen3.PROFILE, qwen3_coder.PROFILE, deepseek_r1.PROFILE, deepseek_v3.PROFILE, glm45.PROFILE, kimi_k2.PROFILE,
+    minimax_m2.PROFILE, minimax_m2.APPEND_THINK, seed_oss.PROFILE, llama3_json.PROFILE, mistral.PROFILE,
+    pythonic.PROFILE, hermes.PROFILE, gpt_oss.PROFILE, none.PROFILE)}
 PROFILE_NAMES: tuple[str, ...] = tuple(_PROFILES)
 
 ALIASES: dict[str, str] = {

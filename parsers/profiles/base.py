@@ -36,6 +36,7 @@ class ReasoningSpec:
     close: str                # "</think>"
     start_mode: Literal["prompt_tail", "always", "never"]   # used when the prompt tail says nothing
     absorb_duplicate_close: bool = True   # a second close after an explicit open..close in this output is Dropped
+    in_content: bool = False  # the thought stays in the content, tags and all (vLLM's minimax_m2_append_think)
 
 
 @dataclass(frozen=True)

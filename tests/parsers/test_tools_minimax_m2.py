@@ -216,3 +216,21 @@ def test_streaming_in_any_token_chunks_equals_the_final_parse(tok, setup, sizes)
     assert fold_output(events + pipe.finish("stop")) == whole
     assert calls(whole) == [("get_weather", {"city": "Lyon", "days": 4, "opts": {"a": 1}}),
                             ("get_weather", {"hourly": False})]
+
+
+def test_append_think_keeps_the_thought_in_the_content(tok):
+    """vLLM's `minimax_m2_append_think`: the content is `<think>` + everything generated, tags included, less the tool
+    calls, in every chunking; a thought the prompt did not open gets no `<think>`."""
+    think = ParserSetup.from_tokenizer(tok, "minimax_m2_append_think")
+    block = TC + "\n" + invoke("get_weather", city="Oslo") + ETC
+    ids = ids_of(tok, "Need weather.\n", END_THINK, "\n\nChecking.\n" + block, EOT)
+    out = parse_all(think.pipeline(initial=InitialState.REASONING, tools=TOOLS), ids)
+    assert (out.reasoning, out.content) == ("", "<think>Need weather.\n</think>\n\nChecking.\n")
+    assert calls(out) == [("get_weather", {"city": "Oslo"})]
+    pipe = think.pipeline(initial=InitialState.REASONING, tools=TOOLS)
+    steps = [pipe.feed([t]) for t in ids]
+    streamed = fold_output([e for s in steps for e in s.events] + pipe.finish("stop"))
+    assert (streamed.content, calls(streamed)) == (out.content, calls(out))
+    assert {ch for s in steps[:3] for ch in s.token_channels} == {"content"}   # the thought's logprobs are content's
+    out = parse_all(think.pipeline(initial=InitialState.CONTENT), ids_of(tok, "Hi ", THINK, "hm", END_THINK, "yes"))
+    assert (out.reasoning, out.content) == ("", "Hi <think>hm</think>yes")

@@ -191,6 +191,9 @@ def test_parser_flags_pick_the_profile(demo_model_dir):
     assert (merged.tool_format, merged.reasoning.start_mode) == ("hermes", "always")
     assert (parse(merged).reasoning, parse(merged).content) == ("hmm", "Hi")
     assert choose_profile(None, None, None, "none").tool_format is None
+    kept = choose_profile(None, "minimax_m2", "minimax_m2_append_think", None)  # MiniMax's vLLM command line
+    assert kept.tool_format == "qwen3_coder" and kept.reasoning.in_content
+    assert (parse(kept).reasoning, parse(kept).content) == ("", "<think>hmm</think>Hi")
 
 
 def _stub_serve(monkeypatch) -> list:
