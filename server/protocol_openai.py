@@ -121,6 +121,17 @@ class NamedFunction(_Lenient):
     name: str
 
 
+def refuse_other_tool_choice(data: Any, named: str) -> Any:
+    """``data`` (a request body), unless its tool_choice is an object of another type than ``function`` or
+    ``allowed_tools`` (``custom``, a built-in tool): a 400 naming ``tool_choice.type`` that shows the ``named`` form,
+    not pydantic's mismatches with each member of the union."""
+    choice = data.get("tool_choice") if isinstance(data, dict) else None
+    if isinstance(choice, dict) and choice.get("type", "function") not in ("function", "allowed_tools"):
+        raise field_error("tool_choice.type", f"tool_choice type {choice['type']!r} is not supported: give none, "
+                          f"auto, required, {named} or allowed_tools", choice.get("type"))
+    return data
+
+
 class NamedToolChoice(_Lenient):
     type: Literal["function"] = "function"
     function: NamedFunction
@@ -323,12 +334,7 @@ class ChatCompletionRequest(_SamplingFields):
     def _tool_choice_type(cls, data: Any) -> Any:
         """A tool_choice object of another type than ``function`` or ``allowed_tools`` (``custom``) is a 400 naming
         ``tool_choice.type``, not pydantic's mismatches with each member."""
-        choice = data.get("tool_choice") if isinstance(data, dict) else None
-        if isinstance(choice, dict) and choice.get("type", "function") not in ("function", "allowed_tools"):
-            raise field_error("tool_choice.type", f"tool_choice type {choice['type']!r} is not supported: give none, "
-                              "auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              choice.get("type"))
-        return data
+        return refuse_other_tool_choice(data, '{"type": "function", "function": {"name": ...}}')
 
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .errors import bad_request
-from .protocol_openai import JsonSchemaSpec, _Lenient, _Request
+from .protocol_openai import JsonSchemaSpec, _Lenient, _Request, refuse_other_tool_choice
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KNOWN_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
@@ -110,6 +110,11 @@ class ResponsesRequest(_Request):
     conversation: Any = None
     prompt: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice_type(cls, data: Any) -> Any:
+        return refuse_other_tool_choice(data, '{"type": "function", "name": ...}')
 
     def check(self) -> None:
         """Refuse, naming the field, what Ember cannot honour and what contradicts itself (400)."""

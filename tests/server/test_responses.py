@@ -280,6 +280,7 @@ def test_a_thought_closed_before_the_cut_is_complete(qwen3_thinking_server):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),  # a built-in tool's
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k" * 65: "v"}}, "metadata"),
