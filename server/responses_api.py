@@ -89,6 +89,9 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     check_generates(st)
     check_logprobs(st, top_logprobs=body.top_logprobs)
     body.check()
+    if body.background and st.responses.capacity <= 0:
+        raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background response "
+                            "could not be polled", param="background")
     items = input_items(body.input)
     previous = _previous(st, body.previous_response_id)
     history = previous + responses_messages(items, history=previous)
@@ -140,9 +143,6 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
             st.responses.put(response_id, StoredResponse(response, history + replies, listed, events))
 
     if body.background:
-        if not store:
-            raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background "
-                                "response could not be polled", param="background")
         bg = st.background.start(response_id, enc, noted_steps(st, req, run, single_call), remember, listed)
         if body.stream:  # a view of the task: a client that leaves stops reading, not generating
             return _event_stream(st, follow(bg, -1))

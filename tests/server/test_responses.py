@@ -3,6 +3,7 @@ part indices) against the live demo server, cross-checked against `/v1/chat/comp
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -428,3 +429,19 @@ def test_a_non_finite_number_in_a_tool_is_a_400_naming_it(demo_server, stream):
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters.x", r.text
 
+
+
+def test_background_without_a_store_is_refused_before_it_is_admitted(rebuilt_server):
+    """With --responses-store-size 0 a background response is a 400 naming `background`, refused before its prompt is
+    rendered: it counts no prompt tokens."""
+    srv = rebuilt_server(responses_store_size=0)
+
+    def prompt_tokens() -> float:
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        return float(re.search(r'^vllm:prompt_tokens_total\{[^}]*\} (\S+)$', text, flags=re.M).group(1))
+
+    before = prompt_tokens()
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "ember-demo", "input": "Hi", "background": True},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    assert prompt_tokens() == before
