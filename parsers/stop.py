@@ -4,8 +4,9 @@ The matcher sees the raw text of the output before any parsing. A single-token d
 may end in its text where the token is not special (as in vLLM, whose text holds it), but no partial match runs past
 it (`delimiter`). On a match the text is cut at the start of the stop string (or just after it with
 ``include_stop_str_in_output``) and the caller ends the request; nothing after the match is ever released. The
-match is the stop string that is complete first (the earliest end; of those, the first listed, as vLLM picks within
-one step), which makes the result independent of how the text is chunked. Text fed with ``check=False`` (the tokens
+match is the stop string that is complete first (the earliest end; of those, the first listed), which makes the
+result independent of how the text is chunked (vLLM takes the first listed of those found in one step's new text, so
+its pick depends on the tokens per step). Text fed with ``check=False`` (the tokens
 up to ``min_tokens``, as vLLM) is withheld the same way but cannot end a match: a stop string counts only when it
 ends in checked text. Each stop string is followed by a Knuth-Morris-Pratt automaton, so a call costs the text fed
 times the number of stop strings (amortized) and memory is linear in their length, however long they are.
