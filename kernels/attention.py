@@ -65,6 +65,12 @@ mma.sync) without spilling at 4 warps (128 spills); the interpreter keeps 16 for
 (one query row per sequence and head of the group), as fp32 (IEEE, FMA matmuls: 16 rows and 16-key tiles)."""
 _NUM_WARPS = 4
 _NUM_STAGES = 3
+_WIDE_HEAD = 512
+_WIDE_GROUP = 16
+"""From a padded head size of ``_WIDE_HEAD`` (DeepSeek's latent attention: 576 padded to 1024) a program takes at most
+``_WIDE_GROUP`` query heads (a larger GQA group is split over launches), 16-token KV tiles and one stage: with the
+usual tiles a 16-head prefill needs 393 KB of shared memory and a 128-head group far more, where an sm_90 block has
+232 KB (compiled for sm_90: 16 heads then take 98 KB)."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -462,7 +468,8 @@ def paged_attention(
     of two >= max(16, group)) override the defaults; ``max_seqlen_k`` is unused. ``sliding_window`` (None:
     unlimited), ``sinks`` ``[Hq]`` (None: none), ``softcap`` and ``chunk`` (None: none) as in the reference; KV tiles
     wholly outside the window or the chunk are skipped. ``num_warps`` / ``num_stages`` override the launch defaults
-    (4 warps, 3 stages).
+    (4 warps, 3 stages; a head padded to ``_WIDE_HEAD`` or more, without a ``block_m``, takes the small tiles and the
+    group split documented there).
     """
     del max_seqlen_k
     num_tokens, hq, d = q.shape
@@ -472,18 +479,32 @@ def paged_attention(
     hkv = k_cache.shape[2]
     group = hq // hkv
     block_size = k_cache.shape[1]
-    head_pad = triton.next_power_of_2(d)
+    head_pad = max(16, triton.next_power_of_2(d))  # tl.dot needs K >= 16; the padded channels are masked
+    wide = head_pad >= _WIDE_HEAD and block_m is None
+    if wide and group > _WIDE_GROUP:
+        for j in range(hkv):  # one KV head and up to _WIDE_GROUP of its query heads per launch
+            for h0 in range(j * group, (j + 1) * group, _WIDE_GROUP):
+                h1 = min(h0 + _WIDE_GROUP, (j + 1) * group)
+                paged_attention(
+                    q[:, h0:h1], k_cache[:, :, j:j + 1], v_cache[:, :, j:j + 1], out[:, h0:h1], cu_seqlens_q,
+                    seq_lens, block_table, max_seqlen_q, 0, softmax_scale, k_scale, v_scale,
+                    split_kv=split_kv, num_segments=num_segments, tile_size=tile_size, sliding_window=sliding_window,
+                    sinks=None if sinks is None else sinks[h0:h1], softcap=softcap, chunk=chunk,
+                    num_warps=num_warps, num_stages=num_stages)
+        return out
     decode_only = max_seqlen_q <= 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models get fp32 matmuls, not TF32
     small_m = decode_only or precision == "ieee"
-    block_m = block_m or (_block_m(group) if small_m else max(_DEFAULT_BLOCK_M_PREFILL, _block_m(group)))
+    block_m = block_m or (_block_m(group) if small_m or wide else max(_DEFAULT_BLOCK_M_PREFILL, _block_m(group)))
     if block_m < group or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m} must be a power of two >= the GQA group size {group}")
     ks = float(k_scale if k_scale is not None else 1.0)
     vs = float(v_scale if v_scale is not None else 1.0)
-    warps = num_warps or _NUM_WARPS
+    warps = num_warps or (8 if wide else _NUM_WARPS)
     # fp32 decode (fp32 models, for parity): 2 stages; 3 spilled 8 bytes for sm_100 at GQA 8 (Triton 3.9)
-    stages = num_stages or (2 if precision == "ieee" and decode_only else _NUM_STAGES)
+    stages = num_stages or (1 if wide else 2 if precision == "ieee" and decode_only else _NUM_STAGES)
+    if wide:
+        tile_size = tile_size or 16
     if split_kv is None:
         split_kv = decode_only and num_seqs * hkv <= SPLIT_KV_MAX_PROGRAMS
     if split_kv and not decode_only:
@@ -520,7 +541,8 @@ def paged_attention(
         )
         _reduce_segments[(num_seqs, hq)](
             out, segm_out, segm_max, segm_sum, cu_seqlens_q, sinks_arg, hq, *out.stride(),
-            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, HAS_SINKS=has_sinks, num_warps=4, num_stages=1,
+            HEAD_SIZE=d, HEAD_PAD=head_pad, NUM_SEGMENTS=segs, HAS_SINKS=has_sinks, num_warps=8 if wide else 4,
+            num_stages=1,
         )
         return out
 

@@ -56,9 +56,15 @@ LAUNCHED = ((attention, ("_reshape_and_cache_kernel", "_unified_attention_2d", "
 """The kernels the wrappers launch (jit helpers they call, such as ``_attend_tiles``, are compiled inside them)."""
 
 
+def _three_sequences() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cu_seqlens_q``, ``seq_lens`` and a block table of three sequences of 5, 9 and 17 tokens."""
+    return (torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.tensor([5, 9, 17], dtype=torch.int32),
+            torch.zeros(3, 2, dtype=torch.int32))
+
+
 def _drive(launches: list, quick: bool) -> None:
     """Call each wrapper once per configuration the engine and gpu_check use (``quick``: the bf16 hd128 GQA-4 core:
-    2D and split-KV decode, prefill, KV write)."""
+    2D and split-KV decode, prefill, KV write; and the attention of the edge head sizes)."""
     g = torch.Generator().manual_seed(0)
     dtypes = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn),
               (torch.float32, torch.float32))
@@ -69,9 +75,7 @@ def _drive(launches: list, quick: bool) -> None:
         for hq, hkv, d in shapes:
             kc = torch.zeros(4, 16, hkv, d, dtype=cache_dt)
             q = torch.randn(3, hq, d, generator=g).to(dt)
-            cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-            sl = torch.tensor([5, 9, 17], dtype=torch.int32)
-            bt = torch.zeros(3, 2, dtype=torch.int32)
+            cu, sl, bt = _three_sequences()
             scales = (0.5, 0.5) if cache_dt == torch.float8_e4m3fn else (None, None)
             for split in (False, True):
                 attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 1, 17, 0.1, *scales,
@@ -129,6 +133,15 @@ def _drive(launches: list, quick: bool) -> None:
         gated_delta_scan.scan(torch.zeros(*blocks, 128), torch.zeros(*blocks, 128), torch.zeros(*blocks, 128),
                               torch.zeros(*blocks, c), torch.zeros(*blocks, 128), torch.ones(2, 4, 3),
                               torch.zeros(2, 4, 128, 128))
+    # head sizes at the edges, attention only: DeepSeek's latent attention at TP 8 (one KV head of 576 for 16 query
+    # heads; a larger group is split into launches like it) and a tiny test model's 8 (padded to tl.dot's K of 16)
+    for hq, hkv, d in ((16, 1, 576), (4, 2, 8)):
+        kc = torch.zeros(4, 16, hkv, d, dtype=torch.bfloat16)
+        q = torch.randn(3, hq, d, generator=g).to(torch.bfloat16)
+        cu, sl, bt = _three_sequences()
+        for split in (False, True):
+            attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 1, 17, 0.1, split_kv=split)
+        attention.paged_attention(q, kc, kc, torch.empty_like(q), cu, sl, bt, 3, 17, 0.1)
 
 
 def main(arch: int, quick: bool = False) -> int:

@@ -435,3 +435,30 @@ def test_the_reference_chunk_is_the_querys_own():
     TorchBackend.paged_attention(q[9:10], kc, vc, dec, torch.tensor([0, 1], dtype=torch.int32), seq_lens, table, 1,
                                  10, 0.25, chunk=4)
     assert 8 <= dec[0, 0, 0] <= 9
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["2d", "split-kv"])
+def test_latent_attention_heads_split_the_group_and_match_reference(split, monkeypatch):
+    """DeepSeek's latent attention (one KV head of 576, padded to 1024) takes at most 16 query heads per launch, so a
+    40-head group is split over three launches (with a sink per head); prefill and decode match the reference."""
+    launches = []
+    kernel = attention._unified_attention_3d if split else attention._unified_attention_2d
+
+    class Counting:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(kw["GROUP"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(attention, "_unified_attention_3d" if split else "_unified_attention_2d", Counting())
+    specs = [(9, 1), (20, 1)] if split else [(5, 3), (0, 4), (17, 1)]
+    sinks = torch.randn(40)
+    q, kc, vc, cu, seq_lens, table = _batch(specs, 40, 1, 576, torch.float16, seed=5)
+    max_q = max(ql for _, ql in specs)
+    ref = torch.zeros_like(q)
+    reference.paged_attention(q, kc, vc, ref, cu, seq_lens, table, max_q, 0, 0.05, sinks=sinks)
+    out = torch.full_like(q, float("nan"))
+    attention.paged_attention(q, kc, vc, out, cu, seq_lens, table, max_q, 0, 0.05, split_kv=split, sinks=sinks)
+    assert launches == [16, 16, 8]
+    assert _rel_err(out, ref) < 1e-3
