@@ -68,9 +68,10 @@ _NUM_STAGES = 3
 _WIDE_HEAD = 512
 _WIDE_GROUP = 16
 """From a padded head size of ``_WIDE_HEAD`` (DeepSeek's latent attention: 576 padded to 1024) a program takes at most
-``_WIDE_GROUP`` query heads (a larger GQA group is split over launches), 16-token KV tiles and one stage: with the
-usual tiles a 16-head prefill needs 393 KB of shared memory and a 128-head group far more, where an sm_90 block has
-232 KB (compiled for sm_90: 16 heads then take 98 KB)."""
+``_WIDE_GROUP`` query heads (a larger GQA group is split over launches), 16-token KV tiles, one stage and 8 warps:
+with the usual tiles a 16-head prefill needs 393 KB of shared memory and a 128-head group far more, where an sm_90
+block has 232 KB (compiled for sm_90: 16 heads then take 98 KB, and 8 warps hold the 1024-wide accumulator without
+spilling)."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
