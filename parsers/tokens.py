@@ -57,13 +57,18 @@ class TokenBytes:
     """
 
     def __init__(self, table: Sequence[bytes], *, special_ids: Iterable[int] = (),
-                 added: Mapping[str, int] | None = None, strips_leading_space: bool = False) -> None:
+                 added: Mapping[str, int] | None = None, strips_leading_space: bool = False,
+                 spells_every_char: bool = False) -> None:
         self._bytes: list[bytes] = list(table)
         self._text: list[str | None] = [_complete_text(b) for b in self._bytes]
         self.vocab_size: int = len(self._bytes)
         self.special_ids: frozenset[int] = frozenset(special_ids)
         self.added: dict[str, int] = dict(added or {})
         self.strips_leading_space: bool = strips_leading_space
+        self.spells_every_char: bool = spells_every_char
+        """Every character of a text reaches some token (byte-level BPE, or BPE with byte fallback, normalized at most
+        by Unicode normal forms), so no token count lets an arbitrarily long text through; a WordPiece or Unigram
+        tokenizer may drop whitespace and accents, or make a word of any length one unknown token."""
 
     @property
     def bytes_table(self) -> Sequence[bytes]:
@@ -141,7 +146,30 @@ class TokenBytes:
             added[content] = i
             if at.special:
                 special.append(i)
-        return cls(table, special_ids=special, added=added, strips_leading_space=strips)
+        every_char = (type(tk.model).__name__ == "BPE" and ("ByteLevel" in kinds or byte_fallback)
+                      and _keeps_every_char(tk.normalizer))
+        return cls(table, special_ids=special, added=added, strips_leading_space=strips, spells_every_char=every_char)
+
+
+_KEEPING_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"})
+
+
+def _keeps_every_char(normalizer: Any) -> bool:
+    """Whether ``normalizer`` (a tokenizers normalizer, or None) removes no character but by Unicode composition: it
+    is made of normal forms, lowercasing, prepending, and replacements of a literal by a text at least as long."""
+    if normalizer is None:
+        return True
+    state = json.loads(normalizer.__getstate__())
+    steps = state.get("normalizers") or [] if state.get("type") == "Sequence" else [state]
+    for step in steps:
+        kind = step.get("type")
+        if kind == "Replace":
+            pattern = (step.get("pattern") or {}).get("String")
+            if pattern is None or len(step.get("content") or "") < len(pattern):
+                return False
+        elif kind not in _KEEPING_NORMALIZERS:
+            return False
+    return True
 
 
 def _complete_text(b: bytes) -> str | None:

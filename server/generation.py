@@ -176,10 +176,11 @@ class ModelRuntime:
         name = config.served_model_name or model_dir.name
         log.debug("serving %s as %r with parser profile %s (delimiters %s)", model_dir, name, profile.name,
                  setup.delimiter_ids)
-        # a token spells at most its longest text (a WordPiece [UNK] up to a 100-character word)
-        longest = max(100, max((len(b) for b in tb.bytes_table), default=0))
+        # a token spells at most its longest text, from up to about 4 characters that Unicode composition folds into
+        # one; a tokenizer that may drop characters (WordPiece, Unigram) bounds nothing
+        longest = max((len(b) for b in tb.bytes_table), default=1)
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
-                   max_prompt_chars=info.max_model_len * longest,
+                   max_prompt_chars=info.max_model_len * longest * 4 if tb.spells_every_char else 0,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
                    sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir,

@@ -43,6 +43,16 @@ def test_embeddings_follow_the_sentence_transformers_pooling(embedder):
     assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
 
 
+def test_a_long_text_of_few_word_pieces_is_embedded(embedder):
+    """WordPiece drops whitespace and makes a word of any length one [UNK]: a text of 26,000 characters and five tokens
+    fits the 128-token context (it was refused as too long by its character count)."""
+    server, model, tok = embedder
+    text = "hello " + "a" * 13000 + " " * 13000 + " world"
+    got = server.openai().embeddings.create(model="bge-like", input=[text])
+    assert got.usage.prompt_tokens == len(tok(text)["input_ids"]) == 5
+    assert np.allclose(got.data[0].embedding, _unit(reference(model, tok, text).mean(0)), atol=1e-5)
+
+
 def test_a_text_holding_a_separator_is_still_one_segment(embedder, cross_encoder):
     """A literal ``[SEP]`` inside a text is the separator token, but the text's token types stay 0 (as the tokenizer
     writes them), as they do for the same tokens sent as IDs; a pair whose first text holds one starts type 1 at the
