@@ -93,6 +93,13 @@ class PoolingInputs(po._Lenient):
 class EmbeddingRequest(PoolingInputs):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
+    normalize: bool | None = None  # vLLM's; unset: as the model's pooling says
+    use_activation: bool | None = None  # vLLM's newer spelling of normalize
+
+    @property
+    def normalized(self) -> bool | None:
+        """Whether the request asks for unit vectors (`normalize`, else `use_activation`); None: the model's way."""
+        return self.normalize if self.normalize is not None else self.use_activation
 
 
 def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
@@ -291,10 +298,10 @@ async def pool(request: Request, inputs: list[str | list[int]], params: list[str
 
 
 async def embed(request: Request, inputs: list[str | list[int]], params: list[str], *, truncate: int | None,
-                add_special_tokens: bool = True, dimensions: int | None = None,
+                add_special_tokens: bool = True, dimensions: int | None = None, normalize: bool | None = None,
                 lora: str | None = None) -> tuple[list[np.ndarray], int, str]:
     """The embeddings of ``inputs`` (in order), their total token count and the request id: `pool`, then each cut
-    to ``dimensions`` and normalized as the model's pooling says."""
+    to ``dimensions`` and normalized as ``normalize`` says, else as the model's pooling says."""
     rt = state(request).runtime
     spec = rt.pooling
     if rt.model_info.labels:
@@ -305,7 +312,8 @@ async def embed(request: Request, inputs: list[str | list[int]], params: list[st
                           f"--pooler-config to choose a pooling", param="model")
     pooled, total, rid = await pool(request, inputs, params, truncate=truncate, add_special_tokens=add_special_tokens,
                                     lora=lora)
-    return [_finish(p, dimensions, spec.normalize) for p in pooled], total, rid
+    unit = spec.normalize if normalize is None else normalize
+    return [_finish(p, dimensions, unit) for p in pooled], total, rid
 
 
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
@@ -316,7 +324,8 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> dict[st
     if body.dimensions is not None and (why := rt.pooling.check_dimensions(body.dimensions)):
         raise bad_request(why, param="dimensions")
     vectors, total, rid = await embed(request, inputs, params, truncate=body.truncate_prompt_tokens,
-                                      add_special_tokens=add_special, dimensions=body.dimensions, lora=lora)
+                                      add_special_tokens=add_special, dimensions=body.dimensions,
+                                      normalize=body.normalized, lora=lora)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     return {"id": f"embd-{rid}", "object": "list", "created": int(time.time()), "model": model_label(st, lora),

@@ -55,6 +55,9 @@ def test_the_sdk_gets_normalized_last_token_embeddings(demo_server, demo_hf):
     assert np.allclose(floats["data"][0]["embedding"], r.data[1].embedding, atol=1e-7)
     as_ids = demo_server.openai().embeddings.create(model=demo_server.model, input=ids[0], encoding_format="float")
     assert np.allclose(as_ids.data[0].embedding, r.data[0].embedding, atol=1e-6)
+    for field in ("normalize", "use_activation"):  # vLLM's per-request switch: false is the raw pooled vector
+        raw = demo_server.openai().embeddings.create(model=demo_server.model, input=texts[0], extra_body={field: False})
+        assert _close(raw.data[0].embedding, _hidden(demo_hf, ids[0])[-1])
 
 
 def test_truncation_and_special_tokens_change_what_is_embedded(demo_server, demo_hf):
@@ -76,6 +79,7 @@ def test_truncation_and_special_tokens_change_what_is_embedded(demo_server, demo
     ({"input": "x " * 5000}, "input", "context_length_exceeded"),
     ({"input": "hi", "dimensions": 8}, "dimensions", None),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", None),
+    ({"input": "hi", "normalize": "bogus"}, "normalize", None),
     ({"input": "hi", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens", None),
     ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", None),
     ({"input": [True, False]}, "input[0]", None),  # JSON booleans are not token IDs
