@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 from urllib.parse import unquote
 
+from .python_literals import PythonArgs
+
 
 _MAX_DEPTH = 64
 """Subschemas and references followed inside one another for one value's types at most."""
@@ -163,15 +165,25 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def typed_json(raw: str, types: tuple[str, ...]) -> str:
-    """The JSON text of a whole non-string value: the first declared type it converts to (as strict RFC 8259 JSON:
-    no NaN or Infinity), else a JSON string."""
-    v = typed_value(raw, types)
+_NULLS = ("null", "none")
+"""How a value that is JSON null is written (case-insensitive): JSON's spelling, and Python's (the Qwen3.5 and
+Seed-OSS templates render a None argument as ``None``)."""
+
+_DECODER = json.JSONDecoder()
+
+
+def typed_json(raw: str, types: tuple[str, ...], untyped: bool = False) -> str:
+    """The JSON text of a whole non-string value: see `typed_value`; else a JSON string."""
+    v = typed_value(raw, types, untyped)
     return json.dumps(raw, ensure_ascii=False) if v is None else v
 
 
-def typed_value(raw: str, types: tuple[str, ...]) -> str | None:
-    """The JSON text of ``raw`` as the first declared type it converts to (strict RFC 8259 JSON), or None."""
+def typed_value(raw: str, types: tuple[str, ...], untyped: bool = False) -> str | None:
+    """The JSON text (strict RFC 8259: no NaN or Infinity) of ``raw``, its surrounding whitespace stripped, as the
+    first declared type it converts to, or None. ``integer`` and ``number`` take what Python's int()/float() read
+    (``+1``, ``.5``, ``1_000``; an integral number is written as an integer); ``object`` and ``array`` take JSON,
+    else a Python literal (``{'k': True}``, as vLLM's literal_eval fallback). A value of no declared type converts
+    only with ``untyped`` (GLM): JSON, else a Python literal. ``null``/``None`` (any case) that no type took is null."""
     v = raw.strip()
     for t in types:
         if t == "integer":
@@ -180,26 +192,70 @@ def typed_value(raw: str, types: tuple[str, ...]) -> str | None:
             except ValueError:
                 pass
         elif t == "number":
-            try:
-                num = json.loads(v)
-            except ValueError:
-                num = None
-            if isinstance(num, (int, float)) and not isinstance(num, bool) and math.isfinite(num):
-                return v
+            num = _number(v)
+            if num is not None:
+                return num
         elif t == "boolean":
             if v.lower() in ("true", "false"):
                 return v.lower()
         elif t == "null":
-            if v.lower() in ("null", "none"):
+            if v.lower() in _NULLS:
                 return "null"
         elif t in ("object", "array"):
-            try:
-                parsed = json.loads(v, parse_constant=_reject_constant)
-            except ValueError:
-                continue
-            if isinstance(parsed, dict if t == "object" else list):
-                return v
-    return None
+            found = _any_json(v)
+            if found is not None and found.startswith("{" if t == "object" else "["):
+                return found
+    if untyped and not types:
+        return _any_json(v)
+    return "null" if v.lower() in _NULLS else None
+
+
+def _number(v: str) -> str | None:
+    """JSON text of a finite number: ``v`` itself where it is JSON, else what int() or float() read (integral
+    floats as integers)."""
+    try:
+        num = json.loads(v)
+    except (ValueError, RecursionError):
+        num = None
+    if isinstance(num, (int, float)) and not isinstance(num, bool) and math.isfinite(num):
+        return v
+    try:
+        return str(int(v))
+    except ValueError:
+        pass
+    try:
+        f = float(v)
+    except ValueError:
+        return None
+    if not math.isfinite(f):
+        return None
+    return str(int(f)) if f.is_integer() else json.dumps(f)
+
+
+def _any_json(v: str) -> str | None:
+    """JSON text of ``v`` read as strict JSON (``v`` itself), else as a Python literal (`_literal`); None when
+    neither reads it."""
+    try:
+        json.loads(v, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return _literal(v)
+    return v
+
+
+def _literal(v: str) -> str | None:
+    """JSON text of the Python literal ``v`` (str, int, float, True/False/None, list, tuple as a list, dict), read by
+    `PythonArgs` (never eval; linear, scalars bounded), or None."""
+    src = f"v={v})"
+    scan = PythonArgs()
+    used, out = scan.feed(src)
+    head = '"v": '
+    if scan.error is not None or not scan.done or used != len(src) or not out.startswith(head):
+        return None
+    try:
+        _, end = _DECODER.raw_decode(out, len(head))
+    except (ValueError, RecursionError):
+        return None
+    return out[len(head):end] if out[end:] == "}" else None
 
 
 class Emitter(Protocol):
@@ -213,62 +269,96 @@ class Emitter(Protocol):
 class XmlValue:
     """The parameter values of an XML-style call, each written into the open call's JSON arguments (one instance per
     syntax, so per choice). A value whose schema allows a string is keyed when it opens and streams as a JSON string;
-    another is written whole, key and all, when it closes (as the first declared type it converts to, else a string).
+    another is written whole, key and all, when it closes (`typed_value`, else a string). A value whose types allow
+    both a string and null is held while it may still spell ``null``/``None``: written as null when it closes so,
+    else streamed as a string. With ``untyped`` (GLM), a value of no declared type is written whole as JSON or a
+    Python literal, else a string.
 
-    Value text that may begin ``close`` (the value's close tag; with ``strip``, Qwen3-Coder's template newline before
-    it, and the one after the open tag, too) is withheld: it is value text when more follows or the tag closes the
-    value, and markup (Dropped) when the output ends there. A call cut there holds no markup, and a non-string value
-    cut before it converts is left out (its key was never written), so what streamed is the final arguments."""
+    Value text that may begin ``close`` (the value's close tag; with ``newline``, Qwen3-Coder's template newline
+    before it, and the one after the open tag, too; with ``trim``, any whitespace around the value, as MiniMax-M2's
+    and GLM's parsers strip it) is withheld: it is value text when more follows (or, but for that padding, the tag
+    closes the value), and markup (Dropped) when the output ends there. A call cut there holds no markup, and a
+    non-string value cut before it converts is left out (its key was never written), so what streamed is the final
+    arguments."""
 
-    def __init__(self, out: Emitter, close: str, strip: bool) -> None:
+    def __init__(self, out: Emitter, close: str, *, newline: bool = False, trim: bool = False,
+                 untyped: bool = False) -> None:
         self._out = out
         self._close = close
-        self._strip = strip
+        self._newline = newline
+        self._trim = trim
+        self._untyped = untyped
         self.n_keys = 0                      # keys written in the open call (reset when a call starts)
         self._key = ""
         self._types: tuple[str, ...] = ()
         self._str = True
+        self._nullable = False               # a string-or-null value not yet keyed: it may still spell null
         self._start = False
-        self._held = ""                      # text that may begin the close tag
-        self._buf: list[str] = []            # a non-string value's raw pieces
+        self._held = ""                      # text that may begin the close tag (and Qwen3-Coder's newline)
+        self._pad: list[str] = []            # with ``trim``: whitespace at the value's end so far
+        self._buf: list[str] = []            # a non-string value's raw pieces, or a nullable one's so far
 
     def open(self, key: str, types: tuple[str, ...]) -> None:
         """A value of parameter ``key`` of the open call begins; ``types`` are its declared JSON types."""
         self._key, self._types = key, types
-        self._str = streams_as_string(types)
-        self._start, self._held, self._buf = self._strip, "", []
-        if self._str:
+        self._str = streams_as_string(types) and not (self._untyped and not types)
+        self._nullable = self._str and "null" in types
+        self._start, self._held, self._buf, self._pad = self._newline or self._trim, "", [], []
+        if self._str and not self._nullable:
             self._write_key('"')
 
     def text(self, s: str) -> None:
         """Text of the value."""
         if self._start:
-            self._start = False
-            if s.startswith("\n"):
-                self._out.drop("\n", "template newline")
-                s = s[1:]
+            lead = len(s) - len(s.lstrip()) if self._trim else int(s.startswith("\n"))
+            self._out.drop(s[:lead], "value padding" if self._trim else "template newline")
+            s = s[lead:]
+            self._start = self._trim and not s
         s = self._held + s
         keep = len(s) - self._markup_tail(s)
         self._held = s[keep:]
-        self._put(s[:keep])
+        if self._trim:
+            self._padded(s[:keep])
+        else:
+            self._put(s[:keep])
+
+    def _padded(self, s: str) -> None:
+        """``trim``: value text whose trailing whitespace is withheld until non-space text follows it (each character
+        looked at once, however long the run)."""
+        body = s.rstrip()
+        if body:
+            self._put("".join(self._pad) + body)
+            self._pad = []
+        if len(body) < len(s):
+            self._pad.append(s[len(body):])
 
     def close(self, at_finish: bool) -> None:
         """The value ends: at its close tag or another construct (``at_finish`` False), or where the output ended."""
         out = self._out
         held, self._held = self._held, ""
-        if not at_finish:
-            newline = self._strip and held.endswith("\n")
-            self._put(held[:-1] if newline else held)
-            if newline:
-                out.drop("\n", "template newline")
-        if self._str:
+        if not at_finish and self._trim:
+            self._padded(held)
+            pad, self._pad = "".join(self._pad), []
+            out.drop(pad, "value padding")
+        elif not at_finish:
+            body = held[:-1] if self._newline and held.endswith("\n") else held
+            self._put(body)
+            out.drop(held[len(body):], "template newline")
+        else:
+            held = "".join(self._pad) + held
+        self._pad = []
+        if self._nullable:
+            raw, self._buf, self._nullable = "".join(self._buf), [], False
+            end = "" if at_finish else '"'
+            self._write_key("null" if raw.lower() in _NULLS else '"' + escape(raw) + end)
+        elif self._str:
             if not at_finish:
                 out.args('"')
         else:
             raw, self._buf = "".join(self._buf), []
-            value = typed_value(raw, self._types)
+            value = typed_value(raw, self._types, self._untyped)
             if value is None and not at_finish:
-                value = json.dumps(raw, ensure_ascii=False)
+                value = json.dumps(raw.strip() if self._trim else raw, ensure_ascii=False)
             if value is None:
                 out.drop(raw, "non-string value cut short")
             else:
@@ -278,23 +368,31 @@ class XmlValue:
 
     def _markup_tail(self, s: str) -> int:
         """How many characters at the end of ``s`` may begin the close tag (a proper prefix of it, after a newline
-        with ``strip``)."""
+        with ``newline``)."""
         close = self._close
         n = 0
         for i in range(max(0, len(s) - len(close) + 1), len(s)):
             if s[i] == close[0] and close.startswith(s[i:]):
                 n = len(s) - i
                 break
-        if self._strip and s.endswith("\n", 0, len(s) - n):
+        if self._newline and s.endswith("\n", 0, len(s) - n):
             n += 1
         return n
 
     def _put(self, text: str) -> None:
-        if text:
-            if self._str:
-                self._out.args(escape(text))
-            else:
-                self._buf.append(text)
+        if not text:
+            return
+        if self._nullable:
+            self._buf.append(text)
+            raw = "".join(self._buf)
+            if len(raw) <= 4 and any(n.startswith(raw.lower()) for n in _NULLS):
+                return
+            self._buf, self._nullable = [], False
+            self._write_key('"' + escape(raw))
+        elif self._str:
+            self._out.args(escape(text))
+        else:
+            self._buf.append(text)
 
     def _write_key(self, value: str) -> None:
         self._out.args(("{" if self.n_keys == 0 else ", ") + json.dumps(self._key, ensure_ascii=False) + ": " + value)

@@ -65,6 +65,8 @@ class Profile:
     transitions: Mapping[tuple[str, str], Rule] = field(default_factory=dict)   # (state, terminal name) -> rule
     hold_boundary_whitespace: bool = True      # A.6: whitespace-only content next to a tool call is Dropped
     strip_value_newlines: bool = False         # Qwen3-Coder: one "\n" after `<parameter=K>` and before `</parameter>`
+    strip_values: bool = False                 # MiniMax-M2, GLM: whitespace around a parameter value is Dropped
+    type_untyped_values: bool = False          # GLM: a value of no declared type is read as JSON or a Python literal
     calls_share_block: bool = False            # MiniMax-M2: the calls of one reply go in one tool-call block
 
     def terminal_names_in(self, state: str) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """GLM-4.5 / 4.6 / 4.7: `<think>..</think>` reasoning and tool calls
 `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n...</tool_call>` (4.7 writes them without the
-newlines), values typed by the tool's JSON schema as Qwen3-Coder's. Every tag is a single token in GLM's vocabulary.
+newlines), values stripped and typed by the tool's JSON schema as Qwen3-Coder's (one of no declared type read as
+JSON or a Python literal, as vLLM's glm4_moe parser reads it). Every tag is a single token in GLM's vocabulary.
 The reply starts after `<|assistant|>`; GLM-4.5/4.6 open their thought themselves (`\n<think>`), GLM-4.7's template
 opens it, and thinking off renders an empty `<think></think>`: the prompt tail decides."""
 from __future__ import annotations
@@ -52,4 +53,6 @@ PROFILE = Profile(
     end_of_turn=("<|user|>", "<|observation|>", "<|endoftext|>"),
     transitions={**reasoning_rules(tool_open_ends_reasoning=True), **RULES,
                  **end_of_turn_rules(EOT, STATES + GLM_STATES)},
+    strip_values=True,
+    type_untyped_values=True,
 )

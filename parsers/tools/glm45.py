@@ -2,7 +2,8 @@
 
 The name runs from `<tool_call>` to its newline (or straight to the first `<arg_key>` or `</tool_call>`, as GLM-4.7
 writes it), buffered up to `MAX_NAME`. Arguments become one JSON object as they stream, each value typed by the tool's
-JSON schema (`parsers.xml_values.XmlValue`): a value whose schema allows a string streams as a JSON string, others are
+JSON schema (`parsers.xml_values.XmlValue`), whitespace around it stripped: a value whose schema allows a string
+streams as a JSON string, others (and one of no declared type, read as JSON or a Python literal, else a string) are
 written whole, with their key, at `</arg_value>`; a call cut by the end of the output keeps no close-tag markup in its
 values. Whitespace between tags is Dropped, other stray text Malformed.
 """
@@ -25,7 +26,9 @@ class Glm45Syntax(ToolSyntax):
         self._buf = ""                   # the name (TOOL_PREAMBLE) or an argument's key (GLM_KEY) so far
         self._opener = ""                # `<arg_key>`, withheld with the key
         self._key = ""
-        self._value = XmlValue(machine, machine.profile.terminals["value_close"], strip=False)
+        p = machine.profile
+        self._value = XmlValue(machine, p.terminals["value_close"], trim=p.strip_values,
+                               untyped=p.type_untyped_values)
 
     def handlers(self) -> dict[str, Handler]:
         m = self.m

@@ -21,7 +21,8 @@ class Qwen3CoderSyntax(ToolSyntax):
         super().__init__(machine, tools)
         self._types = parameter_types(tools)
         p = machine.profile
-        self._value = XmlValue(machine, p.terminals["parameter_close"], p.strip_value_newlines)
+        self._value = XmlValue(machine, p.terminals["parameter_close"], newline=p.strip_value_newlines,
+                               trim=p.strip_values, untyped=p.type_untyped_values)
         self._opener = ""                         # `<function=` / `<parameter=` text, withheld with the name
         self._name_buf = ""
 
