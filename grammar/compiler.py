@@ -254,16 +254,45 @@ def check_tools(tools: Sequence[Mapping] | None, tool_choice: str | Mapping | No
 
 def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) -> dict:
     """A copy of ``schema`` with our JSON layout (and leniency) as defaults under its top-level ``x-guidance``;
-    lenient, without the regexes llguidance cannot read (`_readable_patterns`)."""
-    out = dict(_readable_patterns(schema) if lenient else schema)
+    lenient, without the regexes llguidance cannot read (`_readable_patterns`), and without the property counts
+    (``minProperties``, ``maxProperties``) where llguidance refuses the schema with them but takes it without."""
     x = dict(options)
     if lenient:
         x["lenient"] = True
     user = schema.get("x-guidance")
     if isinstance(user, Mapping):
         x.update(user)
-    out["x-guidance"] = x
+    if not lenient:
+        return {**schema, "x-guidance": x}
+    out = {**_readable_patterns(schema), "x-guidance": x}
+    if _counts_properties(out) and _schema_problem(_dumps(out)):
+        uncounted = {**_edited(out, _uncounted), "x-guidance": x}
+        if not _schema_problem(_dumps(uncounted)):
+            return uncounted
     return out
+
+
+def _dumps(schema: Mapping) -> str:
+    """JSON of ``schema`` as `_schema_problem` caches it (NaN and Infinity let through, for the caller to refuse)."""
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _counts_properties(schema: Any) -> bool:
+    found = False
+
+    def look(node: Mapping) -> Mapping:
+        nonlocal found
+        found = found or "minProperties" in node or "maxProperties" in node
+        return node
+
+    _edited(schema, look)
+    return found
+
+
+def _uncounted(node: Mapping) -> Mapping:
+    """``node`` without ``minProperties`` and ``maxProperties`` (llguidance refuses some satisfiable ones: two of
+    three optional properties, "Unsatisfiable schema: minProperties (2) is greater than number of properties (0)")."""
+    return {k: v for k, v in node.items() if k not in ("minProperties", "maxProperties")}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -916,7 +945,10 @@ def compile_request(profile: Profile, initial: InitialState, delimiter_ids: Mapp
         start = _harmony_start(g, d, answer)
     else:
         exact = mode not in ("required", "named") and (response_format or {}).get("type") in _EXACT_FORMATS
-        start = _reasoning_start(g, d, profile, initial, answer, may_open, lead_ws=bool(tool_list) and not exact)
+        lead = None
+        if tool_list and not exact:  # whitespace may lead a call, never a formatted answer beside the calls
+            lead = "answer | WS calls" if answer == "tools" and "answer" in g.rules else f"WS {answer}"
+        start = _reasoning_start(g, d, profile, initial, answer, may_open, lead)
     format_field = answer_field(response_format)
     fields = [f for f, used in ((format_field, "answer" in g.rules), ("tools", "call" in g.rules)) if used]
     return GrammarPlan(g.source(start), budget, " and ".join(fields) or format_field)
@@ -1008,10 +1040,10 @@ _EXACT_FORMATS = frozenset({"regex", "choice", "grammar", "structural_tag"})
 
 
 def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialState, answer: str,
-                     open_id: int | None, lead_ws: bool = True) -> str:
+                     open_id: int | None, lead: str | None = None) -> str:
     """The start rule: the thought (the rest of one already open, or one the model may open: after whitespace, as
-    GLM-4.5 and Qwen3.5 write ``\n<think>``), then ``answer``. Without a thought, whitespace may lead the answer only
-    with ``lead_ws`` (a tool call, whose parser drops it); a JSON or exact answer starts at its first character."""
+    GLM-4.5 and Qwen3.5 write ``\n<think>``), then ``answer``. Without a thought, the answer is ``lead`` where given
+    (its tool calls after whitespace, which their parser drops), else ``answer`` from its first character."""
     spec = profile.reasoning
     if spec is None:
         return answer
@@ -1026,8 +1058,8 @@ def _reasoning_start(g: _Lark, d: _Delims, profile: Profile, initial: InitialSta
     if open_id is None or close_id is None:
         return answer
     g.add("REASONING", _TEXT)
-    if lead_ws:
-        return f"WS (<[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
+    if lead is not None:
+        return f"WS <[{open_id}]> REASONING <[{close_id}]> WS {answer} | {lead}"
     return f"(WS <[{open_id}]> REASONING <[{close_id}]> WS)? {answer}"
 
 

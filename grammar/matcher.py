@@ -50,6 +50,42 @@ def build_ll_tokenizer(tokenizer: Any, *, vocab_size: int | None = None,
     return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
 
 
+class _TextTokenizer:
+    """The tokens and tokenizer of ``base`` (llguidance's own for a Hugging Face tokenizer), except that text never
+    becomes a special or added token: llguidance writes the text a grammar forces with the tokens its tokenizer gives,
+    and the Hugging Face one splits out an added token's spelling (``<think>`` in a JSON string), which the grammar
+    then refuses, as a delimiter counts only when generated as its token. Such a token is spelled with ordinary
+    tokens instead (the longest that match), and a result that does not spell the text exactly with them (an added
+    token that strips the whitespace around it) gives way to ordinary tokens for the whole text. llguidance calls
+    it, taking the GIL, for each mask computed where the grammar forces text, so it serves only the grammars that
+    spell a special token (`GrammarBackend`)."""
+
+    def __init__(self, base: llguidance.LLTokenizer, special_ids: Sequence[int]) -> None:
+        self.base = base
+        self.eos_token_id = base.eos_tokens[0]
+        self.bos_token_id = None
+        self.tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
+        self.special_token_ids = list(special_ids)
+        self._special = frozenset(self.special_token_ids)
+
+    def llguidance(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer that calls this one."""
+        base = self.base
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(self), n_vocab=base.vocab_size,
+                                      eos_token=list(base.eos_tokens))
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids = self.base.tokenize_bytes(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        out: list[int] = []
+        for i in ids:
+            out += self.base.greedy_tokenize(self.base.decode_str([i])) if i in self._special else [i]
+        if self._special.isdisjoint(out) and self.base.decode_bytes(out) == text:
+            return out
+        return self.base.greedy_tokenize(text.decode())
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -229,6 +265,24 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._specials: torch.Tensor | None = None
         self._blanks: tuple[torch.Tensor, torch.Tensor] | None = None
+        special_ids = [i for i in range(self.vocab_size) if ll_tokenizer.is_special_token(i)]
+        spellings = {t for i in special_ids if len(t := ll_tokenizer.decode_str([i])) > 1}
+        spellings |= {json.dumps(t)[1:-1] for t in spellings}  # as an ASCII-escaped JSON string holds it
+        self._spells_special = (re.compile("|".join(map(re.escape, sorted(spellings, key=len, reverse=True))))
+                                if spellings else None)
+        self._special_ids = special_ids
+        self._text_tokenizer: llguidance.LLTokenizer | None = None
+
+    def _tokenizer_for(self, grammar: str) -> llguidance.LLTokenizer:
+        """The model's llguidance tokenizer, or for a grammar whose text spells a special token (a const
+        ``"<think>"``) `_TextTokenizer`'s, which writes forced text in ordinary tokens (at a Python call per forced
+        text, which other threads holding the GIL slow down: the others never pay it)."""
+        if self._spells_special is None or self._spells_special.search(grammar) is None:
+            return self.ll_tokenizer
+        with self._lock:
+            if self._text_tokenizer is None:
+                self._text_tokenizer = _TextTokenizer(self.ll_tokenizer, self._special_ids).llguidance()
+            return self._text_tokenizer
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer: Any, *, vocab_size: int | None = None, eos_ids: Iterable[int] = (),
@@ -261,11 +315,11 @@ class GrammarBackend:
                 self._cache.move_to_end(grammar)
                 return m
         kwargs = {"limits": self.limits} if self.limits is not None else {}
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer,
-                                                                                 **kwargs)
+        tokenizer = self._tokenizer_for(grammar)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, **kwargs)
         if is_error:
             raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(messages[0])}")
-        m = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, **kwargs)
+        m = llguidance.LLMatcher(tokenizer, grammar, log_level=0, **kwargs)
         if m.is_error():
             raise GrammarError(f"{field}: invalid structured-output grammar: {_clean(m.get_error())}")
         failure = self._probe(m)
@@ -308,7 +362,8 @@ class GrammarBackend:
 
     def _special_mask(self) -> torch.Tensor:
         if self._specials is None:
-            self._specials = torch.tensor([self.ll_tokenizer.is_special_token(i) for i in range(self.vocab_size)])
+            self._specials = torch.zeros(self.vocab_size, dtype=torch.bool)
+            self._specials[self._special_ids] = True
         return self._specials
 
     def _blanks_and_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:

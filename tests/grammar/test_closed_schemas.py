@@ -133,3 +133,30 @@ def test_a_lenient_schema_drops_only_the_patterns_llguidance_cannot_read(hf_tok,
     tools[0]["function"]["strict"] = True
     with pytest.raises(GrammarError, match=r"^tools\[0\].function.parameters"):
         plan(True, tools=tools, tool_choice="required")
+
+
+def test_a_lenient_property_count_llguidance_refuses_is_ignored_not_a_400(hf_tok, backend):
+    """At least two of three optional properties: llguidance calls it unsatisfiable, so a lenient schema (json_schema
+    not strict, a non-strict tool) ignores the count rather than refusing the request, while a count llguidance
+    takes (at least one) still holds; strict, it stays a 400."""
+    from ember.grammar import GrammarError
+
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}, "minProperties": 2,
+              "additionalProperties": False}
+
+    def plan(schema, strict=False):
+        return compile_request(get_profile("none"), InitialState.CONTENT, {}, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}})
+
+    def takes(schema, answer) -> bool:
+        c = backend.constraint(plan(schema))
+        ids = hf_tok.encode(json.dumps(answer), add_special_tokens=False) + [backend.eos_ids[0]]
+        return all(c.accept_token(t) for t in ids)
+
+    assert takes(schema, {"a": 1, "c": 2}) and not takes(schema, {"a": 1, "d": 2})
+    assert not takes({**schema, "minProperties": 1}, {})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    backend.validate(compile_request(get_profile("hermes"), InitialState.CONTENT, {}, tools=tools,
+                                     tool_choice="required").grammar)
+    with pytest.raises(GrammarError, match="^response_format"):
+        backend.validate(plan(schema, strict=True).grammar)

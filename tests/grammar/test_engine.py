@@ -112,6 +112,37 @@ def test_fifty_random_json_schemas_all_validate(engine, backend, hf_tok):
         jsonschema.validate(json.loads(parsed.content), schema)
 
 
+LITERAL_SPECIALS = {  # answer formats whose literal text spells added tokens, and the one answer each allows
+    '{"tag": "<think>"}': {"type": "json_schema", "json_schema": {"strict": True, "schema": {
+        "type": "object", "properties": {"tag": {"const": "<think>"}}, "required": ["tag"],
+        "additionalProperties": False}}},
+    '{"k": "a<|im_end|>b"}': {"type": "json_schema", "json_schema": {"strict": True, "schema": {
+        "type": "object", "properties": {"k": {"enum": ["a<|im_end|>b"]}}, "required": ["k"],
+        "additionalProperties": False}}},
+    "<|endoftext|>": {"type": "choice", "choice": ["<|endoftext|>"]},
+    "x<tool_call>y": {"type": "regex", "regex": "x<tool_call>y"},
+}
+
+
+def test_literal_text_spelling_a_special_token_is_written_with_ordinary_tokens(engine, backend, hf_tok):
+    """A const, choice or regex holding a delimiter's spelling: the answer is that text, in ordinary tokens (the
+    delimiter counts only as its token), rather than a refused token and an error."""
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    p = prompt(hf_tok, "Reply.", "<think>\n\n</think>\n\n")
+    initial = setup.initial_state(p)
+    reqs = [(p, SamplingParams(max_tokens=40, temperature=0.0), backend.constraint(compile_request(
+        setup.profile, initial, setup.delimiter_ids, thinking=False, response_format=rf)))
+        for rf in LITERAL_SPECIALS.values()]
+    specials = set(hf_tok.all_special_ids) | set(hf_tok.added_tokens_decoder)
+    for answer, (ids, reason, error) in zip(LITERAL_SPECIALS, run(engine, reqs)):
+        assert reason == "stop" and error is None, (answer, error)
+        assert not specials & (set(ids) - set(backend.eos_ids)), hf_tok.convert_ids_to_tokens(ids)
+        assert parse_all(setup.pipeline(initial=initial), ids).content == answer
+    plain = compile_request(setup.profile, initial, setup.delimiter_ids, thinking=False,
+                            response_format={"type": "json_object"})
+    assert backend._tokenizer_for(plain.grammar) is backend.ll_tokenizer  # the Python callback only where needed
+
+
 def test_thinking_on_reasoning_ends_at_the_close_token_where_the_parser_switches(engine, backend, hf_tok):
     setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
     close = setup.delimiter_ids["</think>"]

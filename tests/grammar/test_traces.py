@@ -137,6 +137,23 @@ def test_whitespace_may_lead_the_models_own_thought(hf_tok, backend, family):
     assert Trace(hf_tok, backend, plan).feed(enc(hf_tok, '{"a": 2}')).c.is_terminated()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm45"])
+def test_with_tools_whitespace_may_lead_a_call_but_not_a_formatted_answer(hf_tok, backend, family):
+    """Tools (auto) beside a JSON answer: whitespace may lead the model's own thought or a tool call, but an answer
+    that opens no thought starts at its ``{``, as without tools."""
+    profile = get_profile(family)
+    tools = [{"type": "function", "function": {"name": "get_w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    plan = compile_request(profile, InitialState.CONTENT, ids_of(hf_tok, profile), tools=tools, tool_choice="auto",
+                           response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}})
+    assert Trace(hf_tok, backend, plan).rejects(enc(hf_tok, ' \r\n {"a": 2}'))
+    assert Trace(hf_tok, backend, plan).feed(enc(hf_tok, '{"a": 2}')).c.is_terminated()
+    t = Trace(hf_tok, backend, plan).feed(enc(hf_tok, "\n"))
+    assert t.allowed()[tid(hf_tok, "<think>")] and t.allowed()[tid(hf_tok, "<tool_call>")]
+    t.feed([tid(hf_tok, "<think>")] + enc(hf_tok, "hmm") + [tid(hf_tok, "</think>")] + enc(hf_tok, '\n{"a": 1}'))
+    assert t.c.is_terminated()
+
+
 @pytest.mark.parametrize("response_format", [{"type": "choice", "choice": ["yes", "no"]},
                                              {"type": "regex", "regex": "[0-9]{3}"}])
 def test_an_exact_answer_has_no_leading_whitespace_without_a_thought(hf_tok, backend, response_format):
