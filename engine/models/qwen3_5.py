@@ -56,8 +56,10 @@ class Qwen3_5ForCausalLM(qwen3_next.Qwen3NextForCausalLM):
     @staticmethod
     def tp_split_rule(name: str, cfg: ModelConfig) -> tuple:
         """Qwen3-Next's split, with ``in_proj_qkv``'s rows as three parts (q, k, v) like the conv's channels and
-        ``in_proj_z``/``b``/``a`` by value heads."""
-        parent = name.rpartition(".")[0]
+        ``in_proj_z``/``b``/``a`` by value heads (their per-tensor scales replicated, as Qwen3-Next's)."""
+        parent, _, leaf = name.rpartition(".")
+        if ".linear_attn." in name and leaf not in ("weight", "bias", "weight_scale"):
+            return qwen3_next.Qwen3NextForCausalLM.tp_split_rule(name, cfg)
         if ".linear_attn." in name and parent.endswith("in_proj_qkv"):
             return "segments", 0, qwen3_next.qkv_channel_parts(cfg)
         if ".linear_attn." in name and parent.endswith(("in_proj_z", "in_proj_b", "in_proj_a")):

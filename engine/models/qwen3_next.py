@@ -326,17 +326,22 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def tp_split_rule(name: str, cfg: ModelConfig) -> tuple:
         """Tensor-parallel split (see `ember.engine.distributed`): the linear-attention projections are grouped per
         key head (``in_proj_qkvz``, ``in_proj_ba``: rows), ``A_log``/``dt_bias`` follow the value heads,
-        ``out_proj`` is row-parallel, and the conv's channels are three parts (q, k, v) split alike; the rest as
-        for Qwen3-MoE (``q_proj``'s rows are each head's query then gate, so heads split by rows)."""
+        ``out_proj`` is row-parallel, and the conv's channels are three parts (q, k, v) split alike; a projection's
+        per-tensor scales (``input_scale``, ``weight_scale_2``) cover any slice and are replicated; the rest as for
+        Qwen3-MoE (``q_proj``'s rows are each head's query then gate, so heads split by rows)."""
         from ember.engine import distributed
 
         parent, _, leaf = name.rpartition(".")
         if ".linear_attn" not in name:
             return distributed._split_rule(name)
-        if parent.endswith(("in_proj_qkvz", "in_proj_ba")) or leaf in ("A_log", "dt_bias"):
+        if leaf in ("A_log", "dt_bias"):
+            return "shard", 0
+        if leaf not in ("weight", "bias", "weight_scale"):
+            return "replicate", -1
+        if parent.endswith(("in_proj_qkvz", "in_proj_ba")):
             return "shard", 0
         if parent.endswith("out_proj"):
-            return "shard", 1
+            return ("rank0", -1) if leaf == "bias" else ("shard", 1)
         if parent.endswith("conv1d"):
             return "segments", 0, qkv_channel_parts(cfg)
         return "replicate", -1

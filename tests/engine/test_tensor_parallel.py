@@ -315,6 +315,38 @@ def test_fused_expert_keys_shard_like_per_expert_keys(moe_dir, tmp_path):
         assert checked == 4  # two sparse layers, two stacks each
 
 
+def test_two_ranks_load_a_per_tensor_fp8_qwen3_next_as_one_process(demo_model_dir, tmp_path):
+    """A per-tensor FP8 Qwen3-Next (compressed-tensors ``tensor``: scalar ``weight_scale`` and ``input_scale`` on
+    every projection, the linear attention's included) splits over 2 ranks and gives 1 process's greedy tokens (the
+    linear attention's scalars were split as its projections, failing at start)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3NextForCausalLM
+
+    from ember.kernels import fp8_block
+    from tests.moe.conftest import assert_two_ranks_match_one, compressed_tensors_fp8, prompts, save_hybrid
+    from tests.moe.test_qwen3_next import tiny_next_config
+
+    torch.manual_seed(0)
+    src = save_hybrid(Qwen3NextForCausalLM(tiny_next_config(num_hidden_layers=2, mlp_only_layers=[])),
+                      tmp_path / "src", demo_model_dir)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        module = name[: -len(".weight")]
+        if ".layers." in name and name.endswith(".weight") and "proj" in module.rsplit(".", 1)[1] and t.dim() == 2:
+            q = fp8_block.quantize(t, (fp8_block.CHANNEL, fp8_block.CHANNEL))
+            tensors |= {name: q.weight, f"{module}.weight_scale": q.scale.reshape(1),
+                        f"{module}.input_scale": torch.ones(1)}
+        else:
+            tensors[name] = t
+    assert "model.layers.0.linear_attn.in_proj_ba.input_scale" in tensors
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(src, fp8)
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps(cfg | {"quantization_config": compressed_tensors_fp8("tensor")}))
+    assert_two_ranks_match_one(fp8, prompts(2, seed=7, min_len=5, max_len=20), 4)
+
+
 @pytest.mark.parametrize("head", ["checkpoint", "from_tokens"])
 def test_two_ranks_classify_as_one_process(demo_model_dir, tmp_path, head):
     """Both a checkpoint's own score head and one built from LM-head rows (``--hf-overrides``'s
@@ -421,3 +453,15 @@ def test_a_dead_worker_ends_the_requests_and_stops_the_engine_core(qwen3_dir, ca
     err = capfd.readouterr().err
     assert "tensor-parallel rank 1 failed in no_such_method; the worker exits" in err and "AttributeError" in err
     assert not worker.is_alive()
+
+
+def test_qwen3_5_linear_attention_per_tensor_scales_are_replicated():
+    """Qwen3.5's linear-attention projections split by rows, but their per-tensor FP8 scales (scalars) cover any
+    slice: each rank gets them whole (a scalar ``input_scale`` failed to split at start)."""
+    from ember.engine.models.qwen3_5 import Qwen3_5ForCausalLM
+
+    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        for leaf in ("input_scale", "weight_scale_2"):
+            rule = Qwen3_5ForCausalLM.tp_split_rule(f"model.layers.0.linear_attn.{proj}.{leaf}", None)
+            assert rule == ("replicate", -1), (proj, leaf)
+    assert Qwen3_5ForCausalLM.tp_split_rule("model.layers.0.linear_attn.in_proj_z.weight", None) == ("shard", 0)
