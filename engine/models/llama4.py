@@ -30,6 +30,7 @@ from ember.kernels import moe_reference
 
 _PER_ROW_QK = tuple(f".self_attn.{p}_proj.{leaf}" for p in "qk" for leaf in ("weight", "bias", "weight_scale",
                                                                               "weight_scale_inv"))
+_QK = (".self_attn.q_proj", ".self_attn.k_proj")
 
 
 class WeightlessRMSNorm(nn.Module):
@@ -148,16 +149,23 @@ class Llama4ForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """As the base loader, with q/k rows in halves (:meth:`_halves`). An FP8 checkpoint whose scale blocks span
+        part of a head's rows (block rows neither 1 nor a multiple of ``head_dim``) has q/k dequantized as they load:
+        reordered within a head, their rows would leave their scale blocks."""
+        fmt = getattr(self, "fp8", None)
+        if fmt is not None and fmt.block[0] != 1 and fmt.block[0] % self.config.head_dim:
+            self.dense_only = type(self).dense_only + _QK
         super().load_weights(self._halves(weights), source)
 
     def _halves(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """q/k projection rows of each head reordered from interleaved pairs to halves (even channels first), with
-        the per-row scales of a quantized projection (NVFP4's ``[N, K/16]`` block scales, per-channel FP8's
-        ``[N, 1]``) moved with their rows."""
-        d = self.config.head_dim
+        the scales that have one row per weight row (NVFP4's ``[N, K/16]``, per-channel FP8's ``[N, 1]``) moved
+        with their rows; an FP8 block grid whose blocks span whole heads stays (rows move within their block)."""
+        cfg, d = self.config, self.config.head_dim
+        rows = {"q_proj": cfg.num_attention_heads * d, "k_proj": cfg.num_key_value_heads * d}
         perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
         for name, tensor in weights:
-            if name.endswith(_PER_ROW_QK) and tensor.dim() >= 1 and tensor.shape[0] % d == 0:
-                rows = tensor.reshape(tensor.shape[0] // d, d, *tensor.shape[1:])
-                tensor = rows[:, perm].reshape(tensor.shape)
+            if name.endswith(_PER_ROW_QK) and tensor.dim() >= 1 and tensor.shape[0] == rows[name.split(".")[-2]]:
+                heads = tensor.reshape(tensor.shape[0] // d, d, *tensor.shape[1:])
+                tensor = heads[:, perm].reshape(tensor.shape)
             yield name, tensor

@@ -120,3 +120,48 @@ def test_quantization_fp8_runs_like_its_dequantized_weights(tiny_llama4_dir, tmp
     want = ember_logits(ember_model(ref), prompt)
     got = ember_logits(ember_model(tiny_llama4_dir, quantization="fp8"), prompt)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("block,heads", [((8, 16), None), ((16, 16), None), ((4, 16), 16)])
+def test_a_block_fp8_checkpoint_runs_like_its_dequantized_weights(tiny_llama4_dir, tmp_path, block, heads):
+    """A block-FP8 checkpoint (``weight_block_size``) gives the logits of its weights dequantized: q/k stay FP8 where
+    a scale block spans whole heads (16 rows, head_dim 16; 4 rows, head_dim 4), their block grid unmoved (16 heads
+    of 4: its 16 rows were reordered as one head's), and are dequantized as they load where a block spans half a head
+    (8 rows: reordered within the head, the rows left their scale blocks; logits were 13% off)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from ember.engine.fp8_loading import FP8Linear
+    from ember.kernels import fp8_block
+    from tests.moe.conftest import ember_logits
+
+    src = tiny_llama4_dir
+    if heads is not None:
+        torch.manual_seed(0)
+        model = Llama4ForCausalLM(Llama4TextConfig(**TEXT | {"num_attention_heads": heads, "head_dim": 64 // heads}))
+        _spread(model)
+        src = save_with_tokenizer(model, tmp_path / "src", tiny_llama4_dir)
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    packed, ref = {}, {}
+    for name, w in tensors.items():
+        packed[name] = ref[name] = w
+        if name.endswith("proj.weight") and ".layers." in name:
+            q = fp8_block.quantize(w, block)
+            packed[name], packed[name[: -len(".weight")] + ".weight_scale_inv"], ref[name] = \
+                q.weight, q.scale, q.dequantize()
+    cfg = json.loads((src / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    for d, data, c in ((tmp_path / "fp8", packed, cfg | {"quantization_config": fp8}), (tmp_path / "ref", ref, cfg)):
+        d.mkdir()
+        save_file(data, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(c))
+    model = ember_model(tmp_path / "fp8")
+    prompt = prompts(1, seed=4, min_len=20, max_len=20)[0]
+    want = ember_logits(ember_model(tmp_path / "ref"), prompt)
+    assert ((ember_logits(model, prompt) - want).norm() / want.norm()).item() < 1e-5
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.o_proj, FP8Linear) and isinstance(attn.qkv_proj, FP8Linear) == (block[0] != 8)
