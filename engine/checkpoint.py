@@ -42,7 +42,23 @@ def load_tokenizer(model_dir: str | os.PathLike):
         raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
     if getattr(tokenizer, "chat_template", None) is None and (root / "chat_template.json").exists():
         tokenizer.chat_template = processor_chat_template(root / "chat_template.json")
+    if (root / "tokenizer_config.json").exists():
+        _honour_added_special_tokens(tokenizer, read_json(root / "tokenizer_config.json"))
     return tokenizer
+
+
+def _honour_added_special_tokens(tokenizer, config: Any) -> None:
+    """Make ``tokenizer`` add the BOS / EOS that tokenizer_config.json asks for (``add_bos_token: true``).
+
+    transformers 5 loads a ByteLevel tokenizer.json declared as ``LlamaTokenizerFast`` (DeepSeek V3 / R1 and the
+    R1 distills) as ``TokenizersBackend``, which drops that flag: completions and /tokenize lost the BOS the model
+    was trained with, which transformers 4 (vLLM's) adds."""
+    if not isinstance(config, dict):
+        return
+    for flag, token in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
+        if config.get(flag) is True and getattr(tokenizer, token, None) is not None \
+                and getattr(tokenizer, flag, True) is False:
+            setattr(tokenizer, flag, True)
 
 
 def processor_chat_template(path: Path) -> str | dict[str, str]:

@@ -14,6 +14,7 @@ from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
 from ember.engine.loader import CheckpointError
 from ember.engine.params import SamplingParams
+from tests.conftest import write_shared_tokenizer
 
 
 def _digest(path) -> dict[str, str]:
@@ -128,6 +129,20 @@ def test_clear_errors_name_the_file(tmp_path, demo_model_dir):
     (partial / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json"):
         Engine.from_pretrained(partial)
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "qwen3"])
+def test_a_prompt_gets_the_bos_its_tokenizer_config_asks_for(tmp_path, family):
+    """DeepSeek V3's tokenizer_config.json sets add_bos_token (its tokenizer.json does not add it): a completion
+    prompt starts with the BOS, as with transformers 4 and vLLM; a chat prompt (its template writes the BOS) and
+    Qwen3 (no BOS) get none added."""
+    from ember.engine.checkpoint import load_tokenizer
+
+    tok = load_tokenizer(write_shared_tokenizer(family, tmp_path / family))
+    text_ids = tok.encode("Hi", add_special_tokens=False)
+    expected = [tok.bos_token_id] * (family == "deepseek-v3") + text_ids
+    assert tok("Hi")["input_ids"] == tok.encode("Hi") == expected
+    assert tok.encode("Hi", add_special_tokens=False) == text_ids
 
 
 def test_rope_scaling_matches_transformers():
