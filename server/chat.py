@@ -19,11 +19,11 @@ from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from .errors import bad_request
 
-# apply_chat_template's own parameters, which chat_template_kwargs may not override.
+# apply_chat_template's and its renderer's own parameters, which chat_template_kwargs may not override.
 _RESERVED_KWARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "sanitize_control_tokens", "messages",
+    "self", "conversation", "conversations", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "messages",
 })
 
 

@@ -323,3 +323,12 @@ def test_a_reasoning_parser_alone_keeps_the_detected_tool_syntax(qwen3_tokenizer
     assert out.reasoning == "Weather.\n" and [c.name for c in out.tool_calls] == ["get_weather"]
     assert choose_profile(None, None, "deepseek_r1", None).name == "deepseek_r1"
     assert choose_profile(None, None, None, "glm47").name == "glm45"  # vLLM's GLM-4.7 parser name
+
+
+@pytest.mark.parametrize("key", ["conversations", "self", "tools"])
+def test_chat_template_kwargs_may_not_set_the_renderers_own_arguments(qwen3_tokenizer, key):
+    """A key the renderer itself takes is refused naming chat_template_kwargs, not blamed on the messages."""
+    hi = _openai({"role": "user", "content": "hi"})
+    with pytest.raises(ApiError, match=f"chat_template_kwargs may not set {key}") as e:
+        chat.render(qwen3_tokenizer, "{{ messages[0].content }}", hi, kwargs={key: 1})
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
