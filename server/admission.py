@@ -269,6 +269,9 @@ async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, init
     or Nones when generation is free. `thinking` False (the request switched thinking off) keeps a constrained
     reply from opening a thought of its own. Grammar problems are the request's fault (400). Compiling runs in a
     worker thread (a large schema takes 100+ ms), never on the event loop that streams everyone else's tokens."""
+    if tools is None and forces_call(tool_choice) and not st.runtime.tools_enabled:
+        raise bad_request("tool_choice forces a tool call, but this server parses no tool calls (it was started with "
+                          "--tool-parser none, or its model's chat format has none)", param="tool_choice")
     backend = st.runtime.grammar
     if backend is None:
         forced = tool_choice not in (None, "auto", "none")
@@ -285,6 +288,16 @@ async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, init
         response_format=response_format, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls, thinking_budget=thinking_budget, thinking=thinking)
 
+
+
+def forces_call(tool_choice: Any) -> bool:
+    """Whether ``tool_choice`` (OpenAI's or Anthropic's shape, as the handlers pass it) demands at least one call."""
+    if isinstance(tool_choice, dict):
+        if tool_choice.get("type") == "allowed_tools":
+            spec = tool_choice.get("allowed_tools", tool_choice)
+            return isinstance(spec, dict) and spec.get("mode") == "required"
+        return tool_choice.get("type") not in ("auto", "none")
+    return tool_choice in ("required", "any")
 
 
 def with_token_ids(response_format: dict, tokenizer: Any) -> dict:

@@ -159,6 +159,30 @@ def test_a_tool_schema_the_grammar_cannot_take_is_a_400_naming_that_tool(demo_se
     assert e.value.body["param"] == "tools[1].function.parameters", e.value.body
 
 
+def test_a_forced_tool_call_on_a_server_that_parses_no_tools_is_a_400(rebuilt_server):
+    """With --tool-parser none a forced call could not be parsed out of the reply: every API refuses it naming
+    tool_choice instead of answering in free text; "auto" still answers (the markup stays content)."""
+    srv = rebuilt_server(tool_parser="none")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ["required", {"type": "function", "function": {"name": "f"}},
+                   {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+                       {"type": "function", "function": {"name": "f"}}]}}]:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": HI, "max_tokens": 2, "tools": tools, "tool_choice": choice})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "tool_choice"), r.text
+    r = httpx.post(srv.url + "/v1/responses", timeout=60, json={
+        "input": "hi", "max_output_tokens": 2, "tool_choice": "required",
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "tool_choice"), r.text
+    r = httpx.post(srv.url + "/v1/messages", timeout=60, json={
+        "model": "ember-demo", "max_tokens": 2, "messages": HI, "tool_choice": {"type": "any"},
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}]})
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"], r.text
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        "messages": HI, "max_tokens": 2, "tools": tools, "tool_choice": "auto"})
+    assert r.status_code == 200 and not r.json()["choices"][0]["message"].get("tool_calls"), r.text
+
+
 # Python's JSON reader takes NaN and Infinity, which JSON (and so a grammar's schema) cannot hold: the raw bodies
 # below carry them where each API takes a schema; every route refuses them before reading the body
 # (`body_check.invalid_field`).
