@@ -64,7 +64,7 @@ class ProcessEngineClient:
         fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
         self.process = mp.get_context("spawn").Process(
             target=core_process.main, name="ember-engine-core",
-            args=(str(model_dir), fields, constraint_factory, self._addrs[0], self._addrs[1], log_level))
+            args=(str(model_dir), fields, constraint_factory, self._addrs[0], self._addrs[1], os.getpid(), log_level))
         with _sigint_ignored():  # inherited: Ctrl-C while it starts must not kill its interpreter mid-import
             self.process.start()  # not a daemon: it starts tensor-parallel workers of its own; it exits with its parent
         try:

@@ -29,14 +29,15 @@ _IDLE_POLL_MS = 500
 
 
 def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, commands_addr: str,
-         events_addr: str, log_level: str = "WARNING") -> None:
-    """Process entry point (spawned by `ProcessEngineClient`). SIGINT is ignored: Ctrl-C reaches the whole process
-    group, and the front end stops the engine itself once its own shutdown has drained the requests in flight."""
+         events_addr: str, parent: int, log_level: str = "WARNING") -> None:
+    """Process entry point (spawned by `ProcessEngineClient`, whose process ID is ``parent``: read here, after the
+    imports, a front end that died meanwhile would read as init, and this process would outlive it). SIGINT is
+    ignored: Ctrl-C reaches the whole process group, and the front end stops the engine itself once its own
+    shutdown has drained the requests in flight."""
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
     ctx = zmq.Context()
     events = ctx.socket(zmq.PUSH)
     events.setsockopt(zmq.SNDHWM, 0)

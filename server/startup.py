@@ -32,6 +32,29 @@ log = logging.getLogger("ember.server")
 BAD_ARGUMENT = 2
 LOAD_FAILED = 1
 INTERRUPTED = 130  # Ctrl-C before the server started, as a shell reports a process that SIGINT ended
+TERMINATED = 143  # SIGTERM (docker stop) before the server started, as a shell reports a process that SIGTERM ended
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the server starts: unwinds the start as Ctrl-C does, so the engine process it spawned is
+    stopped (the default action would end this process at once and leave that one running)."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises `_Terminated` in the main thread while this is entered (elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -215,24 +238,28 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime = None
     try:
-        check_tls(config)
-        sock = bind_socket(config.host, config.port)
-        config = dataclasses.replace(config, port=sock.getsockname()[1])  # --port 0: the port it got
-        try:
-            runtime, config, seconds = _load(config)
-            check_head(runtime, config)
-            check_template(runtime, config)
-        except BaseException:
-            sock.close()
-            if runtime is not None:
-                runtime.engine.shutdown()
-            raise
+        with _sigterm_unwinds():
+            check_tls(config)
+            sock = bind_socket(config.host, config.port)
+            config = dataclasses.replace(config, port=sock.getsockname()[1])  # --port 0: the port it got
+            try:
+                runtime, config, seconds = _load(config)
+                check_head(runtime, config)
+                check_template(runtime, config)
+            except BaseException:
+                sock.close()
+                if runtime is not None:
+                    runtime.engine.shutdown()
+                raise
     except StartupError as e:
         print(f"ember serve: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print("ember serve: interrupted while starting", file=sys.stderr, flush=True)
         return INTERRUPTED
+    except _Terminated:
+        print("ember serve: terminated while starting", file=sys.stderr, flush=True)
+        return TERMINATED
     from .app import create_app
 
     for line in summary_lines(runtime, config, config.model_dir, seconds):
@@ -240,8 +267,11 @@ def serve(config: ServeConfig) -> int:
     app = create_app(runtime, config, exit_on_engine_death=True)
     server = _uvicorn_server(app, config)
     _freeze_heap()
-    server.run(sockets=[sock])
-    gc.unfreeze()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        gc.unfreeze()
+        runtime.engine.shutdown()  # a second Ctrl-C skips the app's shutdown, which stops it otherwise
     return 1 if app.state.ember.engine_dead else 0
 
 

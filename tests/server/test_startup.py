@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from typing import Iterator
 
@@ -226,11 +227,13 @@ def test_an_unusable_cache_dir_for_the_demo_model_is_one_line(tmp_path, cache):
 
 
 @contextlib.contextmanager
-def _own_session(model_dir, log) -> Iterator[subprocess.Popen]:
-    """`ember serve MODEL --port 0` in a session of its own (so a test can signal its whole process group, as
-    Ctrl-C in a terminal does), its stderr in ``log``; killed afterwards if still running."""
+def _own_session(model_dir, log, *extra: str) -> Iterator[subprocess.Popen]:
+    """`ember serve MODEL --port 0` (then ``extra`` flags, which win) in a session of its own (so a test can signal
+    its whole process group, as Ctrl-C in a terminal does), its stderr in ``log``; killed afterwards if still
+    running."""
     with open(log, "w") as err:
-        proc = subprocess.Popen([*ember_cmd(), "serve", str(model_dir), "--kv-cache-blocks", "16", "--port", "0"],
+        proc = subprocess.Popen([*ember_cmd(), "serve", str(model_dir), "--kv-cache-blocks", "16", "--port", "0",
+                                 *extra],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     try:
         yield proc
@@ -287,6 +290,71 @@ def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path
     while os.path.exists(f"/proc/{engine}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{engine}") or " Z " in open(f"/proc/{engine}/stat").read()
+
+
+def _engine_of(proc: subprocess.Popen, log) -> int:
+    """The process ID of ``proc``'s engine process, as soon as it is spawned."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        engine = next((int(k) for k in kids if _is_engine(int(k))), None)
+        if engine is not None:
+            return engine
+        time.sleep(0.02)
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not os.path.exists(f"/proc/{pid}") or " Z " in open(f"/proc/{pid}/stat").read()
+
+
+def test_sigterm_while_the_engine_process_starts_stops_it_too(demo_model_dir, tmp_path):
+    """`docker stop` (SIGTERM to the server alone) while its engine process is still importing: one line, exit code
+    143, and the engine process does not outlive it (it read its parent's ID after its imports, when the server
+    was already gone, and so never noticed)."""
+    log = tmp_path / "serve.log"
+    with _own_session(demo_model_dir, log) as proc:
+        engine = _engine_of(proc, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()
+    assert log.read_text().rstrip().endswith("ember serve: terminated while starting"), log.read_text()
+    assert _gone(engine, within=30)
+
+
+def test_ctrl_c_twice_with_a_stream_in_flight_exits_and_stops_the_engine(demo_model_dir, tmp_path):
+    """A second Ctrl-C (uvicorn's "force quit") skips the graceful drain: the server still stops its engine
+    process and exits, rather than hanging at exit on it."""
+    log = tmp_path / "serve.log"
+    with _own_session(demo_model_dir, log, "--kv-cache-blocks", "4096") as proc:  # room for a long stream
+        engine = _engine_of(proc, log)
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"ready: OpenAI API at http://127\.0\.0\.1:(\d+)/v1", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        body = {"prompt": "hi", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        started = threading.Event()
+
+        def read() -> None:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                    "POST", f"http://127.0.0.1:{m.group(1)}/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    started.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert started.wait(60)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code is not None, log.read_text()
+    assert _gone(engine, within=10), log.read_text()
 
 
 def _ignores_sigint(pid: int) -> bool:
