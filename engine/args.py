@@ -39,9 +39,13 @@ def parse_fraction(text: str) -> float:
 
 
 def parse_memory(text: str) -> int:
-    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes; SettingValueError otherwise."""
-    s = text.strip().upper().removesuffix("IB").removesuffix("B")
+    """`"512M"`, `"2G"`, `"1.5GiB"` or a plain byte count -> bytes; SettingValueError otherwise. A lone lower-case
+    suffix is a power of 1000 (`"8g"`: 8e9 bytes), as vLLM reads ``--kv-cache-memory-bytes``."""
+    stripped = text.strip()
+    s = stripped.upper().removesuffix("IB").removesuffix("B")
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if stripped[-1:] in "kmgt" and stripped[-1:]:
+        scale = {k: 1000 ** (i + 1) for i, k in enumerate("KMGT")}
     try:
         value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
     except ValueError:
@@ -199,7 +203,9 @@ class EngineArgs:
                                            "max_position_embeddings",
                                      type=parse_max_model_len, metavar="TOKENS")
     max_num_seqs: int = _opt(64, "sequences decoded together in one step", min=1)
-    max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step", min=1)
+    max_num_batched_tokens: int = _opt(2048, "tokens (prefill chunks + decodes) scheduled in one step, e.g. 8192, "
+                                             "8k or 8K (as --max-model-len)", min=1, type=parse_human_int,
+                                       metavar="TOKENS")
     block_size: int = _opt(16, "tokens per KV-cache block", min=1)
     enable_chunked_prefill: bool = _opt(True, "split long prompts into chunks that share steps with decodes",
                                         negatable=True)
@@ -234,8 +240,9 @@ class EngineArgs:
     max_lora_rank: int = _opt(16, "the largest LoRA rank accepted", metavar="R", min=1)
     kv_cache_blocks: int | None = _opt(None, "KV-cache size in blocks of --block-size tokens (default: sized from "
                                              "memory)", group="kv-cache-size", min=1)
-    kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G", type=parse_memory,
-                                       group="kv-cache-size")
+    kv_cache_memory: int | None = _opt(None, "KV-cache size in bytes, e.g. 2G (K, M, G, T: powers of 1024; a lone "
+                                             "k, m, g, t: of 1000, as vLLM's)", type=parse_memory,
+                                       group="kv-cache-size", aliases=("--kv-cache-memory-bytes",))
     gpu_memory_utilization: float = _opt(0.9, "share of GPU memory for weights, activations and the KV cache "
                                               "(sizes the cache on CUDA)", type=parse_fraction, metavar="FRACTION")
     tensor_parallel_size: int = _opt(1, "split every layer across N processes (N GPUs on CUDA)", metavar="N",

@@ -21,7 +21,7 @@ def test_every_engine_setting_is_a_flag_with_its_default_in_the_help():
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
-    for piece in ("--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS", "(default: 2048)", "--block-size",
+    for piece in ("--max-num-batched-tokens TOKENS", "(default: 2048)", "--block-size",
                   "--enable-chunked-prefill, --no-enable-chunked-prefill",
                   "--enable-prefix-caching, --no-enable-prefix-caching", "--kv-cache-dtype {auto,fp8,fp8_e4m3}",
                   "(default: auto)", "(default: 0.9)"):

@@ -309,6 +309,11 @@ def test_vllm_underscores_lengths_and_switch_values_carry_over(monkeypatch):
     assert (c.enable_chunked_prefill, c.enforce_eager, str(c.model_dir)) == (False, True, "org/x")
     for text, tokens in (("32k", 32000), ("1M", 2**20), ("25.6k", 25600), ("1K", 1024), ("auto", -1), ("-1", -1)):
         assert main(["serve", "--max-model-len", text]) == 0 and seen[-1].max_model_len == tokens, text
+    for text, tokens in (("8k", 8000), ("16K", 16384), ("4096", 4096)):
+        assert main(["serve", "--max_num_batched_tokens", text]) == 0, text
+        assert seen[-1].max_num_batched_tokens == tokens, text
+    for text, size in (("8g", 8 * 10**9), ("8G", 8 * 2**30), ("1.5GiB", int(1.5 * 2**30))):  # vLLM's spelling
+        assert main(["serve", "--kv-cache-memory-bytes", text]) == 0 and seen[-1].kv_cache_memory == size, text
 
 
 def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
