@@ -39,12 +39,27 @@ def load_tokenizer(model_dir: str | os.PathLike):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(root))
     except Exception as e:  # transformers raises many types here; name the directory
+        _raise_for_config(root)
         raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
     if getattr(tokenizer, "chat_template", None) is None and (root / "chat_template.json").exists():
         tokenizer.chat_template = processor_chat_template(root / "chat_template.json")
     if (root / "tokenizer_config.json").exists():
         _honour_added_special_tokens(tokenizer, read_json(root / "tokenizer_config.json"))
     return tokenizer
+
+
+def _raise_for_config(root: Path) -> None:
+    """CheckpointError naming config.json where transformers cannot read it (AutoTokenizer reads it too, and its
+    failures would otherwise be blamed on the tokenizer files)."""
+    if not (root / "config.json").exists():
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(root))
+    except Exception as e:
+        raise CheckpointError(f"{root / 'config.json'}: transformers cannot read it ({type(e).__name__}: {e})") \
+            from e
 
 
 def _honour_added_special_tokens(tokenizer, config: Any) -> None:

@@ -185,6 +185,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ConfigError(f"{source}: no 'architectures' entry")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{source}: 'architectures' must be a list of class names, got {archs!r}")
         tied_default = None
         if isinstance(cfg.get("text_config"), dict):  # a multimodal checkpoint: Ember serves its language model
             top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config", "audio_config")}
@@ -209,6 +211,10 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required field {key!r}")
             return cfg[key]
 
+        for key in _POSITIVE_FIELDS:
+            value = cfg.get(key)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -270,6 +276,11 @@ class ModelConfig:
             eos_token_id=eos_list,
             raw=cfg,
         )
+
+
+_POSITIVE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size",
+                    "max_position_embeddings")
+"""config.json sizes that must be whole numbers of at least 1 where given (a bad one failed deep in torch)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 
 import pytest
@@ -129,6 +130,27 @@ def test_clear_errors_name_the_file(tmp_path, demo_model_dir):
     (partial / "config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json"):
         Engine.from_pretrained(partial)
+
+
+@pytest.mark.parametrize("edit,error", [
+    ({"num_attention_heads": -4}, "config.json: num_attention_heads must be a positive integer, got -4"),
+    ({"max_position_embeddings": 0}, "config.json: max_position_embeddings must be a positive integer, got 0"),
+    ({"architectures": "Qwen3ForCausalLM"}, "config.json: 'architectures' must be a list of class names"),
+    ({"layer_types": ["full_attention"]}, "config.json: transformers cannot read it"),
+])
+def test_a_bad_config_value_is_named_in_config_json(tmp_path, demo_model_dir, edit, error):
+    """A size that is not a positive integer or a config transformers refuses is an error naming config.json, not a
+    torch error deep in the model's build nor a failure blamed on the tokenizer files."""
+    from ember.engine.checkpoint import load_tokenizer
+    from ember.engine.loader import load_model_config
+
+    bad = tmp_path / "bad"
+    shutil.copytree(demo_model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises((ConfigError, CheckpointError), match=re.escape(error)):
+        load_model_config(bad)
+        load_tokenizer(bad)
 
 
 @pytest.mark.parametrize("family", ["deepseek-v3", "qwen3"])
