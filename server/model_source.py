@@ -63,10 +63,12 @@ def _cache_dir(download_dir: Path | None) -> str:
 
 
 def download(ref: ModelRef, download_dir: Path | None = None,
-             patterns: tuple[str, ...] = ALLOW_PATTERNS, token: str | None = None) -> Path:
+             patterns: tuple[str, ...] = ALLOW_PATTERNS, token: str | None = None, *, what: str = "model",
+             local: str = "a local checkpoint directory") -> Path:
     """The snapshot folder of `ref.repo_id` at `ref.revision` (default branch when None), downloading the engine's
     files (``patterns``) unless the cache already has them (or `HF_HUB_OFFLINE=1` forbids the network), with
-    ``token`` (`--hf-token`) or else `HF_TOKEN` or the saved login."""
+    ``token`` (`--hf-token`) or else `HF_TOKEN` or the saved login. Errors call the repository ``what`` and offer
+    ``local`` instead."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub import errors as hf
 
@@ -74,22 +76,22 @@ def download(ref: ModelRef, download_dir: Path | None = None,
     name = ref.repo_id + (f"@{ref.revision}" if ref.revision else "")
     cache = _cache_dir(download_dir)
     fix = f"run `hf download {ref.repo_id}" + (f" --revision {ref.revision}" if ref.revision else "") + (
-        f" --cache-dir {download_dir}" if download_dir is not None else "") + "` or pass a local checkpoint directory"
+        f" --cache-dir {download_dir}" if download_dir is not None else "") + f"` or pass {local}"
     try:
         folder = snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=download_dir,
                                    allow_patterns=list(patterns), token=token or os.environ.get("HF_TOKEN") or None)
     except hf.GatedRepoError:
-        raise ModelSourceError(f"model {name} is gated on the Hugging Face hub: accept its licence on "
+        raise ModelSourceError(f"{what} {name} is gated on the Hugging Face hub: accept its licence on "
                                f"huggingface.co/{ref.repo_id} and set HF_TOKEN") from None
     except hf.RevisionNotFoundError:
-        raise ModelSourceError(f"model {ref.repo_id} has no revision {ref.revision!r} on the Hugging Face hub "
+        raise ModelSourceError(f"{what} {ref.repo_id} has no revision {ref.revision!r} on the Hugging Face hub "
                                f"(--revision)") from None
     except hf.RepositoryNotFoundError:
-        raise ModelSourceError(f"model {name} was not found on the Hugging Face hub (a private model needs HF_TOKEN); "
-                               f"check the id or pass a local checkpoint directory") from None
+        raise ModelSourceError(f"{what} {name} was not found on the Hugging Face hub (a private model needs HF_TOKEN); "
+                               f"check the id or pass {local}") from None
     except hf.LocalEntryNotFoundError:
         why = "downloads are off (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the hub could not be reached"
-        raise ModelSourceError(f"model {name} is not in the Hugging Face cache ({cache}) and {why}: {fix}") from None
+        raise ModelSourceError(f"{what} {name} is not in the Hugging Face cache ({cache}) and {why}: {fix}") from None
     except (OSError, ValueError, hf.HfHubHTTPError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelSourceError(f"could not download {name} into {cache}: {first}; {fix}") from None
@@ -119,7 +121,8 @@ def resolve_tokenizer(value: str, model: str | os.PathLike | None, model_dir: Pa
     if model is not None and value == os.fspath(model):
         return model_dir
     ref = parse_model_ref(value)
-    folder = ref.path if ref.path is not None else download(ref, download_dir, TOKENIZER_PATTERNS, token)
+    folder = ref.path if ref.path is not None else download(ref, download_dir, TOKENIZER_PATTERNS, token,
+                                                            what="--tokenizer", local="a local tokenizer folder")
     if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise ModelSourceError(f"--tokenizer {value}: no tokenizer files (tokenizer.json, tokenizer_config.json) in "
                                f"{folder}")

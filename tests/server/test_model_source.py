@@ -67,6 +67,15 @@ def test_resolution_errors_are_one_line_with_the_fix(offline_hub, tmp_path):
         resolve_model(f"{REPO_ID}@a", revision="b")
 
 
+def test_a_tokenizer_that_cannot_be_fetched_is_named_as_the_tokenizer(offline_hub, demo_model_dir):
+    from ember.server.model_source import ModelSourceError, resolve_tokenizer
+
+    with pytest.raises(ModelSourceError) as e:
+        resolve_tokenizer("tiny-org/absent-tok", REPO_ID, demo_model_dir)
+    assert str(e.value).startswith("--tokenizer tiny-org/absent-tok is not in the Hugging Face cache"), e.value
+    assert str(e.value).endswith("or pass a local tokenizer folder"), e.value
+
+
 def test_only_the_files_the_engine_reads_are_downloaded():
     from fnmatch import fnmatch
 
