@@ -167,7 +167,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     prompt_ids = await asyncio.to_thread(
         rt.prompt_ids, messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, kwargs=template_kwargs, documents=body.documents,
-        size_param="messages" if body.truncate_prompt_tokens is None else None)
+        size_param="messages" if body.truncate_prompt_tokens is None else None,
+        add_special_tokens=body.add_special_tokens)
     prompt_ids = truncate_prompt(st, prompt_ids, body.truncate_prompt_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)

@@ -337,6 +337,7 @@ def _with_descriptions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any
     return [{**t, "function": {"description": "", **t["function"]}} if "function" in t else t for t in tools]
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    """Prompt text -> token IDs; the template already wrote any BOS, so no special tokens are added."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Prompt text -> token IDs; the template already wrote any BOS, so no special tokens are added unless asked
+    (vLLM's ``add_special_tokens``)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))

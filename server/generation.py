@@ -140,13 +140,13 @@ class ModelRuntime:
                            **options)
 
     def prompt_ids(self, messages: list[dict[str, Any]], *, size_param: str | None = None,
-                   **options: Any) -> list[int]:
+                   add_special_tokens: bool = False, **options: Any) -> list[int]:
         """The chat prompt's token IDs (`render`, then `chat.encode`); with ``size_param``, a text too long for the
         context is a 400 naming it before it is tokenized (`check_text_size`)."""
         text = self.render(messages, **options)
         if size_param is not None:
             self.check_text_size(text, size_param)
-        return chat.encode(self.tokenizer, text)
+        return chat.encode(self.tokenizer, text, add_special_tokens)
 
     def check_text_size(self, text: str, param: str) -> None:
         """A 400 (``context_length_exceeded``, naming ``param``) for prompt text longer than `max_prompt_chars`:

@@ -320,6 +320,7 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[dict[str, Any]] | None = None  # vLLM's: for the template to render (RAG)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) on top of the template's
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default

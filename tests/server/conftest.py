@@ -97,17 +97,18 @@ def demo_server(demo_runtime):
 
 @pytest.fixture
 def rebuilt_server(demo_runtime):
-    """``start(template=None, **settings)``: a live server whose front end is built as `ember serve` builds it, with
-    ``settings`` changed (and the chat ``template``, when given), over the demo runtime's engine; stopped after."""
+    """``start(template=None, tokenizer=None, **settings)``: a live server whose front end is built as `ember serve`
+    builds it, with ``settings`` changed (and the chat ``template`` and front-end ``tokenizer``, when given), over the
+    demo runtime's engine; stopped after."""
     from ember.server.generation import ModelRuntime
 
     runtime, config = demo_runtime
     started = []
 
-    def start(template: str | None = None, **settings):
+    def start(template: str | None = None, tokenizer=None, **settings):
         cfg = dataclasses.replace(config, **settings)
         rt = ModelRuntime.build(runtime.engine, cfg, config.model_dir, template or runtime.chat_template,
-                                runtime.grammar, runtime.tokenizer)
+                                runtime.grammar, tokenizer or runtime.tokenizer)
         srv, _ = _serve(rt, cfg)
         started.append(srv)
         return srv

@@ -3,6 +3,7 @@ Command R), a system prompt sent as text parts to Gemma 4, tool-call arguments n
 and continue_final_message on a message that ends with tool calls."""
 from __future__ import annotations
 
+import copy
 import json
 import types
 
@@ -101,6 +102,24 @@ def test_a_served_model_with_named_templates_uses_tool_use_for_requests_with_too
         r = httpx.post(srv.url + "/tokenize", timeout=60, json={"messages": messages, **extra})
         assert r.status_code == 200, r.text
         assert tok.decode(r.json()["tokens"]) == expected
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos_to_a_chat_prompt(rebuilt_server, demo_runtime):
+    """vLLM's ``add_special_tokens`` on chat: the tokenizer's BOS on top of what the template wrote; off (the
+    default) the prompt is the template's text alone."""
+    tok = copy.deepcopy(demo_runtime[0].tokenizer)
+    tok.bos_token, tok.add_bos_token = "<|endoftext|>", True
+    srv = rebuilt_server(tokenizer=tok)
+
+    def prompt(**extra) -> list[int]:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    plain = prompt()
+    assert plain[0] != tok.bos_token_id and prompt(add_special_tokens=False) == plain
+    assert prompt(add_special_tokens=True) == [tok.bos_token_id, *plain]
 
 
 # ------------------------------------------------------------------------------------ Gemma 4's system text parts
