@@ -53,8 +53,8 @@ from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .response_store import ResponseStore
 from .openai_encoder import (ChatChoiceEncoder, ChunkMeta, CompletionChoiceEncoder, chat_body, fold_completion,
-                             literal_prompt_offsets, prompt_text_offsets, sse_event, sse_line, token_names, usage,
-                             usage_chunk)
+                             given_text_offsets, literal_prompt_offsets, prompt_text_offsets, sse_event, sse_line,
+                             token_names, usage, usage_chunk)
 from .sse import RAW_SEND, EventStreamResponse
 from .structured import flat_tool_fields
 
@@ -257,6 +257,8 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 literal = literal_prompt_offsets(rt.token_bytes, ids, plain)
             if literal is not None and literal[0] == p:
                 text, offsets = literal
+            elif as_given and (given := await asyncio.to_thread(given_text_offsets, rt.tokenizer, p, ids)):
+                text, offsets = p, given
             else:
                 decoded, offsets = prompt_text_offsets(rt.token_bytes, kept, echo_drop)
                 text = p if as_given else decoded

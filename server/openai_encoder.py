@@ -530,6 +530,28 @@ def literal_prompt_offsets(tb: TokenBytes, ids: Sequence[int], plain: Sequence[i
     return None
 
 
+def given_text_offsets(tokenizer: Any, text: str, ids: Sequence[int]) -> list[int] | None:
+    """Each token's ``text_offset`` in prompt ``text`` as the client sent it, where the tokenizer normalises it (NFC:
+    the tokens' own text is not ``text``): a fast tokenizer's offset mapping into the original string, a token with
+    no span of its own (an added BOS or EOS) at the offset where the next text starts. None when the tokenizer maps
+    no offsets or its encoding is not ``ids``."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    try:
+        enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):
+        return None
+    if list(enc["input_ids"]) != list(ids):
+        return None
+    at, following = [0] * len(ids), len(text)
+    for i in range(len(ids) - 1, -1, -1):
+        start, end = enc["offset_mapping"][i]
+        if end > start:
+            following = start
+        at[i] = following
+    return at
+
+
 class TextOffsets:
     """Legacy ``text_offset``s: where, in the text that tokens' bytes decode to (after ``length`` characters already
     there), each token's text starts, i.e. the character holding its first byte; a token inside a character split

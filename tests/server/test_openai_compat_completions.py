@@ -28,6 +28,23 @@ def test_text_offsets_point_into_the_text_across_split_characters(demo_server, p
     assert streamed == lp.text_offset
 
 
+@pytest.mark.parametrize("prompt", ["e\u0301e\u0301 hi there", "Cafe\u0301 au lait"])
+def test_offsets_index_a_prompt_the_tokenizer_normalises_as_it_was_sent(demo_server, prompt):
+    """The tokenizer reads a decomposed accent as its NFC form, which is shorter; the echo is the prompt as sent, and
+    the prompt tokens' offsets index that text (they indexed the normalised one, pointing before the words)."""
+    client = demo_server.openai()
+    ask = dict(model=demo_server.model, prompt=prompt, echo=True, logprobs=0, max_tokens=2, temperature=0)
+    c = client.completions.create(**ask).choices[0]
+    lp, n_prompt = c.logprobs, len(demo_server.tokenizer.encode(prompt))
+    assert c.text.startswith(prompt) and lp.text_offset == sorted(lp.text_offset)
+    plain = [(t, at) for t, at in zip(lp.tokens[:n_prompt], lp.text_offset) if t.isascii()]
+    assert plain and all(c.text[at:at + len(t)] == t for t, at in plain), (plain, c.text)
+    assert lp.text_offset[n_prompt] == len(prompt)
+    streamed = [o for ch in client.completions.create(**ask, stream=True) for x in ch.choices if x.logprobs
+                for o in x.logprobs.text_offset]
+    assert streamed == lp.text_offset
+
+
 def test_echoed_special_token_text_keeps_its_offsets(demo_server):
     """A string prompt that spells a special token (`<|im_end|>`) is echoed as given, and the offsets count that
     token's text, streamed or not."""
