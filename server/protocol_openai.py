@@ -150,6 +150,19 @@ class AllowedToolsChoice(_Lenient):
     allowed_tools: AllowedTools
 
 
+def tool_choice_union(named: type, allowed: type) -> Any:
+    """A tool_choice field's type: none / auto / required, the ``named`` form or the ``allowed`` one, picked by the
+    object's ``type``, so a bad object is reported against its own form (trying each member reported the other
+    form's longest-named field, such as ``tool_choice.allowed_tools`` for a function missing ``function``)."""
+    def member(value: Any) -> str:
+        if isinstance(value, str):
+            return "str"
+        return allowed.__name__ if isinstance(value, dict) and value.get("type") == "allowed_tools" else named.__name__
+
+    return Annotated[Annotated[Literal["none", "auto", "required"], Tag("str")] | Annotated[named, Tag(named.__name__)]
+                     | Annotated[allowed, Tag(allowed.__name__)], Discriminator(member)]
+
+
 class JsonSchemaSpec(_Lenient):
     name: str = "response"
     description: str | None = None
@@ -313,7 +326,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
+    tool_choice: tool_choice_union(NamedToolChoice, AllowedToolsChoice) | None = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

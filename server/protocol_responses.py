@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .errors import bad_request
-from .protocol_openai import JsonSchemaSpec, _Lenient, _Request, refuse_other_tool_choice
+from .protocol_openai import JsonSchemaSpec, _Lenient, _Request, refuse_other_tool_choice, tool_choice_union
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 KNOWN_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
@@ -94,7 +94,7 @@ class ResponsesRequest(_Request):
     ignore_eos: bool = False
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools | None = None
+    tool_choice: tool_choice_union(NamedFunction, AllowedTools) | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None

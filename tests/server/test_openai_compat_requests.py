@@ -67,6 +67,10 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "allowed_tools",
      "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}},
      "tool_choice.allowed_tools.tools"),
+    # the Responses API's flat named form sent to chat: the function form's missing field, not allowed_tools's
+    ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                                  "name": "get_weather"}},
+     "tool_choice.function"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)

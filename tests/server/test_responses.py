@@ -282,6 +282,8 @@ def test_a_thought_closed_before_the_cut_is_complete(qwen3_thinking_server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),  # a built-in tool's
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},  # chat's form
+     "tool_choice.name"),
     ({"include": ["file_search_call.results"]}, "include[0]"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k" * 65: "v"}}, "metadata"),
