@@ -56,6 +56,7 @@ def _sigterm_unwinds() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
