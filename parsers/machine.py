@@ -283,6 +283,12 @@ class ParserMachine:
             else:
                 self._out.append(ContentDelta(held))
 
+    def output_cut(self, at_finish: bool) -> bool:
+        """Whether a construct closed ``at_finish`` was cut (by a length limit or a stop string: left as it streamed)
+        rather than ended by the model's end of turn (closed as its end tags would have closed it, as vLLM's XML
+        parsers read a call whose tags the model left open)."""
+        return at_finish and self._cut
+
     def close_body(self, at_finish: bool) -> None:
         """Close whatever call or construct is open (a closer arrived, another began, or finish)."""
         if self.state == BAD_CALL:

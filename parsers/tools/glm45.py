@@ -54,12 +54,13 @@ class Glm45Syntax(ToolSyntax):
             return
         if state not in (GLM_BODY, GLM_KEY, GLM_KEYED, GLM_VALUE):
             return
+        cut = m.output_cut(at_finish)
         if state == GLM_KEY:
             key, self._buf = self._buf, ""
             m.malformed(self._opener + key, "argument cut short")
         elif state == GLM_VALUE:
-            self._value.close(at_finish)
-        if not at_finish and m.call_open:
+            self._value.close(cut)
+        if not cut and m.call_open:
             m.args("}" if self._value.n_keys else "{}")
         m.end_call()
 

@@ -42,12 +42,13 @@ class Qwen3CoderSyntax(ToolSyntax):
             name, self._name_buf = self._name_buf, ""
             m.malformed(self._opener + name, "tool call cut short")
         elif state in (FN_BODY, PARAM_KEY, PARAM_VALUE, PARAM_SKIP):
+            cut = m.output_cut(at_finish)
             if state == PARAM_KEY:
                 key, self._name_buf = self._name_buf, ""
                 m.malformed(self._opener + key, "parameter cut short")
             elif state == PARAM_VALUE:
-                self._value.close(at_finish)
-            if not at_finish and m.call_open:
+                self._value.close(cut)
+            if not cut and m.call_open:
                 m.args("}" if self._value.n_keys else "{}")
             m.end_call()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -107,8 +108,25 @@ def test_qwen3_coder_xml_outside_a_tool_call_is_content():
 
 def test_qwen3_coder_parameter_cut_by_finish_keeps_what_streamed():
     """The value's text streamed; the close tag cut short (`</param`) is markup, never part of the value."""
-    f = fold(run(machine("qwen3_coder", QWEN_IDS), [CALL, "<function=f>\n<parameter=a>\nhello </param"]))
+    f = fold(run(machine("qwen3_coder", QWEN_IDS), [CALL, "<function=f>\n<parameter=a>\nhello </param"], cut=True))
     assert f.calls == [["f", '{"a": "hello ', True]]
+
+
+@pytest.mark.parametrize("profile,body,args", [
+    ("qwen3_coder", "<function=f>\n<parameter=city>\nParis\n</parameter>\n", '{"city": "Paris"}'),
+    ("qwen3_coder", "<function=f>\n<parameter=city>\nParis\n", '{"city": "Paris"}'),
+    ("qwen3_coder", "<function=f>\n", "{}"),
+    ("qwen3_coder", "<function=f>\n<parameter=ci", "{}"),
+    ("glm45", "f\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n", '{"city": "Paris"}'),
+    ("glm45", "f\n<arg_key>city</arg_key>\n<arg_value>Paris", '{"city": "Paris"}'),
+])
+def test_an_xml_call_the_model_ends_without_its_end_tags_is_closed(profile, body, args):
+    """The model ended its turn inside a call (no length limit, no stop string): its arguments are closed as the
+    missing end tags would have closed them, valid JSON as vLLM's XML parsers return, in any chunking."""
+    for chunks in ([CALL, body], [CALL, *body]):
+        f = fold(run(machine(profile, QWEN_IDS), chunks))
+        assert [c[:2] for c in f.calls] == [["f", args]], (chunks, f.calls)
+        json.loads(f.calls[0][1])
 
 
 def test_harmony_with_text_matched_specials_and_a_missing_end():

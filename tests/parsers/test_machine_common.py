@@ -23,12 +23,12 @@ def machine(profile: str, ids: dict, initial: str = "CONTENT", tools=None, **kw)
     return ParserMachine(get_profile(profile), ids, initial, tools, call_id=lambda i: f"call_{i}", **kw)
 
 
-def run(m: ParserMachine, tokens) -> list:
-    """Feed (token_id, text) pairs (or bare texts), then finish; all events."""
+def run(m: ParserMachine, tokens, cut: bool = False) -> list:
+    """Feed (token_id, text) pairs (or bare texts), then finish (``cut``: by a length limit); all events."""
     events = []
     for t in tokens:
         events += m.feed(*t) if isinstance(t, tuple) else m.feed(None, t)
-    return events + m.finish()
+    return events + m.finish(cut)
 
 
 def merged(events) -> list:
