@@ -38,6 +38,8 @@ XML_TOOL_RULES = {
     (PARAM_KEY, "function_close"): Rule("cut_short"),
     (PARAM_KEY, "tool_close"): Rule("tool_close"),
     (PARAM_VALUE, "parameter_close"): Rule("value_end"),
+    (PARAM_VALUE, "parameter_open"): Rule("value_cut"),  # a value the model left open ends at the next tag, as
+    (PARAM_VALUE, "function_close"): Rule("value_cut"),  # vLLM's parameter pattern reads it
     (PARAM_VALUE, "tool_close"): Rule("tool_close"),
     (PARAM_SKIP, "parameter_close"): Rule("skip_end"),
     (PARAM_SKIP, "tool_close"): Rule("tool_close"),

@@ -34,7 +34,8 @@ class Qwen3CoderSyntax(ToolSyntax):
     def actions(self) -> dict[str, Action]:
         return {"name_start": self._do_name_start, "name_end": self._do_name_end, "cut_short": self._do_cut_short,
                 "function_end": self._do_function_end, "key_start": self._do_key_start,
-                "key_end": self._do_key_end, "value_end": self._do_value_end, "skip_end": self._do_skip_end}
+                "key_end": self._do_key_end, "value_end": self._do_value_end, "value_cut": self._do_value_cut,
+                "skip_end": self._do_skip_end}
 
     def close(self, state: str, at_finish: bool) -> None:
         m = self.m
@@ -133,6 +134,14 @@ class Qwen3CoderSyntax(ToolSyntax):
         self._value.close(at_finish=False)
         self.m.drop(text, "parameter tag")
         self.m.state = FN_BODY
+
+    def _do_value_cut(self, text: str) -> None:
+        """A parameter or function tag inside a value whose close tag is missing: the value ends there and the tag
+        does what it does between parameters."""
+        m = self.m
+        self._value.close(at_finish=False)
+        m.state = FN_BODY
+        m.apply(m.text_rule(FN_BODY, text), text)
 
     def _do_skip_end(self, text: str) -> None:
         self.m.malformed(text, "malformed parameter")

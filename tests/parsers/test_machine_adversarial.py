@@ -100,6 +100,21 @@ def test_qwen3_coder_missing_function_closer_and_unknown_tool():
     assert f.calls == [["f", "{}", True]]
 
 
+@pytest.mark.parametrize("body,args", [
+    ("<function=f>\n<parameter=city>\nParis\n<parameter=n>\n4\n</parameter>\n</function>\n",
+     '{"city": "Paris", "n": 4}'),
+    ("<function=f>\n<parameter=n>\n4\n</function>\n", '{"n": 4}'),
+])
+def test_qwen3_coder_a_value_missing_its_close_tag_ends_at_the_next_tag(body, args):
+    """A value the model left open ends at the next parameter or function tag (vLLM's reading), which then acts as
+    it does between parameters: the tag is not swallowed into the value, and the integer stays an integer."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    for chunks in ([CALL, body, END_CALL], [CALL, *body, END_CALL]):
+        f = fold(run(machine("qwen3_coder", QWEN_IDS, tools=tools), chunks))
+        assert f.calls == [["f", args, True]], (chunks, f.calls)
+
+
 def test_qwen3_coder_xml_outside_a_tool_call_is_content():
     text = "Use <function=f> with <parameter=a>1</parameter></function>."
     f = fold(run(machine("qwen3_coder", QWEN_IDS), split(text, range(0, 80, 4))))

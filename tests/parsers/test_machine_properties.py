@@ -176,14 +176,19 @@ def test_qwen3_and_hermes_replies(data, profile, by_id):
 CODER_TOOLS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
     "path": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
     "force": {"type": "boolean"}, "lines": {"type": "array"}, "opts": {"type": "object"}, "note": {}}}}}]
+def _plain_value(v: str) -> bool:
+    """Text a Qwen3-Coder value can hold: none of the tags that end one, nor the start of its close tag at its end."""
+    return not any(t in v for t in ("</parameter>", "<parameter=", "</function>")) and not v.endswith("</parameter")
+
+
 CODER_VALUES = {
-    "path": text(max_size=10).filter(lambda v: "</parameter>" not in v and not v.endswith("</parameter")),
+    "path": text(max_size=10).filter(_plain_value),
     "count": st.integers(-1000, 1000),
     "ratio": st.floats(allow_nan=False, allow_infinity=False),
     "force": st.booleans(),
     "lines": st.lists(st.integers(0, 9), max_size=3),
     "opts": st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 3), max_size=2),
-    "note": text(max_size=6).filter(lambda v: "</parameter>" not in v and not v.endswith("</parameter")),
+    "note": text(max_size=6).filter(_plain_value),
 }
 
 

@@ -223,6 +223,10 @@ def harmony_call(draw, s, r: Reply) -> None:
     r.calls.append((name, args))
 
 
+XML_VALUE_ENDS = ("</parameter>", "<parameter=", "</function>")
+"""Tags that end a Qwen3-Coder value (the last two where its close tag is missing, as vLLM reads it): no value holds
+them."""
+
 CODER_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
     "s": {"type": "string"}, "t": {"type": "string"}, "n": {"type": "integer"}}}}} for n in ("f", "g")]
 
@@ -230,8 +234,7 @@ CODER_TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type
 def coder_call(draw, s, r: Reply) -> None:
     name = draw(st.sampled_from(["f", "g"]))
     keys = draw(st.lists(st.sampled_from(["s", "t", "n"]), unique=True, max_size=3))
-    args = {k: (draw(st.integers(-999, 999)) if k == "n" else draw(free_text(exclude=("</parameter>",))))
-            for k in keys}
+    args = {k: (draw(st.integers(-999, 999)) if k == "n" else draw(free_text(exclude=XML_VALUE_ENDS))) for k in keys}
     body = f"\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
     r.delim(s, "<tool_call>")
     r.text(draw, body + "</function>\n")
