@@ -16,7 +16,8 @@ JSON string as it streams, Kimi's JSON); their markers are added to the tokenize
 the same for those syntaxes, and `minimax_m2 args` a MiniMax-M2 `<parameter name="content">` value (as Qwen3-Coder's).
 Four shapes held whole until they end: `whitespace after thought` (newlines after `</think>`, held in case a call
 follows), `qwen3_coder object` and `glm45 object` (an object parameter value, converted at its end) and `hermes long
-name` (a tool name that never ends, bounded at 512 characters then Malformed).
+name` (a tool name that never ends, bounded at 512 characters then Malformed); `hermes name last` writes the
+arguments first and the name at the end, so every token waits for it.
 """
 from __future__ import annotations
 
@@ -69,11 +70,12 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
     """Token sequences of exactly ``n`` tokens (a repeated, really tokenized paragraph)."""
     opener = tok.encode("<tool_call>", add_special_tokens=False).ids     # one token (an added token)
 
-    def body(prefix: str, text: str, lead: list[int]) -> list[int]:
+    def body(prefix: str, text: str, lead: list[int], suffix: str = "") -> list[int]:
         head = lead + tok.encode(prefix, add_special_tokens=False).ids
         unit = tok.encode(text, add_special_tokens=False).ids
+        tail = tok.encode(suffix, add_special_tokens=False).ids
         ids = head + unit * (n // len(unit) + 1)
-        return ids[:n]
+        return ids[:n - len(tail)] + tail
 
     escaped = json.dumps(PARAGRAPH, ensure_ascii=False)[1:-1]
     return {
@@ -104,6 +106,8 @@ def scenarios(tok, setup: ParserSetup, n: int) -> dict[str, tuple[InitialState, 
         "glm45 object": (InitialState.CONTENT, body('<tool_call>write_file\n<arg_key>meta</arg_key>\n'
                                                    '<arg_value>{"k": [', " 12345,", []), {"tools": OBJECT_TOOLS}),
         "hermes long name": (InitialState.CONTENT, body('\n{"name": "', "ab", opener), {"tools": TOOLS}),
+        "hermes name last": (InitialState.CONTENT, body('\n{"arguments": {"content": "', " ab", opener,
+                                                        '"}, "name": "write_file"}'), {"tools": TOOLS}),
     }
 
 
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 "deepseek_v3 args": "deepseek_v3", "glm45 args": "glm45", "kimi_k2 args": "kimi_k2",
                 "llama3_json args": "llama3_json", "mistral args": "mistral", "pythonic args": "pythonic",
                 "minimax_m2 args": "minimax_m2", "whitespace after thought": "qwen3",
-                "qwen3_coder object": "qwen3_coder", "glm45 object": "glm45", "hermes long name": "qwen3"}
+                "qwen3_coder object": "qwen3_coder", "glm45 object": "glm45", "hermes long name": "qwen3",
+                "hermes name last": "qwen3"}
     if args.scenarios:
         wanted = [s.strip() for s in args.scenarios.split(",")]
         unknown = [s for s in wanted if s not in profiles]

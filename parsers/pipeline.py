@@ -253,8 +253,11 @@ class OutputPipeline:
         if not new or not waiting:
             return
         now = self._feeds
+        fates: dict[str, str] = {}  # one scan of ``new`` per channel, not per token: thousands may be waiting
         for own, withheld, fed, at in waiting:
-            ch = _fate(own, new) if withheld else own
+            ch = own
+            if withheld:
+                ch = fates.get(own) or fates.setdefault(own, _fate(own, new))
             if fed == now:
                 channels[at] = ch
             else:

@@ -702,3 +702,21 @@ def test_every_channel_ending_delimiter_is_dropped_under_its_declared_reason():
         seen |= {e.reason for e in stream(pipe(h, C), [ids]) if isinstance(e, Dropped)}
     assert CHANNEL_ENDS - {"harmony end", "harmony start"} <= seen
     assert not HAVE_SHARED or CHANNEL_ENDS <= seen
+
+
+def test_a_call_naming_its_function_after_long_arguments_costs_linear_work(monkeypatch):
+    """Hermes lets "arguments" come before "name": every token until the name is withheld, and the name's arrival
+    settled each of them by scanning all the events it released (20k tokens: 7 s in one feed, the event loop
+    stalled). Counted as events scanned, not timed."""
+    import ember.parsers.pipeline as pipeline_module
+
+    scanned = []
+    real = pipeline_module._fate
+    monkeypatch.setattr(pipeline_module, "_fate", lambda own, events: scanned.append(len(events)) or real(own, events))
+    s = setup("qwen3")
+    body = '{"arguments": {"s": "' + "word " * 1500 + '"}, "name": "f"}'
+    ids = [s.delimiter_ids["<tool_call>"], *encode_text(chatml()[0], body), s.delimiter_ids["</tool_call>"]]
+    p = pipe(s, C, tools=CODER_TOOLS)
+    events = [e for i in ids for e in p.feed([i]).events] + p.finish("stop")
+    assert [(c.name, json.loads(c.arguments)) for c in fold(events).tool_calls] == [("f", {"s": "word " * 1500})]
+    assert sum(scanned) < 20 * len(ids), (sum(scanned), len(ids))
