@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections import deque
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import Any, Callable, Collection, Iterable, Sequence
@@ -394,7 +395,7 @@ class CompletionChoiceEncoder:
         self.pending_echo: dict[str, Any] | None = None  # with logprobs, the echo waits for the prompt's scores
         self.offsets = TextOffsets(len(echo or ""), prompt)  # the generated tokens' `text_offset`s, after the echo
         self.text_len = 0  # characters of `text` sent so far (the echo's included)
-        self.waiting: list[tuple[TokenInfo, int]] = []  # with logprobs: tokens starting past the text sent
+        self.waiting: deque[tuple[TokenInfo, int]] = deque()  # with logprobs: tokens starting past the text sent
         self.num_tokens = 0
 
     def _add_logprob(self, lp: dict[str, list], token_id: int, logprob: float | None,
@@ -492,10 +493,9 @@ class CompletionChoiceEncoder:
         for t in step.tokens:
             # a token whose text the pipeline dropped (EOS under ignore_eos, a skipped special) adds no text
             waiting.append((t, self.offsets.next(b"" if t.channel == DROPPED else self.tb(t.token_id))))
-        k = len(waiting)
-        if step.end is None:
-            k = next((i for i, (_, at) in enumerate(waiting) if at > text_len), k)
-        out, self.waiting = waiting[:k], waiting[k:]
+        out = []  # the released tokens leave from the front: held text must not cost a copy of the rest per step
+        while waiting and (step.end is not None or waiting[0][1] <= text_len):
+            out.append(waiting.popleft())
         return [t for t, _ in out], [min(at, text_len) for _, at in out]
 
 
