@@ -96,6 +96,8 @@ def _object(value: Any, param: str, what: str) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError as e:
             raise bad_request(f"{param} is not valid JSON: {e}", param=param) from None
+        except RecursionError:
+            raise bad_request(f"{param} is nested too deeply to parse", param=param) from None
     if not isinstance(value, dict):
         raise bad_request(f"{param} must be {what}", param=param)
     return value

@@ -523,10 +523,8 @@ async def invocations(request: Request, _: None = Depends(require_api_key)) -> R
     same validation, answers and errors as those routes)."""
     try:
         raw = await request.json()
-    except (UnicodeDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:
         raise _unparsed_body(e) from None
-    except ValueError as e:
-        raise bad_request(f"Request body is not valid JSON: {e}", code="json_invalid") from None
     if not is_json(request.headers.get("content-type")):  # a browser's form or text/plain POST needs no preflight
         raise content_type_error(request.headers.get("content-type"))
     pooled: Any = None
@@ -561,11 +559,14 @@ def _error_response(request: Request, err: ApiError, headers: dict[str, str] | N
 
 
 def _unparsed_body(cause: BaseException | None) -> ApiError | None:
-    """The 400 for a body the JSON decoder could not take (``cause``: not UTF-8, or nested too deeply)."""
+    """The 400 for a body the JSON decoder could not take (``cause``: not UTF-8, nested too deeply, or another
+    ValueError of the decoder's, such as an integer past Python's digit limit)."""
     if isinstance(cause, UnicodeDecodeError):
         return bad_request(f"Request body is not valid JSON: it is not UTF-8 ({cause})", code="json_invalid")
     if isinstance(cause, RecursionError):
         return bad_request("Request body is nested too deeply to parse", code="json_invalid")
+    if isinstance(cause, ValueError):
+        return bad_request(f"Request body is not valid JSON: {cause}", code="json_invalid")
     return None
 
 

@@ -31,8 +31,8 @@ from .errors import ApiError, bad_request
 
 log = logging.getLogger("ember.server")
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_NON_FINITE = re.compile(rb"NaN|Infinity|[eE][+]?[0-9]{3}")
+_SURROGATE_SPELLING = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # escaped, or as raw bytes
+_NON_FINITE = re.compile(rb"NaN|Infinity|[eE][+]?[0-9]{3}|[0-9]{309}")  # a long enough decimal overflows too
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -50,7 +50,7 @@ def invalid_field(body: bytes) -> tuple[str, str] | None:
     Infinity or beyond a double's range (JSON has no such numbers; Python's reader lets them through, and a
     response that echoes them is no JSON). None when there is none or the body is not JSON (validation says so).
     Only bodies holding such a spelling at all are parsed (a byte search first)."""
-    if not (_SURROGATE_ESCAPE.search(body) or _NON_FINITE.search(body)):
+    if not (_SURROGATE_SPELLING.search(body) or _NON_FINITE.search(body)):
         return None
     try:
         root = json.loads(body)
@@ -77,8 +77,8 @@ def invalid_field(body: bytes) -> tuple[str, str] | None:
     return None
 
 
-_SURROGATE = ("the string holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is not valid "
-              "Unicode")
+_SURROGATE = ("the string holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape or its bytes), which is "
+              "not valid Unicode")
 _NON_FINITE_WHY = "{} is not a finite JSON number (JSON has no NaN or Infinity; a number past a double's range is one)"
 
 
@@ -123,6 +123,9 @@ class CheckedRoute(APIRoute):
                     body = await request.body()
                 except ClientDisconnect:
                     raise ApiError(499, "the client closed the connection") from None
+                if body and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
+                    raise bad_request(f"Request body is not valid JSON: it is not UTF-8 (it reads as "
+                                      f"{json.detect_encoding(body)})", code="json_invalid")
                 found = invalid_field(body)
                 if found is not None:
                     field, why = found

@@ -171,7 +171,10 @@ def test_a_body_the_json_decoder_never_sees_is_json_invalid_naming_the_problem(d
     cases = [(b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', {}, "not UTF-8"),
              (gzip.compress(ok), {"content-encoding": "gzip"}, "Content-Encoding gzip is not supported"),
              (zlib.compress(ok), {"content-encoding": "deflate"}, "Content-Encoding deflate is not supported"),
-             (deep, {}, "nested too deeply")]
+             (deep, {}, "nested too deeply"),
+             (ok.decode().encode("utf-16"), {}, "not UTF-8"),  # json.loads would read it: its \ud800 unchecked
+             (b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}", {},
+              "integer string conversion")]
     for body, headers, says in cases:
         for path in ("/v1/chat/completions", "/invocations"):
             r = httpx.post(demo_server.url + path, content=body, headers={**JSON, **headers}, timeout=30)

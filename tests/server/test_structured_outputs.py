@@ -190,6 +190,7 @@ _NAN_FIELDS = [
     ('"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", '
      '"maximum": NaN}}}', "response_format.json_schema.schema"),
     ('"guided_json": {"enum": [Infinity, 1]}', "guided_json"),
+    ('"guided_json": {"enum": [1' + "0" * 400 + '.0]}', "guided_json"),  # no exponent, still past a double's range
     ('"structured_outputs": {"json": {"type": "number", "minimum": -Infinity}}', "structured_outputs.json"),
     ('"structured_outputs": {"json": {"type": "number", "minimum": -Infinity}, "disable_additional_properties": true}',
      "structured_outputs.json"),

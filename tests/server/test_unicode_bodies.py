@@ -31,6 +31,23 @@ def test_openai_routes_refuse_a_lone_surrogate_naming_the_field(demo_server, pat
         assert ok.status_code == 200, ok.text
 
 
+def test_a_lone_surrogate_written_as_its_raw_bytes_is_refused_as_escaped(demo_server):
+    """The bytes of a lone surrogate (ED A0 80: not UTF-8, but Python's JSON reader takes them) reached the tokenizer
+    as a 500."""
+    body = b'{"model": "ember-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}'
+    r = httpx.post(demo_server.url + "/v1/chat/completions", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
+def test_a_schema_sent_as_text_nested_too_deeply_is_a_400_naming_it(demo_server):
+    body = {"model": "ember-demo", "max_tokens": 2, "messages": [{"role": "user", "content": "a"}],
+            "guided_json": "[" * 100_000 + "]" * 100_000}
+    r = httpx.post(demo_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
+    assert "nested too deeply" in r.json()["error"]["message"]
+
+
 def test_messages_refuse_a_lone_surrogate_in_the_anthropic_shape(demo_server):
     body = ('{"model": "ember-demo", "max_tokens": 2, "system": [{"type": "text", "text": %s}], '
             '"messages": [{"role": "user", "content": "a"}]}') % LONE
