@@ -168,7 +168,7 @@ def read_adapter(name: str, path: str, model: nn.Module, targets: dict[str, "LoR
         wrapped = targets.get(target)
         if wrapped is None:
             raise ConfigError(f"LoRA adapter {name!r}: it targets {module}, which Ember does not apply LoRA to "
-                              f"(the attention q/k/v/o and dense MLP gate/up/down projections only)")
+                              f"(on this model: {_target_kinds(targets)})")
         where = f"LoRA adapter {name!r}: {module}"
         column = module.rpartition(".")[2] in COLUMN_PARALLEL
         for part, a, b in _parts(ab["A"], ab["B"], part, target == own, column, wrapped, rank, shard, where):
@@ -235,6 +235,17 @@ class LoRALinear(nn.Module):
         for slot, rows in self.rows.groups:
             y.index_add_(0, rows, (x[rows] @ self.lora_a[slot].T) @ self.lora_b[slot].T)
         return y
+
+
+_KINDS = {"qkv_proj": "attention q/k/v", "o_proj": "attention o", "gate_up_proj": "MLP gate/up",
+          "down_proj": "MLP down"}
+
+
+def _target_kinds(targets: dict[str, "LoRALinear"]) -> str:
+    """The projections ``targets`` offers adapters, in words (a hybrid model's own attention layers have none)."""
+    kinds = {name.rpartition(".")[2] for name in targets}
+    named = [words for kind, words in _KINDS.items() if kind in kinds]
+    return (", ".join(named) + " projections only") if named else "no projection"
 
 
 def _projections(model: nn.Module) -> dict[str, tuple[nn.Module, int, list[int]]]:

@@ -105,6 +105,16 @@ def test_an_adapter_ember_cannot_serve_fails_naming_the_field(lora_setup, tmp_pa
         Engine.from_pretrained(lora_setup["base"], lora_modules=(("bad", str(folder)),), **OPTIONS)
 
 
+def test_the_refusal_names_what_this_model_takes():
+    """A hybrid model's own attention layers (Qwen3-Next's gated attention) take no adapter: the refusal does not
+    offer q/k/v/o there."""
+    from ember.engine.lora import _target_kinds
+
+    shared = {"model.layers.3.mlp.shared_expert.gate_up_proj": None, "model.layers.3.mlp.shared_expert.down_proj": None}
+    assert _target_kinds(shared) == "MLP gate/up, MLP down projections only"
+    assert _target_kinds({}) == "no projection"
+
+
 def test_an_adapter_for_a_module_ember_does_not_adapt_is_refused_by_name(lora_setup, tmp_path):
     folder = tmp_path / "embed"
     save_adapter(folder, seed=5, rank=4, alpha=8, modules=ATTENTION)
@@ -112,7 +122,8 @@ def test_an_adapter_for_a_module_ember_does_not_adapt_is_refused_by_name(lora_se
     tensors["base_model.model.lm_head.lora_A.weight"] = torch.randn(4, 64)
     tensors["base_model.model.lm_head.lora_B.weight"] = torch.randn(1280, 4)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    with pytest.raises(ConfigError, match="targets lm_head, which Ember does not apply LoRA to"):
+    with pytest.raises(ConfigError, match=r"targets lm_head, which Ember does not apply LoRA to \(on this model: "
+                                          r"attention q/k/v, attention o, MLP gate/up, MLP down projections only\)"):
         Engine.from_pretrained(lora_setup["base"], lora_modules=(("embed", str(folder)),), **OPTIONS)
     import multiprocessing
 
