@@ -584,7 +584,7 @@ class _RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {"code": 500}
+        status, started = {"code": 500}, time.monotonic()
         scope[RAW_SEND] = send  # streamed body messages skip the wrappers inside this one
 
         async def send_wrapper(message: dict) -> None:
@@ -599,6 +599,7 @@ class _RequestCounter:
             path = get_route_path(scope)
             endpoint = getattr(route, "path_format", None) or (path if path in self.paths else "other")
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            self.metrics.http_request(endpoint, scope["method"], status["code"], time.monotonic() - started)
 
 
 class _RequestIdHeader:
@@ -660,6 +661,10 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     st = ServerState(config=config, runtime=runtime, metrics=Metrics(runtime.model_name, runtime.engine.stats,
                                                                       runtime.model_info.max_model_len),
                      responses=ResponseStore(config.responses_store_size))
+    info = runtime.model_info
+    st.metrics.cache_config(block_size=info.block_size, cache_dtype=info.kv_cache_dtype,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            gpu_memory_utilization=config.gpu_memory_utilization, num_gpu_blocks=info.num_kv_blocks)
     app.state.ember = st
 
     app.add_api_route("/v1/models", list_models, methods=["GET"])

@@ -227,6 +227,18 @@ def _finish(pooled: list[float], dimensions: int | None, normalize: bool) -> np.
     return vec
 
 
+def _observe_pooled(metrics: Metrics, prompt_len: int, arrival: float, out: Any) -> None:
+    """vLLM's per-request histograms for one pooled input, as vLLM observes a pooling request: its result is its
+    first and last output (time to first token, end to end), with no token generated."""
+    now = time.monotonic()
+    if out.queue_seconds is not None:
+        metrics.queue_time.observe(out.queue_seconds)
+    metrics.ttft.observe(now - arrival)
+    metrics.e2e.observe(now - arrival)
+    metrics.choice_ran(prompt_len, 0, None, now, now, out.scheduled_at)
+    metrics.prompt_done(1, 0)
+
+
 async def _pooled(rt: ModelRuntime, typed: list[tuple[list[int], int | None]], request_id: str,
                   lora: str | None, metrics: Metrics) -> AsyncIterator[dict]:
     """``{"index", "pooled"}`` for each (prompt, token type start) as it finishes, the prompts running as concurrent
@@ -247,6 +259,7 @@ async def _pooled(rt: ModelRuntime, typed: list[tuple[list[int], int | None]], r
                             reason = out.finish_reason or "error"
                             raise ApiError(500, f"embedding failed: {out.error or out.finish_reason}")
                         reason = "pooled"
+                        _observe_pooled(metrics, len(prompts[i]), arrival, out)
                         return {"index": i, "pooled": out.embedding}
             raise ApiError(500, "embedding failed: the engine ended the request without a result")
         except ValueError:

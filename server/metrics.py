@@ -7,17 +7,21 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter, Gauge,
+                               Histogram, generate_latest)
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_TTFT_BUCKETS = (*_LATENCY_BUCKETS, 160.0, 640.0, 2560.0)
+                    7.5, 10.0, 20.0, 40.0, 80.0)  # ember's inter-token latency: finer than vLLM's below 10 ms
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)  # vLLM's
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                  80.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+_CACHE_INFO = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization", "num_gpu_blocks")
+"""The `vllm:cache_config_info` labels Ember has (vLLM's CacheConfig fields of those names)."""
 _FINISH_REASONS = ("eos", "stop_string", "length", "abort", "error", "cancelled", "pooled")
 """Every `ember_request_finished_total` reason, each series exported from startup."""
 _VLLM_REASONS = {"eos": "stop", "stop_string": "stop", "pooled": "stop", "length": "length", "abort": "abort",
@@ -63,8 +67,18 @@ class Metrics:
         self.model_name = model_name
         r = self.registry
         m = ["model_name"]
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # process_*, python_*, as vLLM's
+            r.register(collector)
         self.requests = Counter("ember_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.http_requests = Counter("http_requests", "Total number of requests by method, status and handler.",
+                                     ["handler", "method", "status"], registry=r)  # as vLLM's instrumentator
+        self.http_duration = Histogram("http_request_duration_seconds",
+                                       "Latency with only few buckets by handler. Made to be only used if aggregation "
+                                       "by handler is important.", ["handler", "method"], buckets=(0.1, 0.5, 1.0),
+                                       registry=r)
+        self._cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", _CACHE_INFO,
+                                 registry=r)
         self.prompt_tokens = _Both(
             Counter("ember_prompt_tokens", "Prompt tokens admitted", registry=r),
             Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r).labels(model_name))
@@ -89,7 +103,7 @@ class Metrics:
             Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
                       buckets=_LATENCY_BUCKETS, registry=r),
             Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m,
-                      buckets=_LATENCY_BUCKETS, registry=r).labels(model_name))
+                      buckets=_TPOT_BUCKETS, registry=r).labels(model_name))  # vLLM's, so its dashboards' le match
         self.e2e = _Both(
             Histogram("ember_request_latency_seconds", "Time from admission to the last token",
                       buckets=_REQUEST_BUCKETS, registry=r),
@@ -149,6 +163,15 @@ class Metrics:
                         "spec_drafts": spec_chunks, "num_preemptions": preemptions}
         """Engine totals (`EngineStats` fields) exported as counters, by what each scrape adds."""
         self._seen: dict[object, int] = {}  # each exported total's value at the previous scrape
+
+    def cache_config(self, **info: object) -> None:
+        """vLLM's ``vllm:cache_config_info`` (1, its facts as labels): ``info`` holds the `_CACHE_INFO` keys."""
+        self._cache_info.labels(*(str(info[k]) for k in _CACHE_INFO)).set(1)
+
+    def http_request(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP response, in vLLM's HTTP metrics (status grouped as ``2xx``, as its instrumentator does)."""
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.http_duration.labels(handler, method).observe(seconds)
 
     def finished(self, reason: str, rejected: bool = False) -> None:
         """A choice ended for ``reason`` (`ember_request_finished_total`), counted as vLLM's finished_reason too

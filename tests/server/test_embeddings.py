@@ -196,21 +196,26 @@ def test_a_client_that_hangs_up_aborts_its_inputs(demo_server):
 
 
 def test_each_pooled_input_is_a_finished_request_in_metrics(demo_server):
-    """vLLM's dashboards count pooled inputs in `vllm:request_success_total{finished_reason="stop"}`."""
+    """vLLM's dashboards count pooled inputs in `vllm:request_success_total{finished_reason="stop"}` and in its
+    per-request latency and size histograms, as vLLM observes a pooling request."""
     import re
 
-    def counts() -> tuple[float, float]:
+    histograms = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                  "request_prefill_time_seconds", "request_prompt_tokens", "request_params_n")
+
+    def counts() -> tuple[float, ...]:
         text = httpx.get(demo_server.url + "/metrics", timeout=10).text
         found = [re.search(rf"^{pattern} (\S+)$", text, flags=re.M) for pattern in (
             r'vllm:request_success_total\{finished_reason="stop",model_name="[^"]*"\}',
-            r'ember_request_finished_total\{reason="pooled"\}')]
+            r'ember_request_finished_total\{reason="pooled"\}',
+            *(rf'vllm:{h}_count\{{model_name="[^"]*"\}}' for h in histograms))]
         return tuple(float(m.group(1)) if m else 0.0 for m in found)
 
     before = counts()
     r = httpx.post(demo_server.url + "/v1/embeddings", json={"input": ["a", "b"]}, timeout=60)
     assert r.status_code == 200
     after = counts()  # (an earlier test's aborted inputs may still be ending: at least these two count)
-    assert after[0] - before[0] >= 2 and after[1] - before[1] >= 2
+    assert all(a - b >= 2 for a, b in zip(after, before)), (before, after)
 
 
 def test_a_conversation_is_embedded_as_the_chat_template_renders_it(demo_server, demo_hf):

@@ -327,6 +327,15 @@ def test_health_and_metrics(demo_server):
                  "ember_time_to_first_token_seconds_bucket", "ember_inter_token_latency_seconds_bucket"):
         assert name in text
     assert 'ember_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    # what vLLM's server exports beside its engine's metrics: its HTTP instrumentation, the process and the runtime,
+    # and the KV cache's configuration
+    assert 'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"}' in text
+    assert 'http_request_duration_seconds_count{handler="/v1/chat/completions",method="POST"}' in text
+    assert "process_resident_memory_bytes" in text and "python_gc_objects_collected_total" in text
+    info = demo_server.runtime.model_info
+    assert (f'vllm:cache_config_info{{block_size="{info.block_size}",cache_dtype="{info.kv_cache_dtype}",'
+            f'enable_prefix_caching="True",gpu_memory_utilization="0.9",num_gpu_blocks="{info.num_kv_blocks}"}} 1.0'
+            in text), text
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -396,6 +405,25 @@ def test_metrics_export_every_finished_reason_at_0_from_startup():
         assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="m"}} 0.0' in text
     for reason in ("eos", "stop_string", "length", "abort", "error", "cancelled", "pooled"):
         assert f'ember_request_finished_total{{reason="{reason}"}} 0.0' in text
+
+
+def test_vllm_latency_histograms_have_vllms_buckets():
+    """A vLLM dashboard's `le="0.05"` inter-token panel (and TTFT's `le`s) must find their series."""
+    import re
+
+    from ember.server.metrics import Metrics
+
+    text = Metrics("m", lambda: None).render().decode()
+
+    def bounds(name: str) -> list[str]:
+        return re.findall(rf'^vllm:{name}_bucket{{le="([^"]+)",model_name="m"}}', text, flags=re.M)
+
+    assert bounds("inter_token_latency_seconds") == [str(b) for b in (
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)] + [
+        "+Inf"]
+    assert bounds("time_to_first_token_seconds") == [str(b) for b in (
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+        160.0, 640.0, 2560.0)] + ["+Inf"]
 
 
 def test_a_failed_choice_is_vllms_error_reason_and_a_refused_one_no_vllm_request():
