@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import get_route_path
+from starlette.routing import Match, get_route_path
 
 from ember.engine.args import lora_module_parent
 
@@ -558,6 +558,17 @@ def _error_response(request: Request, err: ApiError, headers: dict[str, str] | N
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path (the routes whose path matches, whatever the method)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    order = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    return sorted(methods, key=lambda m: (order.index(m) if m in order else len(order), m))
+
+
 def _unparsed_body(cause: BaseException | None) -> ApiError | None:
     """The 400 for a body the JSON decoder could not take (``cause``: not UTF-8, nested too deeply, or another
     ValueError of the decoder's, such as an integer past Python's digit limit)."""
@@ -699,7 +710,10 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = _unparsed_body(exc.__cause__) or ApiError(exc.status_code, str(exc.detail))
-        return _error_response(request, err, exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's names only the first route of the path: a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return _error_response(request, err, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -105,7 +105,8 @@ def test_a_client_that_hangs_up_while_sending_its_body_is_a_quiet_499(demo_serve
 
 def test_a_wrong_method_is_a_405_with_an_allow_header(demo_server):
     for method, path, allowed in [("DELETE", "/v1/models", "GET"), ("GET", "/v1/chat/completions", "POST"),
-                                  ("PUT", "/health", "GET"), ("GET", "/v1/messages", "POST")]:
+                                  ("PUT", "/health", "GET"), ("GET", "/v1/messages", "POST"),
+                                  ("PUT", "/ping", "GET, POST"), ("PUT", "/v1/responses/x", "GET, DELETE")]:
         r = httpx.request(method, demo_server.url + path, timeout=30)
         assert r.status_code == 405 and r.headers.get("allow") == allowed, (method, path, r.headers)
 
