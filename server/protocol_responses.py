@@ -92,6 +92,7 @@ class ResponsesRequest(_Request):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache blocks shared by one salt only
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None
     tool_choice: tool_choice_union(NamedFunction, AllowedTools) | None = None

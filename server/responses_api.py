@@ -114,7 +114,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=body.repetition_penalty,
                              logprobs=top_logprobs, logit_bias=None, ignore_eos=body.ignore_eos, lora=lora,
-                             defaults=rt.sampling_defaults)
+                             cache_salt=body.cache_salt, defaults=rt.sampling_defaults)
     pipe = make_pipeline(setup, initial, stop=(), include_stop_str_in_output=False, tools=parse_tools,
                          ignore_eos=body.ignore_eos)
     fmt = body.text.format if body.text is not None else None

@@ -92,6 +92,23 @@ def test_cache_salt_keeps_cached_prefixes_apart(demo_server):
     assert empty.status_code == 400 and "cache_salt" in str(empty.json()["error"]["param"])
 
 
+def test_cache_salt_keeps_cached_prefixes_apart_on_the_responses_api(demo_server):
+    """vLLM's Responses requests take cache_salt too: it was dropped there, and tenants shared cached blocks."""
+    client = demo_server.openai()
+    long = "A responses tenant reads the same long story about a cat, a dog and a bird. " * 6
+
+    def cached(salt: str | None) -> int:
+        r = client.responses.create(model="ember-demo", input=long, max_output_tokens=1,
+                                    extra_body={"cache_salt": salt} if salt else None)
+        return r.usage.input_tokens_details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    empty = _post(demo_server, "/v1/responses", input="hi", cache_salt="")
+    assert empty.status_code == 400 and "cache_salt" in str(empty.json()["error"]["param"])
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(demo_server):
     ids = list(range(300, 340))
     r = _post(demo_server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=5, echo=True,
