@@ -93,6 +93,7 @@ class ResponsesRequest(_Request):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache blocks shared by one salt only
+    safety_identifier: str | None = Field(default=None, max_length=64)  # echoed, as `user` (which it replaces)
     max_thinking_tokens: int | None = Field(default=None, ge=0)
     tools: list[FunctionTool] | None = None
     tool_choice: tool_choice_union(NamedFunction, AllowedTools) | None = None
@@ -165,3 +166,10 @@ class ResponsesRequest(_Request):
     @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())
+
+
+class InputTokensRequest(ResponsesRequest):
+    """`POST /v1/responses/input_tokens`: a response request's fields, whose `input` may be left out (with
+    `previous_response_id`)."""
+
+    input: str | list[dict[str, Any]] = Field(default_factory=list)

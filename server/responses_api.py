@@ -77,8 +77,32 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
         "prompt_cache_key": body.prompt_cache_key,
         "tool_choice": tool_choice, "tools": [t.model_dump() for t in body.tools or ()],
         "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
-        "truncation": "disabled", "user": body.user,
+        "truncation": "disabled", "user": body.user, "safety_identifier": body.safety_identifier,
     }
+
+
+def _conversation(st: ServerState, body: pr.ResponsesRequest) -> tuple[list[dict], list[dict], list[dict],
+                                                                      list[dict] | None]:
+    """(the request's input items, the conversation the reply continues: the previous response's then those items,
+    the messages the template renders: the instructions then that conversation, the tools as chat's)."""
+    items = input_items(body.input)
+    previous = _previous(st, body.previous_response_id)
+    history = previous + responses_messages(items, history=previous)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+    return items, history, messages, chat.responses_tools(body.tools)
+
+
+async def count_input_tokens(body: pr.InputTokensRequest, request: Request) -> Response:
+    """`POST /v1/responses/input_tokens`: the prompt tokens a response to this request would read, rendered as
+    `create_response` renders it (nothing runs)."""
+    st = state(request)
+    rt = st.runtime
+    check_model(st, body.model)
+    body.check()
+    _, _, messages, tools = _conversation(st, body)
+    prompt_ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, field="input",
+                                         kwargs=rt.template_kwargs(_template_kwargs(body)))
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt_ids)})
 
 
 async def create_response(body: pr.ResponsesRequest, request: Request) -> Response:
@@ -92,11 +116,7 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     if body.background and st.responses.capacity <= 0:
         raise ApiError(400, "this server stores no responses (--responses-store-size 0), so a background response "
                             "could not be polled", param="background")
-    items = input_items(body.input)
-    previous = _previous(st, body.previous_response_id)
-    history = previous + responses_messages(items, history=previous)
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-    tools = chat.responses_tools(body.tools)
+    items, history, messages, tools = _conversation(st, body)
     tool_choice: Any = body.tool_choice_or_default
     if isinstance(tool_choice, pr.NamedFunction):
         tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
@@ -250,6 +270,7 @@ async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
 def add_routes(app: FastAPI, dependencies: list[Any]) -> None:
     """Serve `/v1/responses` on `app`, behind `dependencies` (the app's API-key check)."""
     app.add_api_route("/v1/responses", create_response, methods=["POST"], dependencies=dependencies)
+    app.add_api_route("/v1/responses/input_tokens", count_input_tokens, methods=["POST"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", retrieve_response, methods=["GET"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}", delete_response, methods=["DELETE"], dependencies=dependencies)
     app.add_api_route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"],

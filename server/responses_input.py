@@ -108,7 +108,8 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False,
     `own_output` marks a response's own output items (replayed for `previous_response_id`): a call cut short, whose
     arguments are no JSON object, replays with ``{}`` (as an Anthropic cut `tool_use` does) instead of being refused,
     as does one a client sends back (its arguments no JSON, or ``status`` ``incomplete``); templates iterate a call's
-    arguments, so its raw text would fail or misrender there."""
+    arguments, so its raw text would fail or misrender there. A completed call keeps its arguments, whatever JSON
+    they are (a tool whose parameters are an array), however the conversation is sent back."""
     out: list[dict[str, Any]] = []
     reasoning: list[str] = []
     call_names = {c["id"]: c["function"]["name"] for m in history for c in m.get("tool_calls") or ()}
@@ -150,7 +151,7 @@ def responses_messages(items: Sequence[Any], *, own_output: bool = False,
                 if not own_output:
                     raise
                 args = {}
-            if (own_output or item.get("status") == "incomplete") and not isinstance(args, dict):
+            if item.get("status") == "incomplete" and not isinstance(args, dict):
                 args = {}
             if turn is None or reasoning:
                 turn = assistant("")

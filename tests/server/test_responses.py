@@ -336,6 +336,35 @@ def test_a_function_result_after_previous_response_id_keeps_its_call_name():
     assert chained[-1]["name"] == "get_time"
 
 
+def test_input_tokens_counts_the_prompt_a_response_would_read(demo_server):
+    """`client.responses.input_tokens.count` (POST /v1/responses/input_tokens) answers what the response's usage
+    says; it was a 405 naming GET and DELETE. `safety_identifier` is echoed, as `user` is."""
+    client = demo_server.openai()
+    ask = dict(model=demo_server.model, input="Weather in Paris?", instructions="Be brief.", tools=[WEATHER])
+    counted = client.responses.input_tokens.count(**ask)
+    made = client.responses.create(**ask, max_output_tokens=1, safety_identifier="s1")
+    assert (counted.object, counted.input_tokens) == ("response.input_tokens", made.usage.input_tokens)
+    assert made.safety_identifier == "s1"
+
+
+def test_a_completed_call_keeps_its_array_arguments_however_the_conversation_comes_back(demo_server):
+    """A tool whose parameters are an array: its completed call replayed through previous_response_id rendered
+    `{}`, while the same items sent whole kept the array (a cut call still replays with `{}`)."""
+    client = demo_server.openai()
+    pick = {"type": "function", "name": "pick", "strict": True,
+            "parameters": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}}
+    first = client.responses.create(model=demo_server.model, input="Pick.", tools=[pick], tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=40, extra_body={"seed": 1, **NO_THINK})
+    [call] = [o for o in first.output if o.type == "function_call"]
+    assert call.status == "completed" and isinstance(json.loads(call.arguments), list), call
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "ok"}
+    chained = client.responses.input_tokens.count(model=demo_server.model, previous_response_id=first.id,
+                                                  input=[result], tools=[pick], extra_body=NO_THINK)
+    whole = client.responses.input_tokens.count(model=demo_server.model, tools=[pick], extra_body=NO_THINK, input=[
+        {"role": "user", "content": "Pick."}, *[o.model_dump(exclude_none=True) for o in first.output], result])
+    assert chained.input_tokens == whole.input_tokens
+
+
 def test_a_call_cut_short_replays_with_empty_arguments():
     """A stored response whose call `max_output_tokens` cut (arguments not a JSON object) continues through
     `previous_response_id`: its call replays with `{}`, which every template can iterate (raw text failed in
