@@ -52,12 +52,16 @@ class PoolingInputs(po._Lenient):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused, as on chat
 
     def check_form(self) -> None:
         """Exactly one of ``input`` and ``messages``, with only the options that form takes (400 naming the field)."""
         if (self.input is None) == (self.messages is None):
             raise bad_request("send exactly one of input (texts or token IDs) and messages (a conversation)",
                               param="input")
+        if self.chat_template is not None:
+            raise bad_request(f"Invalid value for 'chat_template': {po.REQUEST_TEMPLATE_REFUSED}",
+                              param="chat_template")
         if self.messages is None:
             for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
                 if getattr(self, name) not in (None, False):

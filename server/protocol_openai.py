@@ -45,6 +45,10 @@ class _Request(_Lenient):
         return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
 
+REQUEST_TEMPLATE_REFUSED = "a chat template per request is not accepted; start the server with --chat-template"
+"""Why vLLM's per-request ``chat_template`` is a 400 wherever messages are rendered (vLLM refuses it by default)."""
+
+
 def field_error(field: str, message: str, value: Any = None) -> ValidationError:
     """A validation error located at ``field`` (dotted for a nested one), for checks that span several fields: the
     400 then names it in ``param``."""
@@ -353,8 +357,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _consistency(self) -> "ChatCompletionRequest":
         if self.chat_template is not None:
-            raise field_error("chat_template", "a chat template per request is not accepted; start the server with "
-                              "--chat-template", "...")
+            raise field_error("chat_template", REQUEST_TEMPLATE_REFUSED, "...")
         for name in ("functions", "function_call"):  # ignored, the model would not see them or not be made to call
             if getattr(self, name) is not None:
                 raise field_error(name, f"the deprecated {name} is not supported: send tools and tool_choice",

@@ -32,6 +32,7 @@ class TokenizeRequest(po._Lenient):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused, as on chat: the server's template is the one rendered
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
@@ -39,6 +40,8 @@ class TokenizeRequest(po._Lenient):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.chat_template is not None:
+            raise po.field_error("chat_template", po.REQUEST_TEMPLATE_REFUSED, "...")
         if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
             raise po.field_error("continue_final_message",
                                  "continue_final_message and add_generation_prompt exclude each other", True)

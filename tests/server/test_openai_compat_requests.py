@@ -71,6 +71,9 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "function",
                                                                                   "name": "get_weather"}},
      "tool_choice.function"),
+    # vLLM's per-request template is refused wherever messages are rendered (/tokenize and embeddings ignored it)
+    ("/tokenize", {"messages": HI, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
+    ("/v1/embeddings", {"messages": HI, "chat_template": "{{ messages[0].content }}"}, "chat_template"),
 ])
 def test_rules_between_fields_name_the_field(demo_server, path, body, param):
     r = _post(demo_server, path, body)
