@@ -5,7 +5,9 @@ separate classifier), seq_len; then fp32 tensors) and version 1 (``ak42`` magic,
 interleaved pairs, transformers rotates halves, so q/k rows are permuted the way transformers' own Llama converter
 does. Tokenizer: llama2.c's (score, bytes) list becomes a SentencePiece-style byte-fallback BPE (merges ordered by
 score) with the Llama normalizer and decoder. llama2.c's ``run`` stops when it samples BOS (it separates stories),
-so generation_config lists BOS next to EOS.
+so generation_config lists BOS next to EOS. Both files must end where their last tensor or token does. The output is
+written into a temporary sibling of the output directory that becomes it only once complete; an output directory that
+already holds a checkpoint is refused.
 """
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+from ember.engine.checkpoint_writer import holds_checkpoint, save_safetensors, staged
 
 _MAGIC_V1 = 0x616B3432
 
 
 def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(hyperparameters, tensors by llama2.c name); ValueError naming ``bin_path`` when it is not a llama2.c
-    checkpoint or is shorter than its header says."""
+    checkpoint or is shorter or longer than its header says."""
     raw = bin_path.read_bytes()
     if len(raw) < 28:
         raise ValueError(f"{bin_path}: not a llama2.c model.bin (only {len(raw)} bytes, shorter than its header)")
@@ -50,7 +53,9 @@ def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"{bin_path}: not a llama2.c model.bin (its header reads {shapes})")
     head = dim // n_heads
     kv_dim = n_kv * head
-    data = np.frombuffer(raw, dtype="<f4", offset=offset)
+    if len(raw) < offset:
+        raise ValueError(f"{bin_path}: not a llama2.c model.bin (only {len(raw)} bytes, shorter than its header)")
+    data = np.frombuffer(raw, dtype="<f4", offset=offset, count=(len(raw) - offset) // 4)
     pos = 0
 
     def take(*shape: int) -> torch.Tensor:
@@ -86,6 +91,10 @@ def _read_weights(bin_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         take(seq_len, head // 2)  # freq_cis_imag
     if not shared:
         w["cls"] = take(vocab, dim)
+    extra = len(raw) - offset - 4 * pos
+    if extra:
+        raise ValueError(f"{bin_path}: {extra} bytes after the tensors its header gives ({hp}); not a llama2.c "
+                         "model.bin of these shapes")
     return hp, w
 
 
@@ -114,7 +123,7 @@ def _hf_weights(hp: dict, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def read_llama2c_tokenizer(path: Path, vocab_size: int) -> list[tuple[bytes, float]]:
-    """(piece bytes, score) per token id."""
+    """(piece bytes, score) per token id; ValueError naming ``path`` unless it holds exactly ``vocab_size`` tokens."""
     raw = path.read_bytes()
     pos = 4  # max_token_length
     pieces = []
@@ -127,6 +136,9 @@ def read_llama2c_tokenizer(path: Path, vocab_size: int) -> list[tuple[bytes, flo
             raise ValueError(f"{path}: not a llama2.c tokenizer.bin (token {i} claims {n} bytes)")
         pieces.append((raw[pos:pos + n], score))
         pos += n
+    if pos != len(raw):
+        raise ValueError(f"{path}: {len(raw) - pos} bytes after its first {vocab_size} tokens (model.bin's vocab_size):"
+                         " a tokenizer for a larger vocabulary, or not a llama2.c tokenizer.bin")
     return pieces
 
 
@@ -167,11 +179,20 @@ def build_tokenizer(pieces: list[tuple[bytes, float]]) -> Tokenizer:
 
 
 def convert(bin_path: str | Path, tokenizer_bin_path: str | Path, out_dir: str | Path) -> Path:
-    """Write config.json, generation_config.json, model.safetensors and tokenizer files into ``out_dir``."""
+    """Write config.json, generation_config.json, model.safetensors and tokenizer files into ``out_dir`` (must not
+    hold a checkpoint; nothing written there unless all of them are)."""
     bin_path, tokenizer_bin_path, out = Path(bin_path), Path(tokenizer_bin_path), Path(out_dir)
     hp, w = _read_weights(bin_path)
     pieces = read_llama2c_tokenizer(tokenizer_bin_path, hp["vocab_size"])
-    out.mkdir(parents=True, exist_ok=True)
+    if holds_checkpoint(out):
+        raise ValueError(f"{out}: already holds a checkpoint")
+    with staged(out) as tmp:
+        _write(hp, w, pieces, tmp, out)
+    return out
+
+
+def _write(hp: dict, w: dict[str, torch.Tensor], pieces: list[tuple[bytes, float]], out: Path, shown: Path) -> None:
+    """The checkpoint's files in directory ``out``; a weight file that cannot be written is named as in ``shown``."""
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hp["dim"], "intermediate_size": hp["hidden_dim"], "num_hidden_layers": hp["n_layers"],
@@ -184,14 +205,13 @@ def convert(bin_path: str | Path, tokenizer_bin_path: str | Path, out_dir: str |
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": [2, 1]}, indent=2) + "\n")
-    save_file(_hf_weights(hp, w), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(_hf_weights(hp, w), out / "model.safetensors", shown / "model.safetensors")
     tok = build_tokenizer(pieces)
     (out / "tokenizer.json").write_text(tok.to_str() + "\n")
     tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
                "clean_up_tokenization_spaces": False, "model_max_length": hp["seq_len"]}
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,17 @@
 """``ember quantize-nvfp4 SRC DST``: write a ModelOpt-format NVFP4 checkpoint from a bf16/fp16/fp32 one.
 
 What is quantized: every linear projection inside the decoder layers (``q/k/v/o_proj``, ``gate/up/down_proj``
-of dense MLPs and of each MoE expert; transformers 5's fused expert keys, in either layout, are split back into
-per-expert ModelOpt names). Kept as they are: embeddings, ``lm_head``, norms, the MoE router ``mlp.gate``, and any
-projection whose input size is not a multiple of 16; all of those are listed in ``exclude_modules``.
+of dense MLPs and of each MoE expert, Phi-3's fused ``qkv_proj`` and ``gate_up_proj``; transformers 5's fused expert
+keys, in either layout, are split back into per-expert ModelOpt names). Kept as they are: embeddings, ``lm_head``,
+norms, the MoE router ``mlp.gate``, and any projection whose input size is not a multiple of 16; all of those are
+listed in ``exclude_modules``.
 
 Output: ``model.safetensors`` with ``{m}.weight`` U8 ``[N, K/2]``, ``{m}.weight_scale`` F8_E4M3 ``[N, K/16]``,
 ``{m}.weight_scale_2`` F32 scalar per module; ``config.json`` with ``quantization_config`` and the legacy
-``hf_quant_config.json``; every other file of SRC (tokenizer, generation config) copied.
+``hf_quant_config.json``; every other file of SRC (tokenizer, generation config) copied. Written into a temporary
+sibling of DST that becomes DST only once complete. Refused (ValueError): an already quantized SRC, an architecture
+Ember does not serve or the quantizer does not handle (gpt-oss, encoders), and a checkpoint with no projection to
+quantize.
 
 How this differs from ModelOpt's calibrated output:
 - no activation calibration: no ``input_scale`` tensors are written (ModelOpt writes ``amax(|x|)/(6*448)`` from
@@ -28,15 +32,19 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from ember.engine import fp8_loading, loader
+from ember.engine.checkpoint_writer import holds_checkpoint, save_safetensors, staged
+from ember.engine.config import ENCODER_ARCHITECTURES
 from ember.kernels import nvfp4
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
 # Modules sharing one input (and so one weight_scale_2 in ModelOpt's fused export)
 _SHARED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+_UNHANDLED = {"GptOssForCausalLM": "its fused interleaved experts are not split by the quantizer; Ember serves "
+                                   "gpt-oss as bf16 or MXFP4"}
 
 
 def _is_stack(name: str) -> bool:
@@ -94,8 +102,10 @@ def _quantizable(name: str, t: torch.Tensor) -> bool:
             and t.dim() == 2 and t.is_floating_point())
 
 
-def _classify(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, float], set[str]]:
-    """(amax of each projection to quantize, modules kept as they are) of one set of (expanded) tensors."""
+def _classify(tensors: dict[str, torch.Tensor], narrow: dict[str, int] | None = None
+              ) -> tuple[dict[str, float], set[str]]:
+    """(amax of each projection to quantize, modules kept as they are) of one set of (expanded) tensors; projections
+    kept for an input size not a multiple of 16 are also added to ``narrow`` (module -> input size)."""
     amax: dict[str, float] = {}
     exclude: set[str] = set()
     for name, t in tensors.items():
@@ -103,7 +113,9 @@ def _classify(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, float], set[s
         if _quantizable(name, t) and t.shape[1] % nvfp4.BLOCK == 0:
             amax[module] = float(t.float().abs().amax())
         elif _quantizable(name, t):
-            exclude.add(module)  # input size not a multiple of 16
+            exclude.add(module)
+            if narrow is not None:
+                narrow[module] = t.shape[1]
         elif t.dim() == 2 and name.endswith(".weight") and "norm" not in module.rsplit(".", 1)[-1]:
             exclude.add(module)  # lm_head, embed_tokens, routers: kept in their dtype
     return amax, exclude
@@ -172,8 +184,32 @@ def _read(f: Path, stacks: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         raise ValueError(f"{f}: {e}") from None
 
 
+def _check_architecture(config: dict, source: Path) -> None:
+    """ValueError naming ``source`` unless its architecture is a decoder Ember serves and the quantizer handles."""
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{source}: no 'architectures' list naming the model class, got {archs!r}")
+    from ember.engine.models import get_model_class
+
+    arch = archs[0]
+    get_model_class(arch, str(source))
+    if arch in ENCODER_ARCHITECTURES:
+        raise ValueError(f"{source}: architecture {arch!r} is an encoder; quantize-nvfp4 quantizes decoders only")
+    if arch in _UNHANDLED:
+        raise ValueError(f"{source}: architecture {arch!r} is not supported by quantize-nvfp4 ({_UNHANDLED[arch]})")
+
+
+def _check_unquantized(f: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """ValueError naming ``f`` when a weight tensor (``weight``, ``weight_scale``, ``weight_packed``...) is packed
+    or 8-bit: the checkpoint is already quantized."""
+    for name, t in tensors.items():
+        if name.rsplit(".", 1)[-1].startswith("weight") and (not t.is_floating_point() or t.element_size() < 2):
+            raise ValueError(f"{f}: the checkpoint is already quantized (tensor {name} is {t.dtype})")
+
+
 def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
-    """Write the NVFP4 version of checkpoint ``src`` into ``dst`` (created; must not hold a checkpoint).
+    """Write the NVFP4 version of checkpoint ``src`` into ``dst`` (must not hold a checkpoint; nothing written there
+    unless the whole checkpoint is).
 
     Two passes over the weight files, one file in memory at a time: the first finds every projection's amax (fused
     partners may live in different shards), the second quantizes and writes one output shard per input shard.
@@ -182,37 +218,48 @@ def quantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
     config = loader.read_json(src / "config.json")
     if config.get("quantization_config"):
         raise ValueError(f"{src / 'config.json'}: the checkpoint is already quantized")
-    if dst.exists() and any(dst.glob("*.safetensors")):
+    if (src / "hf_quant_config.json").exists():
+        raise ValueError(f"{src / 'hf_quant_config.json'}: the checkpoint is already quantized")
+    _check_architecture(config, src / "config.json")
+    if holds_checkpoint(dst):
         raise ValueError(f"{dst}: already holds a checkpoint")
     files = loader.weight_files(src)
     stacks = _fused_stacks(files)
     amax: dict[str, float] = {}
     exclude: set[str] = set()
+    narrow: dict[str, int] = {}
     for f in files:
-        a, e = _classify(_read(f, stacks))
+        tensors = _read(f, stacks)
+        _check_unquantized(f, tensors)
+        a, e = _classify(tensors, narrow)
         amax.update(a)
         exclude |= e
+    if not amax:
+        why = (f"the input size of every projection ({', '.join(map(str, sorted(set(narrow.values()))))}) is not a "
+               f"multiple of {nvfp4.BLOCK}" if narrow else
+               f"no decoder projection ({', '.join(_PROJECTIONS)} under .layers.) was found")
+        raise ValueError(f"{src}: nothing to quantize: {why}")
     scales = _group_scales(amax)
-    dst.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for f in files:
-        out = _apply(_read(f, stacks), scales)
-        name = "model.safetensors" if len(files) == 1 else f.name
-        save_file({k: v.contiguous() for k, v in out.items()}, str(dst / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in out})
-        total += sum(v.numel() * v.element_size() for v in out.values())
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in (
-                "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
-            shutil.copy2(f, dst / f.name)
-    legacy, compressed = quant_configs(sorted(exclude))
-    config["quantization_config"] = compressed
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    (dst / "hf_quant_config.json").write_text(json.dumps(legacy, indent=2) + "\n", encoding="utf-8")
+    with staged(dst) as tmp:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for f in files:
+            out = _apply(_read(f, stacks), scales)
+            name = "model.safetensors" if len(files) == 1 else f.name
+            save_safetensors({k: v.contiguous() for k, v in out.items()}, tmp / name, dst / name)
+            weight_map.update({k: name for k in out})
+            total += sum(v.numel() * v.element_size() for v in out.values())
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(_WEIGHT_FILES) and f.name not in (
+                    "config.json", "model.safetensors.index.json", "hf_quant_config.json"):
+                shutil.copy2(f, tmp / f.name)
+        legacy, compressed = quant_configs(sorted(exclude))
+        config["quantization_config"] = compressed
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / "hf_quant_config.json").write_text(json.dumps(legacy, indent=2) + "\n", encoding="utf-8")
     return dst
 
 

@@ -2,6 +2,7 @@
 greedy-decoded from BOS by Ember, equals llama2.c's documented output character for character."""
 from __future__ import annotations
 
+import struct
 import subprocess
 
 import pytest
@@ -78,3 +79,57 @@ def test_files_that_cannot_be_converted_are_one_line(tmp_path):
         assert r.stderr.startswith(f"ember convert-llama2c: error: {culprit}: {message}"), r.stderr
         assert r.stderr.count("\n") == 1, r.stderr
         assert not (tmp_path / "out").exists()
+
+
+def _refused(capsys, model_bin, tokenizer_bin, out, culprit, message: str) -> None:
+    """In-process ``convert-llama2c``: exit 1, one line naming ``culprit``, no partial output beside ``out``."""
+    assert convert_llama2c.main([str(model_bin), str(tokenizer_bin), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ember convert-llama2c: error: {culprit}: {message}"), err
+    assert err.count("\n") == 1, err
+    assert not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_files_longer_than_their_header_says_are_one_line(tmp_path, capsys):
+    """A tokenizer.bin with more tokens than model.bin's vocabulary, and a model.bin with bytes after its tensors."""
+    src = shared_path("models", "stories260K")
+    tokenizer = tmp_path / "tok1024.bin"
+    tokenizer.write_bytes((src / "tok512.bin").read_bytes() + struct.pack("<fi", -1.0, 3) + b"abc")
+    _refused(capsys, src / "stories260K.bin", tokenizer, tmp_path / "out", tokenizer,
+             "11 bytes after its first 512 tokens")
+    model = tmp_path / "trailing.bin"
+    model.write_bytes((src / "stories260K.bin").read_bytes() + b"\0" * 6)
+    _refused(capsys, model, src / "tok512.bin", tmp_path / "out", model, "6 bytes after the tensors its header gives")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_checkpoint_is_not_overwritten(tmp_path, capsys):
+    """Shards and an index already in OUT_DIR would outlive the new model.safetensors (and be loaded instead)."""
+    src = shared_path("models", "stories260K")
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        out = tmp_path / name.split(".")[0]
+        out.mkdir()
+        (out / name).write_text("{}")
+        _refused(capsys, src / "stories260K.bin", src / "tok512.bin", out, out, "already holds a checkpoint")
+        assert [p.name for p in out.iterdir()] == [name]
+
+
+def test_a_write_failure_is_one_line_and_leaves_no_output(tmp_path, capsys, monkeypatch):
+    """A full disk (safetensors raises its own error, not OSError): one line naming the file; an absent OUT_DIR stays
+    absent, an empty one stays empty."""
+    from safetensors import SafetensorError
+
+    from ember.engine import checkpoint_writer
+
+    def full(*args, **kwargs):
+        raise SafetensorError("No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint_writer, "save_file", full)
+    src = shared_path("models", "stories260K")
+    out = tmp_path / "out"
+    _refused(capsys, src / "stories260K.bin", src / "tok512.bin", out, out / "model.safetensors",
+             "cannot be written (No space left on device")
+    assert not out.exists()
+    out.mkdir()
+    _refused(capsys, src / "stories260K.bin", src / "tok512.bin", out, out / "model.safetensors", "cannot be written")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any(out.iterdir())

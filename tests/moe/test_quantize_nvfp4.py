@@ -184,3 +184,92 @@ def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path, demo_model_dir)
     assert r.stderr.startswith(f"ember quantize-nvfp4: error: {weights}: not a readable safetensors file ("), r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "q").exists()
+
+
+def _refused(capsys, src, dst, culprit, message: str) -> None:
+    """``quantize-nvfp4 SRC DST`` exits 1 with one line naming ``culprit``, and writes nothing at DST."""
+    assert quantize.main([str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ember quantize-nvfp4: error: {culprit}: {message}"), err
+    assert err.count("\n") == 1, err
+    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}.*"))
+
+
+def test_a_checkpoint_quantized_without_quantization_config_is_refused(tiny_moe_nvfp4_dir, tmp_path, capsys):
+    """Already NVFP4 by its legacy ``hf_quant_config.json`` alone, or by its packed weights alone: refused as one
+    whose config.json says so."""
+    src = tmp_path / "legacy-config-only"
+    shutil.copytree(tiny_moe_nvfp4_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    _refused(capsys, src, tmp_path / "q", src / "hf_quant_config.json", "the checkpoint is already quantized")
+    (src / "hf_quant_config.json").unlink()
+    _refused(capsys, src, tmp_path / "q", src / "model.safetensors", "the checkpoint is already quantized (tensor ")
+
+
+def test_what_it_cannot_quantize_is_refused_naming_why(demo_model_dir, tmp_path, capsys):
+    """gpt-oss (fused interleaved experts), an architecture Ember does not serve, and a model whose projections are
+    all too narrow for a 16-wide scale block: one line, nothing written."""
+    from safetensors.torch import save_file
+
+    for arch, message in (("GptOssForCausalLM", "architecture 'GptOssForCausalLM' is not supported by quantize-nvfp4"),
+                          ("GPT2LMHeadModel", "architecture 'GPT2LMHeadModel' is not supported")):
+        src = tmp_path / arch
+        shutil.copytree(demo_model_dir, src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "architectures": [arch]}))
+        _refused(capsys, src, tmp_path / "q", src / "config.json", message)
+    src = tmp_path / "narrow"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 40}))
+    save_file({"model.embed_tokens.weight": torch.ones(64, 40),
+               **{f"model.layers.0.self_attn.{p}.weight": torch.ones(40, 40) for p in ("q_proj", "k_proj", "o_proj")},
+               "model.layers.0.mlp.down_proj.weight": torch.ones(40, 24)}, str(src / "model.safetensors"))
+    _refused(capsys, src, tmp_path / "q", src, "nothing to quantize: the input size of every projection (24, 40) is "
+                                               "not a multiple of 16")
+
+
+def test_a_write_failure_is_one_line_and_leaves_no_checkpoint(tiny_moe_dir, tmp_path, capsys, monkeypatch):
+    """A full disk (safetensors raises its own error): one line naming the file; DST absent before stays absent, an
+    empty DST stays empty."""
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("No space left on device (os error 28)")
+
+    from ember.engine import checkpoint_writer
+
+    monkeypatch.setattr(checkpoint_writer, "save_file", full)
+    _refused(capsys, tiny_moe_dir, tmp_path / "q", tmp_path / "q" / "model.safetensors",
+             "cannot be written (No space left on device")
+    (tmp_path / "q").mkdir()
+    assert quantize.main([str(tiny_moe_dir), str(tmp_path / "q")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"] and not any((tmp_path / "q").iterdir())
+
+
+def test_phi3_fused_projections_are_quantized_each_with_its_own_tensor_scale(tmp_path, demo_model_dir):
+    """Phi-3's ``qkv_proj`` and ``gate_up_proj`` are NVFP4 with one ``weight_scale_2`` each, as ModelOpt exports
+    them, and Ember keeps them packed and runs them like transformers on the dequantized weights."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tests.conftest import save_with_tokenizer
+    from tests.engine.test_phi3 import CONFIG
+
+    torch.manual_seed(0)
+    src = save_with_tokenizer(Phi3ForCausalLM(Phi3Config(**CONFIG)), tmp_path / "phi3", demo_model_dir)
+    dst = tmp_path / "phi3-nvfp4"
+    assert quantize.main([str(src), str(dst)]) == 0
+    with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+    for m, rows in (("self_attn.qkv_proj", 128), ("mlp.gate_up_proj", 192)):
+        m = f"model.layers.1.{m}"
+        assert t[f"{m}.weight"].dtype == torch.uint8 and t[f"{m}.weight"].shape == (rows, 32)
+        assert t[f"{m}.weight_scale_2"].shape == ()
+    model = ember_model(dst)
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.qkv_proj, NVFP4Linear) and isinstance(layer.mlp.gate_up_proj, NVFP4Linear)
+    prompt = prompts(1, seed=5, min_len=20, max_len=20)[0]
+    want = hf_logits(write_dequantized(dst, tmp_path / "dequantized"), prompt)
+    assert ((ember_logits(model, prompt) - want).norm() / want.norm()).item() < 1e-5
