@@ -681,14 +681,54 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
         hi = schema.get("maxLength")
         span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")
         term = rule.upper() + "_TEXT"
+        text = f"/(?s:.{span})/" + "".join(f" & /{r}/" for r in _text_regexes(schema, lenient))
         if lazy is None:
-            g.add(term, f"/(?s:.{span})/")
+            g.add(term, text)
             return g.add(rule, f"{term} {close}")
         closer, suffix = lazy
-        g.add(term, f"/(?s:.{span})/ & ~/(?s:.*){closer}(?s:.*)/")
+        g.add(term, f"{text} & ~/(?s:.*){closer}(?s:.*)/")
         return g.add(rule, term, f"[suffix={suffix}]")
     g.add(rule + "_json", _json_rule(schema if as_root is None else as_root, lenient=lenient))
     return g.add(rule, f"{rule}_json {close}")
+
+
+_ANCHOR_INSIDE = re.compile(r"[$^]")
+
+
+def _whole_match(pattern: str) -> str | None:
+    """JSON Schema's ``pattern`` (a search) as a regex the whole value must match: ``.*`` on each side its anchor does
+    not fix; None where an anchor is not at an end, or the anchored pattern alternates at its top level."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not pattern.endswith("\\$")
+    core = pattern[1 if start else 0:len(pattern) - 1 if end else None]
+    outside = re.sub(r"\[\^?\]?[^\]]*\]", "", re.sub(r"\\.", "", core))  # escapes and character classes gone
+    if _ANCHOR_INSIDE.search(outside):
+        return None
+    depth, top_bar = 0, False
+    for c in outside:
+        depth += (c == "(") - (c == ")")
+        top_bar |= c == "|" and depth == 0
+    if top_bar and (start or end):
+        return None
+    return ("" if start else "(?s:.*)") + f"(?:{core})" + ("" if end else "(?s:.*)")
+
+
+def _text_regexes(schema: Mapping, lenient: bool) -> list[str]:
+    """The regexes (lark-quoted) a raw-text value must match whole: its ``pattern`` (`_whole_match`). A pattern
+    llguidance cannot read or `_whole_match` cannot make whole, and a ``format`` (whose regex is llguidance's JSON
+    compiler's own), are dropped from a lenient schema and a `GrammarError` in a strict one: they cannot be
+    enforced."""
+    pattern, out = schema.get("pattern"), []
+    if isinstance(pattern, str):
+        whole = _whole_match(pattern)
+        if whole is not None and _regex_readable(whole):
+            out.append(re.sub(r"(?<!\\)/", r"\/", whole))
+        elif not lenient:
+            raise GrammarError(f"pattern {pattern!r} cannot be enforced on a parameter written as text")
+    if "format" in schema and not lenient:
+        raise GrammarError(f"format {schema['format']!r} cannot be enforced on a parameter written as text (send the "
+                           "tool without strict, or with a pattern instead)")
+    return out
 
 
 def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: str, pad: str,

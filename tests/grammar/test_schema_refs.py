@@ -160,3 +160,28 @@ def test_a_lexer_failure_past_admission_fails_its_request_and_not_the_next(hf_to
         assert not step(backend, c, b)
         assert "lexer error" in c.error_message()
         assert not step(backend, c, eos) and not c.is_terminated()
+
+
+@pytest.mark.parametrize("family", sorted(XML_CALLS))
+def test_a_text_parameters_pattern_is_enforced_and_an_unenforceable_one_refused_when_strict(hf_tok, backend, family):
+    """`zip` (`^[0-9]{3}$`) is written as raw text in the XML formats: its pattern was dropped (any text passed); an
+    unanchored pattern must occur somewhere in it. A pattern or format the text rule cannot hold is a 400 for a
+    strict tool and dropped for a lenient one."""
+    head, param, tail = XML_CALLS[family]
+    home = param % ("home", json.dumps({"city": "Oslo"}))
+    choice = {"type": "tool", "name": "ship"}
+    for zip_code, ok in (("123", True), ("12a", False), ("1234", False), ("\n\n", False)):
+        c = constraint(hf_tok, backend, family, tools=TOOLS, tool_choice=choice)
+        assert takes(hf_tok, c, head + home + param % ("zip", zip_code) + tail) == ok, zip_code
+
+    def tools_with(zip_schema: dict, strict: bool) -> list[dict]:
+        ship = {**ADDRESS, "definitions": {"Zip": {"type": "string", **zip_schema}}}
+        return [{"type": "function", "function": {"name": "ship", "parameters": ship, "strict": strict}}]
+
+    for zip_code, ok in (("x-42-y", True), ("x-4-y", False)):
+        c = constraint(hf_tok, backend, family, tools=tools_with({"pattern": "-[0-9]{2}-"}, True), tool_choice=choice)
+        assert takes(hf_tok, c, head + home + param % ("zip", zip_code) + tail) == ok, zip_code
+    for unenforceable in ({"pattern": "^a|b$"}, {"pattern": "(?=a)a"}, {"format": "date"}):
+        with pytest.raises(GrammarError):
+            constraint(hf_tok, backend, family, tools=tools_with(unenforceable, True), tool_choice=choice)
+        constraint(hf_tok, backend, family, tools=tools_with(unenforceable, False), tool_choice=choice)
