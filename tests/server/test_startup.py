@@ -268,28 +268,26 @@ def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_
 
 def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path):
     """Ctrl-C (SIGINT to the whole process group) while the engine process is starting: one line, exit code 130,
-    no traceback, and no engine process left behind."""
+    no traceback, and no engine process left behind. (A run whose server was ready before the Ctrl-C could be sent,
+    on a machine busy elsewhere, missed the moment: it is tried again.)"""
     log = tmp_path / "serve.log"
-    with _own_session(demo_model_dir, log) as proc:
-        deadline = time.monotonic() + 120
-        engine = None
-        while engine is None:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-            engine = next((int(k) for k in kids if _is_engine(int(k))), None)
-            time.sleep(0.02)
-        while _ignores_sigint(proc.pid):  # the parent's few milliseconds spawning it, when a Ctrl-C is lost
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.01)
-        assert "ready:" not in log.read_text()  # the engine's interpreter is still starting
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130, log.read_text()
+    for _ in range(3):
+        with _own_session(demo_model_dir, log) as proc:
+            engine = _engine_of(proc, log)
+            deadline = time.monotonic() + 120
+            while _ignores_sigint(proc.pid):  # the parent's few milliseconds spawning it, when a Ctrl-C is lost
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.01)
+            if "ready:" in log.read_text():  # the engine had started already: not the moment this test is about
+                continue
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=60) == 130, log.read_text()
+            break
+    else:
+        pytest.fail("the server was ready before each Ctrl-C: " + log.read_text())
     text = log.read_text()
     assert "Traceback" not in text and text.rstrip().endswith("ember serve: interrupted while starting"), text
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{engine}") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{engine}") or " Z " in open(f"/proc/{engine}/stat").read()
+    assert _gone(engine, within=10)
 
 
 def _engine_of(proc: subprocess.Popen, log) -> int:
@@ -318,6 +316,8 @@ def test_sigterm_while_the_engine_process_starts_stops_it_too(demo_model_dir, tm
     log = tmp_path / "serve.log"
     with _own_session(demo_model_dir, log) as proc:
         engine = _engine_of(proc, log)
+        while _ignores_sigint(proc.pid):  # the few milliseconds of the spawn itself, where the child would be cut
+            time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, log.read_text()
     assert log.read_text().rstrip().endswith("ember serve: terminated while starting"), log.read_text()
