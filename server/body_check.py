@@ -123,9 +123,10 @@ class CheckedRoute(APIRoute):
                     body = await request.body()
                 except ClientDisconnect:
                     raise ApiError(499, "the client closed the connection") from None
-                if body and json.detect_encoding(body) not in ("utf-8", "utf-8-sig"):
-                    raise bad_request(f"Request body is not valid JSON: it is not UTF-8 (it reads as "
-                                      f"{json.detect_encoding(body)})", code="json_invalid")
+                charset = json.detect_encoding(body) if body else "utf-8"
+                if charset not in ("utf-8", "utf-8-sig"):
+                    raise bad_request(f"Request body is not valid JSON: it is not UTF-8 (it reads as {charset})",
+                                      code="json_invalid")
                 found = invalid_field(body)
                 if found is not None:
                     field, why = found
