@@ -230,11 +230,13 @@ def test_an_unusable_cache_dir_for_the_demo_model_is_one_line(tmp_path, cache):
 def _own_session(model_dir, log, *extra: str) -> Iterator[subprocess.Popen]:
     """`ember serve MODEL --port 0` (then ``extra`` flags, which win) in a session of its own (so a test can signal
     its whole process group, as Ctrl-C in a terminal does), its stderr in ``log``; killed afterwards if still
-    running."""
+    running. SIGINT starts at its default disposition, as in a terminal's foreground job, even where this suite
+    runs as a background job (whose shell ignores SIGINT for it, a disposition its children inherit)."""
     with open(log, "w") as err:
         proc = subprocess.Popen([*ember_cmd(), "serve", str(model_dir), "--kv-cache-blocks", "16", "--port", "0",
                                  *extra],
-                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                preexec_fn=_default_sigint)
     try:
         yield proc
     finally:
@@ -316,7 +318,9 @@ def test_sigterm_while_the_engine_process_starts_stops_it_too(demo_model_dir, tm
     log = tmp_path / "serve.log"
     with _own_session(demo_model_dir, log) as proc:
         engine = _engine_of(proc, log)
+        deadline = time.monotonic() + 120
         while _ignores_sigint(proc.pid):  # the few milliseconds of the spawn itself, where the child would be cut
+            assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, log.read_text()
@@ -355,6 +359,10 @@ def test_ctrl_c_twice_with_a_stream_in_flight_exits_and_stops_the_engine(demo_mo
             code = None
         assert code is not None, log.read_text()
     assert _gone(engine, within=10), log.read_text()
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _ignores_sigint(pid: int) -> bool:
