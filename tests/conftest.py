@@ -139,3 +139,11 @@ def greedy_with_logits(path: pathlib.Path, monkeypatch, row_ops: str, attention:
             assert o.error is None, o.error
             out[o.request_id].extend(o.new_token_ids)
     return eng, out, logits
+
+
+def tensor_parallel_workers() -> list:
+    """This process's live tensor-parallel worker processes (not the engine processes of servers other tests keep
+    running)."""
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("ember-tp-worker")]

@@ -12,7 +12,7 @@ from ember.engine.attention import TorchBackend
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
 from ember.kernels import reference
-from tests.conftest import save_tiny_qwen3
+from tests.conftest import save_tiny_qwen3, tensor_parallel_workers
 
 # (prompt lengths, max_tokens, graph sizes captured up to): the requests arrive one per step and, once all are in,
 # one ends per step, so the decode batches shrink by one down to 1. Torch: sizes 1, 2, 4, 6 (3 and 5 padded; 7 and 8
@@ -97,7 +97,6 @@ def test_graph_path_greedy_tokens_equal_the_plain_path(qwen3_dir, monkeypatch, b
 def test_graph_path_under_tensor_parallelism_matches_one_process(qwen3_dir, monkeypatch):
     """The driver broadcasts the capture, so both ranks route each decode step alike and meet the same
     all-reduces; under asynchronous scheduling the workers get the inputs the previous step sampled."""
-    import multiprocessing as mp
 
     monkeypatch.setenv("EMBER_ATTENTION", "torch")
     lens, max_tokens, captured = WORKLOADS["triton"]
@@ -112,7 +111,7 @@ def test_graph_path_under_tensor_parallelism_matches_one_process(qwen3_dir, monk
     assert got == want
     assert eng.runner.num_graph_steps == sum(took for _, _, took in steps) > 0
     assert eng.num_deferred_steps > 0
-    assert not mp.active_children()
+    assert not tensor_parallel_workers()
 
 
 def _attention_inputs():

@@ -13,7 +13,7 @@ from ember.engine.attention import TorchBackend
 from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
-from tests.conftest import save_tiny_qwen3
+from tests.conftest import save_tiny_qwen3, tensor_parallel_workers
 
 SCALES = {"model.layers.0.self_attn.k_proj.k_scale": 0.5, "model.layers.0.self_attn.v_proj.v_scale": 0.25,
           "model.layers.1.self_attn.k_scale": 2.0}
@@ -136,7 +136,6 @@ def test_fp8_greedy_decoding_stays_close_to_the_full_precision_cache(which, plai
 
 
 def test_two_ranks_with_an_fp8_cache_decode_what_one_process_does(scaled_dir, monkeypatch):
-    import multiprocessing as mp
 
     monkeypatch.setenv("EMBER_ATTENTION", "torch")
     g = torch.Generator().manual_seed(3)
@@ -152,4 +151,4 @@ def test_two_ranks_with_an_fp8_cache_decode_what_one_process_does(scaled_dir, mo
     finally:
         eng.shutdown()
     assert got == want
-    assert not mp.active_children()
+    assert not tensor_parallel_workers()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import shutil
 
@@ -17,7 +16,7 @@ from ember.engine.async_engine import AsyncEngine
 from ember.engine.config import ConfigError
 from ember.engine.engine import Engine
 from ember.engine.params import SamplingParams
-from tests.conftest import save_with_tokenizer
+from tests.conftest import save_with_tokenizer, tensor_parallel_workers
 
 NEW_TOKENS = 8
 ENGINE_OPTIONS = dict(max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64)
@@ -74,7 +73,7 @@ def _setup(monkeypatch):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-    assert not mp.active_children(), "a tensor-parallel worker outlived its test"
+    assert not tensor_parallel_workers(), "a tensor-parallel worker outlived its test"
 
 
 def _prompts() -> list[list[int]]:
@@ -265,7 +264,7 @@ def test_a_split_that_does_not_divide_fails_naming_the_field(qwen3_dir, tmp_path
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match=rf"tensor_parallel_size {tp} does not divide {field}"):
         Engine.from_pretrained(bad, tensor_parallel_size=tp, **ENGINE_OPTIONS)
-    assert not mp.active_children()
+    assert not tensor_parallel_workers()
 
 
 def test_tensor_parallel_size_must_be_positive(qwen3_dir):

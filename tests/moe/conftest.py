@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import save_with_tokenizer  # noqa: F401  (the MoE and model tests import it from here)
+from tests.conftest import tensor_parallel_workers
 
 VOCAB = 1280
 NEW_TOKENS = 8
@@ -130,8 +131,6 @@ def ember_greedy(path: Path, ps: list[list[int]], new_tokens: int = NEW_TOKENS) 
 def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, check=None, **options) -> None:
     """Greedy tokens over 2 CPU ranks (gloo) equal 1 process's; ``check(engine)`` inspects the split model first;
     every worker exits cleanly (the suite runs torch on one thread, so each rank gets one)."""
-    import multiprocessing as mp
-
     from ember.engine.engine import Engine
 
     opts = dict(dtype=torch.float32, device="cpu", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64,
@@ -148,7 +147,7 @@ def assert_two_ranks_match_one(model_dir, ps: list[list[int]], new_tokens: int, 
     for p in workers:
         p.join(timeout=10)
         assert p.exitcode == 0
-    assert not mp.active_children()
+    assert not tensor_parallel_workers()
 
 
 def assert_prefill_logits_match_transformers(path: Path) -> None:

@@ -3,7 +3,6 @@ that dequantizes the checkpoint and runs the model in transformers, alone or spl
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import shutil
 import subprocess
 
@@ -14,6 +13,7 @@ from safetensors import safe_open
 from ember.engine import quantize
 from ember.engine.nvfp4_loading import NVFP4Linear
 from ember.kernels import nvfp4
+from tests.conftest import tensor_parallel_workers
 from tests.moe.conftest import assert_two_ranks_match_one, clear_margin, ember_greedy, ember_logits, ember_model, \
     hf_greedy, hf_logits, prompts, save_fused_experts, write_dequantized
 from tests.server.processes import ember_cmd
@@ -170,7 +170,7 @@ def test_a_split_that_cuts_a_scale_block_is_refused_naming_the_tensor(tmp_path, 
     with pytest.raises(ConfigError, match=r"does not divide dimension 1 \(3\) of tensor "
                                           r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight_scale'"):
         Engine.from_pretrained(dst, dtype=torch.float32, device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
-    assert not mp.active_children()
+    assert not tensor_parallel_workers()
 
 
 def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path, demo_model_dir):
