@@ -482,7 +482,7 @@ def _anthropic_page(names: list[str], query: Mapping[str, str]) -> tuple[list[st
     """Anthropic's model-list paging: ``limit`` (1-1000, default 20) names after ``after_id`` or before
     ``before_id``; and whether more lie beyond the page in that direction."""
     raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1000:
         raise bad_request(f"limit must be an integer from 1 to 1000, got {raw!r}", param="limit")
     limit = int(raw)
     for key in ("after_id", "before_id"):

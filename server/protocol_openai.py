@@ -306,7 +306,8 @@ class _SamplingFields(_Request):
         if v is None:
             return v
         for k, b in v.items():
-            if not k.lstrip("-").isdigit():
+            digits = k.removeprefix("-")
+            if not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"logit_bias keys must be token IDs, got {k!r}")
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias values must be within [-100, 100], got {b}")

@@ -198,6 +198,9 @@ def test_models_list_and_retrieve_in_anthropic_shape(demo_server):
     assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError, match="limit"):
         client.models.list(limit=0)
+    superscript = httpx.get(demo_server.url + "/v1/models", params={"limit": "\u00b2"}, timeout=30,
+                            headers={"anthropic-version": "2023-06-01"})
+    assert superscript.status_code == 400 and superscript.json()["error"]["type"] == "invalid_request_error"
     assert client.models.list(limit=1, after_id=demo_server.model).data == []
 
 

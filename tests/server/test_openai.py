@@ -622,3 +622,13 @@ def test_malformed_tool_call_text_keeps_its_logprobs(demo_server):
     streamed = "".join(c["delta"].get("content") or "" for c in choices)
     assert streamed == content
     assert _lp_bytes([e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]) == content
+
+
+@pytest.mark.parametrize("key", ["--5", "\u00b2", "-\u00b2", "\u0663"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_logit_bias_key_that_is_not_a_decimal_token_id_is_a_400_naming_it(demo_server, path, key):
+    """Keys Python's `str.isdigit` takes but `int` does not (a doubled sign, a superscript digit) were a 500."""
+    body = {"model": demo_server.model, "max_tokens": 1, "logit_bias": {key: 1}}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(demo_server.url + path, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
