@@ -125,7 +125,7 @@ def _target(ref: str, root: Mapping) -> Mapping | None:
         token = token.replace("~1", "/").replace("~0", "~")
         if isinstance(node, Mapping) and token in node:
             node = node[token]
-        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0") \
+        elif isinstance(node, list) and token.isascii() and token.isdigit() and (token == "0" or token[0] != "0") \
                 and int(token) < len(node):
             node = node[int(token)]
         else:

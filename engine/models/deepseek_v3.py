@@ -44,7 +44,8 @@ def prediction_layer(name: str, cfg: ModelConfig) -> bool:
     """Whether checkpoint tensor ``name`` belongs to a multi-token-prediction layer (``model.layers.N`` with N past
     ``num_hidden_layers``), which the served model does not run."""
     parts = name.split(".")
-    return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= cfg.num_hidden_layers
+    return len(parts) > 2 and parts[1] == "layers" and parts[2].isascii() and parts[2].isdigit() \
+        and int(parts[2]) >= cfg.num_hidden_layers
 
 
 class MLAttention(nn.Module):

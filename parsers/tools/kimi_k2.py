@@ -15,6 +15,6 @@ class KimiK2Syntax(SepJsonSyntax):
         ident = head.strip()
         name = ident.removeprefix(_PREFIX)
         base, colon, index = name.rpartition(":")
-        if colon and base and index.isdigit():
+        if colon and base and index.isascii() and index.isdigit():
             name = base
         self._start(head, "", sep, name, ident if name != ident else None)

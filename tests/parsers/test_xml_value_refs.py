@@ -26,17 +26,19 @@ PARAMS = {
         "label": {"$ref": "#/$defs/Label"},
         "loop": {"$ref": "#/$defs/Ping"},
         "gone": {"$ref": "#/$defs/Nowhere"},
+        "sup": {"$ref": "#/properties/maybe/anyOf/\u00b2", "description": "a superscript two is no array index"},
     }}
 TOOLS = [{"type": "function", "function": {"name": "move", "parameters": PARAMS}}]
 WRITTEN = {"home": '{"name": "Oslo", "pop": 700000}', "work": '{"name": "Rome"}', "count": "42", "ratio": "7",
            "flags": "[true, false]", "maybe": "null", "wrapped": '{"name": "Bergen"}',
-           "itself": '{"home": {"name": "Pisa"}}', "label": "[not json]", "loop": '{"a": 1}', "gone": "[1]"}
+           "itself": '{"home": {"name": "Pisa"}}', "label": "[not json]", "loop": '{"a": 1}', "gone": "[1]",
+           "sup": "[2]"}
 EXPECTED = {"home": {"name": "Oslo", "pop": 700000}, "work": {"name": "Rome"}, "count": 42, "ratio": 7,
             "flags": [True, False], "maybe": None, "wrapped": {"name": "Bergen"}, "itself": {"home": {"name": "Pisa"}},
-            "label": "[not json]", "loop": '{"a": 1}', "gone": "[1]"}
+            "label": "[not json]", "loop": '{"a": 1}', "gone": "[1]", "sup": "[2]"}
 """What each value parses to: a reference that loops or names nothing leaves the value a string, as an undeclared
 type does (GLM reads an undeclared type as JSON: `GLM_EXPECTED`)."""
-GLM_EXPECTED = {**EXPECTED, "loop": {"a": 1}, "gone": [1]}
+GLM_EXPECTED = {**EXPECTED, "loop": {"a": 1}, "gone": [1], "sup": [2]}
 
 CALL, END_CALL = ((QWEN_IDS[t], t) for t in ("<tool_call>", "</tool_call>"))
 CODER_BODY = "\n<function=move>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
