@@ -57,6 +57,14 @@ class TextFormat(_Lenient):
             raise ValueError("type json_schema needs a schema")
         return self
 
+    def echoed(self) -> dict[str, Any]:
+        """The format as a response states it: what the request set, and for `json_schema` the `name` it was
+        compiled under (the reference's typed format requires one; a request may leave it to the default)."""
+        out = self.model_dump(by_alias=True, exclude_unset=True)
+        if self.type == "json_schema":
+            out.setdefault("name", self.name)
+        return out
+
     def response_format(self) -> dict[str, Any] | None:
         """The chat `response_format` the grammar backend compiles, naming `text.format` as its field (in errors);
         None for plain text."""

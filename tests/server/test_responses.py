@@ -476,3 +476,15 @@ def test_background_without_a_store_is_refused_before_it_is_admitted(rebuilt_ser
                    timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "background"
     assert prompt_tokens() == before
+
+
+def test_a_json_schema_format_without_a_name_is_echoed_with_the_name_it_was_compiled_under(demo_server):
+    """The reference's typed `Response` requires `text.format.name`: strict clients refused the echo without it."""
+    from openai.types.responses import Response
+
+    r = httpx.post(demo_server.url + "/v1/responses", timeout=30, json={
+        "model": demo_server.model, "input": "Hi", "max_output_tokens": 3,
+        "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"]["format"] == {"type": "json_schema", "name": "response", "schema": {"type": "object"}}
+    Response.model_validate(r.json())
