@@ -250,6 +250,11 @@ def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
     bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
+_LITERAL_WRAPPERS = "\\[]\"'() \t\n?:^$"
+"""Characters regex, Lark and JSON syntax puts around or between the characters of literal text; `GrammarBackend`
+deletes those no special token's spelling holds before looking for spellings in a grammar."""
+
+
 class GrammarBackend:
     """llguidance for one model: its tokenizer, an executor, and compiled grammars cached by their source text."""
 
@@ -268,7 +273,11 @@ class GrammarBackend:
         special_ids = [i for i in range(self.vocab_size) if ll_tokenizer.is_special_token(i)]
         spellings = {t for i in special_ids if len(t := ll_tokenizer.decode_str([i])) > 1}
         spellings |= {json.dumps(t)[1:-1] for t in spellings}  # as an ASCII-escaped JSON string holds it
-        self._spells_special = (re.compile("|".join(map(re.escape, sorted(spellings, key=len, reverse=True))))
+        # the grammar source is searched with the syntax around literal text deleted (regex escapes and one-character
+        # classes, quotes of Lark literals side by side, groups), so `<\|im_end\|>` or `<thin[k]>` is seen too
+        self._unwrap = {ord(c): None for c in _LITERAL_WRAPPERS if not any(c in t for t in spellings)}
+        skeletons = {t.translate(self._unwrap) for t in spellings}
+        self._spells_special = (re.compile("|".join(map(re.escape, sorted(skeletons, key=len, reverse=True))))
                                 if spellings else None)
         self._special_ids = special_ids
         self._text_tokenizer: llguidance.LLTokenizer | None = None
@@ -277,7 +286,7 @@ class GrammarBackend:
         """The model's llguidance tokenizer, or for a grammar whose text spells a special token (a const
         ``"<think>"``) `_TextTokenizer`'s, which writes forced text in ordinary tokens (at a Python call per forced
         text, which other threads holding the GIL slow down: the others never pay it)."""
-        if self._spells_special is None or self._spells_special.search(grammar) is None:
+        if self._spells_special is None or self._spells_special.search(grammar.translate(self._unwrap)) is None:
             return self.ll_tokenizer
         with self._lock:
             if self._text_tokenizer is None:

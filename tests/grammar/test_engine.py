@@ -121,6 +121,13 @@ LITERAL_SPECIALS = {  # answer formats whose literal text spells added tokens, a
         "additionalProperties": False}}},
     "<|endoftext|>": {"type": "choice", "choice": ["<|endoftext|>"]},
     "x<tool_call>y": {"type": "regex", "regex": "x<tool_call>y"},
+    # the spelling appears only once the grammar runs: a regex escape, a character class, Lark literals side by side
+    "a<|im_end|>b": {"type": "regex", "regex": r"a<\|im_end\|>b"},
+    "x<think>y": {"type": "regex", "regex": "x<thin[k]>y"},
+    "<|im_start|>z": {"type": "grammar", "grammar": 'start: "<" "|im_start|" ">z"'},
+    '{"p": "<|im_end|>"}': {"type": "json_schema", "json_schema": {"strict": True, "schema": {
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "^<\\|im_end\\|>$"}}, "required": ["p"],
+        "additionalProperties": False}}},
 }
 
 
