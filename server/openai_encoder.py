@@ -464,11 +464,11 @@ class CompletionChoiceEncoder:
         return chunk
 
     def step(self, step: ChoiceStep) -> list[dict[str, Any]]:
-        self.num_tokens += len(step.tokens)
         text = "".join(d.get("content", "") + d.get("reasoning_content", "") for d in event_deltas(step.events))
         chunks = []
         if self.pending_echo is not None and (step.prompt_logprobs is not None or step.end is not None):
-            chunks.append(self._echo_chunk(step.prompt_logprobs))
+            chunks.append(self._echo_chunk(step.prompt_logprobs))  # its usage: none of this step's tokens yet
+        self.num_tokens += len(step.tokens)
         if self.meta.prompt_logprobs is not None and step.prompt_logprobs is not None:
             chunk = self._chunk("", (), None)
             chunk["choices"][0]["prompt_logprobs"] = vllm_prompt_logprobs(

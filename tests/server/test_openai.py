@@ -632,3 +632,18 @@ def test_a_logit_bias_key_that_is_not_a_decimal_token_id_is_a_400_naming_it(demo
     body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
     r = httpx.post(demo_server.url + path, json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_continuous_usage_of_a_held_echo_counts_no_generated_token_yet(demo_server):
+    """With logprobs the echo waits for the prompt's scores and goes out with the first step: its usage counted
+    that step's tokens, which only the next chunk carries."""
+    body = {"model": demo_server.model, "prompt": "hi", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", demo_server.url + "/v1/completions", json=body, timeout=30) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    sent = 0
+    for k, c in enumerate(c for c in chunks if c["choices"]):
+        if k > 0:
+            sent += len(c["choices"][0]["logprobs"]["tokens"]) if c["choices"][0]["logprobs"] else 0
+        assert c["usage"]["completion_tokens"] == sent, (k, c)
+    assert chunks[0]["choices"][0]["text"] == "hi" and sent == 2
