@@ -39,7 +39,8 @@ class TokenizeRequest(po._Lenient):
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise po.field_error("prompt", "give exactly one of prompt and messages",
+                                 None if self.prompt is None else "...")
         if self.chat_template is not None:
             raise po.field_error("chat_template", po.REQUEST_TEMPLATE_REFUSED, "...")
         if self.messages is not None and self.continue_final_message and self.add_generation_prompt:

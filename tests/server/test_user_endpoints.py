@@ -38,6 +38,9 @@ def test_tokenize_a_prompt_or_chat_messages_and_detokenize(demo_server):
 def test_tokenize_errors_name_the_field(demo_server):
     both = _post(demo_server, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
     assert both.status_code == 400 and "exactly one of prompt and messages" in both.json()["error"]["message"]
+    assert both.json()["error"]["param"] == "prompt"
+    neither = _post(demo_server, "/tokenize", {})
+    assert neither.status_code == 400 and neither.json()["error"]["param"] == "prompt", neither.text
     bad = _post(demo_server, "/detokenize", {"tokens": [5, 10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
     boolean = _post(demo_server, "/detokenize", {"tokens": [5, True]})
