@@ -234,6 +234,9 @@ def _assistant_turn(turn: anthropic_turns.Turn, last: bool) -> dict[str, Any]:
     return msg
 
 
+_ASSISTANT_ONLY = frozenset({"tool_use", "thinking", "redacted_thinking", "server_tool_use"})
+
+
 def _user_turn(turn: anthropic_turns.Turn) -> list[dict[str, Any]]:
     """A user turn's messages: its tool results as `tool` messages, the texts between them as user messages."""
     out: list[dict[str, Any]] = []
@@ -246,6 +249,9 @@ def _user_turn(turn: anthropic_turns.Turn) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": pending_text})
                 pending_text = []
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, where)})
+        elif b.type in _ASSISTANT_ONLY:
+            raise bad_request(f"content block type {b.type!r} is not allowed in a user message (only the assistant "
+                              "writes it)", param=f"{where}.type")
         else:
             raise bad_request(f"content block type {b.type!r} is not supported in a user message by this text-only "
                               "model", param=f"{where}.type")

@@ -246,6 +246,8 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
     ({"messages": [{"role": "user", "content": [{"type": "txt", "text": "hi"}]}]}, ["messages[0].content[0]", "'txt'"]),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "source": {}}]}]},
      ["messages[0].content[1].type", "'image'"]),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     ["messages[0].content[0].type", "'tool_use' is not allowed in a user message"]),  # on any model
     ({"tools": [{**WEATHER, "name": "bad name"}], "tool_choice": {"type": "any"}}, ["tools[0].name"]),
     ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
      ["output_config.format.schema"]),
