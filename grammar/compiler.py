@@ -1006,10 +1006,11 @@ def _budget(profile: Profile, initial: InitialState, d: _Delims, tokens: int | N
     if tokens is None:
         return None
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise GrammarError(f"thinking budget must be a non-negative integer, got {tokens!r}")
+        raise GrammarError(f"max_thinking_tokens: a thinking budget must be a non-negative integer, got {tokens!r}")
     if profile.reasoning is None:
         if profile.tool_format == "harmony":
-            raise GrammarError(f"a thinking budget is not supported for model family {profile.name!r}")
+            raise GrammarError(f"max_thinking_tokens: a thinking budget is not supported for model family "
+                               f"{profile.name!r}")
         return None  # the model never thinks: nothing to bound
     close = d.id("think_close")
     if close is None:

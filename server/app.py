@@ -402,8 +402,8 @@ async def _anthropic_constraint(st: ServerState, body: pa._MessagesBase, initial
             tool_choice=choice, parallel_tool_calls=body.parallel_tool_use, thinking_budget=budget,
             thinking=thinking_on)
     except ApiError as e:
-        if e.param == "max_thinking_tokens":
-            e.param = "thinking.budget_tokens"
+        if e.param == "max_thinking_tokens":  # the message names the field Anthropic's error shape puts first
+            e.param, e.message = "thinking.budget_tokens", e.message.removeprefix("max_thinking_tokens: ")
         raise flat_tool_fields(e, "input_schema") from None
     return constraint
 

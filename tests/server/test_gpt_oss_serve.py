@@ -100,3 +100,18 @@ def test_a_continued_final_message_streams_as_content(gpt_oss_server):
               if c.choices and c.choices[0].delta.content]
     assert "".join(deltas) == " world" * 4 and all(d and not d.replace(" world", "") for d in deltas), deltas
     # (a client that lags may get tokens coalesced into one delta; each still holds whole words of the answer)
+
+
+def test_a_thinking_budget_is_refused_naming_its_field_on_every_api(gpt_oss_server):
+    """gpt-oss's channels take no budget (documented): the 400 names the field the client sent."""
+    hi = [{"role": "user", "content": "hi"}]
+    for path, extra in [("/v1/chat/completions", {"messages": hi, "max_thinking_tokens": 3}),
+                        ("/v1/responses", {"input": "hi", "max_thinking_tokens": 0})]:
+        r = httpx.post(gpt_oss_server.url + path, timeout=30, json={"model": gpt_oss_server.model, "max_tokens": 4,
+                                                                   **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_thinking_tokens", (path, r.text)
+    r = httpx.post(gpt_oss_server.url + "/v1/messages", timeout=30, json={
+        "model": gpt_oss_server.model, "max_tokens": 8, "messages": hi,
+        "thinking": {"type": "enabled", "budget_tokens": 4}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("thinking.budget_tokens: a thinking budget is not supported"), r.text
