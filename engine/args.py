@@ -381,6 +381,18 @@ def _show(default: Any) -> str:
     return str(default)
 
 
+class _Accumulate(argparse.Action):
+    """A list flag: the values of each use, in order (one per use, or several with ``nargs``). Its first use in a
+    parse replaces the default, which a ``--config`` file may have set: the command line wins over the file, as in
+    vLLM (where a key rotated on the command line retires the file's)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        kept = [] if current is None or current is parser.get_default(self.dest) else list(current)
+        setattr(namespace, self.dest, kept + (list(values) if isinstance(values, list) else [values]))
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One argparse argument per field of dataclass ``cls`` that has ``help`` metadata, default shown in the help."""
     groups: dict[str, Any] = {}
@@ -404,7 +416,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if _is_bool(f):
             kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable") else "store_true"
         elif meta.get("action") in ("append", "extend"):
-            kw.update(action=meta["action"], default=None, type=_flag_type(f))
+            kw.update(action=_Accumulate, default=None, type=_flag_type(f))
             if "nargs" in meta:
                 kw["nargs"] = meta["nargs"]
             if "metavar" in meta:

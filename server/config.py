@@ -25,9 +25,9 @@ class ServeConfig(EngineArgs):
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port to listen on", "min": 0, "max": 65535})
     api_key: tuple[str, ...] = field(default=(), metadata={
-        "help": "require one of these keys (Authorization: Bearer or x-api-key); repeat the flag for several; "
-                "default: $VLLM_API_KEY where set (as vLLM), else none (no key needed)",
-        "action": "append", "type": lambda text: parse_api_key(text)})
+        "help": "require one of these keys (Authorization: Bearer or x-api-key): --api-key K1 K2, or the flag "
+                "repeated; default: $VLLM_API_KEY where set (as vLLM), else none (no key needed)",
+        "action": "extend", "nargs": "+", "metavar": "KEY", "type": lambda text: parse_api_key(text)})
     served_model_name: str | None = field(default=None, metadata={
         "help": "the model name clients send, and more names that also reach the model (vLLM's several names; "
                 "responses carry the first); default: the Hugging Face id, or the directory's name",

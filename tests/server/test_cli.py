@@ -331,6 +331,14 @@ def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
     assert json.loads(c.speculative_config) == {"method": "ngram", "num_speculative_tokens": 4}
     assert main(["serve", "org/cli", "--config", str(path), "--max-model-len", "1K", "--port", "9002"]) == 0
     assert (str(seen[-1].model_dir), seen[-1].max_model_len, seen[-1].port) == ("org/cli", 1024, 9002)
+    (tmp_path / "keys.yaml").write_text("api-key: [old1, old2]\nlora-modules: [a=/x]\n")
+    assert main(["serve", "--config", str(tmp_path / "keys.yaml")]) == 0
+    assert (seen[-1].api_key, seen[-1].lora_modules) == (("old1", "old2"), ("a=/x",))
+    # a key rotated on the command line retires the file's (it stayed valid beside the new one), as in vLLM
+    assert main(["serve", "--config", str(tmp_path / "keys.yaml"), "--api-key", "new", "--lora-modules", "b=/y"]) == 0
+    assert (seen[-1].api_key, seen[-1].lora_modules) == (("new",), ("b=/y",))
+    assert main(["serve", "--api-key", "k1", "k2", "--api-key", "k3"]) == 0  # vLLM's several-keys form, and repeats
+    assert seen[-1].api_key == ("k1", "k2", "k3")
     (tmp_path / "on.yaml").write_text("enforce-eager: true\nreturn-tokens-as-token-ids: true\nenable-log-requests: "
                                       "true\nenable-chunked-prefill: false\nno-prefix-caching: true\n")
     for off in (["--enforce-eager", "false", "--return_tokens_as_token_ids=False", "--no-enable-log-requests",
