@@ -123,6 +123,8 @@ def read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def read_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -141,7 +141,6 @@ class Engine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model_config = loader.load_model_config(self.model_dir, config.hf_overrides)
-        self.generation_config: dict[str, Any] = loader.load_generation_config(self.model_dir)
         self.tokenizer_dir = checkpoint.tokenizer_dir(self.model_dir, config.tokenizer)
         self.tokenizer = loader.load_tokenizer(self.tokenizer_dir)
         self.eos_token_ids: set[int] = set(end_of_turn_ids(self.tokenizer, self.model_dir))

@@ -30,12 +30,6 @@ def load_model_config(model_dir: str | os.PathLike, overrides: dict[str, Any] | 
         raise ConfigError(f"{source}: {e}") from None
 
 
-def load_generation_config(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """generation_config.json, or {} when the checkpoint has none."""
-    path = checkpoint_dir(model_dir) / "generation_config.json"
-    return read_json(path) if path.exists() else {}
-
-
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     """The safetensors files that make up the checkpoint, sharded index first if present."""
     root = checkpoint_dir(model_dir)

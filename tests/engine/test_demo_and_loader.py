@@ -288,3 +288,14 @@ def test_an_unsupported_compressed_tensors_scheme_is_named(tmp_path, demo_model_
     with pytest.raises(QuantizationError, match=rf"config\.json:quantization_config: compressed-tensors scheme "
                                                 rf"\({scheme}\) is not supported; .*compressed-tensors FP8.*mxfp4"):
         Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+def test_a_checkpoint_json_file_that_is_not_utf8_is_named(tmp_path):
+    """It was a bare UnicodeDecodeError, naming no file."""
+    from ember.engine.checkpoint import CheckpointError, read_json
+
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: not UTF-8 text \(invalid start byte at "
+                                              r"byte 0\)"):
+        read_json(path)

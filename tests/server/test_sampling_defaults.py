@@ -140,3 +140,17 @@ def test_an_unusable_generation_config_names_the_flag_and_the_file(text, tmp_pat
             SamplingDefaults.load(setting, tmp_path)
         said = str(e.value)
         assert said.startswith(f"--generation-config {setting}: {path} ") and "\n" not in said, said
+
+
+def test_generation_config_vllm_serves_a_model_whose_file_is_unusable(tmp_path, demo_model_dir):
+    """`--generation-config vllm` ignores the file, as the refusal above tells the user to do: the engine read it
+    too (for nothing) and stopped the start on a file that is not UTF-8 or not JSON."""
+    from ember.server.config import ServeConfig
+
+    model = tmp_path / "demo"
+    shutil.copytree(demo_model_dir, model)
+    (model / "generation_config.json").write_bytes(b"\xff\xfe{")
+    config = ServeConfig(model_dir=model, served_model_name="m", kv_cache_blocks=32, generation_config="vllm")
+    with served(config) as server:
+        reply = server.openai().completions.create(model="m", prompt="hi", max_tokens=2, temperature=0)
+    assert reply.usage.completion_tokens == 2
