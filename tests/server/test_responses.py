@@ -488,3 +488,15 @@ def test_a_json_schema_format_without_a_name_is_echoed_with_the_name_it_was_comp
     assert r.status_code == 200, r.text
     assert r.json()["text"]["format"] == {"type": "json_schema", "name": "response", "schema": {"type": "object"}}
     Response.model_validate(r.json())
+
+
+def test_max_output_tokens_is_echoed_as_the_limit_in_effect(demo_server):
+    """As vLLM: the limit the reply ran under (clamped to the context's room, or the model's default), not the
+    request's value, so an `incomplete` response says which limit cut it."""
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=3)
+    assert r.max_output_tokens == 3 and r.status == "incomplete"
+    huge = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=10**9,
+                                   extra_body={"seed": 1}, temperature=0)
+    unset = client.responses.create(model=demo_server.model, input="Hi", extra_body={"seed": 1}, temperature=0)
+    assert 0 < huge.max_output_tokens < 10**9 and unset.max_output_tokens == huge.max_output_tokens
