@@ -330,14 +330,16 @@ def request_names(client_id: str | None) -> tuple[str, str]:
 
 def new_request(st: ServerState, choices: list[ChoiceSpec], stop: list[str], prefix: str,
                 arrival: float, sep: str = "-", client_id: str | None = None) -> GenRequest:
-    """Admit a request (503 when too many wait: `check_capacity`) and count its choices until they end. Its ID,
-    ``prefix``, ``sep`` and ``client_id`` (random hex when None), is the ``id`` its response carries. Two running
-    requests may share a client's ID: their engine IDs (in the logs) add random hex to it."""
+    """Admit a request (503 when too many wait: `check_capacity`), count its prompt tokens once per choice (each
+    choice is an engine request that prefills its prompt, as vLLM's ``n`` children are) and its choices until they
+    end. Its ID, ``prefix``, ``sep`` and ``client_id`` (random hex when None), is the ``id`` its response carries. Two
+    running requests may share a client's ID: their engine IDs (in the logs) add random hex to it."""
     check_capacity(st)
     name, engine_name = request_names(client_id)
     req = GenRequest(request_id=f"{prefix}{sep}{name}", choices=choices, stop=stop, arrival=arrival,
                      engine_id=f"{prefix}{sep}{engine_name}")
     st.admitted.hold(req)
+    st.metrics.prompt_tokens.inc(sum(len(c.prompt_ids) for c in choices))
     return req
 
 

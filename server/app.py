@@ -201,7 +201,6 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     for c, k in zip(choices, constraints):
         c.constraint = k
     req = new_request(st, choices, stop, "chatcmpl", arrival, client_id=client_request_id(request, body.request_id))
-    st.metrics.prompt_tokens.inc(len(prompt_ids))
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
@@ -287,7 +286,6 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     for c, k in zip(choices, constraints):
         c.constraint = k
     req = new_request(st, choices, stop, "cmpl", arrival, client_id=client_request_id(request, body.request_id))
-    st.metrics.prompt_tokens.inc(prompt_total)
     include_usage, continuous_usage = _usage_options(body, st.config.enable_force_include_usage)
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
@@ -366,7 +364,6 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     constraint = await _anthropic_constraint(st, body, initial, parse_tools, tool_choice, rf)
     parallel = body.parallel_tool_use
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
-    st.metrics.prompt_tokens.inc(len(prompt_ids))
     enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking)
     run = Run()
 

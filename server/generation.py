@@ -280,6 +280,8 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
     last_t: float | None = None
     scheduled_at: float | None = None  # the engine's first scheduling of it (`time.monotonic()`, as first_t)
     ntok = 0
+    counted = 0  # of ``ntok``, the tokens already in the generation-token counters (counted as each step delivers)
+    queued: float | None = None  # seconds from arrival in the engine to the first scheduling step
     end: ChoiceEnd | None = None
     if rt.request_log is not None:
         rt.request_log.received(rid, spec.prompt_ids, spec.params, rt.tokenizer.decode)
@@ -307,9 +309,8 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
         gen = rt.engine.generate(spec.prompt_ids, params, request_id=rid, constraint=spec.constraint)
         async with aclosing(gen):
             async for out in gen:
-                if last_t is None and metrics is not None and out.queue_seconds is not None:
-                    metrics.queue_time.observe(out.queue_seconds)  # the first output: waiting time is known
-                    scheduled_at = out.scheduled_at
+                if last_t is None and out.queue_seconds is not None:  # the first output: waiting time is known
+                    queued, scheduled_at = out.queue_seconds, out.scheduled_at
                 if prompt_only:
                     if out.new_token_ids or out.finished or out.prompt_logprobs is not None:
                         end = _prompt_end(out)
@@ -357,6 +358,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         step.end = end
                         yield step
                         return  # leaving `aclosing` aborts the engine request
+                if metrics is not None and ntok > counted:
+                    metrics.generation_tokens.inc(ntok - counted)
+                    counted = ntok
                 if out.finished:
                     if out.finish_reason == "abort" and rt.stopping is not None:
                         raise _Stopping(rt.stopping)
@@ -398,8 +402,11 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                                     cached_tokens=end.cached_tokens if end else None, error=end.error if end else None)
         if metrics is not None:
             rejected = end is not None and end.rejected
-            metrics.generation_tokens.inc(ntok)
+            if ntok > counted:
+                metrics.generation_tokens.inc(ntok - counted)
             metrics.finished(end.reason if end else "cancelled", rejected)
+            if queued is not None and not rejected:
+                metrics.queue_time.observe(queued)
             if last_t is not None:
                 metrics.e2e.observe(last_t - req.arrival)
             if not rejected:

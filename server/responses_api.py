@@ -147,7 +147,6 @@ async def create_response(body: pr.ResponsesRequest, request: Request) -> Respon
     except ApiError as e:
         raise flat_tool_fields(e, "parameters") from None
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], [], "resp", arrival, sep="_")
-    st.metrics.prompt_tokens.inc(len(prompt_ids))
     response_id = req.request_id
     store = body.store and st.responses.capacity > 0
     enc = ResponseEncoder(_head(body, response_id, model_label(st, lora), store, params), rt.token_bytes.token_bytes,
