@@ -550,7 +550,10 @@ async def metrics(request: Request) -> Response:
 
 
 def _error_response(request: Request, err: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    anthropic = is_anthropic_request(get_route_path(request.scope), request.headers)
+    """``err`` in the shape of the API the request is for: Anthropic's for its routes, and for a path no route serves
+    asked with ``anthropic-version`` (an Anthropic SDK given a base URL ending in ``/v1`` asks ``/v1/v1/messages``)."""
+    anthropic = is_anthropic_request(get_route_path(request.scope), request.headers) or (
+        err.status == 404 and "anthropic-version" in request.headers and not _allowed_methods(request))
     body = anthropic_error_body(err) if anthropic else openai_error_body(err)
     return JSONResponse(body, status_code=err.status, headers=headers)
 

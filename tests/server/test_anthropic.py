@@ -388,3 +388,19 @@ def test_tool_names_up_to_anthropics_128_characters_are_served(demo_server):
     body["tools"][0]["name"] = body["tool_choice"]["name"] = "x" * 129
     r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "max_tokens": 2})
     assert r.status_code == 400 and "tools[0].name" in r.json()["error"]["message"], r.text
+
+
+def test_a_path_no_route_serves_answers_an_anthropic_client_in_its_shape(demo_server):
+    """A base URL ending in /v1 (a common slip) sends the SDK to /v1/v1/messages: its 404 is Anthropic's, while a
+    request without the header, or a served route's own 404, keeps the OpenAI shape."""
+    import anthropic
+
+    with pytest.raises(anthropic.NotFoundError) as e:
+        anthropic.Anthropic(base_url=demo_server.url + "/v1", api_key="x", max_retries=0).messages.create(
+            model=demo_server.model, max_tokens=1, messages=HI)
+    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+    plain = httpx.post(demo_server.url + "/v1/v1/messages", json={}, timeout=10)
+    assert plain.status_code == 404 and plain.json()["error"]["type"] == "invalid_request_error"
+    served = httpx.post(demo_server.url + "/v1/chat/completions", timeout=10, headers={"anthropic-version": "x"},
+                        json={"model": "nope", "messages": HI})
+    assert served.status_code == 404 and "param" in served.json()["error"], served.text
