@@ -237,13 +237,14 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     choices, echoes, echo_offsets, prompt_total = [], [], [], 0
     echo_drop = rt.parser_plain.dropped_ids(body.skip_special_tokens)  # what the echo leaves out, as the output does
     for p_i, p in enumerate(prompts):
+        named = f"prompt[{p_i}]" if len(prompts) > 1 else "prompt"
         if isinstance(p, str):
             if body.truncate_prompt_tokens is None:
-                rt.check_text_size(p, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
+                rt.check_text_size(p, named)
             ids = list(await asyncio.to_thread(rt.tokenizer.encode, p, add_special_tokens=True))
         else:
             ids = list(p)
-            check_token_ids(st, ids, f"prompt[{p_i}]" if len(prompts) > 1 else "prompt")
+            check_token_ids(st, ids, named)
         if not ids:
             raise bad_request("prompt is empty", param="prompt")
         kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
@@ -262,7 +263,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
                 decoded, offsets = prompt_text_offsets(rt.token_bytes, kept, echo_drop)
                 text = p if as_given else decoded
         ids = kept
-        max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param="prompt")
+        max_tokens = allowed_tokens(st, len(ids), body.max_tokens, body.min_tokens, param=named)
         prompt_total += len(ids)
         base = sampling_params(
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
@@ -329,7 +330,10 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
 
 # ------------------------------------------------------------------------------------------------- messages (Anthropic)
 
-async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[list[int], list[dict] | None, dict]:
+async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase,
+                            counting: bool = False) -> tuple[list[int], list[dict] | None, dict]:
+    """The prompt's token IDs, its tools and template variables; a text too long for the context is refused before
+    it is tokenized, except when ``counting`` (count_tokens answers how long a conversation is, however long)."""
     rt = st.runtime
     messages = chat.anthropic_messages(body.system, body.messages)
     tools = chat.anthropic_tools(body.tools)
@@ -337,7 +341,8 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase) -> tuple[li
     kwargs = rt.template_kwargs(kwargs) or {}  # the server's defaults under the route's own thinking switches
     continue_final = bool(messages) and messages[-1]["role"] == "assistant"
     ids = await asyncio.to_thread(rt.prompt_ids, messages, tools=tools, add_generation_prompt=not continue_final,
-                                  continue_final_message=continue_final, kwargs=kwargs, size_param="messages")
+                                  continue_final_message=continue_final, kwargs=kwargs,
+                                  size_param=None if counting else "messages")
     return ids, tools, kwargs
 
 
@@ -427,7 +432,7 @@ def _message_step(enc: MessageEncoder, step: ChoiceStep, run: Run) -> list[dict]
 async def count_tokens(body: pa.CountTokensRequest, request: Request, _: None = Depends(require_api_key)) -> dict:
     st = state(request)
     check_model(st, body.model)
-    prompt_ids, tools, _kw = await _anthropic_prompt(st, body)
+    prompt_ids, tools, _kw = await _anthropic_prompt(st, body, counting=True)
     tool_choice, parse_tools = _anthropic_tool_choice(st, body, tools)
     try:
         check_tools(parse_tools)  # the tool names /v1/messages would refuse

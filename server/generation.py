@@ -151,11 +151,14 @@ class ModelRuntime:
     def check_text_size(self, text: str, param: str) -> None:
         """A 400 (``context_length_exceeded``, naming ``param``) for prompt text longer than `max_prompt_chars`:
         more characters than ``max_model_len`` tokens can spell, so the tokenizer need not spend seconds and
-        gigabytes on it (a request that truncates its prompt is not checked)."""
+        gigabytes on it (a request that truncates its prompt is not checked). The token count it gives (Anthropic's
+        message carries one) is the fewest tokens the text can be: it grows with the text, as a client trimming a
+        conversation by it needs."""
         if self.max_prompt_chars and len(text) > self.max_prompt_chars:
+            per_token = self.max_prompt_chars // self.max_model_len  # the most characters one token spells
             raise prompt_too_long(f"The prompt has {len(text)} characters, more than this model's maximum context "
                                   f"length of {self.max_model_len} tokens can hold", param,
-                                  self.max_model_len + 1, self.max_model_len - 1)  # a lower bound on its tokens
+                                  max(self.max_model_len + 1, -(-len(text) // per_token)), self.max_model_len - 1)
 
     @classmethod
     def build(cls, engine: EngineClient, config: ServeConfig, model_dir: Path, chat_template: str | None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import anthropic
@@ -352,13 +353,21 @@ def test_a_prompt_too_long_is_worded_as_anthropic_words_it(demo_server):
         "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * n}]})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is too long: "), r.text
     assert r.json()["error"]["message"].endswith(f" tokens > {n - 1} maximum")
-    # text too long to tokenize: the same form, two integers (the tokens a lower bound), the same maximum
-    huge = "x" * (demo_server.runtime.max_prompt_chars + 1)
-    for path in ("/v1/messages", "/v1/messages/count_tokens"):
-        r = httpx.post(demo_server.url + path, timeout=60, json={
-            "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": huge}]})
-        assert r.status_code == 400 and r.json()["error"]["message"] == f"prompt is too long: {n + 1} tokens > " \
-                                                                        f"{n - 1} maximum", r.text
+    # text too long to tokenize: the same form, two integers, the same maximum; the tokens are a lower bound that
+    # grows with the text (it was max_model_len + 1 for any size: a client trimming by it trimmed too little)
+    limit = demo_server.runtime.max_prompt_chars
+    said = []
+    for size in (limit + 1, 4 * limit):
+        r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={
+            "model": demo_server.model, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * size}]})
+        m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", r.json()["error"]["message"])
+        assert r.status_code == 400 and m and int(m[2]) == n - 1, r.text
+        said.append(int(m[1]))
+    assert n < said[0] and 4 * n <= said[1]
+    # counting is what count_tokens is for: a conversation longer than the context is counted, not refused
+    counted = httpx.post(demo_server.url + "/v1/messages/count_tokens", timeout=60, json={
+        "model": demo_server.model, "messages": [{"role": "user", "content": "x" * (limit + 1)}]})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > n, counted.text
 
 
 def test_the_beta_output_format_spelling_constrains_the_answer_as_output_config_does(demo_server):
