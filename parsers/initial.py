@@ -3,7 +3,9 @@
 Computed once per request from the prompt token IDs and shared by the parser and the grammar builder, so the two can
 never disagree (design A.3, I9, I10). Only the prompt after the LAST generation header counts (history turns, tool
 examples and system prompts never flip it); within that tail the last thinking delimiter decides: an open -> REASONING,
-a close -> CONTENT, neither -> the profile's ``start_mode``. A delimiter that is a single token in this vocabulary
+a close -> CONTENT, neither -> the profile's ``start_mode``. A prompt without any generation header (the request
+turned ``add_generation_prompt`` off) is all tail, but an open there counts only where the prompt ends in it (a
+system prompt's ``<think>`` is text). A delimiter that is a single token in this vocabulary
 (``delimiter_ids``) counts only as that token; one that is not is matched on the tail's text. An assistant prefill
 (``continue_final_message``) lies in the tail, so its thought state carries over.
 
@@ -39,8 +41,9 @@ class InitialState(enum.Enum):
 
 
 def _tail_after_header(prompt_ids: Sequence[int], headers: Sequence[bytes],
-                       tb: TokenBytes) -> tuple[int, bytes, list[int]]:
-    """(index of the first tail token, tail bytes, byte offset of each tail token within the tail).
+                       tb: TokenBytes) -> tuple[int, bytes, list[int], bool]:
+    """(index of the first tail token, tail bytes, byte offset of each tail token within the tail, whether a header
+    occurs).
 
     The tail starts right after the last occurrence of any header; the whole prompt when no header occurs. Windows of
     the prompt's end grow geometrically, so a long prompt is decoded only as far back as its last header.
@@ -59,7 +62,7 @@ def _tail_after_header(prompt_ids: Sequence[int], headers: Sequence[bytes],
         if cut >= 0 or start == 0:
             break
         window *= 4
-    cut = max(cut, 0)
+    found, cut = cut >= 0, max(cut, 0)
     offsets: list[int] = []
     pos = 0
     first = start
@@ -70,7 +73,7 @@ def _tail_after_header(prompt_ids: Sequence[int], headers: Sequence[bytes],
         else:
             offsets.append(pos - cut)
         pos = end
-    return first, text[cut:], offsets
+    return first, text[cut:], offsets, found
 
 
 def _last_position(text_pos: int, tail_ids: Sequence[int], offsets: Sequence[int], token_id: int | None) -> int:
@@ -91,7 +94,7 @@ def initial_state(prompt_ids: Sequence[int], profile: Profile, tb: TokenBytes,
     if spec is None and not harmony:
         return InitialState.CONTENT
     headers = [h.encode("utf-8") for h in profile.generation_headers if h]
-    first, tail, offsets = _tail_after_header(prompt_ids, headers, tb)
+    first, tail, offsets, found = _tail_after_header(prompt_ids, headers, tb)
     tail_ids = prompt_ids[first:]
 
     def last(delim: str | None) -> int:
@@ -104,6 +107,8 @@ def initial_state(prompt_ids: Sequence[int], profile: Profile, tb: TokenBytes,
     if harmony:
         return _harmony_state(tail, profile.terminals, last) if first > 0 else InitialState.CONTENT
     open_at, close_at = last(spec.open), last(spec.close)
+    if headers and not found and open_at > close_at and tail[open_at + len(spec.open.encode("utf-8")):].strip():
+        open_at = -1  # no generation header (`add_generation_prompt: false`): only a thought the prompt ends in is open
     if open_at > close_at:
         return InitialState.REASONING
     if close_at >= 0:

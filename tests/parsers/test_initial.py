@@ -123,6 +123,15 @@ def test_no_header_uses_the_whole_prompt_last_delimiter_wins(chatml_tok):
     assert state_of(chatml_tok, "") == C
 
 
+def test_no_header_an_open_the_prompt_does_not_end_in_is_text(chatml_tok):
+    """`add_generation_prompt: false` leaves no generation header: a `<think>` in a system prompt or the user's
+    text put the whole reply into the reasoning channel."""
+    turns = "<|im_start|>system\nUse <think> tags<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+    assert state_of(chatml_tok, turns) == C
+    assert state_of(chatml_tok, "<|im_start|>user\nExplain <think><|im_end|>\n") == C
+    assert state_of(chatml_tok, turns + "<think>\n") == R
+
+
 def test_deepseek_r1_on_deepseek_v3_vocab_matches_the_tags_as_text():
     tok = load_tokenizer("deepseek-v3")
     assert tok.token_to_id("<think>") is None
