@@ -35,6 +35,7 @@ from .config import ServeConfig
 from .errors import prompt_too_long
 from .metrics import Metrics
 from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
+from .quoted_text import TextQuoter, encode_quoted
 from .request_log import RequestLog
 from .sampling_defaults import SamplingDefaults
 
@@ -115,6 +116,8 @@ class ModelRuntime:
     max_prompt_chars: int = 0
     """Prompt text longer than this cannot fit the context whatever it tokenizes to (`check_text_size`); 0: no
     limit."""
+    quoter: TextQuoter | None = None
+    """For a harmony (gpt-oss) model: message text stays ordinary tokens, as vLLM's harmony renderer writes it."""
 
     def stop_generating(self, reason: str) -> None:
         """End every running choice, and each one started from now on, with an error saying ``reason``: a client
@@ -142,10 +145,17 @@ class ModelRuntime:
     def prompt_ids(self, messages: list[dict[str, Any]], *, size_param: str | None = None,
                    add_special_tokens: bool = False, **options: Any) -> list[int]:
         """The chat prompt's token IDs (`render`, then `chat.encode`); with ``size_param``, a text too long for the
-        context is a 400 naming it before it is tokenized (`check_text_size`)."""
-        text = self.render(messages, **options)
+        context is a 400 naming it before it is tokenized (`check_text_size`). With a `quoter`, message text that
+        spells a control token is tokenized as ordinary text."""
+        quoted = self.quoter.quote(messages) if self.quoter is not None and not add_special_tokens else None
+        text = self.render(quoted if quoted is not None else messages, **options)
         if size_param is not None:
             self.check_text_size(text, size_param)
+        if quoted is not None:
+            ids = encode_quoted(self.tokenizer, text)
+            if ids is not None:
+                return ids
+            text = self.render(messages, **options)  # the template moved a mark: the text as it renders
         return chat.encode(self.tokenizer, text, add_special_tokens)
 
     def check_text_size(self, text: str, param: str) -> None:
@@ -184,6 +194,7 @@ class ModelRuntime:
         longest = max((len(b) for b in tb.bytes_table), default=1)
         return cls(engine=engine, tokenizer=tok, token_bytes=tb, model_name=name, max_model_len=info.max_model_len,
                    max_prompt_chars=info.max_model_len * longest * 4 if tb.spells_every_char else 0,
+                   quoter=TextQuoter.of(tok) if profile.tool_format == "harmony" else None,
                    chat_template=template, parser=setup, parser_plain=plain,
                    tools_enabled=config.tool_parser != "none" and profile.tool_format is not None, grammar=grammar,
                    sampling_defaults=SamplingDefaults.load(config.generation_config, info.model_dir,

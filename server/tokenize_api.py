@@ -71,12 +71,11 @@ def _tokenize(rt: Any, body: TokenizeRequest) -> list[int]:
             check_tools(tools)
         except GrammarError as e:
             raise grammar_error(e) from None
-    text = rt.render(chat.openai_messages(body.messages or []), tools=tools,
-                     add_generation_prompt=body.add_generation_prompt,
-                     continue_final_message=body.continue_final_message,
-                     kwargs=rt.template_kwargs(body.chat_template_kwargs), documents=body.documents)
-    rt.check_text_size(text, "messages")
-    return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    return rt.prompt_ids(chat.openai_messages(body.messages or []), size_param="messages", tools=tools,
+                         add_special_tokens=bool(body.add_special_tokens),
+                         add_generation_prompt=body.add_generation_prompt,
+                         continue_final_message=body.continue_final_message,
+                         kwargs=rt.template_kwargs(body.chat_template_kwargs), documents=body.documents)
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
