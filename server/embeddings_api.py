@@ -109,12 +109,11 @@ class EmbeddingRequest(PoolingInputs):
 def _conversation_ids(rt: ModelRuntime, body: PoolingInputs) -> list[int]:
     """``messages`` rendered by the chat template, as one prompt's token IDs."""
     assert body.messages is not None
-    text = rt.render(chat.openai_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                     continue_final_message=body.continue_final_message,
-                     kwargs=rt.template_kwargs(body.chat_template_kwargs))
-    if body.truncate_prompt_tokens is None:
-        rt.check_text_size(text, "messages")
-    return list(rt.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    return rt.prompt_ids(chat.openai_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                         continue_final_message=body.continue_final_message,
+                         kwargs=rt.template_kwargs(body.chat_template_kwargs),
+                         add_special_tokens=bool(body.add_special_tokens),
+                         size_param="messages" if body.truncate_prompt_tokens is None else None)
 
 
 def prompt_limit(rt: ModelRuntime) -> int:
