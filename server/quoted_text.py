@@ -34,36 +34,39 @@ class TextQuoter:
     def quote(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
         """``messages`` with each text (content, its text parts, a thought) that spells an added token between the
         sentinels; None when none does, or when a text holds a sentinel itself (then nothing is marked)."""
-        changed = False
-        out = []
-        for message in messages:
-            copy = dict(message)
-            for key in _TEXT_FIELDS:
-                value = copy.get(key)
-                if isinstance(value, str):
-                    marked = self._mark(value)
-                    if marked is None:
-                        return None
-                    changed |= marked is not value
-                    copy[key] = marked
-                elif isinstance(value, list):
-                    parts = []
-                    for part in value:
-                        if isinstance(part, dict) and isinstance(part.get("text"), str):
-                            marked = self._mark(part["text"])
-                            if marked is None:
-                                return None
-                            changed |= marked is not part["text"]
-                            part = {**part, "text": marked}
-                        parts.append(part)
-                    copy[key] = parts
-            out.append(copy)
-        return out if changed else None
-
-    def _mark(self, text: str) -> str | None:
-        if OPEN in text or CLOSE in text:
+        texts = [t for m in messages for t in _texts(m)]
+        if any(OPEN in t or CLOSE in t for t in texts) or not any(self.spelling.search(t) for t in texts):
             return None
+        return [self._quoted(m) for m in messages]
+
+    def _quoted(self, message: dict[str, Any]) -> dict[str, Any]:
+        copy = dict(message)
+        for key in _TEXT_FIELDS:
+            value = copy.get(key)
+            if isinstance(value, str):
+                copy[key] = self._mark(value)
+            elif isinstance(value, list):
+                copy[key] = [{**p, "text": self._mark(p["text"])} if _is_text_part(p) else p for p in value]
+        return copy
+
+    def _mark(self, text: str) -> str:
         return OPEN + text + CLOSE if self.spelling.search(text) else text
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and isinstance(part.get("text"), str)
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    """The texts of ``message`` that `TextQuoter` marks."""
+    out = []
+    for key in _TEXT_FIELDS:
+        value = message.get(key)
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, list):
+            out += [p["text"] for p in value if _is_text_part(p)]
+    return out
 
 
 def encode_quoted(tokenizer: Any, text: str) -> list[int] | None:
