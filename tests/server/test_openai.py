@@ -343,16 +343,17 @@ def _samples(text: str) -> dict[str, float]:
     return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
 
 
+def _scrape(server) -> dict[str, float]:
+    return _samples(httpx.get(server.url + "/metrics", timeout=10).text)
+
+
 def test_metrics_observe_the_per_request_histograms_of_vllms_dashboard(demo_server):
     """Each choice is one vLLM request (its prompt and generated tokens, max_tokens, decode time and time per output
     token after the first); each prompt's `n` choices together give `n` and the longest one's token count."""
-    def scrape() -> dict[str, float]:
-        return _samples(httpx.get(demo_server.url + "/metrics", timeout=10).text)
-
-    before = scrape()
+    before = _scrape(demo_server)
     demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=5, n=2, seed=3,
                                                  temperature=1.0, extra_body={"ignore_eos": True})
-    after = scrape()
+    after = _scrape(demo_server)
 
     def grew(name: str, part: str) -> float:
         key = f'vllm:{name}_{part}{{model_name="{demo_server.model}"}}'
@@ -374,48 +375,42 @@ def test_metrics_count_prompts_per_choice_and_generated_tokens_as_they_stream(de
     """As vLLM: a prompt counts once per engine request (`n` choices are `n`, as the per-request histogram has it),
     generated tokens count as each step delivers them (a throughput panel stayed flat until a choice ended), and a
     request the engine refuses (a 400) adds no queue time."""
-    def scrape() -> dict[str, float]:
-        return _samples(httpx.get(demo_server.url + "/metrics", timeout=10).text)
-
     def key(name: str) -> str:
         return f'vllm:{name}{{model_name="{demo_server.model}"}}'
 
-    before = scrape()
+    before = _scrape(demo_server)
     demo_server.openai().completions.create(model=demo_server.model, prompt="hi there", max_tokens=2, n=3)
-    after = scrape()
+    after = _scrape(demo_server)
     prompt_len = len(demo_server.tokenizer("hi there")["input_ids"])
     grew = {name: after[key(name)] - before.get(key(name), 0.0)
             for name in ("prompt_tokens_total", "request_prompt_tokens_sum")}
     assert grew == {"prompt_tokens_total": 3 * prompt_len, "request_prompt_tokens_sum": 3 * prompt_len}
     body = {"model": demo_server.model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    start, chunks = scrape(), 0
+    start, chunks = _scrape(demo_server), 0
     with httpx.stream("POST", demo_server.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             chunks += line.startswith("data: {")
             if chunks == 50:
-                mid = scrape()
+                mid = _scrape(demo_server)
                 break
     assert mid[key("generation_tokens_total")] - start[key("generation_tokens_total")] >= 50
     queued = key("request_queue_time_seconds_count")
-    before = scrape()[queued]
+    before = _scrape(demo_server)[queued]
     refused = httpx.post(demo_server.url + "/v1/completions", timeout=30, json={
         "model": demo_server.model, "prompt": "hello", "max_tokens": 5, "allowed_token_ids": [300],
         "response_format": {"type": "json_object"}})
     assert refused.status_code == 400, refused.text
-    assert scrape()[queued] == before
+    assert _scrape(demo_server)[queued] == before
 
 
 def test_metrics_observe_vllms_prefill_and_inference_time_from_the_engines_first_scheduling(demo_server):
     """The engine (its own process) stamps a request's first scheduling; prefill runs from it to the first token and
     inference to the last, both as received by the server: prefill + decode = inference, within the first token's
     time (the request was scheduled after it arrived)."""
-    def scrape() -> dict[str, float]:
-        return _samples(httpx.get(demo_server.url + "/metrics", timeout=10).text)
-
-    before = scrape()
+    before = _scrape(demo_server)
     demo_server.openai().chat.completions.create(model=demo_server.model, messages=HI, max_tokens=4, seed=3,
                                                  extra_body={"ignore_eos": True})
-    after = scrape()
+    after = _scrape(demo_server)
 
     def seen(name: str) -> tuple[float, float]:
         count, total = (f'vllm:{name}_{part}{{model_name="{demo_server.model}"}}' for part in ("count", "sum"))
