@@ -215,12 +215,14 @@ class GrammarConstraint:
         consumed = 0
         try:
             for tok in draft:
+                # a stopped matcher takes EOS (its only allowed token) without recording it, though validate refuses
+                repeat_eos = self.matcher is not None and tok in self.eos_ids and self.matcher.is_stopped()
                 # checked first: a matcher that refused a token would be left in its error state
-                refused = self.matcher is not None and self.matcher.validate_tokens([tok]) != 1
+                refused = self.matcher is not None and not repeat_eos and self.matcher.validate_tokens([tok]) != 1
                 if refused or not self.accept_token(tok):
                     bitmask[row].fill_(-1)
                     return
-                consumed += self.matcher is not None
+                consumed += self.matcher is not None and not repeat_eos
             self.fill_bitmask(bitmask, row)
         finally:
             if consumed:

@@ -78,3 +78,43 @@ def test_constrained_requests_emit_what_they_emit_without_speculation(demo_model
     assert got == want
     assert all(r[1:] == ("stop", None) for r in want), want  # each reply is the whole document
     assert eng.stats().spec_accepted_tokens > 0 and eng.num_steps < plain.num_steps
+
+
+def test_eos_drafted_past_a_complete_grammar_is_kept_as_plain_decoding_keeps_it(demo_model_dir):
+    """With ``ignore_eos`` a finished grammar allows only EOS, over and over; a stopped llguidance matcher consumes
+    EOS yet refuses it in ``validate_tokens``, so the rows after a drafted EOS must still be its EOS-only mask."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model_dir))
+    eos = end_of_turn_ids(None, demo_model_dir)
+    backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=eos)
+    plan = GrammarPlan(grammar=json.dumps({"grammars": [{"lark_grammar": 'start: ("red" | " fox")+'}]}), budget=None)
+    text = tok.encode("red fox", add_special_tokens=False)
+    end = min(eos)
+    c = backend.constraint(plan)
+    for t in text:
+        assert c.accept_token(t)
+    want = backend.constraint(plan)
+    for t in text + [end, end]:
+        assert want.accept_token(t)
+    only_eos = _mask(backend, lambda bm: want.fill_bitmask(bm, 0))
+    assert not only_eos.eq(-1).all()
+    for n in range(1, 4):
+        assert torch.equal(_mask(backend, lambda bm: c.fill_bitmask_after([end] * n, bm, 0)), only_eos)
+    assert c.accept_token(end) and c.accept_token(end)  # the drafts rolled back nothing the constraint had
+    assert torch.equal(_mask(backend, lambda bm: c.fill_bitmask(bm, 0)), only_eos)
+
+    grammar = json.dumps({"grammars": [{"lark_grammar": 'start: ("red" | " fox")+'}]})
+    prompt = tok.encode("red fox red fox red fox red fox red fox", add_special_tokens=False)
+    requests = [(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
+
+    def run(spec):
+        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, speculative_config=spec,
+                                     bitmask_filler=backend.bitmask_filler())
+        return run_requests(eng, [(p, params, backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
+                                  for p, params in requests]), eng
+
+    want_out, _ = run(None)
+    got, eng = run(NGRAM)
+    assert got == want_out
+    assert want_out[0][1] == "length" and eng.stats().spec_accepted_tokens > 0, want_out
