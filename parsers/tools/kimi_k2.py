@@ -9,12 +9,25 @@ _PREFIX = "functions."
 
 
 class KimiK2Syntax(SepJsonSyntax):
+    """Calls' ids are unique within the reply: a head the reply already used (a model repeating `:0`) gets the index
+    past the largest one so far, as the clients that match results to calls by id need."""
     tool_format = "kimi_k2"
+
+    def __init__(self, machine, tools) -> None:
+        super().__init__(machine, tools)
+        self._ids: set[str] = set()
+        self._next_index = 0
 
     def _head_end(self, head: str, sep: str) -> None:
         ident = head.strip()
         name = ident.removeprefix(_PREFIX)
         base, colon, index = name.rpartition(":")
+        call_id = None
         if colon and base and index.isascii() and index.isdigit():
             name = base
-        self._start(head, "", sep, name, ident if name != ident else None)
+            if ident in self._ids:
+                ident = f"{_PREFIX}{name}:{self._next_index}"
+            self._ids.add(ident)
+            self._next_index = max(self._next_index, int(ident.rpartition(":")[2]) + 1)
+            call_id = ident
+        self._start(head, "", sep, name, call_id)

@@ -80,6 +80,16 @@ def test_calls_keep_kimis_ids_and_arguments_bytes(tok, setup):
     assert out.tool_calls[0].arguments == json.dumps(ARGS, ensure_ascii=False)
 
 
+def test_a_repeated_head_gets_an_id_no_call_of_the_reply_has(tok, setup):
+    """Clients match tool results to calls by id: a model repeating `:0` must not give two calls one id."""
+    reply = SECTION + call("get_weather", 0, {}) + call("get_weather", 0, {"a": 1}) + call("get_time", 1, {}) \
+        + call("get_weather", 1, {}) + CLOSE
+    out = parse_all(setup.pipeline(initial=InitialState.CONTENT, tools=[{}]), ids_of(tok, reply))
+    assert [c.id for c in out.tool_calls] == ["functions.get_weather:0", "functions.get_weather:1",
+                                              "functions.get_time:1", "functions.get_weather:2"]
+    assert [c.name for c in out.tool_calls] == ["get_weather", "get_weather", "get_time", "get_weather"]
+
+
 def test_a_head_without_the_functions_prefix_names_the_tool_and_gets_our_id(tok, setup):
     out = parse_all(setup.pipeline(initial=InitialState.CONTENT, tools=[{}], call_id=lambda i: f"call_{i}"),
                     ids_of(tok, SECTION + CALL + "search" + ARG + '{"q": "x"}' + END + CLOSE))
