@@ -296,22 +296,31 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
                           "calls: send their results as tool messages instead", param=f"{field}[{len(messages) - 1}]"
                           ".tool_calls")
 
-    def apply(tools: list[dict[str, Any]] | None) -> Any:
+    def apply(tools: list[dict[str, Any]] | None, messages: list[dict[str, Any]]) -> Any:
         return tokenizer.apply_chat_template(
             cf.apply(messages, content_format), tools=tools, chat_template=template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, tokenize=False,
             documents=documents, **extra)
 
+    # Retried only where the first form fails: gpt-oss's template adds a tool's description unguarded (the API has it
+    # optional); DeepSeek's templates concatenate a replayed call's arguments as text (others iterate the object).
+    tool_forms = [tools, *filter(None, [_with_descriptions(tools)])]
+    message_forms = [messages, *filter(None, [_string_arguments(messages)])]
     try:
-        try:
-            text = apply(tools)
-        except RecursionError:
-            raise
-        except Exception:
-            described = _with_descriptions(tools)
-            if described is None:
-                raise
-            text = apply(described)  # gpt-oss's template adds a tool's description unguarded; the API has it optional
+        text, first_error = None, None
+        for ms in message_forms:
+            for ts in tool_forms:
+                try:
+                    text = apply(ts, ms)
+                    break
+                except RecursionError:
+                    raise
+                except Exception as e:
+                    first_error = first_error or e
+            if text is not None:
+                break
+        if text is None:
+            raise first_error
     except RecursionError:  # arguments, a schema or a template variable nested deeper than Jinja and json reach
         deepest = max((_depth(extra), "chat_template_kwargs"), (_depth(tools), "tools"), (_depth(messages), field))
         raise bad_request(f"the chat template could not render these messages: {deepest[1]} are nested too deeply",
@@ -341,6 +350,20 @@ def _with_descriptions(tools: list[dict[str, Any]] | None) -> list[dict[str, Any
     if not tools or all("description" in t.get("function", {}) for t in tools):
         return None
     return [{**t, "function": {"description": "", **t["function"]}} if "function" in t else t for t in tools]
+
+
+def _string_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with each replayed call's arguments as JSON text (what the model wrote and the API carries), for
+    templates that concatenate them; None when no message has a call."""
+    if not any(m.get("tool_calls") for m in messages):
+        return None
+    return [{**m, "tool_calls": [{**tc, "function": {**tc["function"], "arguments": _json_text(tc["function"])}}
+                                 for tc in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+
+
+def _json_text(function: dict[str, Any]) -> Any:
+    arguments = function.get("arguments")
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -307,6 +307,35 @@ def test_a_replayed_tool_call_without_an_id_renders(qwen3_tokenizer):
     assert "get_weather" in chat.render(qwen3_tokenizer, template, messages)
 
 
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
+def test_deepseek_v31_renders_a_replayed_call_with_its_arguments_text(qwen3_tokenizer, api):
+    """DeepSeek's own templates concatenate a call's arguments as text, while templates that iterate them need the
+    object: a second tool turn on DeepSeek-V3.1 was a 400 ("can only concatenate str (not "dict") to str")."""
+    template = shared_path("templates", "hf", "DeepSeek-V3.1.jinja").read_text()
+    if api == "openai":
+        messages = _openai({"role": "user", "content": "Weather in Zürich?"},
+                           {"role": "assistant", "content": "", "tool_calls": [
+                               {"id": "c1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}]},
+                           {"role": "tool", "tool_call_id": "c1", "content": "18C"})
+    elif api == "anthropic":
+        body = pa.MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": [
+            {"role": "user", "content": "Weather in Zürich?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather",
+                                               "input": {"city": "Zürich"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "18C"}]}]})
+        messages = chat.anthropic_messages(body.system, body.messages)
+    else:
+        messages = responses_messages([
+            {"role": "user", "content": "Weather in Zürich?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Zürich"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "18C"}])
+    text = chat.render(qwen3_tokenizer, template, messages)
+    assert 'get_weather<｜tool▁sep｜>{"city": "Zürich"}<｜tool▁call▁end｜>' in text and "18C" in text
+    qwen = shared_path("templates", "hf", "Qwen3-0.6B.jinja").read_text()
+    assert '{"city": "Zürich"}' in chat.render(qwen3_tokenizer, qwen, messages)  # iterated as the object still
+
+
 def test_anthropic_thinking_sets_both_template_switches(rebuilt_server, demo_runtime):
     """DeepSeek-V3.1's template reads `thinking`, Qwen3's `enable_thinking`: `thinking` on /v1/messages sets both."""
     srv = rebuilt_server("{% for m in messages %}{{ m.content }}{% endfor %}"
