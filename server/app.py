@@ -207,7 +207,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
                      continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs,
                      tokens_as_ids=_tokens_as_ids(st, body), role=(role := _reply_role(st, body)),
-                     echo=_echoed(body, role))
+                     echo=_echoed(body, role), named_tool=isinstance(body.tool_choice, po.NamedToolChoice))
     run = Run()
     if body.stream:
         return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),

@@ -65,6 +65,7 @@ class ChunkMeta:
     tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: logprobs name tokens `token_id:N`
     role: str = "assistant"  # the chat message's role (`--response-role`, or the last message's; see app)
     echo: str = ""  # vLLM's chat `echo`: the text of the last message, which each reply's content starts with
+    named_tool: bool = False  # `tool_choice` named one function: its call ends the choice with `stop`, as OpenAI's
 
 
 def event_deltas(events: Iterable[Event]) -> list[dict[str, Any]]:
@@ -297,14 +298,15 @@ class ChatChoiceEncoder:
                 + tail)
 
     def finish_reason(self, end: ChoiceEnd) -> str:
-        return finish_reason(end, self.completed_calls)
+        return finish_reason(end, self.completed_calls, self.meta.named_tool)
 
 
-def finish_reason(end: ChoiceEnd, completed_calls: int) -> str:
-    """`length` wins; a turn that ended after complete tool calls is `tool_calls`; a stop string is `stop`."""
+def finish_reason(end: ChoiceEnd, completed_calls: int, named_tool: bool = False) -> str:
+    """`length` wins; a turn that ended after complete tool calls is `tool_calls`, except where the request named the
+    function (`stop`, as OpenAI and vLLM answer a named `tool_choice`); a stop string is `stop`."""
     if end.reason == "length":
         return "length"
-    if end.reason == "eos" and completed_calls:
+    if end.reason == "eos" and completed_calls and not named_tool:
         return "tool_calls"
     if end.reason == "error":
         return "error"
@@ -357,8 +359,8 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
         if calls:
             msg["tool_calls"] = calls
         end = ends[idx]
-        choice: dict[str, Any] = {"index": idx, "message": msg,
-                                  "finish_reason": finish_reason(end, out.completed_calls) if end else None,
+        reason = finish_reason(end, out.completed_calls, meta.named_tool) if end else None
+        choice: dict[str, Any] = {"index": idx, "message": msg, "finish_reason": reason,
                                   "stop_reason": end.stop_reason if end else None, "logprobs": None}
         if meta.logprobs and tokens[idx]:
             choice["logprobs"] = _chat_logprobs(token_bytes, tokens[idx], meta.top_logprobs)

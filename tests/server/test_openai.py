@@ -171,7 +171,10 @@ def test_n_choices_are_independent_and_counted(demo_server):
 
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_tool_call_stream_rebuilds_to_the_non_streaming_call(any_server, choice):
+    """Both end with the call; OpenAI (and vLLM) give `finish_reason` `stop` to a call of a named `tool_choice`,
+    `tool_calls` to a required one."""
     client = any_server.openai()
+    reason = "stop" if choice == "named" else "tool_calls"
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
     # Random weights: the grammar forces the call; a bias on EOS ends the turn as soon as the grammar allows it.
     eos = any_server.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -181,7 +184,7 @@ def test_forced_tool_call_stream_rebuilds_to_the_non_streaming_call(any_server, 
     full = client.chat.completions.create(**kw)
     rebuilt, _, _, _ = _rebuild(client.chat.completions.create(stream=True, **kw))
     calls = full.choices[0].message.tool_calls
-    assert full.choices[0].finish_reason == "tool_calls"
+    assert full.choices[0].finish_reason == reason
     assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
     assert calls[0].function.name == "get_weather"
     args = json.loads(calls[0].function.arguments)
@@ -189,7 +192,7 @@ def test_forced_tool_call_stream_rebuilds_to_the_non_streaming_call(any_server, 
     got = rebuilt.choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in got] == [
         (c.function.name, c.function.arguments) for c in calls]
-    assert rebuilt.choices[0].finish_reason == "tool_calls"
+    assert rebuilt.choices[0].finish_reason == reason
     assert not (full.choices[0].message.content or "").strip()
 
 
