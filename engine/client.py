@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Protocol, runtime_checkable
 
+from ember.engine.config import SettingError as SettingError  # the front end's way to it: start-up argument errors
 from ember.engine.params import RequestOutput, SamplingParams
 
 if TYPE_CHECKING:

@@ -11,6 +11,15 @@ class ConfigError(ValueError):
     """A checkpoint's config is missing something or names something Ember does not support."""
 
 
+class SettingError(ConfigError):
+    """A setting's value that this model or machine cannot take, found as the engine starts: ``flag`` is the
+    setting's `ember serve` flag, so the front end reports it as the bad argument it is."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 """``auto``: the KV cache holds the model dtype; ``fp8``: e4m3 with per-layer k/v scales from the checkpoint."""
 

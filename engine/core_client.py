@@ -24,7 +24,7 @@ import zmq
 
 from ember.engine import core_process, wire
 from ember.engine.args import EngineArgs
-from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, settle
+from ember.engine.client import EngineDeadError, ModelInfo, OutputStream, SettingError, settle
 from ember.engine.engine import EngineStats
 from ember.engine.params import RequestOutput, SamplingParams
 
@@ -94,6 +94,8 @@ class ProcessEngineClient:
                     return dataclasses.replace(info, eos_token_ids=tuple(info.eos_token_ids))
                 if msg[0] == "fatal":
                     self.process.join(10)
+                    if len(msg) > 2 and msg[2] is not None:  # a setting the model or machine cannot take
+                        raise SettingError(msg[2], msg[3])
                     raise RuntimeError(f"the engine failed to start: {msg[1]}")
                 continue
             if not self.process.is_alive():

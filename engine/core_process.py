@@ -49,7 +49,7 @@ def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, c
     try:
         core = _Core(model_dir, args_fields, constraint_factory, events)
     except BaseException as e:
-        events.send(wire.pack(["fatal", f"{type(e).__name__}: {e}"]))
+        events.send(wire.pack(["fatal", f"{type(e).__name__}: {e}", getattr(e, "flag", None), str(e)]))
         log.debug("engine start-up failed:\n%s", traceback.format_exc())
         _close(ctx, events, commands)
         logging.shutdown()

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ember.engine import fp8_loading, loader
-from ember.engine.config import ConfigError, EngineConfig, ModelConfig
+from ember.engine.config import ConfigError, EngineConfig, ModelConfig, SettingError
 from ember.engine.model_runner import CarriedTokens, ModelRunner, StagedStep
 from ember.engine.scheduler import SchedulerOutput
 from ember.kernels import fp8_block
@@ -143,8 +143,8 @@ def check_split(cfg: ModelConfig, world_size: int, source: str = "config.json") 
         fields.append(("shared_expert_intermediate_size", int(cfg.raw["shared_expert_intermediate_size"])))
     for name, n in fields:
         if n % world_size:
-            raise ConfigError(f"{source}: tensor_parallel_size {world_size} does not divide {name} ({n}); "
-                              f"choose a tensor_parallel_size that divides it")
+            raise SettingError("--tensor-parallel-size", f"{source}: tensor_parallel_size {world_size} does not "
+                               f"divide {name} ({n}); choose a tensor_parallel_size that divides it")
 
 
 def _is_mla(cfg: ModelConfig) -> bool:
@@ -609,7 +609,8 @@ def start_driver(model_dir: str | Path, mc: ModelConfig, config: EngineConfig, m
         if device.index not in (None, 0):
             raise ConfigError(f"tensor_parallel_size {n} runs on cuda:0..cuda:{n - 1}; got device {device}")
         if torch.cuda.device_count() < n:
-            raise ConfigError(f"tensor_parallel_size {n} needs {n} GPUs; {torch.cuda.device_count()} visible")
+            raise SettingError("--tensor-parallel-size", f"tensor_parallel_size {n} needs {n} GPUs; "
+                               f"{torch.cuda.device_count()} visible")
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed group is already active in this process "
                            "(one tensor-parallel engine per process; shut the other down first)")

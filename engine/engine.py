@@ -20,7 +20,8 @@ import torch
 
 from ember.engine import checkpoint, fp8_loading, loader, pooling
 from ember.engine.args import FIT_MAX_MODEL_LEN
-from ember.engine.config import ConfigError, EngineConfig, ModelConfig, kv_cache_torch_dtype, parse_dtype
+from ember.engine.config import (ConfigError, EngineConfig, ModelConfig, SettingError, kv_cache_torch_dtype,
+                                 parse_dtype)
 from ember.engine.constraint import BitmaskFiller, Constraint
 from ember.engine.eos import end_of_turn_ids
 from ember.engine.kv_cache import ROOT_HASH, KVCacheManager, salted_root
@@ -150,16 +151,16 @@ class Engine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         if config.max_model_len is not None and config.max_model_len > mc.max_context:
             yarn = " (YaRN's pretrained length times its factor)" if mc.max_context > mc.max_position_embeddings else ""
-            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of {mc.max_context} "
-                              f"tokens{yarn} in {self.model_dir / 'config.json'}")
+            raise SettingError("--max-model-len", f"max_model_len {config.max_model_len} exceeds the model's context "
+                               f"of {mc.max_context} tokens{yarn} in {self.model_dir / 'config.json'}")
         self.fit_max_model_len = config.max_model_len == FIT_MAX_MODEL_LEN
         """vLLM's ``max_model_len`` auto (-1): the model's length, cut to what the KV cache holds once it is sized."""
         self.max_model_len = mc.max_context if self.fit_max_model_len else config.max_model_len or mc.max_context
         self.vocab_size = mc.vocab_size
         self.speculative = parse_speculative_config(config.speculative_config) if config.speculative_config else None
         if self.speculative is not None and mc.linear_attention_layers:
-            raise ConfigError(f"{mc.architecture} keeps recurrent state, which cannot undo rejected speculative "
-                              f"tokens: serve it without speculative_config")
+            raise SettingError("--speculative-config", f"{mc.architecture} keeps recurrent state, which cannot undo "
+                               f"rejected speculative tokens: serve it without speculative_config")
         self.spec_draft_tokens = self.spec_accepted_tokens = self.spec_drafts = 0
         self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         if mc.is_encoder and (config.tensor_parallel_size != 1 or config.lora_modules or config.enable_lora):
@@ -280,19 +281,21 @@ class Engine:
 
     def _num_kv_blocks(self) -> int:
         c = self.config
+        per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.kv_cache_dtype)  # this rank's KV heads
         if c.num_kv_blocks is not None:
             if c.num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {c.num_kv_blocks}")
+            self._check_fits("--kv-cache-blocks", c.num_kv_blocks * per_block)
             return c.num_kv_blocks
-        per_block = kv_bytes_per_block(self.runner.cfg, c.block_size, self.kv_cache_dtype)  # this rank's KV heads
         one_seq = -(-self.max_model_len // c.block_size)
         if per_block == 0:  # an encoder keeps no KV: its blocks only count positions for the scheduler
             return c.max_num_seqs * one_seq
         if c.kv_cache_memory is not None:
             n = c.kv_cache_memory // per_block
             if n < 1:
-                raise ValueError(f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
-                                 f"({per_block} bytes each)")
+                raise SettingError("--kv-cache-memory", f"kv_cache_memory={c.kv_cache_memory} bytes holds no KV block "
+                                   f"({per_block} bytes each)")
+            self._check_fits("--kv-cache-memory", n * per_block)
             return int(n)
         if self.device.type == "cuda":
             if not 0.0 < c.gpu_memory_utilization <= 1.0:
@@ -316,6 +319,17 @@ class Engine:
             log.warning("KV cache: one %d-token sequence needs %.2f GiB; pass max_model_len or kv_cache_memory "
                         "to use less", self.max_model_len, n * per_block / 2**30)
         return n
+
+    def _check_fits(self, flag: str, kv_bytes: int) -> None:
+        """SettingError naming ``flag`` where a KV cache asked for by size exceeds the device's whole memory (it could
+        never be allocated; torch would fail in its own words, or overflow)."""
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if kv_bytes > total:
+            raise SettingError(flag, f"a KV cache of {kv_bytes / 2**30:.4g} GiB exceeds the {total / 2**30:.4g} GiB "
+                               f"of {self.device.type} memory")
 
     def _fit_max_model_len(self, num_blocks: int) -> None:
         """vLLM's auto-fit: ``max_model_len`` cut to the tokens ``num_blocks`` KV blocks hold (the longest sequence

@@ -178,6 +178,8 @@ def _one_line(e: BaseException) -> str:
 
 def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
     """Resolve and load the model; the config comes back with the checkpoint directory and served name filled in."""
+    from ember.engine.client import SettingError
+
     from .app import load_runtime
     from .model_source import ModelSourceError, resolve_model, resolve_tokenizer, served_name
 
@@ -201,6 +203,8 @@ def _load(config: ServeConfig) -> tuple[Any, ServeConfig, float]:
         runtime = load_runtime(config)
     except (StartupError, KeyboardInterrupt):
         raise
+    except SettingError as e:  # the model or machine cannot take a flag's value: a bad argument, not a bad model
+        raise StartupError(f"{e.flag}: {e}", BAD_ARGUMENT) from None
     except Exception as e:
         if config.log_level == "debug":
             log.exception("loading %s failed", model_dir)
