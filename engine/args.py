@@ -50,6 +50,8 @@ def parse_memory(text: str) -> int:
         value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
     except ValueError:
         raise SettingValueError(f"{text!r} is not a size in bytes, e.g. 512M, 2G or 1.5GiB") from None
+    if not math.isfinite(value):
+        raise SettingValueError(f"{text!r} is not a finite size, e.g. 512M, 2G or 1.5GiB")
     if value <= 0:
         raise SettingValueError(f"{text!r} is not a positive size, e.g. 512M, 2G or 1.5GiB")
     return int(value)
@@ -340,13 +342,19 @@ def engine_args_of(config: Any) -> EngineArgs:
 T = TypeVar("T")
 
 
+COUNT_MAX = 2**31 - 1
+"""The most a count flag (sequences, tokens, blocks, slots...) takes where its field sets no ``max``: each sizes
+tables and tensors, which a larger value overflows in torch's own words."""
+
+
 def _flag_type(f: dataclasses.Field) -> Any:
     t = f.metadata.get("type")
     if t is None:
         ann = str(f.type)
         t = Path if "Path" in ann else float if "float" in ann else int if "int" in ann else str
-    if "min" in f.metadata or "max" in f.metadata:
-        return _bounded(t, f.metadata.get("min"), f.metadata.get("max"))
+    high = f.metadata.get("max", COUNT_MAX if t in (int, parse_human_int) else None)
+    if "min" in f.metadata or high is not None:
+        return _bounded(t, f.metadata.get("min"), high)
     return t
 
 

@@ -34,9 +34,10 @@ def load_chat_template(value: str | None) -> str | None:
         return value
     p = Path(value).expanduser()
     try:
-        return p.read_text()
-    except OSError as e:
-        raise ValueError(f"--chat-template {value}: cannot read the file ({e.strerror or e})") from None
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"--chat-template {value}: cannot read the file ({why})") from None
 
 
 Content = str | list[str]  # as the client sent it: one string, or its text parts' texts

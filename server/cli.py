@@ -61,14 +61,14 @@ def _vllm_spellings(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, help=argparse.SUPPRESS)
     for flag, served in _SERVED_CHOICES.items():
         for spelling in (flag, *_SHORT_SPELLINGS.get(flag, ())):
-            p.add_argument(spelling, dest=flag[2:].replace("-", "_"), type=_one_of(spelling, served),
+            p.add_argument(spelling, dest=flag[2:].replace("-", "_"), type=_one_of(served),
                            help=argparse.SUPPRESS)
     p.add_argument("--disable-frontend-multiprocessing", dest="in_process", action="store_true",
                    help=argparse.SUPPRESS)  # vLLM's spelling of --in-process
     for flag, served in (("--runner", ("auto", "generate", "pooling")),
                          ("--convert", ("auto", "none", "embed", "classify")),
                          ("--task", ("auto", "generate", "embed", "embedding", "classify", "score"))):
-        p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(flag, served), help=argparse.SUPPRESS)
+        p.add_argument(flag, dest=flag[2:] + "_flag", type=_served_kind(served), help=argparse.SUPPRESS)
 
 
 _SHORT_SPELLINGS = {  # vLLM's short spellings of the flags below (-tp and -q are `EngineArgs` aliases)
@@ -107,20 +107,20 @@ _SERVED_CHOICES = {  # vLLM flags whose other values Ember does not serve
 }
 
 
-def _one_of(flag: str, served: tuple[str, ...]):
+def _one_of(served: tuple[str, ...]):
     def parse(text: str) -> str:
         if text not in served:
-            raise SettingValueError(f"{flag} {text}: Ember serves only {' or '.join(served)}")
+            raise SettingValueError(f"{text}: Ember serves only {' or '.join(served)}")
         return text
     return parse
 
 
-def _served_kind(flag: str, served: tuple[str, ...]):
+def _served_kind(served: tuple[str, ...]):
     """The parse function of a vLLM runner/task flag: what Ember serves passes; a head it has not is refused."""
     def parse(text: str) -> str:
         if text not in served:
-            raise SettingValueError(f"{flag} {text}: Ember serves generation, embeddings and classifiers "
-                                    f"({', '.join(served)}); reward heads are not supported")
+            raise SettingValueError(f"{text}: Ember serves {', '.join(served)} (generation, embeddings and "
+                                    f"classifiers)")
         return text
     return parse
 

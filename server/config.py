@@ -186,14 +186,21 @@ def parse_existing_file(text: str) -> Path:
 
 
 def parse_chat_template(text: str) -> str:
-    """`--chat-template`: template text when it contains `{`, `}` or a newline (vLLM's rule), else a file path that
-    must exist (SettingValueError otherwise). Returns the value unchanged; `chat.load_chat_template` reads it."""
+    """`--chat-template`: template text when it contains `{`, `}` or a newline (vLLM's rule), else the path of a
+    readable UTF-8 file (SettingValueError otherwise). Returns the value unchanged; `chat.load_chat_template` reads
+    it."""
     if any(c in text for c in "{}\n"):
         return text
     p = Path(text).expanduser()
     if not p.is_file():
         what = "is a directory" if p.is_dir() else "no such file"
         raise SettingValueError(f"{text}: {what} (a template file, or template text containing '{{' or '}}')")
+    try:
+        p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingValueError(f"{text}: cannot read the file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise SettingValueError(f"{text}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     return text
 
 

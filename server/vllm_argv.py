@@ -187,6 +187,8 @@ def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     out: list[str] = []
     for name, value in data.items():
         flag = "--" + str(name).lstrip("-")
+        if flag == "--config":
+            parser.error(f"argument --config: {path} names another config file ({value}); Ember reads one, as vLLM")
         if value is None:
             continue
         if isinstance(value, bool):

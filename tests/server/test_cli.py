@@ -79,14 +79,16 @@ def test_serve_options_map_to_the_config(capsys):
                         (["--default-chat-template-kwargs", "[1]"], "expected a JSON object")):
         with pytest.raises(SystemExit) as e:
             main(["serve", *flags])
-        assert e.value.code == 2 and said in capsys.readouterr().err
+        assert e.value.code == 2 and said in (err := capsys.readouterr().err) and err.count(flags[0]) == 1, err
     for bad, said in (("{rope", "not valid JSON"), ("[1]", "expected a JSON object")):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--hf-overrides", bad])
         assert e.value.code == 2 and "--hf-overrides" in (err := capsys.readouterr().err) and said in err
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--convert", "reward"])
-    assert e.value.code == 2 and "reward heads are not supported" in capsys.readouterr().err
+    for flag, kind in (("--convert", "reward"), ("--runner", "draft")):  # said once, with what is served
+        with pytest.raises(SystemExit) as e:
+            main(["serve", flag, kind])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: {kind}: Ember serves auto, " in err and err.count(flag) == 1
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])
     assert e.value.code == 0 and "--reasoning-parser" in capsys.readouterr().out
@@ -361,7 +363,9 @@ def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
     assert json.loads(seen[-1].speculative_config) == {"method": "ngram", "num_speculative_tokens": 4,
                                                        "prompt_lookup_max": 3}
     (tmp_path / "bad.yaml").write_text("max-model-len: lots\n")
+    (tmp_path / "nested.yaml").write_text("config: other.yaml\nseed: 3\n")  # was read as nothing, silently
     for argv, said in ((["--config", str(tmp_path / "none.yaml")], "argument --config: cannot read"),
+                       (["--config", str(tmp_path / "nested.yaml")], "names another config file (other.yaml)"),
                        (["--config", str(tmp_path / "bad.yaml")], "argument --max-model-len: 'lots' is not a whole "
                                                                   "number"),
                        (["--foo.bar", "1"], "unknown flag --foo.bar "),

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -131,6 +132,12 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
     (["--tool-parser", "hermes2"], "argument --tool-parser: 'hermes2' is unknown; known: none, qwen3"),
     (["./no/such/checkpoint"], "./no/such/checkpoint: no such directory, and not a Hugging Face model id"),
     (["--download-dir", __file__], "argument --download-dir: "),
+    (["--kv-cache-memory", "inf"], "argument --kv-cache-memory: 'inf' is not a finite size"),  # was a traceback
+    (["--kv-cache-memory", "1e400G"], "argument --kv-cache-memory: '1e400G' is not a finite size"),
+    (["--kv-cache-blocks", "99999999999999999999"], "argument --kv-cache-blocks: 99999999999999999999 is out of "
+                                                    "range: must be from 1 to 2147483647"),
+    (["--max-num-seqs", "99999999999999999999"], "argument --max-num-seqs: 99999999999999999999 is out of range"),
+    (["--chat-template", str(Path(__file__).parent)], "/server: is a directory"),
 ])
 def test_bad_arguments_are_one_line_with_exit_code_2(args, message):
     r = run_ember("serve", *args, timeout=60)
@@ -161,6 +168,28 @@ def test_a_chat_template_that_cannot_render_stops_the_start(demo_model_dir, tmp_
     line = error_line(r)
     assert f"--chat-template {path} fails to render {what}:" in line
     assert ("needs a system message" if "one-message" in what else "tools are not supported") in line
+
+
+def test_a_template_file_that_is_not_utf8_is_a_bad_argument(tmp_path):
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes(b"\xff\xfe {{ messages }}")
+    r = run_ember("serve", "--chat-template", str(path), timeout=60)
+    assert r.returncode == 2 and f"argument --chat-template: {path}: not UTF-8 text" in error_line(r)
+
+
+@pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "engine-process"])
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "8k"], "--max-model-len: max_model_len 8000 exceeds the model's context of 4096 tokens"),
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size: "),
+    (["--kv-cache-blocks", "2000000000"], "--kv-cache-blocks: a KV cache of "),
+])
+def test_a_setting_the_model_or_machine_cannot_take_is_a_bad_argument(demo_model_dir, mode, args, message):
+    """Found as the engine starts (in its own process or this one), but the flag's fault, not the model's: exit 2
+    naming the flag, not "cannot load MODEL" (exit 1)."""
+    r = run_ember("serve", str(demo_model_dir), *args, "--port", str(free_port()), "--log-level", "warning", *mode)
+    assert r.returncode == 2, r.stderr
+    line = error_line(r)
+    assert line.startswith(f"ember serve: error: {message}") and "cannot load" not in line, line
 
 
 def test_a_model_that_cannot_load_is_one_line_unless_debug(tmp_path):
