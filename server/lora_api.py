@@ -5,6 +5,7 @@ listed by `/v1/models` and requests may name it (`ember.server.admission.check_m
 line; a refusal is a 400 naming the field (404 for an adapter that is not loaded)."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,7 @@ from .admission import state
 from .errors import ApiError, bad_request
 
 ENV_SWITCH = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+log = logging.getLogger("ember.server")
 
 
 class LoadLoRAAdapterRequest(po._Lenient):
@@ -71,7 +73,11 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
 
 def add_routes(app: Any, dependencies: list[Any]) -> None:
     """Serve the routes on `app`, behind `dependencies` (the app's API-key check), when enabled."""
-    if enabled(app.state.ember.config):
+    config = app.state.ember.config
+    if enabled(config) and not config.enable_lora:  # the flag is refused so; the environment switch is deployment-wide
+        log.warning("%s is set but LoRA is off: the adapter routes answer 400 until the server starts with "
+                    "--enable-lora", ENV_SWITCH)
+    if enabled(config):
         app.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"], dependencies=dependencies)
         app.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"],
                           dependencies=dependencies)

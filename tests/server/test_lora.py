@@ -282,3 +282,15 @@ def test_metrics_name_the_adapters_of_the_waiting_and_running_requests(lora_serv
     process, _, _ = updating_server
     process.openai().completions.create(model="tiny", prompt="hi", max_tokens=1)
     assert list(_lora_info(process)) == ['{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""}']
+
+
+def test_the_environment_switch_without_lora_says_so_at_start(demo_runtime, monkeypatch, caplog):
+    """``--runtime-lora-updating`` without ``--enable-lora`` is refused; vLLM's environment switch is set for a whole
+    deployment, so it is not, but the start says that the routes it serves will refuse every adapter."""
+    from ember.server.app import create_app
+
+    runtime, config = demo_runtime
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    with caplog.at_level("WARNING", logger="ember.server"):
+        create_app(runtime, config, shutdown_engine=False)
+    assert any("LoRA is off" in r.getMessage() and "--enable-lora" in r.getMessage() for r in caplog.records)
