@@ -8,6 +8,7 @@ is scheduled; `GrammarBackend.constraint` gives each request (each choice) its o
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import llguidance.torch as llgt
 import torch
 
@@ -45,9 +45,35 @@ def build_ll_tokenizer(tokenizer: Any, *, vocab_size: int | None = None,
         raise ValueError("the grammar backend needs at least one EOS token id")
     if hasattr(tokenizer, "backend_tokenizer"):
         n_vocab = max(int(vocab_size or 0), len(tokenizer))
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
-    n_vocab = max(int(vocab_size or 0), tokenizer.get_vocab_size(with_added_tokens=True))
-    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=n_vocab, eos_token=eos)
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+    else:
+        n_vocab = max(int(vocab_size or 0), tokenizer.get_vocab_size(with_added_tokens=True))
+        backend = tokenizer
+    return llguidance.LLTokenizer(_without_unicode_normalization(backend.to_str()), n_vocab=n_vocab, eos_token=eos)
+
+
+_UNICODE_FORMS = ("NFC", "NFD", "NFKC", "NFKD")
+
+
+def _without_unicode_normalization(spec: str) -> str:
+    """A tokenizer's JSON without its Unicode normalization steps. llguidance writes the text a grammar forces with
+    the tokens its tokenizer gives that text, and Qwen3's composes ``e`` + U+0301 into ``é`` (NFC) first: those
+    tokens spell other bytes, which the grammar refuses. The vocabulary is unchanged, and text already in the form
+    tokenizes as before."""
+    if not any(f'"type":"{form}"' in spec for form in _UNICODE_FORMS):
+        return spec
+    data = json.loads(spec)
+    norm = data.get("normalizer") or {}
+    if norm.get("type") in _UNICODE_FORMS:
+        data["normalizer"] = None
+    elif norm.get("type") == "Sequence":
+        kept = [n for n in norm.get("normalizers", []) if n.get("type") not in _UNICODE_FORMS]
+        data["normalizer"] = {**norm, "normalizers": kept} if kept else None
+    else:
+        return spec
+    return json.dumps(data)
 
 
 class _TextTokenizer:

@@ -150,6 +150,32 @@ def test_literal_text_spelling_a_special_token_is_written_with_ordinary_tokens(e
     assert backend._tokenizer_for(plain.grammar) is backend.ll_tokenizer  # the Python callback only where needed
 
 
+DECOMPOSED = {  # answer formats whose literal text is not in NFC, which Qwen3's tokenizer composes as it encodes
+    '{"name": "Cafe\u0301 au lait"}': {"type": "json_schema", "json_schema": {"strict": True, "schema": {
+        "type": "object", "properties": {"name": {"enum": ["Cafe\u0301 au lait"]}}, "required": ["name"],
+        "additionalProperties": False}}},
+    "xe\u0301 ok": {"type": "regex", "regex": "xe\u0301 ok"},
+    "A\u030a": {"type": "choice", "choice": ["A\u030a"]},
+}
+
+
+def test_literal_text_not_in_nfc_is_written_byte_for_byte(engine, backend, hf_tok):
+    """`e` + U+0301 (macOS file names, NFD input) is ordinary text: the grammar forces those bytes, where Qwen3's
+    tokenizer gave the tokens of `é` (other bytes, refused mid-answer or as an invalid grammar)."""
+    setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
+    p = prompt(hf_tok, "Reply.", "<think>\n\n</think>\n\n")
+    initial = setup.initial_state(p)
+    for rf in DECOMPOSED.values():
+        backend.validate(compile_request(setup.profile, initial, setup.delimiter_ids, thinking=False,
+                                         response_format=rf).grammar)
+    reqs = [(p, SamplingParams(max_tokens=40, temperature=0.0), backend.constraint(compile_request(
+        setup.profile, initial, setup.delimiter_ids, thinking=False, response_format=rf)))
+        for rf in DECOMPOSED.values()]
+    for answer, (ids, reason, error) in zip(DECOMPOSED, run(engine, reqs)):
+        assert reason == "stop" and error is None, (answer, error)
+        assert parse_all(setup.pipeline(initial=initial), ids).content == answer
+
+
 def test_thinking_on_reasoning_ends_at_the_close_token_where_the_parser_switches(engine, backend, hf_tok):
     setup = ParserSetup.from_tokenizer(hf_tok, "qwen3")
     close = setup.delimiter_ids["</think>"]
