@@ -380,7 +380,12 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         raise _Stopping(rt.stopping)
                     step.finish_at = len(step.events)
                     finish(step, out.finish_reason or "stop")
-                    end = step.end = _end(out, spec.params, rt.model_info.eos_token_ids)
+                    if pipe.stopped and out.finish_reason not in ("error", "abort"):  # the final flush completed one
+                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
+                                        cached_tokens=out.num_cached_tokens)
+                    else:
+                        end = _end(out, spec.params, rt.model_info.eos_token_ids)
+                    step.end = end
                     yield step
                     return
                 if step.tokens or step.events:

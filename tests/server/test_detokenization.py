@@ -207,6 +207,22 @@ def test_a_token_prompt_that_ends_inside_a_character_is_finished_by_the_output(q
     assert (text, offsets) == (c["text"], c["logprobs"]["text_offset"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_completed_by_the_final_flush_ends_the_choice_as_a_stop(qwen3_server, stream):
+    """`max_tokens` cuts the reply inside 🙏 (its first three bytes): the held bytes are flushed as U+FFFD, which
+    completes the stop string; the text is cut there, so the choice ended by the stop string (it said `length`)."""
+    gen = [64, 172, 253, 247]  # "a" + F0 9F 99
+    for stop, include, text in (("\ufffd", False, "a"), ("a\ufffd", True, "a\ufffd")):
+        body = _forced(gen, prompt="x", stop=[stop], include_stop_str_in_output=include)
+        if stream:
+            got, ids, _, _, reason = _stream_completion(qwen3_server, body)
+        else:
+            c = _post(qwen3_server, "/v1/completions", body)["choices"][0]
+            got, ids, reason = c["text"], c["token_ids"], c["finish_reason"]
+            assert c["stop_reason"] == stop
+        assert (got, ids, reason) == (text, gen, "stop")
+
+
 # ---------------------------------------------------------------------------------------------- echo (stories260K)
 
 @pytest.fixture(scope="module")
