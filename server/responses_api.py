@@ -240,22 +240,32 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
 
 
 async def list_input_items(response_id: str, request: Request, order: Literal["asc", "desc"] = "desc",
-                           limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
-    """A stored or running response's input items, a page at a time (`after`: the last item ID of the previous
-    page)."""
+                           limit: int = Query(20, ge=1, le=100), after: str | None = None,
+                           before: str | None = None) -> dict[str, Any]:
+    """A stored or running response's input items, a page at a time, in ``order``: the page after item `after` (the
+    last of the previous page), or the page just before item `before` (the first of the next); both: between them.
+    `has_more` says whether more lie beyond the page in the direction it was asked."""
     st = state(request)
     running = st.background.get(response_id)
     items = running.input_items if running is not None else _stored(st, response_id).input_items
     items = items if order == "asc" else items[::-1]
-    start = 0
-    if after is not None:
-        ids = [it["id"] for it in items]
-        if after not in ids:
-            raise ApiError(400, f"after: no input item with id '{after}' in this response", param="after")
-        start = ids.index(after) + 1
-    page = items[start:start + limit]
+    ids = [it["id"] for it in items]
+
+    def position(cursor: str, name: str) -> int:
+        if cursor not in ids:
+            raise ApiError(400, f"{name}: no input item with id '{cursor}' in this response", param=name)
+        return ids.index(cursor)
+
+    start = position(after, "after") + 1 if after is not None else 0
+    stop = position(before, "before") if before is not None else len(items)
+    if before is not None and after is None:
+        page = items[max(start, stop - limit):stop]
+        more = stop - limit > start
+    else:
+        page = items[start:min(stop, start + limit)]
+        more = start + limit < stop
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+            "last_id": page[-1]["id"] if page else None, "has_more": more}
 
 
 async def delete_response(response_id: str, request: Request) -> dict[str, Any]:

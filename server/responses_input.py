@@ -26,9 +26,18 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's `input` as items: a string is one user message."""
+    """The request's `input` as items: a string is one user message. Two items with one `id` are a 400, as OpenAI
+    refuses them (the input item list pages by ID)."""
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
+    seen: set[str] = set()
+    for i, item in enumerate(value):
+        ident = item.get("id") if isinstance(item, dict) else None
+        if isinstance(ident, str):
+            if ident in seen:
+                raise bad_request(f"Duplicate item found with id {ident}. Remove duplicate items from your input and "
+                                  "try again.", param=f"input[{i}].id")
+            seen.add(ident)
     return list(value)
 
 

@@ -450,6 +450,29 @@ def test_input_items_are_listed_back_a_page_at_a_time(demo_server):
     assert bad.value.body["param"] == "limit"  # the query parameter, not "query.limit"
 
 
+def test_input_items_page_backwards_with_before_and_ids_are_unique(demo_server):
+    """`before` (a cursor of OpenAI's list endpoints, sent by clients other than Python's) gives the page just before
+    an item; it was ignored (every item came back). Two input items with one id are refused, as OpenAI refuses them:
+    the SDK's paging by `after` then went round the same items for ever."""
+    client = demo_server.openai()
+    r = client.responses.create(model=demo_server.model, max_output_tokens=1, input=[
+        {"role": "user", "content": f"m{k}", "id": f"msg_{k}"} for k in range(7)])
+    url = f"{demo_server.url}/v1/responses/{r.id}/input_items"
+    page = httpx.get(url, params={"order": "asc", "before": "msg_4", "limit": 2}, timeout=30).json()
+    assert [i["id"] for i in page["data"]] == ["msg_2", "msg_3"] and page["has_more"]
+    first = httpx.get(url, params={"order": "asc", "before": "msg_2", "limit": 5}, timeout=30).json()
+    assert [i["id"] for i in first["data"]] == ["msg_0", "msg_1"] and not first["has_more"]
+    between = httpx.get(url, params={"order": "asc", "after": "msg_1", "before": "msg_5", "limit": 2}, timeout=30)
+    assert [i["id"] for i in between.json()["data"]] == ["msg_2", "msg_3"] and between.json()["has_more"]
+    missing = httpx.get(url, params={"before": "msg_x"}, timeout=30)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "before"
+    with pytest.raises(openai.BadRequestError) as dup:
+        client.responses.create(model=demo_server.model, max_output_tokens=1, input=[
+            {"role": "user", "content": "a", "id": "msg_X"}, {"role": "user", "content": "b", "id": "msg_B"},
+            {"role": "user", "content": "c", "id": "msg_X"}])
+    assert dup.value.body["param"] == "input[2].id" and "Duplicate item found with id msg_X" in dup.value.message
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_non_finite_number_in_a_tool_is_a_400_naming_it(demo_server, stream):
     """Python's JSON reader takes NaN and 1e309; the response echoes its tools, which JSON cannot write (it was a
