@@ -9,6 +9,7 @@ either), so JSON arguments are parsed back into objects.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -308,20 +309,17 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
     tool_forms = [tools, *filter(None, [_with_descriptions(tools)])]
     message_forms = [messages, *filter(None, [_string_arguments(messages)])]
     try:
-        text, first_error = None, None
-        for ms in message_forms:
-            for ts in tool_forms:
-                try:
-                    text = apply(ts, ms)
-                    break
-                except RecursionError:
-                    raise
-                except Exception as e:
-                    first_error = first_error or e
-            if text is not None:
+        first_error: Exception | None = None
+        for ms, ts in itertools.product(message_forms, tool_forms):
+            try:
+                text = apply(ts, ms)
                 break
-        if text is None:
-            raise first_error
+            except RecursionError:
+                raise
+            except Exception as e:
+                first_error = first_error or e
+        else:
+            raise first_error  # type: ignore[misc]
     except RecursionError:  # arguments, a schema or a template variable nested deeper than Jinja and json reach
         deepest = max((_depth(extra), "chat_template_kwargs"), (_depth(tools), "tools"), (_depth(messages), field))
         raise bad_request(f"the chat template could not render these messages: {deepest[1]} are nested too deeply",
