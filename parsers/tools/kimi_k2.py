@@ -22,12 +22,19 @@ class KimiK2Syntax(SepJsonSyntax):
         ident = head.strip()
         name = ident.removeprefix(_PREFIX)
         base, colon, index = name.rpartition(":")
-        call_id = None
-        if colon and base and index.isascii() and index.isdigit():
+        if colon and base and _is_index(index):
             name = base
-            if ident in self._ids:
-                ident = f"{_PREFIX}{name}:{self._next_index}"
-            self._ids.add(ident)
-            self._next_index = max(self._next_index, int(ident.rpartition(":")[2]) + 1)
-            call_id = ident
-        self._start(head, "", sep, name, call_id)
+        self._start(head, "", sep, name, self._unique(ident, name) if name != ident else None)
+
+    def _unique(self, ident: str, name: str) -> str:
+        if ident in self._ids:
+            ident = f"{_PREFIX}{name}:{self._next_index}"
+        self._ids.add(ident)
+        index = ident.rpartition(":")[2]
+        if _is_index(index):
+            self._next_index = max(self._next_index, int(index) + 1)
+        return ident
+
+
+def _is_index(text: str) -> bool:
+    return text.isascii() and text.isdigit()

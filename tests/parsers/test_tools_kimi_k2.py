@@ -88,6 +88,9 @@ def test_a_repeated_head_gets_an_id_no_call_of_the_reply_has(tok, setup):
     assert [c.id for c in out.tool_calls] == ["functions.get_weather:0", "functions.get_weather:1",
                                               "functions.get_time:1", "functions.get_weather:2"]
     assert [c.name for c in out.tool_calls] == ["get_weather", "get_weather", "get_time", "get_weather"]
+    bare = SECTION + (CALL + "functions.f" + ARG + "{}" + END) * 2 + CLOSE  # a head without its index, twice
+    out = parse_all(setup.pipeline(initial=InitialState.CONTENT, tools=[{}]), ids_of(tok, bare))
+    assert [(c.id, c.name) for c in out.tool_calls] == [("functions.f", "f"), ("functions.f:0", "f")]
 
 
 def test_a_head_without_the_functions_prefix_names_the_tool_and_gets_our_id(tok, setup):
