@@ -227,8 +227,8 @@ class Sampler:
         ban_rows, ban_cols = [], []
         allow_rows, allow_at, allow_cols = [], [], []
         for i, (s, p) in enumerate(zip(seqs, params)):
-            if s.num_output_tokens + len(ahead[i]) < p.min_tokens:
-                for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids):
+            if s.num_output_tokens + len(ahead[i]) < p.min_tokens:  # EOS too under ignore_eos, as vLLM bans it
+                for tok in set(p.stop_token_ids) | eos_token_ids:
                     if 0 <= tok < v:
                         ban_rows.append(i), ban_cols.append(tok)
             if p.bad_words_ids:  # (a token banned twice is set to -inf twice)
@@ -429,15 +429,15 @@ class Sampler:
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_k or use_top_p:
             sorted_logits, order = logits.sort(dim=-1, descending=True)
-            if use_top_k:
-                ranks = torch.arange(v, device=logits.device).unsqueeze(0)
-                sorted_logits = sorted_logits.masked_fill(ranks >= cfg[:, _TOP_K].unsqueeze(1), float("-inf"))
-            if use_top_p:
+            if use_top_k:  # below the k-th logit (vLLM's rule: a tie with the k-th stays)
+                kth = (cfg[:, _TOP_K].clamp(1, v).long() - 1).unsqueeze(1)
+                sorted_logits = sorted_logits.masked_fill(sorted_logits < sorted_logits.gather(1, kth), float("-inf"))
+            if use_top_p:  # past the smallest set whose probability reaches top_p (vLLM's)
                 probs = sorted_logits.softmax(dim=-1)
                 before = probs.cumsum(dim=-1) - probs
                 top_p = cfg[:, _TOP_P]
                 top_p = torch.where(top_p >= 1.0, torch.inf, top_p)  # "off" must not trim rounding-error tails
-                sorted_logits = sorted_logits.masked_fill(before > top_p.unsqueeze(1), float("-inf"))
+                sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()

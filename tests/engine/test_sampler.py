@@ -45,6 +45,31 @@ def test_top_k_top_p_min_p_keep_the_documented_tokens():
     assert set(_draw(SamplingParams(temperature=1.0, min_p=0.4, top_p=0.75))) == {0, 1}
 
 
+def _draw_from(probs: list[float], params: SamplingParams, n: int = 2000) -> set[int]:
+    torch.manual_seed(0)
+    return set(Sampler(8, torch.device("cpu"))(_logits(n, probs), _rows(n, params), set()).token_ids)
+
+
+def test_ties_follow_vllms_top_k_and_top_p_rules():
+    """vLLM keeps every token tied with the k-th logit, and top-p keeps the smallest set whose probability reaches
+    top_p: a token whose predecessors already reach it is dropped (equal logits, e.g. untrained reserved tokens)."""
+    tied = [0.3, 0.3, 0.3, 0.1]
+    assert _draw_from(tied, SamplingParams(temperature=1.0, top_k=1)) == {0, 1, 2}
+    assert _draw_from(tied, SamplingParams(temperature=1.0, top_k=3)) == {0, 1, 2}
+    halves = [0.5, 0.5]
+    assert len(_draw_from(halves, SamplingParams(temperature=1.0, top_p=0.5))) == 1
+    assert _draw_from(halves, SamplingParams(temperature=1.0, top_p=0.51)) == {0, 1}
+
+
+def test_min_tokens_holds_back_eos_also_under_ignore_eos():
+    """vLLM bans the EOS tokens until `min_tokens` whether or not `ignore_eos` is set (EOS would not stop the reply,
+    but the first tokens are still not EOS)."""
+    s = Sampler(8, torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert s(_logits(1), _rows(1, params), {0}).token_ids == [1]
+    assert s(_logits(1), _rows(1, params, outputs=[1, 1]), {0}).token_ids == [0]  # min_tokens reached
+
+
 def test_temperature_draws_follow_the_softmax():
     n = 4000
     for temp in (1.0, 0.5):
