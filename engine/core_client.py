@@ -270,9 +270,11 @@ class ProcessEngineClient:
                 loop, fut = call
                 error = None if msg[2] is None else ValueError(msg[2])
                 loop.call_soon_threadsafe(settle, fut, error, msg[3])
-        elif kind == "fatal":
+        elif kind == "fatal":  # the engine process stops: dead to new requests (and /health) from now on
             self._fatal = msg[1]
             log.error("engine process: %s", msg[1])
+            with self._streams_lock:
+                self._dead = self._dead or f"the engine process is stopping: {msg[1]}"
 
     def _fail_all(self, reason: str) -> None:
         with self._streams_lock:

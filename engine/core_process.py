@@ -146,9 +146,10 @@ class _Core:
                     return
 
     def _group_broken(self, outputs: list[RequestOutput], wait: float = 0.0) -> bool:
-        """True once a tensor-parallel worker has died (`Engine.broken_group`): every request, those that end in
-        ``outputs`` and those still building included, then ends with an error naming the worker, a ``fatal`` event
-        follows, and the loop must stop (the group cannot run another step)."""
+        """True once a tensor-parallel worker has died (`Engine.broken_group`): a ``fatal`` event goes first (so the
+        front end answers unhealthy and refuses new requests before any client sees its request fail), then every
+        request, those that end in ``outputs`` and those still building included, ends with an error naming the
+        worker, and the loop must stop (the group cannot run another step)."""
         broken = self.engine.broken_group(outputs, wait)
         if broken is None:
             return False
@@ -156,9 +157,9 @@ class _Core:
         ended += [RequestOutput(rid, [], finished=True, finish_reason="error", error=self.fatal,
                                 num_prompt_tokens=len(prompt)) for rid, (_, prompt, _) in self.building.items()]
         self.building.clear()
+        self.events.send(wire.pack(["fatal", self.fatal]))
         if ended:
             self._send_step(ended)
-        self.events.send(wire.pack(["fatal", self.fatal]))
         return True
 
     def _send_step(self, outputs: list) -> None:

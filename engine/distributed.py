@@ -653,6 +653,9 @@ def _wait_for_workers(store: dist.Store, workers: list[mp.process.BaseProcess]) 
     deadline = time.monotonic() + _COLLECTIVE_TIMEOUT.total_seconds()
     while store.add(_JOINED, 0) < len(workers):
         dead = next((p for p in workers if not p.is_alive()), None)
+        if dead is not None and dead.exitcode is not None and dead.exitcode < 0:  # a signal, not its own error
+            raise RuntimeError(f"tensor-parallel worker {dead.name} was killed by signal {-dead.exitcode} before "
+                               "joining the group")
         if dead is not None:
             raise RuntimeError(f"tensor-parallel worker {dead.name} exited (code {dead.exitcode}) before joining the "
                                "group; its error is printed above. Workers are spawned: a script that starts a "

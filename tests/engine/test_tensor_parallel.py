@@ -403,7 +403,7 @@ def test_two_ranks_serve_lora_adapters_as_one_process(qwen3_dir, tmp_path):
 
 def test_a_dead_worker_ends_the_requests_and_stops_the_engine_core(qwen3_dir, capfd):
     """A worker that fails (here on a command it has no method for) logs its traceback and exits; the engine core
-    then ends the request in flight with an error naming that worker and its exit code, reports it as fatal and
+    then reports it as fatal, ends the request in flight with an error naming that worker and its exit code, and
     stops, so the front end answers 503 and exits instead of failing every later request on the broken group."""
     import threading
 
@@ -446,7 +446,9 @@ def test_a_dead_worker_ends_the_requests_and_stops_the_engine_core(qwen3_dir, ca
         ctx.term()
     assert stopped, "the engine core went on stepping with a dead tensor-parallel worker"
     reason = "tensor-parallel worker ember-tp-worker-1 died unexpectedly (exit code 1)"
-    assert events.sent[-1] == ["fatal", f"{reason}; the engine stops"]
+    fatal = next(i for i, m in enumerate(events.sent) if m[0] == "fatal")  # first: the front end is unhealthy first
+    assert events.sent[fatal] == ["fatal", f"{reason}; the engine stops"]
+    assert [m[0] for m in events.sent[fatal + 1:]] == ["step"]
     (ended,) = [wire.decode_output(o) for m in events.sent if m[0] == "step" for o in m[1]]
     assert (ended.request_id, ended.finish_reason, ended.error) == ("r1", "error", f"{reason}; the engine stops")
     err = capfd.readouterr().err
@@ -464,3 +466,22 @@ def test_qwen3_5_linear_attention_per_tensor_scales_are_replicated():
             rule = Qwen3_5ForCausalLM.tp_split_rule(f"model.layers.0.linear_attn.{proj}.{leaf}", None)
             assert rule == ("replicate", -1), (proj, leaf)
     assert Qwen3_5ForCausalLM.tp_split_rule("model.layers.0.linear_attn.in_proj_z.weight", None) == ("shard", 0)
+
+
+def test_a_worker_killed_before_joining_is_reported_as_killed():
+    """A worker killed during start-up (the OOM killer, an operator): the error says so, instead of pointing at an
+    error "printed above" and a missing main guard, which is what a worker that exits by itself means."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from ember.engine.distributed import _wait_for_workers
+
+    worker = mp.get_context("spawn").Process(target=time.sleep, args=(60,), name="ember-tp-worker-1")
+    worker.start()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    with pytest.raises(RuntimeError, match="ember-tp-worker-1 was killed by signal 9 before joining the group"):
+        _wait_for_workers(dist.HashStore(), [worker])

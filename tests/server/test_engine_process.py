@@ -139,20 +139,45 @@ def test_stopping_a_client_whose_engine_died_unnoticed_returns(demo_model_dir, m
 def test_a_dead_tensor_parallel_worker_is_named_in_the_engines_death_reason(demo_model_dir):
     """A tensor-parallel worker killed under a running engine: the engine process reports why it stops before it
     exits, and the front end's death reason (what /health and later requests answer) names the worker, not only
-    the engine process's own exit code."""
+    the engine process's own exit code. By the time the request in flight fails, the client is already dead to new
+    requests (/health answered 200 between the two, while the engine process tore down)."""
     from ember.engine.args import EngineArgs
+    from ember.engine.client import EngineDeadError
 
     client = ProcessEngineClient(demo_model_dir, EngineArgs(tensor_parallel_size=2, cpu_threads=1,
                                                             kv_cache_blocks=64))
+    worker_died = "tensor-parallel worker ember-tp-worker-1 died unexpectedly (exit code -9); the engine stops"
+
+    async def in_flight() -> tuple[str | None, bool]:
+        params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+        async for out in client.generate([1, 2, 3], params):
+            if out.finished:
+                return out.error, client.is_alive()
+            if out.new_token_ids and not killed:
+                killed.append(True)
+                pid = client.process.pid
+                (worker,) = open(f"/proc/{pid}/task/{pid}/children").read().split()
+                os.kill(int(worker), signal.SIGKILL)
+        return None, client.is_alive()
+
+    async def after() -> None:
+        async for _ in client.generate([1, 2, 3], SamplingParams(max_tokens=1)):
+            pass
+
+    killed: list[bool] = []
     try:
-        pid = client.process.pid
-        (worker,) = open(f"/proc/{pid}/task/{pid}/children").read().split()
-        os.kill(int(worker), signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while client.is_alive() and time.monotonic() < deadline:
+        error, alive = asyncio.run(in_flight())
+        assert error == worker_died and not alive
+        try:
+            asyncio.run(after())
+            raise AssertionError("a request after the engine reported its failure was accepted")
+        except EngineDeadError:
+            pass
+        client.process.join(30)
+        deadline = time.monotonic() + 10
+        while not (client.death_reason or "").startswith("the engine process died") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.death_reason == ("the engine process died (exit code 1): tensor-parallel worker "
-                                       "ember-tp-worker-1 died unexpectedly (exit code -9); the engine stops")
+        assert client.death_reason == f"the engine process died (exit code 1): {worker_died}"
     finally:
         client.shutdown()
 
