@@ -147,12 +147,17 @@ class ModelRuntime:
         """The chat prompt's token IDs (`render`, then `chat.encode`); with ``size_param``, a text too long for the
         context is a 400 naming it before it is tokenized (`check_text_size`). With a `quoter`, message text that
         spells a control token is tokenized as ordinary text."""
-        quoted = self.quoter.quote(messages) if self.quoter is not None and not add_special_tokens else None
-        text = self.render(quoted if quoted is not None else messages, **options)
+        quoted = None
+        if self.quoter is not None and not add_special_tokens:
+            quoted = self.quoter.quote(messages, options.get("tools"))
+        if quoted is not None:
+            text = self.render(quoted.messages, **{**options, "tools": quoted.tools})
+        else:
+            text = self.render(messages, **options)
         if size_param is not None:
             self.check_text_size(text, size_param)
         if quoted is not None:
-            ids = encode_quoted(self.tokenizer, text)
+            ids = encode_quoted(self.tokenizer, text, quoted.open, quoted.close)
             if ids is not None:
                 return ids
             text = self.render(messages, **options)  # the template moved a mark: the text as it renders
