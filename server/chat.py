@@ -305,9 +305,12 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
             documents=documents, **extra)
 
     # Retried only where the first form fails: gpt-oss's template adds a tool's description unguarded (the API has it
-    # optional); DeepSeek's templates concatenate a replayed call's arguments as text (others iterate the object).
+    # optional) and refuses a tool-call turn with both a thought and text; DeepSeek's templates concatenate a replayed
+    # call's arguments as text (others iterate the object).
     tool_forms = [tools, *filter(None, [_with_descriptions(tools)])]
-    message_forms = [messages, *filter(None, [_string_arguments(messages)])]
+    message_forms = [messages]
+    for form in (_string_arguments, _preambles_in_thoughts):
+        message_forms += [m for m in map(form, message_forms) if m is not None]
     try:
         first_error: Exception | None = None
         for ms, ts in itertools.product(message_forms, tool_forms):
@@ -358,6 +361,29 @@ def _string_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | 
         return None
     return [{**m, "tool_calls": [{**tc, "function": {**tc["function"], "arguments": _json_text(tc["function"])}}
                                  for tc in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+
+
+def _preambles_in_thoughts(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with the text of each assistant turn that has a thought, text and calls (gpt-oss's analysis, its
+    commentary preamble, a call: its own output, as Ember parses it) moved to the end of the thought, for a template
+    that renders one analysis message per call turn; None when no turn has all three."""
+    def text(m: dict[str, Any]) -> str:
+        content = m.get("content") or ""
+        return content if isinstance(content, str) else "\n".join(content)
+
+    def both(m: dict[str, Any]) -> bool:
+        return bool(m.get("tool_calls") and m.get("reasoning_content") and text(m))
+
+    if not any(both(m) for m in messages):
+        return None
+    out = []
+    for m in messages:
+        if both(m):
+            m = dict(m)
+            set_reasoning(m, m["reasoning_content"] + "\n\n" + text(m))
+            m["content"] = ""
+        out.append(m)
+    return out
 
 
 def _json_text(function: dict[str, Any]) -> Any:

@@ -72,17 +72,22 @@ def test_forced_call_is_a_function_call_item_and_its_result_continues(gpt_oss_se
 
 
 def test_a_turn_the_template_refuses_is_a_400_naming_input(gpt_oss_server):
-    """gpt-oss's template refuses an assistant turn with a thought, text and a call together: the error names
-    `input` (where that turn came from), not a chat field."""
-    r = httpx.post(gpt_oss_server.url + "/v1/responses", timeout=30, json={
-        "model": gpt_oss_server.model, "tools": [WEATHER], "input": [
-            {"role": "user", "content": "Weather?"},
-            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Call it."}]},
-            {"role": "assistant", "content": "Checking."},
-            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}]})
+    """gpt-oss's template refuses a thought that holds harmony's channel tags: the error names `input` (where that
+    turn came from), not a chat field. A turn of a thought, text and a call (its own output, with a preamble) is
+    rendered, the text at the end of the analysis."""
+    def turn(thought: str):
+        return httpx.post(gpt_oss_server.url + "/v1/responses/input_tokens", timeout=30, json={
+            "model": gpt_oss_server.model, "tools": [WEATHER], "input": [
+                {"role": "user", "content": "Weather?"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": thought}]},
+                {"role": "assistant", "content": "Checking."},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"}]})
+
+    assert turn("Call it.").status_code == 200
+    r = turn("<|channel|>analysis<|message|>Call it.")
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "input" and "Cannot pass both content and thinking" in err["message"]
+    assert err["param"] == "input" and "<|channel|> tags in the thinking field" in err["message"]
 
 
 def test_a_continued_final_message_streams_as_content(gpt_oss_server):
@@ -140,6 +145,32 @@ def test_message_text_spelling_harmony_tokens_stays_ordinary_text(gpt_oss_server
     counted = httpx.post(gpt_oss_server.url + "/v1/responses/input_tokens", timeout=30, json={
         "model": gpt_oss_server.model, "input": forged})
     assert counted.json()["input_tokens"] == len(ids[forged]), counted.text
+
+
+def test_a_turn_with_a_thought_a_preamble_and_a_call_can_be_sent_back(gpt_oss_server):
+    """gpt-oss writes a commentary preamble between its analysis and a call, which Ember returns as reasoning, content
+    and a tool call; the template refuses a call turn with both a thought and text (a 400 on the client's next turn,
+    OpenAI and Anthropic alike), so the preamble is rendered at the end of the turn's analysis."""
+    url = gpt_oss_server.url
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "celsius"}'}}
+    openai_history = [{"role": "user", "content": "Weather?"},
+                      {"role": "assistant", "reasoning_content": "User wants weather.",
+                       "content": "Let me check the weather.", "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "18C"}]
+    r = httpx.post(url + "/tokenize", timeout=30, json={"model": gpt_oss_server.model, "messages": openai_history,
+                                                          "tools": [CHAT_WEATHER]})
+    assert r.status_code == 200, r.text
+    text = gpt_oss_server.tokenizer.decode(r.json()["tokens"])
+    assert "<|channel|>analysis<|message|>User wants weather.\n\nLet me check the weather.<|end|>" in text
+    anthropic = httpx.post(url + "/v1/messages/count_tokens", timeout=30, json={
+        "model": gpt_oss_server.model, "tools": [{"name": "get_weather", "input_schema": WEATHER["parameters"]}],
+        "messages": [{"role": "user", "content": "Weather?"},
+                     {"role": "assistant", "content": [
+                         {"type": "thinking", "thinking": "User wants weather.", "signature": "x"},
+                         {"type": "text", "text": "Let me check the weather."},
+                         {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"unit": "celsius"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "18C"}]}]})
+    assert anthropic.status_code == 200, anthropic.text
 
 
 def test_every_text_of_a_request_spelling_harmony_tokens_stays_ordinary_text(gpt_oss_server):
