@@ -137,6 +137,12 @@ class ProcessEngineClient:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
+        """Drop the request: a consumer still reading its stream gets its end (``finish_reason`` "abort") at once,
+        not once the engine process answers, which a long or stalled step would hold back past a shutdown deadline."""
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _call(stream, stream.put, RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         if self._dead is None:
             try:
                 self._send(["abort", [request_id]])

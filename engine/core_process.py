@@ -62,10 +62,11 @@ def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, c
     finally:
         core.close()
         _close(ctx, events, commands)
-    if core.fatal is not None:  # reported: exit at once, so the front end sees the engine gone
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(1)
+    # closed, its workers reaped: exit at once, so the front end sees the engine gone (a fatal error) or finishes its
+    # shutdown (the interpreter's teardown, seconds with torch loaded, held it past docker stop's grace)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1 if core.fatal is not None else 0)
 
 
 def _close(ctx: Any, events: Any, commands: Any) -> None:

@@ -667,8 +667,8 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
         yield
         watcher.cancel()
         await st.background.cancel_all()
-        if shutdown_engine:
-            runtime.engine.shutdown()
+        if shutdown_engine:  # off the event loop: handlers cut by the shutdown deadline still write their errors
+            await asyncio.to_thread(runtime.engine.shutdown)
 
     docs = {} if not config.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Ember", version="0.1.0", lifespan=lifespan, **docs)

@@ -210,3 +210,34 @@ def test_sigterm_cuts_the_streams_still_running_at_the_shutdown_deadline(demo_mo
             except subprocess.TimeoutExpired:
                 code = None
             assert code == 0 and time.monotonic() - sent < 10, served.log_tail()
+
+
+def test_an_abort_ends_the_stream_at_once_even_while_the_engine_stalls(demo_model_dir):
+    """The shutdown deadline aborts what still runs so each client gets its error before the connections close: the
+    stream ends at the abort, not when the engine process answers (a long or stalled step held every client past
+    the deadline, which then cut them with no error)."""
+    from ember.engine.args import EngineArgs
+
+    client = ProcessEngineClient(demo_model_dir, EngineArgs(kv_cache_blocks=64))
+
+    async def stalled() -> tuple[str | None, float]:
+        params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+        aborted_at = 0.0
+        async for out in client.generate([1, 2, 3], params, request_id="r1"):
+            if out.finished:
+                return out.finish_reason, time.monotonic() - aborted_at
+            if out.new_token_ids and not stopped:
+                os.kill(client.process.pid, signal.SIGSTOP)
+                stopped.append(True)
+                aborted_at = time.monotonic()
+                client.abort("r1")
+        return None, 0.0
+
+    stopped: list[bool] = []
+    try:
+        reason, waited = asyncio.run(asyncio.wait_for(stalled(), 20))
+        assert reason == "abort" and waited < 2, (reason, waited)
+    finally:
+        if stopped:
+            os.kill(client.process.pid, signal.SIGCONT)
+        client.shutdown()
