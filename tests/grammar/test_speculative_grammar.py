@@ -60,21 +60,22 @@ def test_a_draft_rows_mask_is_the_mask_after_its_drafts_and_the_constraint_stays
     assert c.accept_token(text[0]) and c.reasoning_tokens == 1
 
 
+def _run(model_dir, backend: GrammarBackend, grammar: str, requests, speculative_config):
+    """(per request: token ids, finish_reason, error; the engine) for ``requests`` under ``grammar``."""
+    eng = Engine.from_pretrained(model_dir, num_kv_blocks=128, speculative_config=speculative_config,
+                                 bitmask_filler=backend.bitmask_filler())
+    return run_requests(eng, [(p, params, backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
+                              for p, params in requests]), eng
+
+
 def test_constrained_requests_emit_what_they_emit_without_speculation(demo_model_dir):
     backend = GrammarBackend.from_pretrained(demo_model_dir, eos_ids=end_of_turn_ids(None, demo_model_dir))
     grammar = json.dumps({"grammars": [{"json_schema": SCHEMA}]})
     requests = [([10, 11, 12], SamplingParams(max_tokens=60, temperature=0.0)),
                 ([20, 21], SamplingParams(max_tokens=60, temperature=0.0, repetition_penalty=1.05)),
                 ([30, 31, 32], SamplingParams(max_tokens=60, temperature=0.8, seed=4))]
-
-    def run(spec):
-        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=128, speculative_config=spec,
-                                     bitmask_filler=backend.bitmask_filler())
-        return run_requests(eng, [(p, params, backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
-                                  for p, params in requests]), eng
-
-    want, plain = run(None)
-    got, eng = run(NGRAM)
+    want, plain = _run(demo_model_dir, backend, grammar, requests, None)
+    got, eng = _run(demo_model_dir, backend, grammar, requests, NGRAM)
     assert got == want
     assert all(r[1:] == ("stop", None) for r in want), want  # each reply is the whole document
     assert eng.stats().spec_accepted_tokens > 0 and eng.num_steps < plain.num_steps
@@ -104,17 +105,9 @@ def test_eos_drafted_past_a_complete_grammar_is_kept_as_plain_decoding_keeps_it(
     assert c.accept_token(end) and c.accept_token(end)  # the drafts rolled back nothing the constraint had
     assert torch.equal(_mask(backend, lambda bm: c.fill_bitmask(bm, 0)), only_eos)
 
-    grammar = json.dumps({"grammars": [{"lark_grammar": 'start: ("red" | " fox")+'}]})
     prompt = tok.encode("red fox red fox red fox red fox red fox", add_special_tokens=False)
     requests = [(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))]
-
-    def run(spec):
-        eng = Engine.from_pretrained(demo_model_dir, num_kv_blocks=64, speculative_config=spec,
-                                     bitmask_filler=backend.bitmask_filler())
-        return run_requests(eng, [(p, params, backend.constraint(GrammarPlan(grammar=grammar, budget=None)))
-                                  for p, params in requests]), eng
-
-    want_out, _ = run(None)
-    got, eng = run(NGRAM)
+    want_out, _ = _run(demo_model_dir, backend, plan.grammar, requests, None)
+    got, eng = _run(demo_model_dir, backend, plan.grammar, requests, NGRAM)
     assert got == want_out
     assert want_out[0][1] == "length" and eng.stats().spec_accepted_tokens > 0, want_out
