@@ -177,11 +177,11 @@ def test_a_template_file_that_is_not_utf8_is_a_bad_argument(tmp_path):
     assert r.returncode == 2 and f"argument --chat-template: {path}: not UTF-8 text" in error_line(r)
 
 
-@pytest.mark.parametrize("mode", [["--in-process"], []], ids=["in-process", "engine-process"])
-@pytest.mark.parametrize("args, message", [
-    (["--max-model-len", "8k"], "--max-model-len: max_model_len 8000 exceeds the model's context of 4096 tokens"),
-    (["--tensor-parallel-size", "3"], "--tensor-parallel-size: "),
-    (["--kv-cache-blocks", "2000000000"], "--kv-cache-blocks: a KV cache of "),
+@pytest.mark.parametrize("mode, args, message", [  # the engine's own process (the default), and this one
+    ([], ["--max-model-len", "8k"], "--max-model-len: max_model_len 8000 exceeds the model's context of 4096 tokens"),
+    (["--in-process"], ["--max-model-len", "8k"], "--max-model-len: max_model_len 8000 exceeds the model's context"),
+    (["--in-process"], ["--tensor-parallel-size", "3"], "--tensor-parallel-size: "),
+    (["--in-process"], ["--kv-cache-blocks", "2000000000"], "--kv-cache-blocks: a KV cache of "),
 ])
 def test_a_setting_the_model_or_machine_cannot_take_is_a_bad_argument(demo_model_dir, mode, args, message):
     """Found as the engine starts (in its own process or this one), but the flag's fault, not the model's: exit 2
