@@ -165,7 +165,10 @@ class OutputStream:
         self.puts = 0
 
     def put(self, out: RequestOutput) -> None:
-        """Deliver (on the stream's loop)."""
+        """Deliver (on the stream's loop). Nothing follows a finished output (a local abort that crossed the
+        engine's own end keeps that end)."""
+        if self._pending is not None and self._pending.finished:
+            return
         self.puts += 1
         if self._pending is None:
             self._pending, self._owned = out, False

@@ -245,3 +245,19 @@ def test_a_stalled_stream_coalesces_every_output_in_order_without_touching_them(
     assert [lp.token_id for lp in merged.logprobs] == merged.new_token_ids
     assert (merged.finished, merged.finish_reason) == (True, "length")
     assert all(ids == [i, i + 100] and len(lps) == 2 for i, (ids, lps) in enumerate(held))
+
+
+def test_nothing_follows_a_finished_output():
+    """An abort ends a stream at once on the front end's side; where the engine's own end was already delivered and
+    not yet read, the reply keeps that end (a completed reply at a shutdown is not turned into a cut one)."""
+    from ember.engine.client import OutputStream
+    from ember.engine.params import RequestOutput
+
+    async def main():
+        stream = OutputStream(asyncio.get_running_loop())
+        stream.put(RequestOutput("r", [5, 6], finished=True, finish_reason="stop"))
+        stream.put(RequestOutput("r", [], finished=True, finish_reason="abort"))
+        return await stream.get()
+
+    out = asyncio.run(main())
+    assert (out.new_token_ids, out.finish_reason) == ([5, 6], "stop")
