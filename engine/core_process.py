@@ -9,6 +9,7 @@ never stalls the steps of other requests. The process exits when told to, when i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -62,6 +63,10 @@ def main(model_dir: str, args_fields: dict[str, Any], constraint_factory: Any, c
     finally:
         core.close()
         _close(ctx, events, commands)
+        if os.getppid() != parent:  # the front end died (SIGKILL) without removing its socket files
+            for addr in (commands_addr, events_addr):
+                with contextlib.suppress(OSError):
+                    os.unlink(addr.removeprefix("ipc://"))
     # closed, its workers reaped: exit at once, so the front end sees the engine gone (a fatal error) or finishes its
     # shutdown (the interpreter's teardown, seconds with torch loaded, held it past docker stop's grace)
     logging.shutdown()

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -241,3 +242,33 @@ def test_an_abort_ends_the_stream_at_once_even_while_the_engine_stalls(demo_mode
         if stopped:
             os.kill(client.process.pid, signal.SIGCONT)
         client.shutdown()
+
+
+def test_an_engine_whose_front_end_was_killed_exits_and_removes_the_socket_files(demo_model_dir, tmp_path):
+    """`kill -9` of the server process: its engine process notices, stops, and removes the two IPC socket files the
+    front end would have removed (they were left in /tmp, one pair per such death)."""
+    script = tmp_path / "front.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from ember.engine.args import EngineArgs\n"
+        "from ember.engine.core_client import ProcessEngineClient\n"
+        "if __name__ == '__main__':\n"
+        f"    c = ProcessEngineClient({str(demo_model_dir)!r}, EngineArgs(kv_cache_blocks=16))\n"
+        "    print(c.process.pid, *c._addrs, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    pid, *addrs = r.stdout.split()
+    paths = [a.removeprefix("ipc://") for a in addrs]
+    assert r.returncode == -signal.SIGKILL and len(paths) == 2, r.stderr
+
+    def running() -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running()
+    assert not any(os.path.exists(p) for p in paths), paths
