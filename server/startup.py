@@ -267,10 +267,11 @@ def serve(config: ServeConfig) -> int:
         return TERMINATED
     from .app import create_app
 
+    deferred = _defer_signals()  # from the ready line until uvicorn takes them: a SIGTERM there killed the process
     for line in summary_lines(runtime, config, config.model_dir, seconds):
         log.info("%s", line)
     app = create_app(runtime, config, exit_on_engine_death=True)
-    server = _uvicorn_server(app, config)
+    server = _uvicorn_server(app, config, deferred)
     _freeze_heap()
     try:
         server.run(sockets=[sock])
@@ -285,10 +286,21 @@ STOP_LEAD = 1.0
 the timeout): time for their error events to reach the clients."""
 
 
-def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
+def _defer_signals() -> list[int]:
+    """SIGINT and SIGTERM from now on are recorded (in the list returned) instead of acting, in the main thread: the
+    server's own handlers take them over and act on those recorded (`_uvicorn_server`)."""
+    deferred: list[int] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: deferred.append(signum))
+    return deferred
+
+
+def _uvicorn_server(app: Any, config: ServeConfig, deferred: list[int] = ()) -> Any:
     """A `uvicorn.Server` for ``app`` whose SIGINT and SIGTERM start the graceful shutdown as usual but are not
     raised again once it is done (uvicorn's own `capture_signals` does: the process would die of the signal, status
-    143, or 130 with a KeyboardInterrupt traceback), so `serve` returns its own exit status."""
+    143, or 130 with a KeyboardInterrupt traceback), so `serve` returns its own exit status. The ``deferred``
+    signals (received before it ran) act as soon as it has taken the signals."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -311,6 +323,8 @@ def _uvicorn_server(app: Any, config: ServeConfig) -> Any:
                 yield
                 return
             original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            for sig in dict.fromkeys(deferred):
+                self.handle_exit(sig, None)
             try:
                 yield
             finally:

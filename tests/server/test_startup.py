@@ -297,6 +297,20 @@ def test_port_0_logs_the_port_it_got_and_a_signal_stops_the_server_cleanly(demo_
     assert "Traceback" not in text and "nanobind: leaked" not in text, text
 
 
+def test_sigterm_right_after_the_ready_line_drains_and_exits_0(demo_model_dir, tmp_path):
+    """Between the ready line and uvicorn taking the signals (building the app, some 0.3 s) a SIGTERM killed the
+    process outright (status -15, the engine's socket files left behind); it now starts the usual graceful stop."""
+    log = tmp_path / "serve.log"
+    with _own_session(demo_model_dir, log) as proc:
+        deadline = time.monotonic() + 120
+        while "ready: OpenAI API at" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+
+
 def test_ctrl_c_while_the_model_loads_stops_in_one_line(demo_model_dir, tmp_path):
     """Ctrl-C (SIGINT to the whole process group) while the engine process is starting: one line, exit code 130,
     no traceback, and no engine process left behind. (A run whose server was ready before the Ctrl-C could be sent,
