@@ -278,9 +278,13 @@ def _end_reason(engine_reason: str | None) -> str:
     return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
 
 
-def _end(out: RequestOutput, params: SamplingParams | None = None, eos: Collection[int] = ()) -> ChoiceEnd:
-    """How the engine ended a choice; `stop_token` is set when a token of ``params.stop_token_ids`` ended it, unless
-    that token is an EOS (``eos``) the request did not ignore, which vLLM reports as EOS."""
+def _end(out: RequestOutput, params: SamplingParams | None = None, eos: Collection[int] = (),
+         stop_string: str | None = None) -> ChoiceEnd:
+    """How a choice ended: by ``stop_string`` when its text completed one, else as the engine ended it; `stop_token`
+    is set when a token of ``params.stop_token_ids`` ended it, unless that token is an EOS (``eos``) the request did
+    not ignore, which vLLM reports as EOS."""
+    if stop_string is not None:
+        return ChoiceEnd("stop_string", stop_string=stop_string, cached_tokens=out.num_cached_tokens)
     tid = out.stop_token_id
     requested = params is not None and tid in params.stop_token_ids and (params.ignore_eos or tid not in eos)
     return ChoiceEnd(_end_reason(out.finish_reason), error=out.error,  # type: ignore[arg-type]
@@ -372,9 +376,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     if pstep.stopped:
                         step.finish_at = len(step.events)
                         finish(step, "stop")
-                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
-                                        cached_tokens=out.num_cached_tokens)
-                        step.end = end
+                        end = step.end = _end(out, stop_string=pipe.matched_stop)
                         yield step
                         return  # leaving `aclosing` aborts the engine request
                 if metrics is not None and ntok > counted:
@@ -385,12 +387,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                         raise _Stopping(rt.stopping)
                     step.finish_at = len(step.events)
                     finish(step, out.finish_reason or "stop")
-                    if pipe.stopped and out.finish_reason not in ("error", "abort"):  # the final flush completed one
-                        end = ChoiceEnd("stop_string", stop_string=pipe.matched_stop,
-                                        cached_tokens=out.num_cached_tokens)
-                    else:
-                        end = _end(out, spec.params, rt.model_info.eos_token_ids)
-                    step.end = end
+                    flushed_stop = pipe.stopped and out.finish_reason not in ("error", "abort")  # at the flush
+                    end = step.end = _end(out, spec.params, rt.model_info.eos_token_ids,
+                                          pipe.matched_stop if flushed_stop else None)
                     yield step
                     return
                 if step.tokens or step.events:
