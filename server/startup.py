@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from .config import ServeConfig
 
@@ -296,7 +296,7 @@ def _defer_signals() -> list[int]:
     return deferred
 
 
-def _uvicorn_server(app: Any, config: ServeConfig, deferred: list[int] = ()) -> Any:
+def _uvicorn_server(app: Any, config: ServeConfig, deferred: Sequence[int] = ()) -> Any:
     """A `uvicorn.Server` for ``app`` whose SIGINT and SIGTERM start the graceful shutdown as usual but are not
     raised again once it is done (uvicorn's own `capture_signals` does: the process would die of the signal, status
     143, or 130 with a KeyboardInterrupt traceback), so `serve` returns its own exit status. The ``deferred``
