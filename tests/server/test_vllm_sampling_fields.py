@@ -145,7 +145,8 @@ def test_a_chat_template_per_request_is_refused_by_name(demo_server):
 
 def test_priority_is_served_under_the_priority_policy(demo_runtime):
     """With --scheduling-policy priority a request's priority reaches the engine's queue: one running slot, a
-    low-priority request queued first and a high-priority one after it; the high one is admitted first."""
+    low-priority request queued first and a high-priority one after it; the engine schedules the high one first.
+    (The order is read from the engine's own first-scheduling times, not from when replies reach client threads.)"""
     import threading
     import time
 
@@ -155,11 +156,22 @@ def test_priority_is_served_under_the_priority_policy(demo_runtime):
     config = ServeConfig(model_dir=demo_runtime[1].model_dir, served_model_name="prio", max_num_seqs=1,
                          kv_cache_blocks=64, in_process=True, scheduling_policy="priority")
     with served(config) as srv:
-        stats = srv.runtime.engine.stats
+        engine = srv.runtime.engine
+        stats, generate = engine.stats, engine.generate
+        scheduled: dict[str, float] = {}
         done: list[str] = []
 
+        async def observed(prompt_ids, params=None, request_id=None, constraint=None):
+            async for out in generate(prompt_ids, params, request_id, constraint):
+                if out.scheduled_at is not None:
+                    scheduled.setdefault(request_id.split("-")[1], out.scheduled_at)
+                yield out
+
+        engine.generate = observed
+
         def ask(name: str, priority: int, max_tokens: int) -> None:
-            r = _post(srv, "/v1/completions", prompt=name, max_tokens=max_tokens, ignore_eos=True, priority=priority)
+            r = _post(srv, "/v1/completions", prompt=name, max_tokens=max_tokens, ignore_eos=True, priority=priority,
+                      request_id=name)
             assert r.status_code == 200, r.text
             done.append(name)
 
@@ -177,7 +189,8 @@ def test_priority_is_served_under_the_priority_policy(demo_runtime):
         assert not done, "the first request ended before both others queued behind it"
         for t in threads:
             t.join(timeout=60)
-        assert done == ["first", "high", "low"]
+        assert sorted(done) == ["first", "high", "low"]
+        assert sorted(scheduled, key=scheduled.__getitem__) == ["first", "high", "low"]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
