@@ -101,14 +101,14 @@ async def require_api_key(request: Request) -> None:
 
 
 def check_model(st: ServerState, model: str | None) -> str | None:
-    """The LoRA adapter a request's ``model`` names, or None for the base model (also when ``model`` is absent); a
-    404 naming what this server serves otherwise."""
+    """The LoRA adapter a request's ``model`` names, or None for the base model (also when ``model`` is absent or
+    empty, as vLLM reads it); a 404 naming what this server serves otherwise."""
     return resolve_model(st.runtime, model)
 
 
 def resolve_model(rt: Any, model: str | None) -> str | None:
     """`check_model` for a runtime (`ember.server.generation.ModelRuntime`)."""
-    if model is None or model == rt.model_name or model in rt.model_aliases:
+    if not model or model == rt.model_name or model in rt.model_aliases:
         return None
     adapters = [name for name, _ in rt.model_info.lora_adapters]
     if model in adapters:

@@ -49,6 +49,15 @@ def test_tokenize_errors_name_the_field(demo_server):
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
 
 
+def test_an_empty_model_name_is_the_served_model(demo_server):
+    """vLLM reads ``"model": ""`` (sent by some UIs) as the base model; the reply names the served model."""
+    reply = _post(demo_server, "/v1/chat/completions",
+                  {"model": "", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert reply.status_code == 200 and reply.json()["model"] == "ember-demo", reply.text
+    assert _post(demo_server, "/v1/completions", {"model": "", "prompt": "x", "max_tokens": 1}).status_code == 200
+    assert _post(demo_server, "/tokenize", {"model": "", "prompt": "x"}).status_code == 200
+
+
 def test_tokenize_refuses_the_tools_chat_refuses(demo_server):
     messages = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}] * 2
