@@ -246,7 +246,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             ids = list(p)
             check_token_ids(st, ids, named)
         if not ids:
-            raise bad_request("prompt is empty", param="prompt")
+            raise bad_request(f"{named} is empty", param=named)
         kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
         text, offsets = None, None
         if body.echo:  # the prompt's text (as given, or as decode gives a token prompt) and its tokens' offsets in it

@@ -62,6 +62,7 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/completions", {"prompt": [1, 2, "x"]}, "prompt[2]"),
     ("/v1/completions", {"prompt": list(range(11)) + ["x"]}, "prompt[11]"),
     ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1][1]"),
+    ("/v1/completions", {"prompt": [[1], []]}, "prompt[1]"),  # the empty one of a batch
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {  # named tool_choice.function
         "type": "custom", "custom": {"name": "get_weather"}}}, "tool_choice.type"),
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "allowed_tools",
