@@ -70,6 +70,7 @@ class ServerState:
     engine_dead: str | None = None  # why the engine stopped, once it died
     admitted: AdmittedChoices = field(default_factory=AdmittedChoices)
     lora_updates: asyncio.Lock = field(default_factory=asyncio.Lock)  # one runtime LoRA load/unload at a time
+    server_load: int = 0  # requests being served on /load's routes (counted with --enable-server-load-tracking)
 
 
 def state(request: Request) -> ServerState:

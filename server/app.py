@@ -512,6 +512,12 @@ async def health(request: Request) -> Response:
                          "num_steps": s.num_steps, "step_ms": s.step_ms})
 
 
+async def load(request: Request) -> dict:
+    """vLLM's ``/load``: the generation and pooling requests being served (`LOAD_TRACKED_PATHS`), counted with
+    ``--enable-server-load-tracking`` (0 without it)."""
+    return {"server_load": state(request).server_load}
+
+
 async def version() -> dict:
     """Ember's version (vLLM's `/version`)."""
     from .cli import version as ember_version
@@ -618,6 +624,30 @@ class _RequestCounter:
             self.metrics.http_request(endpoint, scope["method"], status["code"], time.monotonic() - started)
 
 
+LOAD_TRACKED_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings", "/invocations",
+    "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"})
+
+
+class _LoadTracker:
+    """Pure ASGI middleware counting the requests to `LOAD_TRACKED_PATHS` in `ServerState.server_load` from their
+    arrival until their response (a stream's included) has ended or its client has gone."""
+
+    def __init__(self, app: Any, st: ServerState):
+        self.app = app
+        self.st = st
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or get_route_path(scope) not in LOAD_TRACKED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.st.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.st.server_load -= 1
+
+
 class _RequestIdHeader:
     """Pure ASGI middleware giving every HTTP response an ``X-Request-Id`` header: the request's own, else random
     hex (vLLM's ``--enable-request-id-headers``)."""
@@ -693,6 +723,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.add_api_route("/ping", health, methods=["GET"], name="ping")
     app.add_api_route("/ping", health, methods=["POST"], name="ping_post")
     app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/load", load, methods=["GET"])
     app.add_api_route("/invocations", invocations, methods=["POST"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     responses_api.add_routes(app, [Depends(require_api_key)])
@@ -727,9 +758,13 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     fastapi_pages = frozenset(r.path for r in app.routes if not isinstance(r, APIRoute))
     app.add_middleware(_RequestCounter, metrics=st.metrics, paths=fastapi_pages)
+    if config.enable_server_load_tracking:
+        app.add_middleware(_LoadTracker, st=st)
     if config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_credentials=config.allow_credentials,
+                           allow_methods=list(config.allowed_methods or ("*",)),
+                           allow_headers=list(config.allowed_headers or ("*",)))
     if config.enable_request_id_headers:
         app.add_middleware(_RequestIdHeader)
     return app

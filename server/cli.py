@@ -150,7 +150,20 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         if value in ("classify", "score"):
             config.classifier_flag = f"--{name} {value}"
     _check_lora_names(config)
+    _check_cors(config)
     return config
+
+
+def _check_cors(config: ServeConfig) -> None:
+    """SettingValueError naming a CORS flag given without --allowed-origins: Ember's CORS is off without it (vLLM's
+    default allows every origin), so the flag would change nothing."""
+    if config.allowed_origins:
+        return
+    for flag, value in (("--allow-credentials", config.allow_credentials),
+                        ("--allowed-methods", config.allowed_methods), ("--allowed-headers", config.allowed_headers)):
+        if value:
+            raise SettingValueError(f"argument {flag}: CORS is off without --allowed-origins (vLLM's default, every "
+                                    f"origin, is --allowed-origins '*')")
 
 
 def _model_alias(given: str) -> tuple[str, ...]:

@@ -77,6 +77,18 @@ class ServeConfig(EngineArgs):
         "help": "allow browser requests (CORS) from this origin, e.g. http://localhost:3000 or *, or from each of "
                 "vLLM's JSON list ('[\"http://a\", \"http://b\"]'); repeatable; default: none (CORS off)",
         "action": "extend", "metavar": "ORIGIN", "type": lambda text: parse_origins(text)})
+    allow_credentials: bool = field(default=False, metadata={
+        "help": "CORS: let browser requests from --allowed-origins carry credentials (cookies, Authorization)"})
+    allowed_methods: tuple[str, ...] = field(default=(), metadata={
+        "help": "CORS: allow these HTTP methods (one, or vLLM's JSON list '[\"GET\", \"POST\"]'); repeatable; "
+                "default: all", "action": "extend", "metavar": "METHOD",
+        "type": lambda text: parse_cors_list(text, "method")})
+    allowed_headers: tuple[str, ...] = field(default=(), metadata={
+        "help": "CORS: allow these request headers (one, or vLLM's JSON list); repeatable; default: all",
+        "action": "extend", "metavar": "HEADER", "type": lambda text: parse_cors_list(text, "header")})
+    enable_server_load_tracking: bool = field(default=False, metadata={
+        "help": "count the generation and pooling requests being served, for GET /load's server_load (0 without "
+                "this flag, as in vLLM)"})
     responses_store_size: int = field(default=1024, metadata={
         "help": "keep this many /v1/responses results in memory (store: true) for previous_response_id and "
                 "GET /v1/responses/ID, least recently used out first; 0 stores none", "min": 0})
@@ -160,14 +172,21 @@ def parse_api_key(text: str) -> str:
 
 def parse_origins(text: str) -> list[str]:
     """`--allowed-origins`: one origin, or vLLM's JSON list of them."""
+    return parse_cors_list(text, "origin")
+
+
+def parse_cors_list(text: str, kind: str) -> list[str]:
+    """A CORS flag's value: one ``kind`` (origin, method, header), or vLLM's JSON list of them."""
     if not text.lstrip().startswith("["):
+        if not text.strip():
+            raise SettingValueError(f"{text!r} is empty; give one {kind} or a JSON list of {kind}s")
         return [text]
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise SettingValueError(f"{text!r} is neither an origin nor a JSON list of origins ({e})") from None
+        raise SettingValueError(f"{text!r} is neither one {kind} nor a JSON list of {kind}s ({e})") from None
     if not isinstance(value, list) or not all(isinstance(o, str) and o for o in value):
-        raise SettingValueError(f"{text!r}: a JSON list of origins holds non-empty strings only")
+        raise SettingValueError(f"{text!r}: a JSON list of {kind}s holds non-empty strings only")
     return value
 
 

@@ -284,6 +284,25 @@ def test_a_lora_adapter_may_not_take_a_name_of_the_served_model(argv, name, monk
     assert err.startswith(f"ember serve: error: argument --lora-modules: {name!r} is a name of the served model"), err
 
 
+def test_vllm_cors_and_load_tracking_flags_are_taken(monkeypatch, capsys):
+    """vLLM's CORS flags (JSON lists or repeated) and --enable-server-load-tracking start the server; a CORS flag
+    without --allowed-origins, which would change nothing with CORS off, is refused naming it."""
+    seen = _stub_serve(monkeypatch)
+    assert main(["serve", "--allowed-origins", "*", "--allow-credentials", "--allowed-methods", '["GET", "POST"]',
+                 "--allowed-headers", "content-type", "--allowed-headers", "authorization",
+                 "--enable-server-load-tracking"]) == 0
+    config = seen[-1]
+    assert config.allow_credentials and config.enable_server_load_tracking
+    assert config.allowed_methods == ("GET", "POST") and config.allowed_headers == ("content-type", "authorization")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--allow-credentials"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --allow-credentials: CORS is off without --allowed-origins" in err, err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--allowed-origins", "*", "--allowed-methods", "[1]"])
+    assert e.value.code == 2 and "--allowed-methods" in capsys.readouterr().err
+
+
 def test_vllm_api_key_env_and_json_allowed_origins_carry_over(monkeypatch):
     """A vLLM deployment's key in $VLLM_API_KEY still guards the server (the flag wins); vLLM's JSON list of
     origins is a list of origins, not one origin spelled like a list."""

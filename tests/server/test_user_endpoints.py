@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import secrets
+import time
 
 import httpx
 import openai
@@ -177,6 +178,56 @@ def test_allowed_origins_switch_cors_on(demo_runtime):
         assert "access-control-allow-origin" not in other.headers
         ok = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=10)
         assert ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+    finally:
+        srv.stop()
+
+
+def test_cors_credentials_methods_and_headers_are_as_configured(demo_runtime):
+    """--allow-credentials, --allowed-methods and --allowed-headers shape the preflight answer, as vLLM's do."""
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, allowed_origins=("*",), allow_credentials=True,
+                                                  allowed_methods=("POST",), allowed_headers=("content-type",)))
+    try:
+        def preflight(method: str, headers: str) -> httpx.Response:
+            return httpx.options(srv.url + "/v1/chat/completions", timeout=10, headers={
+                "Origin": "http://app.example", "Access-Control-Request-Method": method,
+                "Access-Control-Request-Headers": headers})
+
+        ok = preflight("POST", "content-type")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-credentials"] == "true"
+        assert ok.headers["access-control-allow-origin"] == "http://app.example"  # with credentials, not "*"
+        assert preflight("DELETE", "content-type").status_code == 400
+        assert preflight("POST", "x-secret").status_code == 400
+    finally:
+        srv.stop()
+
+
+def test_load_counts_the_requests_being_served_with_load_tracking(demo_runtime):
+    """GET /load is vLLM's {"server_load": N}: the generation requests in flight with
+    --enable-server-load-tracking (a stream counts until it ends), 0 without the flag; it needs no API key."""
+    runtime, config = demo_runtime
+    srv, _ = _serve(runtime, dataclasses.replace(config, enable_server_load_tracking=True, api_key=("k",)))
+    try:
+        load = lambda: httpx.get(srv.url + "/load", timeout=10).json()  # noqa: E731
+        assert load() == {"server_load": 0}
+        body = {"prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer k"}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            assert load() == {"server_load": 1}
+            assert [line for line in lines if line == "data: [DONE]"]
+        deadline = time.monotonic() + 10  # the count drops once the server has finished the response, just after
+        while load() != {"server_load": 0} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert load() == {"server_load": 0}
+    finally:
+        srv.stop()
+    srv, _ = _serve(runtime, config)
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+            assert httpx.get(srv.url + "/load", timeout=10).json() == {"server_load": 0}
     finally:
         srv.stop()
 
