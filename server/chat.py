@@ -193,13 +193,18 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
     """Anthropic system + messages -> template messages, one per turn (`anthropic_turns`: consecutive messages of a
     role combined, tool results in call order): `thinking` blocks become the assistant's `reasoning_content`,
     `tool_use` blocks its `tool_calls`, `tool_result` blocks `tool` messages. A system without text (``""``, ``[]``,
-    empty blocks) is no system turn, so the template's default system prompt stays."""
+    empty blocks) is no system turn, so the template's default system prompt stays; a final assistant turn without
+    text or blocks (``""``, ``[]``, empty text blocks: a prefill of nothing) after other turns is no turn either, so
+    the reply starts at the template's generation prompt (a template would render it as a finished turn, a closed
+    empty thought)."""
     out: list[dict[str, Any]] = []
     if system is not None:
         text: Content = system if isinstance(system, str) else _texts(system, "system")
         if "".join(text):
             out.append({"role": "system", "content": text})
     conversation = anthropic_turns.turns(messages)
+    if len(conversation) > 1 and conversation[-1].role == "assistant" and _says_nothing(conversation[-1]):
+        conversation.pop()
     for t, turn in enumerate(conversation):
         if turn.text is not None:
             out.append({"role": turn.role, "content": turn.text})
@@ -208,6 +213,13 @@ def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,
         else:
             out.extend(_user_turn(turn))
     return out
+
+
+def _says_nothing(turn: anthropic_turns.Turn) -> bool:
+    """Whether a turn holds no text and no block other than empty text blocks."""
+    if turn.text is not None:
+        return not turn.text
+    return all(b.type == "text" and not b.text for _, b in turn.blocks)
 
 
 def _assistant_turn(turn: anthropic_turns.Turn, last: bool) -> dict[str, Any]:

@@ -302,6 +302,27 @@ def test_an_empty_system_or_final_assistant_message_is_as_absent(demo_server):
     assert count(messages=[*HI, {"role": "assistant", "content": ""}]) > 0
 
 
+def test_an_empty_final_assistant_message_leaves_thinking_on(qwen3_thinking_server):
+    """A final assistant message of nothing (``""``, ``[]``, an empty text block) is no prefill: the prompt is the
+    one without it, so the model still thinks (Qwen3's template rendered it as a finished turn, a closed empty
+    thought, which turned thinking off and counted 4 tokens more)."""
+    srv = qwen3_thinking_server
+    thinking = {"type": "enabled", "budget_tokens": 4}
+
+    def count(messages) -> int:
+        r = httpx.post(srv.url + "/v1/messages/count_tokens", timeout=60,
+                       json={"model": srv.model, "messages": messages, "thinking": thinking})
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    empties = ("", [], [{"type": "text", "text": ""}])
+    assert [count([*HI, {"role": "assistant", "content": e}]) for e in empties] == [count(HI)] * 3
+    msg = srv.anthropic().messages.create(model=srv.model, max_tokens=10, thinking=thinking,
+                                          messages=[*HI, {"role": "assistant", "content": ""}],
+                                          extra_body={"temperature": 1.0, "seed": 3})
+    assert msg.content[0].type == "thinking", msg.content
+
+
 @pytest.mark.parametrize("tools,choice", [
     ([{**WEATHER, "name": "bad name"}], None), ([WEATHER, WEATHER], None), ([{"name": "f", "input_schema": {}}], None),
     ([{"name": "f", "strict": True, "input_schema": {"type": "object", "properties": {"a": {"type": "string",
