@@ -288,11 +288,11 @@ class LoRAStack:
         """Load adapter ``name`` from ``path`` into a free slot; its slot."""
         if name in self.adapters:
             raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+        adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)  # a bad path first
         used = {slot for slot, _ in self.adapters.values()}
         free = [s for s in range(self.slots) if s not in used]
         if not free:
             raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
-        adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)
         for target, wrapped in self.targets.items():
             wrapped.load(free[0], adapter.weights.get(target, []))
         self.adapters[name] = (free[0], adapter.path)

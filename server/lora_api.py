@@ -43,7 +43,10 @@ def _loaded(request: Request) -> list[str]:
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
     st = state(request)
     rt = st.runtime
-    if not body.lora_name or body.lora_name in (rt.model_name, *rt.model_aliases):
+    if not body.lora_name.strip():
+        raise bad_request("lora_name is empty; give the adapter the name requests will send as model",
+                          param="lora_name")
+    if body.lora_name in (rt.model_name, *rt.model_aliases):
         raise bad_request(f"lora_name must be a new name, not {body.lora_name!r} (a name of the served model)",
                           param="lora_name")
     async with st.lora_updates:  # the check and the update as one, against a concurrent call on the same name

@@ -128,6 +128,10 @@ def test_adapters_load_and_unload_at_runtime(updating_server, lora_server):
     assert again.status_code == 400 and "already been loaded" in again.text
     full = httpx.post(load, json={"lora_name": "other", "lora_path": str(folder)}, timeout=60)
     assert full.status_code == 400 and full.json()["error"]["param"] == "lora_path" and "slots" in full.text
+    typo = httpx.post(load, json={"lora_name": "other", "lora_path": str(folder / "nope")}, timeout=60)
+    assert typo.status_code == 400 and "not a directory" in typo.text, typo.text  # the path, not the full slots
+    empty = httpx.post(load, json={"lora_name": "", "lora_path": str(folder)}, timeout=60)
+    assert empty.status_code == 400 and "lora_name is empty" in empty.json()["error"]["message"], empty.text
     r = httpx.post(unload, json={"lora_name": "sql"}, timeout=60)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'sql' removed successfully."
     missing = httpx.post(load, json={"lora_name": "gone", "lora_path": str(folder / "nope")}, timeout=60)
