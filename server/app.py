@@ -745,6 +745,11 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and get_route_path(request.scope).startswith("/v1/"):
+            try:  # as vLLM guards every /v1 path: no key learns which routes exist
+                await require_api_key(request)
+            except ApiError as unauthorized:
+                return _error_response(request, unauthorized)
         err = _unparsed_body(exc.__cause__) or ApiError(exc.status_code, str(exc.detail))
         headers = exc.headers
         if exc.status_code == 405:  # Starlette's names only the first route of the path: a path may have several

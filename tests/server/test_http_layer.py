@@ -166,6 +166,18 @@ def test_the_api_key_is_checked_before_the_body(keyed_server):
         assert httpx.request(method, keyed_server.url + path, timeout=30).status_code == 200, path
 
 
+def test_a_v1_path_without_a_route_needs_the_key_too(keyed_server):
+    """vLLM guards every /v1 path: without a key, a path no route serves (or a method it does not take) is a 401,
+    so which routes exist is not told; with the key it is the 404 / 405."""
+    for method, path in [("GET", "/v1/nonexistent"), ("POST", "/v1/admin/drain"), ("DELETE", "/v1/models")]:
+        r = httpx.request(method, keyed_server.url + path, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    key = {"authorization": "Bearer sekrit"}
+    assert httpx.get(keyed_server.url + "/v1/nonexistent", headers=key, timeout=30).status_code == 404
+    assert httpx.delete(keyed_server.url + "/v1/models", headers=key, timeout=30).status_code == 405
+    assert httpx.get(keyed_server.url + "/nonexistent", timeout=30).status_code == 404
+
+
 def test_a_body_the_json_decoder_never_sees_is_json_invalid_naming_the_problem(demo_server):
     ok = json.dumps({"messages": HI, "max_tokens": 2}).encode()
     deep = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
