@@ -619,9 +619,9 @@ class _RequestCounter:
         finally:
             route = scope.get("route")  # the route the router matched (its path template), none for unknown paths
             path = get_route_path(scope)
-            endpoint = getattr(route, "path_format", None) or (path if path in self.paths else "other")
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
-            self.metrics.http_request(endpoint, scope["method"], status["code"], time.monotonic() - started)
+            handler = getattr(route, "path_format", None) or (path if path in self.paths else None)
+            self.metrics.requests.labels(handler or "other", str(status["code"])).inc()
+            self.metrics.http_request(handler, scope["method"], status["code"], time.monotonic() - started)
 
 
 LOAD_TRACKED_PATHS = frozenset({

@@ -42,6 +42,9 @@ def _buckets_1_2_5(top: int) -> tuple[int, ...]:
         scale *= 10
 
 
+UNMEASURED_HANDLERS = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})  # vLLM's excluded_handlers
+
+
 class _Both:
     """One measurement recorded under two metrics (Ember's name and vLLM's)."""
 
@@ -168,8 +171,13 @@ class Metrics:
         """vLLM's ``vllm:cache_config_info`` (1, its facts as labels): ``info`` holds the `_CACHE_INFO` keys."""
         self._cache_info.labels(*(str(info[k]) for k in _CACHE_INFO)).set(1)
 
-    def http_request(self, handler: str, method: str, status: int, seconds: float) -> None:
-        """One HTTP response, in vLLM's HTTP metrics (status grouped as ``2xx``, as its instrumentator does)."""
+    def http_request(self, handler: str | None, method: str, status: int, seconds: float) -> None:
+        """One HTTP response, in vLLM's HTTP metrics as its instrumentator counts them: status grouped as ``2xx``, a
+        path no route serves (``handler`` None) as ``none``, and the probes and scrapes (`UNMEASURED_HANDLERS`) left
+        out."""
+        if handler in UNMEASURED_HANDLERS:
+            return
+        handler = handler or "none"
         self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
         self.http_duration.labels(handler, method).observe(seconds)
 

@@ -298,6 +298,21 @@ def test_every_route_is_counted_under_its_path_template(demo_server):
         assert "ember_requests_total{" + label + "}" in text, label
 
 
+def test_vllm_http_metrics_leave_out_probes_and_scrapes(demo_server):
+    """vLLM's http_requests_total / http_request_duration_seconds count API traffic only: /metrics, /health, /load,
+    /ping and /version are left out (a scrape or a liveness probe adds no request rate), and a path no route serves
+    is handler "none", as vLLM's instrumentator groups it."""
+    def http_series() -> set[str]:
+        text = httpx.get(demo_server.url + "/metrics", timeout=10).text
+        return {line.split("{")[1].split("}")[0] for line in text.splitlines() if line.startswith("http_requests_total{")}
+
+    for path in ("/health", "/ping", "/version", "/load", "/metrics", "/no/such/route"):
+        httpx.get(demo_server.url + path, timeout=10)
+    handlers = {series.split('handler="')[1].split('"')[0] for series in http_series()}
+    assert not handlers & {"/health", "/ping", "/version", "/load", "/metrics", "other"}, handlers
+    assert 'handler="none",method="GET",status="4xx"' in http_series()
+
+
 def test_response_role_names_the_reply_and_a_continuation_keeps_the_last_role(demo_runtime):
     """`--response-role` is the reply's role after a generation prompt (streamed and whole); without a generation
     prompt the model continues the last message, whose role the reply keeps (vLLM's rule)."""
