@@ -304,7 +304,8 @@ def test_vllm_http_metrics_leave_out_probes_and_scrapes(demo_server):
     is handler "none", as vLLM's instrumentator groups it."""
     def http_series() -> set[str]:
         text = httpx.get(demo_server.url + "/metrics", timeout=10).text
-        return {line.split("{")[1].split("}")[0] for line in text.splitlines() if line.startswith("http_requests_total{")}
+        return {line.split("{")[1].split("}")[0] for line in text.splitlines()
+                if line.startswith("http_requests_total{")}
 
     for path in ("/health", "/ping", "/version", "/load", "/metrics", "/no/such/route"):
         httpx.get(demo_server.url + path, timeout=10)
