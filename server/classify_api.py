@@ -15,14 +15,13 @@ import numpy as np
 from fastapi import Request
 
 from .admission import check_model, model_label, state
-from .embeddings_api import PoolingInputs, pool
+from .embeddings_api import ActivationSwitch, PoolingInputs, pool
 from .errors import bad_request
 from .generation import ModelRuntime
 
 
-class ClassifyRequest(PoolingInputs):
-    use_activation: bool | None = None
-    activation: bool | None = None
+class ClassifyRequest(PoolingInputs, ActivationSwitch):
+    pass
 
 
 def require_classifier(rt: ModelRuntime) -> tuple[str, ...]:
@@ -51,7 +50,7 @@ async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
     inputs, params, add_special = await body.resolved(rt)
     logits, total, rid = await pool(request, inputs, params, truncate=body.truncate_prompt_tokens,
                                     add_special_tokens=add_special, lora=lora)
-    use = body.use_activation if body.use_activation is not None else body.activation is not False
+    use = body.activates
     sigmoid = rt.model_info.label_activation == "sigmoid"
     data = []
     for i, row in enumerate(logits):

@@ -94,6 +94,18 @@ class PoolingInputs(po._Lenient):
         return inputs, params, self.add_special_tokens is not False
 
 
+class ActivationSwitch(po._Lenient):
+    """vLLM's switch of a classifier's or cross-encoder's activation: ``use_activation`` (``activation``, its older
+    spelling); false returns the raw logits."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None
+
+    @property
+    def activates(self) -> bool:
+        return self.use_activation if self.use_activation is not None else self.activation is not False
+
+
 class EmbeddingRequest(PoolingInputs):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None

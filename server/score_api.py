@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from pydantic import Field, field_validator
+from pydantic import field_validator
 
 from . import protocol_openai as po
 from .admission import check_model, model_label, state, tokens_to_keep
-from .embeddings_api import (MAX_INPUTS, align, check_count, embed, keep_last, pool, prompt_limit, too_few,
-                             too_long)
+from .embeddings_api import (MAX_INPUTS, ActivationSwitch, align, check_count, embed, keep_last, pool, prompt_limit,
+                             too_few, too_long)
 from .errors import bad_request
 from .generation import ModelRuntime
 
@@ -32,15 +32,20 @@ MAX_PAIRS = MAX_INPUTS - 1
 """Texts one request may score against its query (``documents``, ``text_2``): with the query, `MAX_INPUTS`."""
 
 
-class ScoreRequest(po._Lenient):
+class _Scored(ActivationSwitch):
+    """What score and rerank requests share: the model, and the switch of a cross-encoder's activation (a
+    bi-encoder's cosine has none)."""
+
     model: str | None = None
+
+
+class ScoreRequest(_Scored):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate_prompt_tokens: po.TruncatePromptTokens = None
 
 
-class RerankRequest(po._Lenient):
-    model: str | None = None
+class RerankRequest(_Scored):
     query: str
     documents: list[str]
 
@@ -51,7 +56,7 @@ class RerankRequest(po._Lenient):
         if isinstance(value, list):
             return [d["text"] if isinstance(d, dict) and isinstance(d.get("text"), str) else d for d in value]
         return value
-    top_n: int = Field(default=0, ge=0)
+    top_n: int = 0  # 0 or less: every document (vLLM's rule; clients send -1 for all)
     return_documents: bool = True
     truncate_prompt_tokens: po.TruncatePromptTokens = None
 
@@ -184,13 +189,14 @@ def _pair_prompts(rt: ModelRuntime, firsts: list[str], seconds: list[str], first
 
 async def _pair_scores(request: Request, rt: ModelRuntime, firsts: list[str], seconds: list[str],
                        first_params: list[str], params: list[str], truncate: int | None,
-                       lora: str | None) -> tuple[list[float], int, str]:
-    """A cross-encoder's score of each (first, second) pair, their token count and the request id; errors name
-    ``first_params[i]`` or ``params[i]``, the fields the pair's texts came from."""
+                       lora: str | None, activates: bool = True) -> tuple[list[float], int, str]:
+    """A cross-encoder's score of each (first, second) pair (its activated logit, or the raw one unless
+    ``activates``), their token count and the request id; errors name ``first_params[i]`` or ``params[i]``, the
+    fields the pair's texts came from."""
     keep = tokens_to_keep(truncate, prompt_limit(rt))
     ids, type_starts = await asyncio.to_thread(_pair_prompts, rt, firsts, seconds, first_params, params, keep)
     logits, total, rid = await pool(request, ids, params, truncate=None, lora=lora, type_starts=type_starts)
-    act = SCORE_ACTIVATIONS[rt.model_info.score_activation]
+    act = SCORE_ACTIVATIONS[rt.model_info.score_activation if activates else "identity"]
     return [act(float(row[0])) for row in logits], total, rid
 
 
@@ -204,7 +210,8 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [left[i] for i, _ in pairs],
                                                 [right[j] for _, j in pairs], [p1[i] for i, _ in pairs],
-                                                [p2[j] for _, j in pairs], body.truncate_prompt_tokens, lora)
+                                                [p2[j] for _, j in pairs], body.truncate_prompt_tokens, lora,
+                                                body.activates)
     else:
         vectors, total, rid = await embed(request, left + right, p1 + p2, truncate=body.truncate_prompt_tokens,
                                           lora=lora)
@@ -212,7 +219,7 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     data = [{"index": k, "object": "score", "score": v} for k, v in enumerate(scores)]
     return {"id": f"score-{rid}", "object": "list", "created": int(time.time()),
             "model": model_label(st, lora), "data": data,
-            "usage": {"prompt_tokens": total, "total_tokens": total}}
+            "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0}}
 
 
 async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
@@ -225,13 +232,13 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     if _cross_encoder(st.runtime):
         scores, total, rid = await _pair_scores(request, st.runtime, [body.query] * len(body.documents),
                                                 body.documents, ["query"] * len(body.documents), params,
-                                                body.truncate_prompt_tokens, lora)
+                                                body.truncate_prompt_tokens, lora, body.activates)
     else:
         vectors, total, rid = await embed(request, [body.query, *body.documents], ["query", *params],
                                           truncate=body.truncate_prompt_tokens, lora=lora)
         scores = [_cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    if body.top_n:
+    if body.top_n > 0:
         order = order[:body.top_n]
     results = []
     for i in order:
@@ -240,7 +247,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
             item["document"] = {"text": body.documents[i]}
         results.append(item)
     return {"id": f"rerank-{rid}", "model": model_label(st, lora), "results": results,
-            "usage": {"total_tokens": total}}
+            "usage": {"prompt_tokens": total, "total_tokens": total}}
 
 
 def add_routes(app: Any, dependencies: list[Any]) -> None:

@@ -136,6 +136,13 @@ def test_a_cross_encoder_scores_pairs_read_together(reranker):
     assert [x["index"] for x in rr["results"]] == order
     assert np.allclose([x["relevance_score"] for x in rr["results"]], [want[i] for i in order], rtol=1e-4)
     assert rr["results"][0]["document"] == {"text": docs[order[0]]}
+    # vLLM's use_activation (activation, its older spelling) false: the raw logit, on both routes
+    logits = [float(w[0]) for w in _hf_logits(path, [tok(query, d)["input_ids"] for d in docs])]
+    for off in ({"use_activation": False}, {"activation": False}):
+        raw = httpx.post(server.url + "/v1/score", json={"text_1": query, "text_2": docs, **off}, timeout=60).json()
+        assert np.allclose([d["score"] for d in raw["data"]], logits, rtol=1e-4), raw
+        rr = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": docs, **off}, timeout=60).json()
+        assert np.allclose([x["relevance_score"] for x in rr["results"]], sorted(logits, reverse=True), rtol=1e-4)
 
 
 @pytest.mark.parametrize("path,body,param", [

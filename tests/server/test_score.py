@@ -54,6 +54,10 @@ def test_rerank_orders_documents_by_score_best_first(demo_server, path):
     assert scores == sorted(scores, reverse=True) and r["usage"]["total_tokens"] > 0
     top = _post(demo_server, path, {"query": q, "documents": DOCS, "top_n": 2, "return_documents": False}).json()
     assert [x["index"] for x in top["results"]] == want[:2] and "document" not in top["results"][0]
+    for every in (0, -1):  # vLLM's "all": rerank clients send -1 by default
+        assert [x["index"] for x in _post(demo_server, path, {"query": q, "documents": DOCS,
+                                                              "top_n": every}).json()["results"]] == want
+    assert r["usage"]["prompt_tokens"] == r["usage"]["total_tokens"]
     objects = _post(demo_server, path, {"query": q, "documents": [{"text": d} for d in DOCS]}).json()
     # Cohere's and Jina's {"text": ...} documents read as their text
     ranked = [(x["index"], x["document"]) for x in r["results"]]
@@ -67,7 +71,6 @@ def test_rerank_orders_documents_by_score_best_first(demo_server, path):
     ("/v1/score", {"text_1": "a", "text_2": "x " * 5000}, "text_2"),
     ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
     ("/v1/rerank", {"query": "q", "documents": ["ok", "x " * 5000]}, "documents[1]"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
     ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
