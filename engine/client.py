@@ -137,6 +137,8 @@ def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[s
 def merge_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """One output carrying ``old``'s tokens then ``new``'s, with ``new``'s status (the coalescing of a lagging
     stream). ``old``'s lists are extended in place, so coalescing N outputs costs O(N): the caller owns them."""
+    if new.new_token_ids:  # steps that carried tokens (a prompt-logprobs chunk's output carries none)
+        old.steps = old.steps + new.steps if old.new_token_ids else new.steps
     old.new_token_ids.extend(new.new_token_ids)
     if new.logprobs is not None:
         if old.logprobs is None:

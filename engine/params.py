@@ -79,3 +79,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (with the first output), when requested
     embedding: list[float] | None = None  # the pooled hidden state (fp32, not normalized): a pooling request's end
     rejected: bool = False  # with "error": the request's own settings caused it (a client error, not the server's)
+    steps: int = 1  # the engine steps whose tokens it carries: more once outputs are merged for a lagging consumer

@@ -336,6 +336,9 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     queued, scheduled_at = out.queue_seconds, out.scheduled_at
                 if prompt_only:
                     if out.new_token_ids or out.finished or out.prompt_logprobs is not None:
+                        first_t = last_t = time.monotonic()  # its prefill ran: timed as vLLM times its 1 token
+                        if metrics is not None:
+                            metrics.ttft.observe(last_t - req.arrival)
                         end = _prompt_end(out)
                         step = ChoiceStep(index, end=end, finish_at=0, prompt_logprobs=out.prompt_logprobs)
                         finish(step, end.reason)
@@ -346,16 +349,10 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                 if new_ids:
                     now = time.monotonic()
                     if metrics is not None:
-                        # One gap per token after the first: an output merged from several steps (its client
-                        # lagged) spreads the time since the previous output over its tokens; tokens that came
-                        # with the first one arrived with it.
                         if last_t is None:
                             metrics.ttft.observe(now - req.arrival)
-                            gaps, gap = len(new_ids) - 1, 0.0
-                        else:
-                            gaps, gap = len(new_ids), (now - last_t) / len(new_ids)
-                        for _ in range(gaps):
-                            metrics.itl.observe(gap)
+                        metrics.tokens_arrived(len(new_ids), max(out.steps, 1),
+                                               None if last_t is None else now - last_t)
                     first_t = now if first_t is None else first_t
                     last_t = now
                 lps = out.logprobs

@@ -102,11 +102,10 @@ class Metrics:
                       buckets=_TTFT_BUCKETS, registry=r),
             Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m,
                       buckets=_TTFT_BUCKETS, registry=r).labels(model_name))
-        self.itl = _Both(
-            Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
-                      buckets=_LATENCY_BUCKETS, registry=r),
-            Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m,
-                      buckets=_TPOT_BUCKETS, registry=r).labels(model_name))  # vLLM's, so its dashboards' le match
+        self.itl = Histogram("ember_inter_token_latency_seconds", "Time between consecutive tokens of a choice",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                  m, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)  # vLLM's le, per step
         self.e2e = _Both(
             Histogram("ember_request_latency_seconds", "Time from admission to the last token",
                       buckets=_REQUEST_BUCKETS, registry=r),
@@ -188,6 +187,20 @@ class Metrics:
         if not rejected:
             self._success.labels(self._model_name, _VLLM_REASONS.get(reason, "abort")).inc()
 
+    def tokens_arrived(self, tokens: int, steps: int, since_last: float | None) -> None:
+        """An output of ``tokens`` tokens from ``steps`` engine steps, ``since_last`` seconds after the choice's
+        previous output (None: its first). Ember's inter-token latency counts a gap per token, vLLM's one per step (a
+        speculative step's accepted tokens arrive together); an output merged from several steps while its client
+        lagged spreads the interval evenly, and tokens that came with the first output arrived with it."""
+        if since_last is None:
+            per_token, per_step, tokens, steps = 0.0, 0.0, tokens - 1, steps - 1
+        else:
+            per_token, per_step = since_last / tokens, since_last / steps
+        for _ in range(tokens):
+            self.itl.observe(per_token)
+        for _ in range(steps):
+            self.step_itl.observe(per_step)
+
     def choice_ran(self, prompt_tokens: int, generated: int, max_tokens: int | None, first_token: float | None,
                    last_token: float | None, scheduled_at: float | None = None) -> None:
         """vLLM's per-request histograms of a choice the engine ran (one vLLM request), its first and last tokens
@@ -196,8 +209,8 @@ class Metrics:
         or inference phase is)."""
         self._prompt_len.observe(prompt_tokens)
         self._generated.observe(generated)
-        if max_tokens:
-            self._max_tokens.observe(max_tokens)
+        if max_tokens is not None:  # an echo of max_tokens 0 as vLLM runs it: for 1 token
+            self._max_tokens.observe(max(max_tokens, 1))
         if first_token is not None and last_token is not None:
             decode = last_token - first_token
             self._decode.observe(decode)

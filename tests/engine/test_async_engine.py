@@ -236,12 +236,14 @@ def test_a_stalled_stream_coalesces_every_output_in_order_without_touching_them(
                 for i in range(50)]
         outs[-1].finished, outs[-1].finish_reason = True, "length"
         held = [(out.new_token_ids, out.logprobs) for out in outs]
+        stream.put(RequestOutput("r", []))  # a prompt-logprobs chunk's step: no tokens, so no step of tokens
         for out in outs:
             stream.put(out)
         return held, await stream.get()
 
     held, merged = asyncio.run(main())
     assert merged.new_token_ids == [t for i in range(50) for t in (i, i + 100)]
+    assert merged.steps == 50  # the steps whose tokens it carries: vLLM's inter-token latency counts one each
     assert [lp.token_id for lp in merged.logprobs] == merged.new_token_ids
     assert (merged.finished, merged.finish_reason) == (True, "length")
     assert all(ids == [i, i + 100] and len(lps) == 2 for i, (ids, lps) in enumerate(held))

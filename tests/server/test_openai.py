@@ -429,6 +429,25 @@ def test_metrics_observe_vllms_prefill_and_inference_time_from_the_engines_first
     assert after[f'vllm:request_inference_time_seconds_bucket{{le="7680.0",model_name="{demo_server.model}"}}'] >= 1
 
 
+def test_an_echo_of_max_tokens_0_is_timed_as_every_request_is(demo_server):
+    """vLLM runs an echo without generation for 1 token, so it is in the latency histograms like any request: each
+    histogram's count grows with the finished-request count (they fell short, and dashboards dividing by them
+    drifted)."""
+    names = ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+             "request_decode_time_seconds_count", "request_inference_time_seconds_count",
+             "request_params_max_tokens_count", "request_queue_time_seconds_count")
+    success = f'vllm:request_success_total{{finished_reason="length",model_name="{demo_server.model}"}}'
+    before = _scrape(demo_server)
+    r = httpx.post(demo_server.url + "/v1/completions", timeout=60,
+                   json={"model": demo_server.model, "prompt": "hello world", "max_tokens": 0, "echo": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    after = _scrape(demo_server)
+    assert after[success] - before.get(success, 0.0) == 1
+    grew = {name: after[f'vllm:{name}{{model_name="{demo_server.model}"}}']
+            - before.get(f'vllm:{name}{{model_name="{demo_server.model}"}}', 0.0) for name in names}
+    assert grew == dict.fromkeys(names, 1), grew
+
+
 def test_metrics_export_every_finished_reason_at_0_from_startup():
     """`increase()` over a series that appears with its first count misses that count (a first abort)."""
     from ember.server.metrics import Metrics

@@ -66,3 +66,9 @@ def test_a_speculating_server_answers_as_the_plain_one(demo_server, demo_runtime
     assert sorted(per_pos) == [0, 1, 2, 3]  # num_speculative_tokens positions
     assert sum(per_pos.values()) == counts["vllm:spec_decode_num_accepted_tokens_total"]
     assert per_pos[0] >= per_pos[1] >= per_pos[2] >= per_pos[3]  # a draft is kept only after the ones before it
+    # vLLM observes one inter-token interval per engine step (a step's accepted drafts arrive with it), Ember's own
+    # histogram one per token: the step count is short of the token count by at most the accepted drafts
+    itl = {line.split("_count")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+           if "inter_token_latency_seconds_count" in line}
+    per_token, per_step = itl["ember_inter_token_latency_seconds"], itl["vllm:inter_token_latency_seconds"]
+    assert 0 < per_token - per_step <= counts["vllm:spec_decode_num_accepted_tokens_total"], itl
