@@ -100,7 +100,9 @@ def apply_hf_overrides(config: dict[str, Any], overrides: dict[str, Any] | None)
     each key replaces the value, except that a dict given for a sub-config (a dict holding ``model_type``, such as
     ``text_config``) updates that sub-config key by key. ``rope_scaling`` and ``rope_parameters`` are one setting:
     overriding either sets both (a flat form keeps the checkpoint's ``rope_theta`` and ``partial_rotary_factor``), so
-    the override wins whichever spelling the checkpoint used. ``config`` is not modified."""
+    the override wins whichever spelling the checkpoint used; a top-level ``rope_theta`` or ``partial_rotary_factor``
+    override also replaces the one in ``rope_parameters`` (which transformers 5 reads first). ``config`` is not
+    modified."""
     out = dict(config)
     for key, value in (overrides or {}).items():
         base = out.get(key)
@@ -112,6 +114,9 @@ def apply_hf_overrides(config: dict[str, Any], overrides: dict[str, Any] | None)
             out["rope_scaling"] = out["rope_parameters"] = {**kept, **value}
         else:
             out[key] = value
+            params = out.get("rope_parameters")
+            if key in _ROPE_KEPT and isinstance(params, dict) and key in params:  # the copy transformers 5 reads
+                out["rope_parameters"] = {**params, key: value}
     return out
 
 

@@ -90,6 +90,15 @@ _MODEL_TYPE_BY_ARCHITECTURE = (("Gemma3ForConditionalGeneration", "gemma3_text")
                                ("GptOss", "gpt_oss"))
 
 
+def rope_field(raw: dict[str, Any], name: str) -> Any:
+    """A RoPE setting (``rope_theta``, ``partial_rotary_factor``) of a config.json: from ``rope_parameters`` first,
+    where transformers 5 keeps it and reads it when a stale top-level copy disagrees, else the top level
+    (transformers 4); None when neither has it."""
+    params = raw.get("rope_parameters")
+    value = params.get(name) if isinstance(params, dict) else None
+    return value if value is not None else raw.get(name)
+
+
 def model_family(model_type: str | None, architecture: str) -> str:
     """The transformers model type whose config rules apply: config.json's ``model_type`` (a multimodal checkpoint's
     ``gemma3`` read as its text model's ``gemma3_text``), or where it has none, the one its architecture implies."""
@@ -227,7 +236,7 @@ class ModelConfig:
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        rope_theta = cfg.get("rope_theta")
+        rope_theta = rope_field(cfg, "rope_theta")
         if rope_theta is None and isinstance(rope_scaling, dict):
             rope_theta = rope_scaling.get("rope_theta")
         if isinstance(rope_scaling, dict):

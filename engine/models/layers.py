@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.engine.attention import AttentionMetadata, check_triton_device, is_triton_backend
-from ember.engine.config import ConfigError, ModelConfig, model_family
+from ember.engine.config import ConfigError, ModelConfig, model_family, rope_field
 
 
 def row_ops_backend(device: torch.device) -> str:
@@ -190,9 +190,7 @@ class OffsetRMSNorm(nn.Module):
 def partial_rotary_dim(cfg: ModelConfig) -> int:
     """Channels of each head that RoPE turns: ``partial_rotary_factor`` of ``head_dim`` (top level in older
     config.json, in ``rope_parameters`` in transformers 5's; 1.0 when absent)."""
-    raw = cfg.raw
-    factor = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
-    return int(cfg.head_dim * float(factor or 1.0))
+    return int(cfg.head_dim * float(rope_field(cfg.raw, "partial_rotary_factor") or 1.0))
 
 
 class RotaryEmbedding(nn.Module):

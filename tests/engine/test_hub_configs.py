@@ -214,6 +214,25 @@ def test_rope_original_max_position_embeddings_as_transformers_reads_it(rope, to
     assert_prefill_logits_match_transformers(path)
 
 
+@pytest.mark.parametrize("model_cls,config_cls,key,nested,stale", [
+    ("LlamaForCausalLM", "LlamaConfig", "rope_theta", 10000.0, 500000.0),
+    ("Phi3ForCausalLM", "Phi3Config", "partial_rotary_factor", 0.5, 1.0),
+], ids=["rope_theta", "partial_rotary_factor"])
+def test_a_stale_top_level_rope_field_loses_to_rope_parameters_as_in_transformers_5(
+        model_cls, config_cls, key, nested, stale, tmp_path, demo_model_dir):
+    """A config.json holding a RoPE field both in ``rope_parameters`` and (stale, edited by hand or left by an older
+    writer) at the top level: transformers 5 reads the nested one, so Ember does (it read the top one: wrong
+    logits, silently); an --hf-overrides of the top-level key still wins over both."""
+    from ember.engine.checkpoint import apply_hf_overrides, read_config
+
+    params = {"rope_type": "default", "rope_theta": 10000.0} | ({key: nested} if key != "rope_theta" else {})
+    path = _tiny(tmp_path, demo_model_dir, model_cls, config_cls, head_dim=16, pad_token_id=0, rope_parameters=params)
+    _edit(path, lambda c: c.__setitem__(key, stale))
+    assert_prefill_logits_match_transformers(path)
+    overridden = apply_hf_overrides(read_config(path), {key: stale})
+    assert overridden["rope_parameters"][key] == overridden[key] == stale
+
+
 def test_class_defaults_for_absent_window_and_pretrained_length_follow_transformers():
     """Mistral without ``sliding_window`` gets MistralConfig's 4096; Phi-3's top-level pretrained length
     (Phi3Config's 4096 when absent) wins over the LongRoPE dict's, as transformers resolves both."""

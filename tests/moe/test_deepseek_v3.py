@@ -56,6 +56,14 @@ def test_prefill_logits_match_transformers(tiny_dsv3_dir):
     assert_prefill_logits_match_transformers(tiny_dsv3_dir)
 
 
+def test_a_non_yarn_scaled_rope_scales_the_softmax_by_mscale_all_dim_too(tmp_path, demo_model_dir):
+    """transformers (and vLLM) scale the attention softmax by ``mscale_all_dim``'s mscale for any scaled RoPE, not
+    only YaRN: a linear-scaled DeepSeek-V3 read otherwise scored wrong logits, silently."""
+    path = save_tiny_deepseek_v3(tmp_path / "linear", demo_model_dir, rope_parameters={
+        "rope_type": "linear", "factor": 4.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+    assert_prefill_logits_match_transformers(path)
+
+
 def test_greedy_equals_transformers_with_chunked_prefill_and_prefix_hits(tiny_dsv3_dir):
     assert_greedy_matches_transformers_chunked_and_cached(tiny_dsv3_dir)
 
