@@ -29,7 +29,7 @@ from torch import nn
 
 from ember.engine import loader
 from ember.engine.config import ConfigError
-from ember.engine.nvfp4_loading import QuantizationError, use_triton
+from ember.engine.nvfp4_loading import SUPPORTED_QUANTIZATIONS, QuantizationError, use_triton
 from ember.kernels import fp8_block
 
 SCALE = ".weight_scale_inv"
@@ -68,14 +68,19 @@ which also quantizes an unquantized checkpoint as it loads."""
 def resolve_format(raw_config: dict[str, Any], model_dir: str | os.PathLike, quantization: str | None
                    ) -> FP8Format | None:
     """The FP8 format the engine loads ``model_dir`` with: the checkpoint's (`fp8_format`), or `ON_LOAD` for
-    ``quantization="fp8"`` on an unquantized checkpoint; ConfigError for an unknown ``quantization`` or one asked
-    of a checkpoint that is quantized already."""
+    ``quantization="fp8"`` on an unquantized checkpoint; QuantizationError for a checkpoint quantized by a method
+    Ember does not read (whatever the architecture), ConfigError for an unknown ``quantization`` or one asked of a
+    checkpoint that is quantized otherwise."""
+    declared = declared_quantization(raw_config, model_dir)
+    if declared is not None and declared[0] not in QUANTIZATIONS:  # every architecture's load, before any tensor
+        method, source = declared
+        what = "names no quant_method" if method == "None" else f"quant_method {method!r} is not supported"
+        raise QuantizationError(f"{source}: {what}; Ember reads {SUPPORTED_QUANTIZATIONS}")
     fmt = fp8_format(raw_config, model_dir)
     if quantization is None:
         return fmt
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    declared = declared_quantization(raw_config, model_dir)
     if declared is None:
         if quantization == "fp8":
             return ON_LOAD

@@ -193,12 +193,16 @@ def plan(model_dir: str | os.PathLike, raw_config: dict[str, Any], shard_shape: 
     qcfg = read_quant_config(root, raw_config)
     modules: dict[str, ModuleSpec] = {}
     candidates = {n.rsplit(".", 1)[0] for n in heads if n.rsplit(".", 1)[-1] in QUANT_SUFFIXES}
-    candidates |= {n[: -len(".weight")] for n, (dt, _, _) in heads.items() if n.endswith(".weight") and dt == "U8"}
+    candidates |= {n[: -len(".weight")] for n, (dt, _, _) in heads.items()
+                   if n.endswith(".weight") and dt in ("U8", "F8_E4M3")}
     for m in sorted(candidates):
         def get(suffix: str, m: str = m) -> tuple[str, list[int], str] | None:
             return heads.get(f"{m}.{suffix}")
 
         w, s, s2, a = get("weight"), get("weight_scale"), get("weight_scale_2"), get("input_scale")
+        if qcfg is None and w is not None and w[0] == "F8_E4M3":
+            raise QuantizationError(f"{w[2]}: tensor {m}.weight is FP8 (F8_E4M3) but the checkpoint declares no "
+                                    "quantization (config.json has no quantization_config naming its format)")
         for suffix, item in (("weight", w), ("weight_scale", s), ("weight_scale_2", s2)):
             if item is None:
                 anyfile = next(x for x in (w, s, s2, a) if x is not None)[2]

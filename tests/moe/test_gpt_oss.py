@@ -70,6 +70,28 @@ def test_quantization_fp8_is_refused_naming_the_experts(tiny_gpt_oss_dir):
         ember_model(tiny_gpt_oss_dir, quantization="fp8")
 
 
+@pytest.mark.parametrize("method", ["gptq", "bitsandbytes", None])
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_quantization_ember_cannot_read_is_refused_naming_it_whatever_the_model(tiny_gpt_oss_dir, tmp_path,
+                                                                                  method, quantization):
+    """gpt-oss (and encoders) never reached the method check the dense models' loader makes: a GPTQ or
+    bitsandbytes config loaded as float weights (int8 cast unscaled) or failed on a tensor's shape; with
+    --quantization the refusal sent the user to a flag value that does not exist."""
+    import json
+    import shutil
+
+    from ember.engine.nvfp4_loading import QuantizationError
+
+    path = tmp_path / "quantized"
+    shutil.copytree(tiny_gpt_oss_dir, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"bits": 4} | ({"quant_method": method} if method else {})
+    (path / "config.json").write_text(json.dumps(cfg))
+    says = f"quant_method '{method}' is not supported" if method else "names no quant_method"
+    with pytest.raises(QuantizationError, match=f"config.json:quantization_config: {says}; Ember reads"):
+        ember_model(path, quantization=quantization)
+
+
 def test_prefill_logits_match_transformers(tiny_gpt_oss_dir):
     assert_prefill_logits_match_transformers(tiny_gpt_oss_dir)
 
