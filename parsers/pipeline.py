@@ -162,11 +162,16 @@ class OutputPipeline:
                     break
                 unspaced = self._unspaced = True  # the delimiter's text (or earlier text) came first
                 self._count += 1
+                whole = False  # a stop string kept in the output that ends with the whole delimiter
                 if as_text:  # a stop string may end in its text: what it releases is text before the delimiter
+                    held = len(stop.held)
                     text = stop.delimiter(delim, self._count > self._min_tokens)
+                    whole = stop.stopped and stop.include and len(text) - held == len(delim)
+                    if whole:  # the delimiter itself is still structure: only the text before it is text
+                        text = text[:-len(delim)]
                     if text:
                         events += mfeed(None, text)
-                    if stop.stopped:
+                    if stop.stopped and not whole:
                         self._resolve(events[start:], channels, resolved)
                         self._stopped_now()
                         used += 1
@@ -174,6 +179,10 @@ class OutputPipeline:
                 events += mfeed(tid, delim)
                 new = events[start:]
                 self._place(_surfaced(new, delim) if new else DELIMITER, not new, new, channels, resolved)
+                if whole:
+                    self._stopped_now()
+                    used += 1
+                    break
             elif tid in drop:  # adds no text: a character or a stop string split around it still joins (vLLM)
                 self._count += 1
                 self._place(DROPPED, False, (), channels, resolved)

@@ -634,6 +634,9 @@ def test_a_stop_string_may_end_in_a_non_special_delimiters_text():
     ids = [d["<think>"]] + ids_of("hmm") + [d["</think>"]] + ids_of("Hello ") + [d["<tool_call>"]] + ids_of("x")
     for stop, include, reasoning, content, used in (
             (["</think>"], False, "hmm", "", 1 + len(ids_of("hmm")) + 1),
+            # kept in the output, the delimiter is still the thought's end, not reasoning text
+            (["</think>"], True, "hmm", "", 1 + len(ids_of("hmm")) + 1),
+            (["m</think>"], True, "hmm", "", 1 + len(ids_of("hmm")) + 1),
             (["o <tool_call>"], False, "hmm", "Hell", len(ids) - 1),
             (["<tool_call>"], True, "hmm", "Hello <tool_call>", len(ids) - 1),
             (["_call>"], False, "hmm", "Hello <tool", len(ids) - 1)):
