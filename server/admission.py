@@ -224,9 +224,13 @@ def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
     """vLLM's extra sampling fields of a chat or text completion as `SamplingParams` settings: `allowed_token_ids`
     (checked against the vocabulary), `bad_words` (each tokenized alone and after a space, as a word is spelled
     inside text), `cache_salt`, `priority` (under ``--scheduling-policy priority``; otherwise a non-zero one is a
-    400, as in vLLM). Beam search is not served: asking for it is a 400 naming the field."""
+    400, as in vLLM). Beam search and per-request logits processors are not served: asking for either is a 400
+    naming the field (ignored, they would change the reply silently)."""
     if body.use_beam_search:
         raise bad_request("beam search is not supported", param="use_beam_search")
+    if body.logits_processors:
+        raise bad_request("the logits_processors argument is not supported by this server (no processor can be "
+                          "loaded by name)", param="logits_processors")
     if body.priority and st.config.scheduling_policy != "priority":
         raise bad_request("requests are scheduled first come, first served: priority needs the server started "
                           "with --scheduling-policy priority", param="priority")

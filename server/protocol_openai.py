@@ -4,7 +4,7 @@ Field names follow the OpenAI API reference plus vLLM's extensions (`top_k`, `mi
 `return_token_ids`, `chat_template_kwargs`, `include_stop_str_in_output`, `ignore_eos`, `min_tokens`,
 `max_thinking_tokens`, `prompt_logprobs`, `structured_outputs` and the `guided_*` fields older vLLM clients send,
 `allowed_token_ids`, `bad_words`, `cache_salt`, `truncate_prompt_tokens`, `priority` (with the priority scheduling
-policy); `use_beam_search: true` is refused).
+policy); `use_beam_search: true` and `logits_processors` are refused).
 Unknown fields are accepted and ignored, as the OpenAI SDKs add new ones often. A request field given as JSON `null`
 takes its default, as OpenAI marks its optional fields nullable and vLLM accepts them so.
 """
@@ -289,9 +289,11 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(default=None, min_length=1)
     truncate_prompt_tokens: TruncatePromptTokens = None
     use_beam_search: bool = False
+    logits_processors: list[Any] | None = None  # vLLM's per-request processors: refused, as vLLM refuses them
     priority: int = 0
-    # unset or false: EOS, end-of-turn, pad and BOS are dropped, other specials are text; true: every special but
-    # the parser's delimiters is dropped (`ParserSetup.dropped_ids`)
+    # unset or false: EOS, end-of-turn, pad and BOS are dropped, other specials are text (false keeps the EOS
+    # tokens ignore_eos generates past); true: every special but the parser's delimiters is dropped
+    # (`ember.server.generation.make_pipeline`)
     skip_special_tokens: bool | None = None
 
     @field_validator("stop")

@@ -63,6 +63,9 @@ def test_null_fields_take_their_defaults(demo_server):
     ("/v1/completions", {"prompt": list(range(11)) + ["x"]}, "prompt[11]"),
     ("/v1/completions", {"prompt": [[1, 2], [3, "x"]]}, "prompt[1][1]"),
     ("/v1/completions", {"prompt": [[1], []]}, "prompt[1]"),  # the empty one of a batch
+    # vLLM refuses per-request logits processors without --logits-processor-pattern: ignored, they changed nothing
+    ("/v1/chat/completions", {"messages": HI, "logits_processors": ["pkg.mod.Proc"]}, "logits_processors"),
+    ("/v1/completions", {"prompt": "Hi", "logits_processors": [{"qualname": "pkg.mod.Proc"}]}, "logits_processors"),
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {  # named tool_choice.function
         "type": "custom", "custom": {"name": "get_weather"}}}, "tool_choice.type"),
     ("/v1/chat/completions", {"messages": HI, "tools": [WEATHER], "tool_choice": {"type": "allowed_tools",
