@@ -25,6 +25,7 @@ from .errors import ApiError, bad_request, openai_error_body, prompt_too_long
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, run_choices
 from .metrics import Metrics
 from .openai_encoder import sse_line
+from .reasoning_filter import without_reasoning
 from .background_responses import BackgroundResponses
 from .response_store import ResponseStore
 
@@ -393,14 +394,21 @@ class Run:
             raise ApiError(500, "generation failed: " + "; ".join(self.errors))
 
 
-async def noted_steps(st: ServerState, req: GenRequest, run: Run,
-                      single_call: bool = False) -> AsyncIterator[ChoiceStep]:
-    """The request's steps, noted in ``run`` (only the first tool call with ``single_call``): what a stream encodes
-    and a non-streaming body folds."""
+def shaped(step: ChoiceStep, single_call: bool = False, include_reasoning: bool = True) -> ChoiceStep:
+    """``step`` as the reply shows it: only the first tool call with ``single_call``, no thought without
+    ``include_reasoning``."""
+    if single_call:
+        step = first_call_only(step)
+    return step if include_reasoning else without_reasoning(step)
+
+
+async def noted_steps(st: ServerState, req: GenRequest, run: Run, single_call: bool = False,
+                      include_reasoning: bool = True) -> AsyncIterator[ChoiceStep]:
+    """The request's steps, noted in ``run`` and `shaped`: what a stream encodes and a non-streaming body folds."""
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
             run.note(step)
-            yield first_call_only(step) if single_call else step
+            yield shaped(step, single_call, include_reasoning)
 
 async def collect(request: Request, items: AsyncIterator[dict]) -> list[dict]:
     """All items of a non-streaming response; a client that hangs up meanwhile aborts its request (blocks freed)."""

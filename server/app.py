@@ -37,8 +37,8 @@ from . import classify_api, embeddings_api, lora_api, responses_api, score_api, 
 from .answer_format import answer_format
 from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, client_request_id,
                         check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
-                        model_label, new_request, noted_steps, require_api_key, state, stop_ids, stream_error,
-                        truncate_prompt, vllm_sampling_extras)
+                        model_label, new_request, noted_steps, require_api_key, shaped, state, stop_ids,
+                        stream_error, truncate_prompt, vllm_sampling_extras)
 from .body_check import CheckedRoute, content_type_error, is_json
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
@@ -64,7 +64,7 @@ log = logging.getLogger("ember.server")
 # ----------------------------------------------------------------------------------------------------- chat (OpenAI)
 
 async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
-                    single_call: bool) -> AsyncIterator[str]:
+                    single_call: bool, include_reasoning: bool = True) -> AsyncIterator[str]:
     """The chat stream's SSE text: the role chunks, one item per step (all of its chunks), then the tail (errors,
     usage, ``[DONE]``). What `noted_steps` does is inlined: this runs once per streamed step of every stream."""
     tb = token_names(st.runtime.token_bytes.token_bytes, meta)
@@ -75,7 +75,7 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
     async with aclosing(run_choices(st.runtime, req, st.metrics)) as steps:
         async for step in steps:
             run.note(step)
-            text = encs[step.index].step_sse(first_call_only(step) if single_call else step)
+            text = encs[step.index].step_sse(shaped(step, single_call, include_reasoning))
             if text:
                 yield text
     tail = [stream_error(err) for err in run.stream_errors()]
@@ -210,9 +210,11 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
                      echo=_echoed(body, role), named_tool=isinstance(body.tool_choice, po.NamedToolChoice))
     run = Run()
     if body.stream:
-        return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls),
+        return EventStreamResponse(_chat_sse(st, req, meta, run, not body.parallel_tool_calls,
+                                             body.include_reasoning),
                                    st.config.sse_keepalive_seconds, headers=SSE_HEADERS)
-    collected = await collect(request, noted_steps(st, req, run, not body.parallel_tool_calls))
+    collected = await collect(request, noted_steps(st, req, run, not body.parallel_tool_calls,
+                                                   body.include_reasoning))
     run.raise_for_errors()
     tb = token_names(rt.token_bytes.token_bytes, meta)
     return JSONResponse(chat_body(meta, collected, tb, n=len(req.choices), prompt_token_ids=prompt_ids,

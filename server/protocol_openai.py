@@ -343,6 +343,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) on top of the template's
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     max_thinking_tokens: int | None = Field(default=None, ge=0)
+    include_reasoning: bool = True  # vLLM's: false leaves the (still parsed) thought out of the reply
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default
     functions: list[Any] | None = None  # refused (as function_call): the deprecated form of tools
     function_call: Any = None

@@ -155,6 +155,30 @@ def test_reasoning_split_with_the_real_qwen3_thinking_template(qwen3_thinking_se
     assert rebuilt.choices[0].message.content == r.choices[0].message.content
 
 
+def test_include_reasoning_false_leaves_the_thought_out(qwen3_thinking_server):
+    """vLLM's ``include_reasoning: false``: the thought is still parsed (it never becomes content) but is not in the
+    reply, streamed or not; its tokens stay in token_ids and usage, without logprob entries (it was ignored)."""
+    server = qwen3_thinking_server
+    kw = dict(model=server.model, messages=HI, max_tokens=10, seed=8, logprobs=True,
+              extra_body={"max_thinking_tokens": 3, "return_token_ids": True})
+    full = server.openai().chat.completions.create(**kw)
+    assert full.choices[0].message.model_extra["reasoning_content"]
+    kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}
+    r = server.openai().chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.message.model_extra.get("reasoning_content") is None and choice.message.model_extra.get(
+        "reasoning") is None
+    assert choice.message.content == full.choices[0].message.content
+    assert choice.model_extra["token_ids"] == full.choices[0].model_extra["token_ids"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3
+    assert "reasoning_content" not in (choice.logprobs.model_extra or {})
+    assert [e.token for e in choice.logprobs.content] == [e.token for e in full.choices[0].logprobs.content]
+    rebuilt, stream_ids, _, _ = _rebuild(server.openai().chat.completions.create(stream=True, **kw))
+    assert stream_ids == choice.model_extra["token_ids"]
+    assert not (rebuilt.choices[0].message.model_extra or {}).get("reasoning_content")
+    assert rebuilt.choices[0].message.content == choice.message.content
+
+
 def test_n_choices_are_independent_and_counted(demo_server):
     r = demo_server.openai().chat.completions.create(
         model=demo_server.model, messages=HI, max_tokens=8, n=3, seed=4, extra_body={"return_token_ids": True})
