@@ -352,7 +352,8 @@ def chat_body(meta: ChunkMeta, steps: Iterable[ChoiceStep], token_bytes: TokenBy
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in out.tool_calls]
         content = meta.echo + out.content
-        msg: dict[str, Any] = {"role": meta.role, "content": content if (content or not calls) else None}
+        said = bool(content) or not (calls or out.reasoning)  # a reply of only calls or only a thought: null
+        msg: dict[str, Any] = {"role": meta.role, "content": content if said else None}
         if out.reasoning:
             msg["reasoning_content"] = out.reasoning
             msg["reasoning"] = out.reasoning

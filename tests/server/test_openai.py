@@ -155,6 +155,18 @@ def test_reasoning_split_with_the_real_qwen3_thinking_template(qwen3_thinking_se
     assert rebuilt.choices[0].message.content == r.choices[0].message.content
 
 
+def test_a_reply_cut_inside_its_thought_has_null_content(qwen3_thinking_server):
+    """As vLLM's reasoning parsers answer (and the OpenAI SDK types it): a reply that is only a thought, cut by
+    max_tokens, has content null (it was ""); a stream sends no content delta."""
+    server = qwen3_thinking_server
+    kw = dict(model=server.model, messages=HI, max_tokens=2, seed=8)
+    r = server.openai().chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.model_extra["reasoning_content"]
+    assert r.choices[0].message.content is None
+    rebuilt, _, _, _ = _rebuild(server.openai().chat.completions.create(stream=True, **kw))
+    assert not rebuilt.choices[0].message.content  # no content delta (the role chunk's "", as vLLM's)
+
+
 def test_include_reasoning_false_leaves_the_thought_out(qwen3_thinking_server):
     """vLLM's ``include_reasoning: false``: the thought is still parsed (it never becomes content) but is not in the
     reply, streamed or not; its tokens stay in token_ids and usage, without logprob entries (it was ignored)."""
