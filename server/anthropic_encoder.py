@@ -29,8 +29,11 @@ class MessageEncoder:
     """One response's events -> Anthropic stream events; blocks open and close as the channel changes."""
 
     def __init__(self, message_id: str, model: str, input_tokens: int, cached_tokens: int | None = None,
-                 omit_thinking: bool = False):
+                 omit_thinking: bool = False, window_bound: bool = False):
+        """``window_bound``: the request's max_tokens was cut to what the context window leaves, so a reply that
+        reaches it stops for the window (`model_context_window_exceeded`), not for max_tokens."""
         self.message_id = message_id
+        self.window_bound = window_bound
         self.model = model
         self.input_tokens = input_tokens
         self.cached_tokens = cached_tokens
@@ -129,6 +132,8 @@ class MessageEncoder:
         return out
 
     def stop_reason(self, end: ChoiceEnd) -> str:
+        if end.reason == "length" and self.window_bound:
+            return "model_context_window_exceeded"
         return stop_reason(end, self.completed_calls)
 
     def finish(self, end: ChoiceEnd) -> list[dict[str, Any]]:

@@ -348,6 +348,11 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase,
     return ids, tools, kwargs
 
 
+def _room(st: ServerState, prompt_len: int) -> int:
+    """The tokens the context window (and the whole KV cache) leaves after a prompt."""
+    return min(st.runtime.max_model_len, st.runtime.model_info.kv_capacity_tokens) - prompt_len
+
+
 async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
     st = state(request)
@@ -371,7 +376,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     constraint = await _anthropic_constraint(st, body, initial, parse_tools, tool_choice, rf)
     parallel = body.parallel_tool_use
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
-    enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking)
+    enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking,
+                         window_bound=max_tokens < body.max_tokens and max_tokens == _room(st, len(prompt_ids)))
     run = Run()
 
     if body.stream:

@@ -367,6 +367,28 @@ def test_the_sdk_tool_runner_falls_back_from_threads_to_the_whole_conversation(d
     assert r.status_code == 400 and r.json()["error"]["details"]["error_code"] == "thread_unsupported_request"
 
 
+def test_a_reply_that_fills_the_context_window_says_so(demo_server):
+    """Anthropic's ``model_context_window_exceeded``: a max_tokens larger than the room the prompt leaves is cut to
+    it, and a reply that reaches it stopped for the window (it said max_tokens, which the client had not reached);
+    a reply that reaches a max_tokens within the room is max_tokens."""
+    n = demo_server.runtime.max_model_len
+
+    def count(k: int) -> int:
+        return httpx.post(demo_server.url + "/v1/messages/count_tokens", timeout=60, json={
+            "model": demo_server.model, "messages": [{"role": "user", "content": "hi " * k}]}).json()["input_tokens"]
+
+    per = (count(200) - count(100)) / 100  # tokens per "hi "
+    k = int((n - 5 - count(100)) / per) + 100
+    assert n - 8 <= count(k) <= n - 3  # a few tokens of room, more than the 2 below
+    body = {"model": demo_server.model, "temperature": 0, "messages": [{"role": "user", "content": "hi " * k}]}
+    for max_tokens, want in ((100, "model_context_window_exceeded"), (2, "max_tokens")):
+        r = httpx.post(demo_server.url + "/v1/messages", timeout=60, json={**body, "max_tokens": max_tokens}).json()
+        assert r["stop_reason"] == want, r
+        with demo_server.anthropic().messages.stream(model=body["model"], messages=body["messages"],
+                                                     max_tokens=max_tokens, extra_body={"temperature": 0}) as stream:
+            assert stream.get_final_message().stop_reason == want
+
+
 def test_a_prompt_too_long_is_worded_as_anthropic_words_it(demo_server):
     """Claude Code compacts its conversation when it reads Anthropic's wording of this 400."""
     n = demo_server.runtime.max_model_len
