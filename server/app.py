@@ -634,7 +634,7 @@ class _RequestCounter:
 
 LOAD_TRACKED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings", "/invocations",
-    "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify"})
+    "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify", "/v1/classify"})
 
 
 class _LoadTracker:
