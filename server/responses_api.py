@@ -226,8 +226,8 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
 
 
 async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
-    """Stop a background response (its engine request aborted); one that has already finished is returned as it
-    ended."""
+    """Stop a background response (its engine request aborted); cancelling a cancelled one again answers it as it
+    is, one that has finished otherwise is a 400 (OpenAI's and vLLM's answer: the client learns it was too late)."""
     st = state(request)
     cancelled = await st.background.cancel(response_id)
     if cancelled is not None:
@@ -236,6 +236,9 @@ async def cancel_response(response_id: str, request: Request) -> dict[str, Any]:
     if not body.get("background"):
         raise ApiError(400, f"Response '{response_id}' was not created in the background; only background "
                             "responses can be cancelled", param="response_id")
+    if body.get("status") != "cancelled":
+        raise ApiError(400, f"Cannot cancel a completed response: '{response_id}' has already ended "
+                            f"({body.get('status')})", param="response_id")
     return body
 
 

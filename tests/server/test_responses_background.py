@@ -77,6 +77,12 @@ def test_only_background_responses_can_be_cancelled(demo_server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.cancel(r.id)
     assert e.value.body["param"] == "response_id"
+    # one that already ended is too late to cancel (it answered 200 as it ended: the client could not tell)
+    bg = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=1, background=True)
+    _poll(client, bg.id, ("completed", "incomplete"))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(bg.id)
+    assert "Cannot cancel a completed response" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel("resp_missing")
 
