@@ -106,6 +106,7 @@ class ResponsesRequest(_Request):
     tools: list[FunctionTool] | None = None
     tool_choice: tool_choice_union(NamedFunction, AllowedTools) | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(default=None, ge=1)  # OpenAI's bound on built-in tool calls: none here, echoed
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     include: list[str] | None = None

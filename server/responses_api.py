@@ -67,7 +67,7 @@ def _head(body: pr.ResponsesRequest, response_id: str, model: str, store: bool,
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "model": model,
         "background": bool(body.background), "instructions": body.instructions,
-        "max_output_tokens": params.max_tokens, "metadata": body.metadata or {},
+        "max_output_tokens": params.max_tokens, "max_tool_calls": body.max_tool_calls, "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
                       "summary": body.reasoning.summary if body.reasoning else None},

@@ -518,7 +518,9 @@ def test_max_output_tokens_is_echoed_as_the_limit_in_effect(demo_server):
     request's value, so an `incomplete` response says which limit cut it."""
     client = demo_server.openai()
     r = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=3)
-    assert r.max_output_tokens == 3 and r.status == "incomplete"
+    assert r.max_output_tokens == 3 and r.status == "incomplete" and r.max_tool_calls is None
+    bounded = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=1, max_tool_calls=2)
+    assert bounded.max_tool_calls == 2  # echoed, as OpenAI's Response object carries it
     huge = client.responses.create(model=demo_server.model, input="Hi", max_output_tokens=10**9,
                                    extra_body={"seed": 1}, temperature=0)
     unset = client.responses.create(model=demo_server.model, input="Hi", extra_body={"seed": 1}, temperature=0)
