@@ -443,15 +443,26 @@ class GrammarBackend:
     # ------------------------------------------------------------------------------------------------ steps
 
     def bitmask_filler(self):
-        """The engine's ``BitmaskFiller``: rows of grammar constraints in parallel off the GIL, others in turn."""
+        """The engine's ``BitmaskFiller``: rows of grammar constraints in parallel off the GIL, others in turn. The
+        engine's bitmask may be narrower than this vocabulary, where the tokenizer has tokens past the model's logits
+        (a pad or special token added without resizing the embeddings): those tokens can never be drawn, so only the
+        model's columns are written."""
         words = (self.vocab_size + 31) // 32
 
         def fill(constraints: Sequence[Any], bitmask: torch.Tensor) -> None:
             if not (bitmask.is_cpu and bitmask.is_contiguous() and bitmask.dtype == torch.int32
-                    and bitmask.dim() == 2 and bitmask.shape[1] == words):
-                raise ValueError(f"bitmask must be a contiguous host int32 [rows, {words}] tensor for a "
+                    and bitmask.dim() == 2 and 0 < bitmask.shape[1] <= words):
+                raise ValueError(f"bitmask must be a contiguous host int32 [rows, <= {words}] tensor for a "
                                  f"{self.vocab_size}-token vocabulary, got {bitmask.dtype} {tuple(bitmask.shape)} "
                                  f"on {bitmask.device}")
+            model_mask = bitmask
+            if bitmask.shape[1] < words:
+                bitmask = torch.zeros((bitmask.shape[0], words), dtype=torch.int32)
+            _fill(constraints, bitmask)
+            if bitmask is not model_mask:
+                model_mask.copy_(bitmask[:, :model_mask.shape[1]])
+
+        def _fill(constraints: Sequence[Any], bitmask: torch.Tensor) -> None:
             par: list[tuple[llguidance.LLMatcher, int]] = []
             for row, c in enumerate(constraints):
                 if isinstance(c, GrammarConstraint) and c.needs_matcher_mask():

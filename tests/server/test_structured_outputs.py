@@ -270,3 +270,22 @@ def test_logprobs_of_tokens_the_grammar_rules_out_are_json(demo_server):
                                                      stream=True, extra_body={"guided_choice": ["yes", "no"]})]
     assert all(v >= -9999.0 for c in streamed for ch in c.choices if ch.logprobs
                for d in ch.logprobs.top_logprobs for v in d.values())
+
+
+def test_a_tokenizer_with_tokens_past_the_models_logits_still_constrains(tmp_path):
+    """A tokenizer_config naming a pad token the vocabulary lacks (transformers appends it past the model's logits,
+    as fine-tunes that add tokens without resizing do) made every structured-output request a 500: the grammar's
+    bitmask was one token wider than the engine's. Those tokens can never be drawn; the answer is constrained."""
+    from ember.engine import demo
+    from ember.server.config import ServeConfig
+    from tests.server.conftest import served
+
+    model = demo.build(tmp_path / "padded")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "<pad>"}))
+    with served(ServeConfig(model_dir=model, in_process=True, kv_cache_blocks=64)) as srv:
+        assert len(srv.runtime.tokenizer) > srv.runtime.model_info.vocab_size  # the pad token is past the logits
+        for stream in (False, True):
+            content, _, finish = _chat(srv, {"structured_outputs": {"choice": CHOICES}, **THINK_OFF}, seed=3,
+                                       stream=stream)
+            assert content in CHOICES and finish == "stop", (stream, content)
