@@ -104,6 +104,19 @@ def check_head(runtime: Any, config: ServeConfig) -> None:
                            f"causal LM with --hf-overrides naming that architecture and classifier_from_token")
 
 
+def check_vocab(runtime: Any, config: ServeConfig) -> None:
+    """StartupError when the tokenizer's own vocabulary (added tokens aside) is larger than the model's: it is
+    another model's tokenizer (a wrong --tokenizer), and every prompt would be refused for token IDs the model lacks.
+    Added tokens past the model's logits (a pad token appended without resizing) are served: they are never drawn."""
+    tokens = getattr(runtime.tokenizer, "vocab_size", None)
+    vocab = runtime.engine.model_info.vocab_size
+    if isinstance(tokens, int) and tokens > vocab:
+        source = f"--tokenizer {config.tokenizer}" if config.tokenizer is not None else "the model's tokenizer"
+        raise StartupError(f"{source}: its vocabulary has {tokens} tokens, more than the model's {vocab} "
+                           f"(config.json vocab_size): it is not this model's tokenizer",
+                           BAD_ARGUMENT if config.tokenizer is not None else LOAD_FAILED)
+
+
 def check_template(runtime: Any, config: ServeConfig) -> None:
     """Render the chat template over a one-message conversation (and with a tool when the profile parses tool
     calls); StartupError naming where the template came from when it fails. No template at all is only a warning:
@@ -250,6 +263,7 @@ def serve(config: ServeConfig) -> int:
             try:
                 runtime, config, seconds = _load(config)
                 check_head(runtime, config)
+                check_vocab(runtime, config)
                 check_template(runtime, config)
             except BaseException:
                 sock.close()

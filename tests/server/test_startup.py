@@ -210,6 +210,18 @@ def test_asking_for_a_classifier_with_a_generative_checkpoint_stops_the_start(de
     assert "--task score: Qwen3ForCausalLM is not a classifier" in error_line(r)
 
 
+def test_another_models_tokenizer_stops_the_start(demo_model_dir, tmp_path):
+    """A --tokenizer whose vocabulary is larger than the model's (Qwen3's 151k for a 1280-token model) started and
+    then refused every prompt for token IDs the model lacks; it now stops the start naming both sizes."""
+    from tests.conftest import write_shared_tokenizer
+
+    qwen3 = write_shared_tokenizer("qwen3", tmp_path / "qwen3")
+    r = run_ember("serve", str(demo_model_dir), "--tokenizer", str(qwen3), "--kv-cache-blocks", "16",
+                  "--port", str(free_port()), "--log-level", "warning", "--in-process")
+    assert r.returncode == 2, r.stderr
+    assert f"--tokenizer {qwen3}: its vocabulary has 151643 tokens, more than the model's 1280" in error_line(r)
+
+
 def _log_times(stderr: str, pattern: str) -> list[float]:
     """The timestamps (seconds since the epoch) of the log lines matching ``pattern``."""
     from datetime import datetime
