@@ -302,9 +302,8 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, messages: list
             raise bad_request(f"this model's chat templates ({', '.join(names)}) have no default to render {field}",
                               param=field)
     if template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request(f"this model has no chat template to render {field}: send the text itself to "
-                          "/v1/completions (prompt) or /v1/embeddings (input), or start the server with "
-                          "--chat-template", param=field)
+        raise bad_request(f"this model has no chat template to render {field}: send the text itself (input, prompt) "
+                          "or start the server with --chat-template", param=field)
     if continue_final_message and messages and messages[-1].get("tool_calls"):
         # transformers cuts the prompt after the final message's text, so its calls would silently disappear
         raise bad_request("continue_final_message continues the final message's text, and this one ends with tool "
