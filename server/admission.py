@@ -178,12 +178,17 @@ def allowed_tokens(st: ServerState, prompt_len: int, requested: int | None, min_
         raise prompt_too_long(f"The prompt has {prompt_len} tokens, but this server prefills at most {most} tokens "
                               f"at once (--max-num-batched-tokens, with chunked prefill disabled)", param,
                               prompt_len, most)
-    room = min(limit, cache_tokens) - prompt_len
+    room = context_room(st, prompt_len)
     allowed = room if requested is None else min(requested, room)
     if min_tokens > allowed:
         raise bad_request(f"min_tokens ({min_tokens}) is larger than the {allowed} tokens this reply may have "
                           f"(max_tokens and the context left by the prompt)", param="min_tokens")
     return allowed
+
+
+def context_room(st: ServerState, prompt_len: int) -> int:
+    """The tokens the context window (and the whole KV cache) leaves after a prompt of ``prompt_len`` tokens."""
+    return min(st.runtime.max_model_len, st.runtime.model_info.kv_capacity_tokens) - prompt_len
 
 
 def check_capacity(st: ServerState) -> None:

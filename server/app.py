@@ -35,10 +35,10 @@ from . import protocol_anthropic as pa
 from . import protocol_openai as po
 from . import classify_api, embeddings_api, lora_api, responses_api, score_api, tokenize_api
 from .answer_format import answer_format
-from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, client_request_id,
-                        check_generates, check_logprobs, check_model, check_token_ids, collect, logit_bias_ids,
-                        model_label, new_request, noted_steps, require_api_key, shaped, state, stop_ids,
-                        stream_error, truncate_prompt, vllm_sampling_extras)
+from .admission import (SSE_HEADERS, Run, ServerState, allowed_tokens, build_constraints, check_generates,
+                        check_logprobs, check_model, check_token_ids, client_request_id, collect, context_room,
+                        logit_bias_ids, model_label, new_request, noted_steps, require_api_key, shaped, state,
+                        stop_ids, stream_error, truncate_prompt, vllm_sampling_extras)
 from .body_check import CheckedRoute, content_type_error, is_json
 from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
@@ -348,11 +348,6 @@ async def _anthropic_prompt(st: ServerState, body: pa._MessagesBase,
     return ids, tools, kwargs
 
 
-def _room(st: ServerState, prompt_len: int) -> int:
-    """The tokens the context window (and the whole KV cache) leaves after a prompt."""
-    return min(st.runtime.max_model_len, st.runtime.model_info.kv_capacity_tokens) - prompt_len
-
-
 async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends(require_api_key)) -> Response:
     arrival = time.monotonic()
     st = state(request)
@@ -376,8 +371,9 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
     constraint = await _anthropic_constraint(st, body, initial, parse_tools, tool_choice, rf)
     parallel = body.parallel_tool_use
     req = new_request(st, [ChoiceSpec(prompt_ids, params, pipe, constraint)], stop, "msg", arrival, sep="_")
+    window_bound = max_tokens < body.max_tokens and max_tokens == context_room(st, len(prompt_ids))
     enc = MessageEncoder(req.request_id, model_label(st, lora), len(prompt_ids), omit_thinking=body.omits_thinking,
-                         window_bound=max_tokens < body.max_tokens and max_tokens == _room(st, len(prompt_ids)))
+                         window_bound=window_bound)
     run = Run()
 
     if body.stream:
