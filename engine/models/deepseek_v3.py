@@ -74,8 +74,8 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.v_dim, cfg.hidden_size, bias=bias)
         self.interleave = bool(raw.get("rope_interleave", True))
         self.scale = qk ** -0.5
-        scaling = cfg.rope_scaling or {}  # any scaled RoPE scales the softmax, as transformers and vLLM scale it
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
+        scaling = cfg.rope_scaling or {}  # any scaled RoPE (None: default) scales the softmax, as transformers does
+        if scaling.get("mscale_all_dim"):
             factor = float(scaling["factor"])
             m = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
             self.scale *= m * m
