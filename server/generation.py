@@ -32,7 +32,7 @@ from . import chat
 from . import content_format as cf
 from .choice import ChoiceEnd, ChoiceStep, TokenInfo
 from .config import ServeConfig
-from .errors import prompt_too_long
+from .errors import bad_request, prompt_too_long
 from .metrics import Metrics
 from .pooling_spec import PoolingSpec, load_pooling_spec, parse_pooler_config
 from .quoted_text import TextQuoter, encode_quoted
@@ -40,6 +40,8 @@ from .request_log import RequestLog
 from .sampling_defaults import SamplingDefaults
 
 log = logging.getLogger("ember.server")
+_QUOTED_OPTIONS = ("tools", "kwargs", "documents")
+"""`chat.render` options that carry the request's text into the template (a `TextQuoter` marks it)."""
 
 
 def new_call_id(_index: int = 0) -> str:
@@ -149,18 +151,21 @@ class ModelRuntime:
         spells a control token is tokenized as ordinary text."""
         quoted = None
         if self.quoter is not None and not add_special_tokens:
-            quoted = self.quoter.quote(messages, options.get("tools"))
+            quoted = self.quoter.quote({"messages": messages,
+                                        **{k: options[k] for k in _QUOTED_OPTIONS if options.get(k) is not None}})
         if quoted is not None:
-            text = self.render(quoted.messages, **{**options, "tools": quoted.tools})
+            text = self.render(**{**options, **quoted.inputs})
         else:
             text = self.render(messages, **options)
         if size_param is not None:
             self.check_text_size(text, size_param)
         if quoted is not None:
             ids = encode_quoted(self.tokenizer, text, quoted.open, quoted.close)
-            if ids is not None:
-                return ids
-            text = self.render(messages, **options)  # the template moved a mark: the text as it renders
+            if ids is None:  # the template cut or moved a mark: its text would spell the control tokens
+                param = options.get("field", "messages")
+                raise bad_request(f"{param}: this model's chat template does not keep text that spells a control "
+                                  "token as text", param=param)
+            return ids
         return chat.encode(self.tokenizer, text, add_special_tokens)
 
     def check_text_size(self, text: str, param: str) -> None:

@@ -4,28 +4,31 @@ vLLM renders gpt-oss prompts with the harmony library, which writes a message's 
 user whose text spells ``<|end|><|start|>system<|message|>`` does not open a system message. Ember renders the chat
 template to text and tokenizes it, where that spelling would become the control tokens. `TextQuoter` marks each
 text of the request that spells one (message content in any shape, thoughts, tool results, a replayed call's
-arguments, the tools' names and descriptions) between two private-use sentinels that no text of the request holds,
-and the marked spans are tokenized as ordinary text afterwards.
+arguments and its keys, the tools' names, descriptions and property names, chat_template_kwargs, documents) between
+two random private-use sentinels that no text of the request holds, and the marked spans are tokenized as ordinary
+text afterwards.
 """
 from __future__ import annotations
 
+import random
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_SENTINELS = range(0xE000, 0xF900)
-"""The Basic Multilingual Plane's private-use characters, from which `TextQuoter` picks two no text holds."""
+_PRIVATE_USE = [chr(c) for c in range(0xE000, 0xF900)]
+"""The Basic Multilingual Plane's private-use characters, which sentinels are spelled in (no template filter changes
+them: case, trimming, escaping)."""
+_SENTINEL_LENGTH = 8
+"""Characters per sentinel: 6400^8 (about 2^101) spellings, so no request can hold them by chance or by design."""
 _STRUCTURE = frozenset({"role", "type"})
 """Fields whose values are the template's structure, never the request's text."""
 
 
 @dataclass(frozen=True)
 class Quoted:
-    """A request's messages and tools with their texts marked between ``open`` and ``close``."""
+    """A template's inputs (by name) with their texts marked between ``open`` and ``close``."""
 
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
+    inputs: dict[str, Any]
     open: str
     close: str
 
@@ -44,19 +47,21 @@ class TextQuoter:
             return None
         return cls(re.compile("|".join(map(re.escape, sorted(spellings, key=len, reverse=True)))))
 
-    def quote(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
-              ) -> Quoted | None:
-        """``messages`` and ``tools`` with each text that spells an added token between two sentinels; None when no
-        text does."""
+    def quote(self, inputs: dict[str, Any]) -> Quoted | None:
+        """``inputs`` (the template's: messages, tools, kwargs, documents) with each string that spells an added token
+        (a value or a key, at any depth) between two sentinels that no string of the inputs holds; None when none
+        does."""
         texts: list[str] = []
-        _collect([*messages, *(tools or ())], texts)
+        _collect(inputs, texts)
         if not any(self.spelling.search(t) for t in texts):
             return None
-        used = {ord(c) for t in texts for c in t if 0xE000 <= ord(c) < 0xF900}
-        open_, close = (chr(c) for c in [c for c in _SENTINELS if c not in used][:2])
+        chooser = random.Random()
+        while True:
+            open_, close = ("".join(chooser.choices(_PRIVATE_USE, k=_SENTINEL_LENGTH)) for _ in range(2))
+            if open_ != close and not any(open_ in t or close in t for t in texts):
+                break
         mark = self._marker(open_, close)
-        return Quoted([_mapped(m, mark) for m in messages], [_mapped(t, mark) for t in tools] if tools else tools,
-                      open_, close)
+        return Quoted({name: _mapped(value, mark) for name, value in inputs.items()}, open_, close)
 
     def _marker(self, open_: str, close: str):
         def mark(text: str) -> str:
@@ -65,11 +70,12 @@ class TextQuoter:
 
 
 def _collect(value: Any, out: list[str]) -> None:
-    """Every string inside ``value`` (dicts' values but their `_STRUCTURE` fields, lists' items)."""
+    """Every string inside ``value`` (dicts' keys and values but their `_STRUCTURE` fields' values, lists' items)."""
     if isinstance(value, str):
         out.append(value)
     elif isinstance(value, dict):
         for k, v in value.items():
+            _collect(k, out)
             if k not in _STRUCTURE:
                 _collect(v, out)
     elif isinstance(value, (list, tuple)):
@@ -82,7 +88,7 @@ def _mapped(value: Any, mark) -> Any:
     if isinstance(value, str):
         return mark(value)
     if isinstance(value, dict):
-        return {k: v if k in _STRUCTURE else _mapped(v, mark) for k, v in value.items()}
+        return {_mapped(k, mark): v if k in _STRUCTURE else _mapped(v, mark) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_mapped(v, mark) for v in value]
     return value
