@@ -2,12 +2,13 @@
 
 Per design A.13: `message_start`, then a content block per channel run (`thinking` with `thinking_delta`s and a
 `signature_delta` before its stop; `text` with `text_delta`s; `tool_use` with `input_json_delta`s carrying the same
-fragments as OpenAI `arguments`; stray text inside a call follows its block, which is never split), then
-`message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. Usage follows Anthropic's buckets:
-`input_tokens` are the prompt tokens not read from the prefix cache, `cache_read_input_tokens` those that were; the
-cache hit is known only at the end, so `message_start` counts the whole prompt and `message_delta` corrects it.
-With `omit_thinking` (``thinking.display: "omitted"``) thinking blocks carry no text, only their signature. The
-non-streaming `message` is built from the one fold of the parser events (`parsers.result.fold`): its content blocks
+fragments as OpenAI `arguments`, as far as they stay a prefix of a valid JSON object (`JsonObjectPrefix`: the
+`anthropic` SDK parses every prefix and raises on one no object can continue); stray text inside a call follows its
+block, which is never split), then `message_delta` (stop_reason, stop_sequence, usage) and `message_stop`. Usage follows
+Anthropic's buckets: `input_tokens` are the prompt tokens not read from the prefix cache, `cache_read_input_tokens`
+those that were; the cache hit is known only at the end, so `message_start` counts the whole prompt and `message_delta`
+corrects it. With `omit_thinking` (``thinking.display: "omitted"``) thinking blocks carry no text, only their signature.
+The non-streaming `message` is built from the one fold of the parser events (`parsers.result.fold`): its content blocks
 are the fold's ordered runs, which are exactly the blocks the stream opens and closes.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Iterable
 
 from ember.parsers.events import (ContentDelta, Dropped, Event, Malformed, ReasoningDelta, ToolCallArguments,
                                   ToolCallEnd, ToolCallStart)
+from ember.parsers.json_prefix import JsonObjectPrefix
 from ember.parsers.result import fold
 
 from .choice import ChoiceEnd, ChoiceStep
@@ -42,6 +44,7 @@ class MessageEncoder:
         self.block_index = -1
         self.block_kind: str | None = None  # "thinking" | "text" | "tool_use"
         self.block_tool: int | None = None  # the tool-call index of an open tool_use block
+        self._input = JsonObjectPrefix()  # the open tool_use block's arguments so far
         self._sig = hashlib.sha256()
         self.completed_calls = 0
         self._held: list[tuple[str, str]] = []  # (block kind, text) that arrived inside the open tool_use block
@@ -96,11 +99,14 @@ class MessageEncoder:
                 out += self._close() + self._release()
                 out += self._open("tool_use", {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
                 self.block_tool = ev.index
+                self._input = JsonObjectPrefix()
             elif isinstance(ev, ToolCallArguments):
                 if not ev.fragment or self.block_kind != "tool_use" or self.block_tool != ev.index:
                     continue
-                out.append({"type": "content_block_delta", "index": self.block_index,
-                            "delta": {"type": "input_json_delta", "partial_json": ev.fragment}})
+                valid = ev.fragment[:self._input.feed(ev.fragment)]
+                if valid:
+                    out.append({"type": "content_block_delta", "index": self.block_index,
+                                "delta": {"type": "input_json_delta", "partial_json": valid}})
             elif isinstance(ev, ToolCallEnd):
                 self.completed_calls += 1
                 if self.block_kind == "tool_use" and self.block_tool == ev.index:

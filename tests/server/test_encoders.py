@@ -170,6 +170,34 @@ def test_anthropic_truncated_tool_input_is_empty_with_raw_text():
     assert [e["type"] for e in evs].count("content_block_stop") == 1
 
 
+_CLOSED_INVALID = {'{"city": Paris}': {}, "{'city': 'Paris'}": {}, '{"city": "Paris",}': {"city": "Paris"},
+                   '{"city": True}': {}, "[1, 2]": {}, '"Paris"': {}, '{"a": "x\x01"}': {}, '{"a": 1.}': {},
+                   '{"a": 1}{"b": 2}': {"a": 1}}
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=st.sampled_from(sorted(_CLOSED_INVALID)), cuts=st.lists(st.integers(min_value=1, max_value=17), max_size=5))
+def test_a_call_the_model_closed_on_invalid_json_streams_what_the_anthropic_sdk_can_parse(raw, cuts):
+    """The model ended its call, but its arguments are no JSON object: the body has `input: {}` and the raw text in
+    `partial_input`; the stream's `input_json_delta`s stop where no object could go on, so the SDK's stream
+    accumulator (which parses every prefix) rebuilds the message instead of raising, with the members that came
+    complete before the break."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    bounds = [0, *sorted({c for c in cuts if c < len(raw)}), len(raw)]
+    events = [ToolCallStart(0, "call_q", "get_weather"),
+              *(ToolCallArguments(0, raw[a:b]) for a, b in zip(bounds, bounds[1:])), ToolCallEnd(0)]
+    steps = [ChoiceStep(0, [], events)]
+    msg = _anthropic_body(steps, ChoiceEnd("eos"))
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["content"][0]["input"] == {} and msg["content"][0]["partial_input"] == raw
+    snapshot, bufs = None, {}
+    for ev in json.loads(json.dumps(_anthropic_events(steps, ChoiceEnd("eos")))):
+        snapshot = accumulate_event(event=ev, current_snapshot=snapshot, json_bufs=bufs)
+    [block] = snapshot.to_dict()["content"]
+    assert block["input"] == _CLOSED_INVALID[raw], block
+
+
 def test_interleaved_reply_stream_equals_body_in_both_apis():
     """Text between two calls, a thought after content, and stray text inside an open call: the Anthropic tool_use
     block is never split, it carries all the call's arguments and the stray text follows it, in the stream and the
