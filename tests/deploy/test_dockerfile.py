@@ -68,7 +68,7 @@ def test_entrypoint_is_the_ember_serve_cli(monkeypatch):
     entry, cmd = json.loads(entry), json.loads(cmd)
     assert entry[:2] == ["ember", "serve"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["ember"] == "ember.server.cli:main"
+    assert scripts["ember"] == "ember.server.cli:run"  # `main`, then a fast exit
 
     from ember.server import cli
 
