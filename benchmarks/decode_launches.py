@@ -125,7 +125,7 @@ def _tiny_qwen3_next(tmp: pathlib.Path) -> pathlib.Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=4, help="sequences in the decode step")
     a = ap.parse_args()
     from tests.conftest import save_tiny_qwen3

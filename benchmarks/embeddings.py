@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import _cpu_seconds, _pct, _start_server, _stop_server, add_server_flags  # noqa: E402
+from serve import _cpu_cell, _cpu_seconds, _pct, _start_server, _stop_server, add_server_flags  # noqa: E402
 
 
 async def _level(url: str, model: str, concurrency: int, requests: int, batch: int, words: int,
@@ -56,7 +56,7 @@ async def _level(url: str, model: str, concurrency: int, requests: int, batch: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     add_server_flags(ap)
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: 4 x concurrency)")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * len(head))
     for r in rows:
         print(f"| {r['concurrency']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['inputs_s']:.0f} | "
-              f"{r['tokens_s']:.0f} | {r.get('cpu_us_per_input', float('nan')):.0f} |")
+              f"{r['tokens_s']:.0f} | {_cpu_cell(r.get('cpu_us_per_input'))} |")
     return 0
 
 

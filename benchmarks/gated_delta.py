@@ -50,7 +50,7 @@ def _best(fn, repeat: int, device: torch.device) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--lengths", default="64,512,4096")
     ap.add_argument("--batch", default="1,16,64")

@@ -186,7 +186,7 @@ def run_section(sec: Section, ctx: Ctx) -> None:
 
 def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The check (see the module doc); ``started``: the ``time.monotonic()`` the budget counts from (default: now)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu_check_out"), help="folder for the JSON files and the log")
     ap.add_argument("--quick", action="store_true", help="the subset that runs in under 2 minutes")
     ap.add_argument("--budget-s", type=float, default=None, help="hard deadline in seconds (330; --quick: 110)")

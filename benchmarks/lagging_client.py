@@ -56,7 +56,7 @@ def coalesced_step_us(n: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2000, 8000, 32000])
     args = ap.parse_args()
     print("| N | logprobs | us per put, quarters 1 / 2 / 3 / 4 |")

@@ -123,7 +123,7 @@ def run(arch: int, sizes: list[int], kinds: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability times 10 (90: Hopper)")
     ap.add_argument("--sizes", default="1,16,64,256,4096", help="batch sizes M (tokens)")
     ap.add_argument("--weights", default="nvfp4,fp8", help="which expert formats: nvfp4, fp8 (128x128 blocks)")

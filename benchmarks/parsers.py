@@ -125,7 +125,7 @@ def time_feed(setup: ParserSetup, initial: InitialState, ids: list[int], options
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--scenarios", default="", help="comma-separated scenario names (default: all)")

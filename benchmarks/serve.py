@@ -201,7 +201,7 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     add_server_flags(ap)
     ap.add_argument("--endpoint", choices=ENDPOINTS, default="chat",
                     help="the streaming API to load (messages: lengths not fixed, tokens from usage)")
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     finally:
         _stop_server(proc)
-    mode = "in-process engine" if args.in_process else "engine process"
+    mode = f"server at {args.url}" if args.url else "in-process engine" if args.in_process else "engine process"
     print(f"model {model}  {mode}  endpoint {args.endpoint}  max_tokens {args.max_tokens}")
     head = ("clients", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "step ms", "out tok/s", "req/s",
             "front-end CPU us/token")
@@ -243,10 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['concurrency']} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} | "
               f"{r['itl_p99_ms']:.2f} | {r['step_ms']:.2f} | {r['output_tok_s']:.0f} | {r['req_s']:.2f} | "
-              f"{r.get('cpu_us_per_token', float('nan')):.0f} |")
+              f"{_cpu_cell(r.get('cpu_us_per_token'))} |")
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def _cpu_cell(us: float | None) -> str:
+    """A CPU-time cell: n/a for a server this script did not start (its process is not ours to read)."""
+    return "n/a" if us is None else f"{us:.0f}"
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ def _run(path: Path, prompts: list[list[int]], max_tokens: int, spec: dict | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")

@@ -97,7 +97,7 @@ def measure(path: pathlib.Path, batch: int, context: int, steps: int, async_sche
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--batches", default="8,32", help="decoding sequences per step")
     ap.add_argument("--contexts", default="128,2048", help="prompt tokens per sequence")
     ap.add_argument("--steps", type=int, default=40, help="decode steps timed per row")

@@ -40,7 +40,7 @@ def long_stop(length: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()

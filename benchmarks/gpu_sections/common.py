@@ -40,7 +40,8 @@ class Deadline:
         """Raise `OutOfTime` unless at least ``need_s`` seconds remain for ``what``."""
         left = self.left()
         if left < need_s:
-            raise OutOfTime(f"{what}: {max(left, 0.0):.1f} s left, needs ~{need_s:.0f} s")
+            raise OutOfTime(f"{what}: {max(left, 0.0):.1f} s left, needs ~{need_s:.0f} s" if need_s > 0
+                            else f"{what}: the section's time ran out")
 
     def within(self, seconds: float) -> "Deadline":
         """This deadline or ``seconds`` from now, whichever comes first."""
