@@ -41,7 +41,7 @@ class Deadline:
         left = self.left()
         if left < need_s:
             raise OutOfTime(f"{what}: {max(left, 0.0):.1f} s left, needs ~{need_s:.0f} s" if need_s > 0
-                            else f"{what}: the section's time ran out")
+                            else f"{what}: the section's time ran out (0.0 s left)")
 
     def within(self, seconds: float) -> "Deadline":
         """This deadline or ``seconds`` from now, whichever comes first."""
