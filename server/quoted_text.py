@@ -20,8 +20,6 @@ _PRIVATE_USE = [chr(c) for c in range(0xE000, 0xF900)]
 them: case, trimming, escaping)."""
 _SENTINEL_LENGTH = 8
 """Characters per sentinel: 6400^8 (about 2^101) spellings, so no request can hold them by chance or by design."""
-_STRUCTURE = frozenset({"role", "type"})
-"""Fields whose values are the template's structure, never the request's text."""
 
 
 @dataclass(frozen=True)
@@ -70,14 +68,14 @@ class TextQuoter:
 
 
 def _collect(value: Any, out: list[str]) -> None:
-    """Every string inside ``value`` (dicts' keys and values but their `_STRUCTURE` fields' values, lists' items)."""
+    """Every string inside ``value`` (dicts' keys and values, lists' items; the template's own structure, a role or a
+    part's type, never spells a control token, so marking leaves it as it is)."""
     if isinstance(value, str):
         out.append(value)
     elif isinstance(value, dict):
         for k, v in value.items():
             _collect(k, out)
-            if k not in _STRUCTURE:
-                _collect(v, out)
+            _collect(v, out)
     elif isinstance(value, (list, tuple)):
         for v in value:
             _collect(v, out)
@@ -88,7 +86,7 @@ def _mapped(value: Any, mark) -> Any:
     if isinstance(value, str):
         return mark(value)
     if isinstance(value, dict):
-        return {_mapped(k, mark): v if k in _STRUCTURE else _mapped(v, mark) for k, v in value.items()}
+        return {_mapped(k, mark): _mapped(v, mark) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_mapped(v, mark) for v in value]
     return value
