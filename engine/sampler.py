@@ -410,8 +410,9 @@ class Sampler:
         present = counts > 0
         seen = self._penalties.prompt_seen[slots] | present
         c = cfg[rows]
-        rep = c[:, _REP].unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        rep = c[:, _REP].clamp(min=torch.finfo(c.dtype).tiny).unsqueeze(1)  # a float32 0 would divide by zero
+        big = torch.finfo(sub.dtype).max  # a tiny penalty's quotient stays a finite (huge) logit, not inf
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep).clamp(-big, big), sub)
         sub = sub - c[:, _FREQ].unsqueeze(1) * counts - c[:, _PRES].unsqueeze(1) * present.float()
         logits[rows] = sub
 
@@ -437,7 +438,9 @@ class Sampler:
                 before = probs.cumsum(dim=-1) - probs
                 top_p = cfg[:, _TOP_P]
                 top_p = torch.where(top_p >= 1.0, torch.inf, top_p)  # "off" must not trim rounding-error tails
-                sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+                cut = before >= top_p.unsqueeze(1)
+                cut[:, 0] = False  # the top token stays, as in vLLM: a top_p float32 rounds to 0 cut every token
+                sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()

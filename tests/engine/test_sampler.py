@@ -94,6 +94,20 @@ def test_penalties_move_the_argmax():
     assert s(flat, _rows(1, rep, [0]), set()).token_ids == [1]
 
 
+def test_settings_past_float32s_range_keep_the_top_token():
+    """A top_p that float32 rounds to 0 (1e-46) cut every token, so each step drew token 0 from a row of NaN; a
+    repetition penalty that small made seen logits inf (NaN log-probs). Both now keep the top token, as vLLM does."""
+    s = Sampler(8, torch.device("cpu"))
+    tiny_p = SamplingParams(temperature=1.0, top_p=1e-46)
+    assert set(s(_logits(50, [0.1, 0.2, 0.6, 0.1]), _rows(50, tiny_p), set()).token_ids) == {2}
+    flat = torch.zeros(1, 8)
+    flat[0, :4] = torch.tensor([3.0, 2.9, 2.8, 2.7])
+    for penalty in (1e-40, 1e-300):
+        out = s(flat, _rows(1, SamplingParams(temperature=0.0, repetition_penalty=penalty, logprobs=1), [1]), set())
+        assert out.token_ids == [1]  # the seen token's positive logit, divided by a tiny penalty, is the largest
+        assert math.isfinite(out.logprobs[0].logprob), out.logprobs
+
+
 def test_seeded_rows_reproduce_regardless_of_neighbours():
     sp = SamplingParams(temperature=1.0, seed=7)
     alone = Sampler(8, torch.device("cpu"))(_logits(1), _rows(1, sp), set()).token_ids[0]
