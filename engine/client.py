@@ -118,19 +118,12 @@ def settle(fut: asyncio.Future, error: BaseException | None, result: Any = None)
 def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[str, str], ...]:
     """What every `EngineClient.update_lora` runs next to the engine (between steps): load, unload, or replace an
     adapter loaded under ``name`` (vLLM's ``load_inplace``: refused while requests run under it, and the old
-    weights stay when the new ones fail to load), then the adapters now served."""
-    loaded = dict(engine.lora.listed()) if engine.lora is not None else {}
+    weights stay when the new ones fail to load, even from the same folder rewritten), then the adapters now
+    served."""
     if path is None:
         engine.unload_lora(name)
-    elif name in loaded:
-        engine.unload_lora(name)
-        try:
-            engine.load_lora(name, path)
-        except Exception:
-            engine.load_lora(name, loaded[name])
-            raise
     else:
-        engine.load_lora(name, path)
+        engine.load_lora(name, path, replace=engine.lora is not None and name in dict(engine.lora.listed()))
     return engine.lora.listed()
 
 

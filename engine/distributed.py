@@ -564,10 +564,10 @@ class DriverRunner(ModelRunner):
         self._send("enable_lora", slots, max_rank)
         super().enable_lora(slots, max_rank)
 
-    def load_lora(self, name: str, path: str) -> None:
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Rank 0 reads and checks the adapter first, so a refused one reaches no worker."""
-        super().load_lora(name, path)
-        self._send("load_lora", name, path)
+        super().load_lora(name, path, replace)
+        self._send("load_lora", name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         self._send("unload_lora", name)

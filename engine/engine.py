@@ -382,21 +382,28 @@ class Engine:
         """The adapters this engine serves (rank 0's under tensor parallelism), None without LoRA support."""
         return self.runner.lora
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Serve one more LoRA adapter (vLLM's runtime loading); ValueError naming why it cannot be."""
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve one more LoRA adapter (vLLM's runtime loading), or with ``replace`` new weights under a loaded
+        adapter's name (refused while a request runs under it; weights that cannot be served leave the old ones);
+        ValueError naming why it cannot be."""
         if self.lora is None:
             raise ValueError("this engine was started without LoRA support (start it with --enable-lora)")
-        self.runner.load_lora(name, path)
+        if replace:
+            self._check_unused(name)
+        self.runner.load_lora(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name``; ValueError while a request still runs under it."""
         if self.lora is None:
             raise ValueError(f"unknown LoRA adapter {name!r} (loaded: none)")
+        self._check_unused(name)
+        self.runner.unload_lora(name)
+
+    def _check_unused(self, name: str) -> None:
         slot = self.lora.slot(name)
         users = sum(1 for s in [*self.scheduler.running, *self.scheduler.waiting] if s.lora_slot == slot)
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s); retry once they end")
-        self.runner.unload_lora(name)
 
     def abort(self, request_id: str) -> bool:
         """End the request now and free its blocks; its final output (finish_reason "abort") comes with the next

@@ -4,7 +4,7 @@ An adapter is a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``, ``u
 ``adapter_model.safetensors`` (or ``.bin``) with ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` per target
 projection. Ember applies LoRA to the attention projections (``q/k/v/o_proj``) and the dense MLP's
 (``gate/up/down_proj``); an adapter that targets anything else (embeddings, the LM head, MoE experts), trains extra
-modules (``modules_to_save``), biases or DoRA is refused by name rather than served partly.
+modules (``modules_to_save``), biases, DoRA or activated LoRA is refused by name rather than served partly.
 
 Every adapter lives on the device in its own slot, and one batch mixes any of them with base-model requests: each
 wrapped projection adds ``(x[rows] @ A_s^T) @ B_s^T`` for the token rows of the sequences using slot ``s``
@@ -46,6 +46,10 @@ class Adapter:
     weights: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
+_PEFT_DEFAULT_ALPHA = 8
+"""peft's `LoraConfig.lora_alpha` default: what a config that leaves the field out was trained with."""
+
+
 def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
     """(rank, scaling) from ``adapter_config.json``; ConfigError naming the field Ember cannot serve."""
     path = folder / "adapter_config.json"
@@ -65,12 +69,15 @@ def _read_config(folder: Path, name: str, max_rank: int) -> tuple[int, float]:
         raise ConfigError(f"{where}: rank {rank} exceeds --max-lora-rank {max_rank}")
     for key, what in (("use_dora", "DoRA"), ("modules_to_save", "fully trained modules (modules_to_save)"),
                       ("rank_pattern", "per-module ranks (rank_pattern)"),
-                      ("alpha_pattern", "per-module alphas (alpha_pattern)"), ("fan_in_fan_out", "fan_in_fan_out")):
+                      ("alpha_pattern", "per-module alphas (alpha_pattern)"), ("fan_in_fan_out", "fan_in_fan_out"),
+                      ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+                      ("arrow_config", "Arrow routing (arrow_config)"), ("layer_replication", "layer_replication"),
+                      ("target_parameters", "LoRA on parameters (target_parameters)")):
         if cfg.get(key):
             raise ConfigError(f"{where}: {what} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{where}: bias {cfg['bias']!r} is not supported (only 'none')")
-    alpha = cfg.get("lora_alpha", rank)
+    alpha = cfg.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise ConfigError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     return rank, alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
@@ -284,13 +291,17 @@ class LoRAStack:
         self._roots: dict[str, bytes] = {}
         self._loads = 0
 
-    def add(self, name: str, path: str) -> int:
-        """Load adapter ``name`` from ``path`` into a free slot; its slot."""
-        if name in self.adapters:
+    def add(self, name: str, path: str, replace: bool = False) -> int:
+        """Load adapter ``name`` from ``path`` into a free slot, or with ``replace`` into the slot of the adapter
+        loaded under that name (vLLM's ``load_inplace``); its slot. The folder is read and checked before any slot
+        changes, so an adapter that cannot be served leaves the ones served as they were."""
+        if replace:
+            self.slot(name)
+        elif name in self.adapters:
             raise ConfigError(f"LoRA adapter {name!r} is already loaded")
         adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)  # a bad path first
-        used = {slot for slot, _ in self.adapters.values()}
-        free = [s for s in range(self.slots) if s not in used]
+        used = {slot for other, (slot, _) in self.adapters.items() if other != name}
+        free = [self.adapters[name][0]] if replace else [s for s in range(self.slots) if s not in used]
         if not free:
             raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
         for target, wrapped in self.targets.items():

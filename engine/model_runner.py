@@ -315,9 +315,10 @@ class ModelRunner:
         self.lora = LoRAStack(self.model, slots, max_rank, self.device, self.dtype, self.shard)
 
     @torch.inference_mode()
-    def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter into a free slot (this rank's share of it under tensor parallelism)."""
-        self.lora.add(name, path)
+    def load_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Load an adapter into a free slot, or into its own with ``replace`` (this rank's share of it under tensor
+        parallelism)."""
+        self.lora.add(name, path, replace)
 
     def unload_lora(self, name: str) -> None:
         self.lora.remove(name)

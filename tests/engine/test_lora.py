@@ -97,12 +97,29 @@ def test_kv_cached_under_one_adapter_is_not_reused_by_another(lora_setup):
     ({"use_dora": True}, "DoRA is not supported"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "bias 'all' is not supported"),
+    ({"alora_invocation_tokens": [20, 23]}, "activated LoRA"),  # it was served on every token: other logits
 ])
 def test_an_adapter_ember_cannot_serve_fails_naming_the_field(lora_setup, tmp_path, change, message):
     folder = tmp_path / "bad"
     save_adapter(folder, seed=4, rank=4, alpha=8, modules=ATTENTION, **change)
     with pytest.raises(ConfigError, match=message):
         Engine.from_pretrained(lora_setup["base"], lora_modules=(("bad", str(folder)),), **OPTIONS)
+
+
+def test_an_adapter_config_without_lora_alpha_scales_as_peft_reads_it(lora_setup, tmp_path):
+    """peft reads a missing ``lora_alpha`` as its default, 8; Ember took the rank (scaling 1 instead of 2 here)."""
+    import json
+
+    folder = tmp_path / "no-alpha"
+    save_adapter(folder, seed=2, rank=4, alpha=8, modules=ATTENTION)  # the chat adapter's tensors, unscaled by rsLoRA
+    config = json.loads((folder / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    prompt = list(range(60, 100))
+    got = _run(Engine.from_pretrained(lora_setup["base"], lora_modules=(("x", str(folder)),), **OPTIONS),
+               {"x": (prompt, _greedy("x"))})["x"]
+    want = _run(Engine.from_pretrained(lora_setup["merged_chat"], **OPTIONS), {"x": (prompt, _greedy())})["x"]
+    assert got == want  # 8 / 4, the merged copy's scaling
 
 
 def test_the_refusal_names_what_this_model_takes():

@@ -170,6 +170,15 @@ def test_load_inplace_replaces_an_adapter_and_concurrent_updates_are_serialized(
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     assert sql_text() == want  # still the weights it had
+    # the usual load_inplace: the same folder rewritten, here into something Ember refuses. The adapter was dropped
+    # (a 404 to requests, still listed, neither unloadable nor loadable again)
+    config = json.loads((tmp_path / "v2" / "adapter_config.json").read_text())
+    (tmp_path / "v2" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    bad = httpx.post(load, json={"lora_name": "sql", "lora_path": str(tmp_path / "v2"), "load_inplace": True},
+                     timeout=60)
+    assert bad.status_code == 400 and "DoRA" in bad.json()["error"]["message"], bad.text
+    assert sql_text() == want
+    assert "sql" in [m.id for m in server.openai().models.list().data]
 
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=60) as c:
