@@ -50,16 +50,26 @@ class SpeculativeConfig:
     once the batch alone keeps the device busy."""
 
 
+_NGRAM = ("ngram", "[ngram]")
+"""vLLM's spellings of the n-gram method (as ``method``, or as ``model`` with no method)."""
+
+
 def parse_speculative_config(value: dict[str, Any]) -> SpeculativeConfig:
     """vLLM's JSON, checked: ``method`` ``ngram`` (the only one Ember serves), ``num_speculative_tokens`` >= 1,
     ``prompt_lookup_min`` / ``prompt_lookup_max`` (either defaults to the other; both to 5), optional
-    ``disable_by_batch_size`` (an integer >= 2). ValueError naming the key otherwise."""
-    method = value.get("method", "ngram" if "prompt_lookup_max" in value or "prompt_lookup_min" in value else None)
-    if method not in ("ngram", "[ngram]"):
+    ``disable_by_batch_size`` (an integer >= 2); as in vLLM, ``model`` ``ngram`` (or ``[ngram]``) stands for the
+    method. ValueError naming the key otherwise."""
+    model = value.get("model")
+    if model is not None and model not in _NGRAM:
+        raise ValueError(f"speculative_config: model {model!r} is not served (Ember speculates with 'ngram' prompt "
+                         f"lookup only; draft models, EAGLE and MTP are not supported)")
+    lookup = model is not None or "prompt_lookup_max" in value or "prompt_lookup_min" in value
+    method = value.get("method", "ngram" if lookup else None)
+    if method not in _NGRAM:
         raise ValueError(f"speculative_config: method {method!r} is not served (Ember speculates with 'ngram' "
                          f"prompt lookup only; draft models, EAGLE and MTP are not supported)")
-    unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                                   "disable_by_batch_size"})
+    unknown = sorted(set(value) - {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
+                                   "prompt_lookup_max", "disable_by_batch_size"})
     if unknown:
         raise ValueError(f"speculative_config: unknown key {unknown[0]!r} for the ngram method")
     k = value.get("num_speculative_tokens")

@@ -22,11 +22,14 @@ def test_the_config_reads_as_vllm_writes_it():
         == parse_speculative_config({"num_speculative_tokens": 5, "prompt_lookup_min": 4})
     c = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (2, 5, 5)
+    for model in ("[ngram]", "ngram"):  # vLLM's older spelling, the method named as the model (it was refused)
+        assert parse_speculative_config({"model": model, "num_speculative_tokens": 2}) == c
     for bad, word in (({"method": "eagle", "num_speculative_tokens": 2}, "not served"),
                       ({"method": "ngram"}, "num_speculative_tokens"),
                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "unknown key"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model 'x' is not served"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "draft_x": 1}, "unknown key"),
                       ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
                        "disable_by_batch_size")):
         with pytest.raises(ValueError, match=word):
