@@ -267,10 +267,13 @@ def tokens_to_keep(keep: int | None, limit: int) -> int | None:
     return keep
 
 
-def truncate_prompt(st: ServerState, ids: list[int], keep: int | None) -> list[int]:
-    """A generation prompt's token IDs after `truncate_prompt_tokens` (`tokens_to_keep` of the model's length)."""
+def truncate_prompt(st: ServerState, ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+    """A generation prompt's token IDs after `truncate_prompt_tokens` (`tokens_to_keep` of the model's length): its
+    last tokens, or its first with vLLM's ``truncation_side`` "right"."""
     keep = tokens_to_keep(keep, st.runtime.max_model_len)
-    return ids[-keep:] if keep else ids
+    if not keep:
+        return ids
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 async def build_constraints(st: ServerState, n: int, *, setup: ParserSetup, initial: Any, response_format: dict | None,

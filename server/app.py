@@ -169,7 +169,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         continue_final_message=body.continue_final_message, kwargs=template_kwargs, documents=body.documents,
         size_param="messages" if body.truncate_prompt_tokens is None else None,
         add_special_tokens=body.add_special_tokens)
-    prompt_ids = truncate_prompt(st, prompt_ids, body.truncate_prompt_tokens)
+    prompt_ids = truncate_prompt(st, prompt_ids, body.truncate_prompt_tokens, body.truncation_side)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
@@ -194,10 +194,15 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
             params.prompt_logprobs = None  # the prompt is scored once, with the first choice
         choices.append(ChoiceSpec(prompt_ids, params, pipe))
     thinking_off = chat.thinking_switched_off(template_kwargs)
-    constraints = await build_constraints(
-        st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
-        tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
-        thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
+    try:
+        constraints = await build_constraints(
+            st, body.n, setup=setup, initial=initial, response_format=answer_format(body),
+            tools=parse_tools, tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+            thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
+    except ApiError as e:
+        if e.param == "max_thinking_tokens" and body.thinking_token_budget is not None:  # the field it was sent as
+            e.param, e.message = "thinking_token_budget", e.message.replace("max_thinking_tokens", e.param, 1)
+        raise
     for c, k in zip(choices, constraints):
         c.constraint = k
     req = new_request(st, choices, stop, "chatcmpl", arrival, client_id=client_request_id(request, body.request_id))
@@ -249,7 +254,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             check_token_ids(st, ids, named)
         if not ids:
             raise bad_request(f"{named} is empty", param=named)
-        kept = truncate_prompt(st, ids, body.truncate_prompt_tokens)
+        kept = truncate_prompt(st, ids, body.truncate_prompt_tokens, body.truncation_side)
         text, offsets = None, None
         if body.echo:  # the prompt's text (as given, or as decode gives a token prompt) and its tokens' offsets in it
             as_given = isinstance(p, str) and len(kept) == len(ids)

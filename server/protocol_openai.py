@@ -258,7 +258,7 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as vLLM
     n: int = Field(default=1, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int = Field(default=0, ge=0)
@@ -288,6 +288,7 @@ class _SamplingFields(_Request):
     bad_words: list[str] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     truncate_prompt_tokens: TruncatePromptTokens = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the prompt's first tokens
     use_beam_search: bool = False
     logits_processors: list[Any] | None = None  # vLLM's per-request processors: refused, as vLLM refuses them
     priority: int = 0
@@ -343,6 +344,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) on top of the template's
     echo: bool = False  # vLLM's: the reply starts with the last message's text when it has the reply's role
     max_thinking_tokens: int | None = Field(default=None, ge=0)
+    thinking_token_budget: int | None = Field(default=None, ge=-1)  # vLLM's name for it; -1: no budget
     include_reasoning: bool = True  # vLLM's: false leaves the (still parsed) thought out of the reply
     chat_template: str | None = None  # vLLM's per-request template: refused, as vLLM refuses it by default
     functions: list[Any] | None = None  # refused (as function_call): the deprecated form of tools
@@ -366,11 +368,17 @@ class ChatCompletionRequest(_SamplingFields):
             if getattr(self, name) is not None:
                 raise field_error(name, f"the deprecated {name} is not supported: send tools and tool_choice",
                                   "...")
-        if self.audio is not None or self.modalities not in (None, ["text"]):
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
             raise field_error("modalities" if self.audio is None else "audio",
                               "this model writes text only: no audio output", "...")
         if self.web_search_options is not None:
             raise field_error("web_search_options", "web search is not available on this server", "...")
+        budget = self.thinking_token_budget
+        if budget is not None:
+            if self.max_thinking_tokens is not None and self.max_thinking_tokens != budget:
+                raise field_error("thinking_token_budget", "thinking_token_budget (vLLM's name) and "
+                                  "max_thinking_tokens disagree: send one", budget)
+            self.max_thinking_tokens = None if budget == -1 else budget
         if self.top_logprobs and not self.logprobs:
             raise field_error("top_logprobs", "top_logprobs needs logprobs: true", self.top_logprobs)
         choice = self.tool_choice

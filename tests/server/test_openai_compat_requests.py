@@ -24,6 +24,9 @@ def test_null_fields_take_their_defaults(demo_server):
     assert chat.status_code == 200, chat.text
     body = chat.json()
     assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    for modalities in (["text"], []):  # asking for no more than text is served (an empty list was a 400)
+        r = _post(demo_server, "/v1/chat/completions", {"messages": HI, "max_tokens": 1, "modalities": modalities})
+        assert r.status_code == 200, r.text
     text = _post(demo_server, "/v1/completions", {
         "prompt": "Hello", "max_tokens": 3, "n": None, "logprobs": None, "stream": None, "echo": None,
         "presence_penalty": None, "frequency_penalty": None, "best_of": None, "suffix": None, "seed": None})

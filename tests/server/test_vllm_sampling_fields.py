@@ -125,6 +125,48 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(demo_server):
         assert bad.status_code == 400 and "truncate_prompt_tokens" in str(bad.json()["error"]["param"])
 
 
+def test_truncation_side_right_keeps_the_first_tokens(demo_server):
+    """vLLM's `truncation_side`: "right" keeps the prompt's first N tokens (it was ignored: the last N were kept)."""
+    ids = list(range(300, 340))
+    for side, kept in (("right", ids[:5]), ("left", ids[-5:])):
+        r = _post(demo_server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=5,
+                  truncation_side=side, return_token_ids=True)
+        assert r.json()["choices"][0]["prompt_token_ids"] == kept, r.text
+    assert _post(demo_server, "/v1/completions", prompt=ids, truncation_side="middle").status_code == 400
+
+
+def test_thinking_token_budget_is_vllms_name_for_the_thinking_budget(demo_server):
+    """vLLM's `thinking_token_budget` was ignored: the thought ran to max_tokens."""
+    hello = [{"role": "user", "content": "Hello there"}]
+    kw = dict(messages=hello, max_tokens=12, seed=2, return_token_ids=True,
+              chat_template_kwargs={"enable_thinking": True})
+    close = demo_server.runtime.parser.delimiter_ids["</think>"]
+    budgeted = _post(demo_server, "/v1/chat/completions", **kw, thinking_token_budget=3).json()
+    assert budgeted["choices"][0]["token_ids"][3] == close, budgeted
+    assert budgeted["choices"][0] == _post(demo_server, "/v1/chat/completions", **kw,
+                                           max_thinking_tokens=3).json()["choices"][0]
+    unlimited = _post(demo_server, "/v1/chat/completions", **kw, thinking_token_budget=-1).json()
+    assert unlimited["choices"][0] == _post(demo_server, "/v1/chat/completions", **kw).json()["choices"][0]
+    both = _post(demo_server, "/v1/chat/completions", **kw, thinking_token_budget=3, max_thinking_tokens=4)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_seeds_are_int64_and_each_has_its_own_stream(demo_server):
+    """A seed past int64 is a 400, as in vLLM (2**63 was folded onto seed 0); the int64 seeds stay apart, and
+    choice 1 of seed 2**63 - 1 samples as seed -2**63 (int64's wrap), not as seed 0."""
+    kw = dict(prompt="Once upon a time", max_tokens=8, temperature=1.0)
+
+    def text(seed: int, n: int = 1) -> list[str]:
+        r = _post(demo_server, "/v1/completions", **kw, seed=seed, n=n)
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    assert _post(demo_server, "/v1/completions", **kw, seed=2**63).json()["error"]["param"] == "seed"
+    top = text(2**63 - 1, n=2)
+    assert top[1] == text(-(2**63))[0] and top[1] != text(0)[0]
+    assert text(-1) != text(2**63 - 1)
+
+
 @pytest.mark.parametrize(("field", "value"), [("use_beam_search", True), ("priority", 3)])
 def test_unserved_settings_are_refused_by_name(demo_server, field, value):
     for path, body in (("/v1/completions", {"prompt": "hi"}),
