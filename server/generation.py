@@ -518,13 +518,15 @@ def sampling_params(*, max_tokens: int, temperature: float | None, top_p: float 
         min_p=pick(min_p, defaults.min_p, 0.0), presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=pick(repetition_penalty, defaults.repetition_penalty, 1.0),
-        seed=None if seed is None else seed % (2**63), logprobs=logprobs, logit_bias=logit_bias,
+        seed=None if seed is None else seed % 2**64, logprobs=logprobs, logit_bias=logit_bias,
         stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs, lora=lora,
         **extras)
 
 
 def seeded(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice `index` of a seeded request samples with seed + index, so the `n` choices differ but repeat."""
+    """Choice `index` of a seeded request samples with seed + index (as int64 wraps: the seeds are the request's
+    int64 seed taken mod 2**64, so no two seeds a request can give share a stream), so the `n` choices differ but
+    repeat."""
     if params.seed is None or index == 0:
         return dataclasses.replace(params)
-    return dataclasses.replace(params, seed=(params.seed + index) % (2**63))
+    return dataclasses.replace(params, seed=(params.seed + index) % 2**64)

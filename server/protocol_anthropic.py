@@ -169,7 +169,7 @@ class MessagesRequest(_MessagesBase):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(default=None, ge=-1, strict=True)
     metadata: dict[str, Any] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64, strict=True)  # extension: reproducible sampling
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63, strict=True)  # extension: reproducible sampling
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's first spelling of output_config.format
 

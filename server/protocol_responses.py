@@ -97,7 +97,7 @@ class ResponsesRequest(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # int64, as vLLM
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     ignore_eos: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache blocks shared by one salt only
