@@ -39,9 +39,9 @@ for _s in _BODIES:
     RULES[(_s, "channel")] = Rule("header_start_channel")  # a missing <|end|><|start|>assistant
 for _s in (H_HEADER, H_BETWEEN, *_BODIES):
     RULES[(_s, "eot_endoftext")] = Rule("end_of_turn", id_only=True)
-for _s in (H_HEADER, H_BETWEEN):
-    for _t in ("end", "call", "return"):
-        RULES[(_s, _t)] = Rule("end_of_turn", id_only=True)
+for _t in ("end", "call", "return"):
+    RULES[(H_BETWEEN, _t)] = Rule("end_of_turn", id_only=True)
+    RULES[(H_HEADER, _t)] = Rule("message_end", id_only=True)  # the header it cuts short is content before it
 
 PROFILE = Profile(
     name="gpt_oss",

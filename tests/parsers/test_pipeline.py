@@ -555,6 +555,27 @@ def test_held_whitespace_tokens_take_the_channel_of_its_fate():
     assert resolved_channels(pipe(s, C), [nl, nl]) == ["content"] * 2 * len(nl)   # released at the finish
 
 
+@pytest.mark.skipif(not HAVE_SHARED, reason="../shared/data is absent")
+def test_a_harmony_header_cut_short_by_a_message_end_is_content_before_the_end():
+    """gpt-oss text that began a header (`<|start|>assistant dd`) and met `<|end|>`, `<|call|>` or `<|return|>`: it
+    is content, surfaced before the end token, and its tokens are content tokens (it came out at the finish, after
+    the end, its tokens counted as the delimiter's: the content had no logprobs)."""
+    h = setup("gpt_oss", "gpt-oss")
+    tok = load_tokenizer("gpt-oss")
+    head = [h.tb.added_token_id("<|channel|>"), *tok.encode("final").ids, h.tb.added_token_id("<|message|>"),
+            *tok.encode("c").ids, h.tb.added_token_id("<|end|>"), h.tb.added_token_id("<|start|>")]
+    broken = tok.encode("assistant dd").ids
+    for end in ("<|end|>", "<|call|>", "<|return|>"):
+        ids = head + broken + [h.tb.added_token_id(end)]
+        for chunks in ([ids], [[t] for t in ids]):
+            events = stream(pipe(h, C), chunks, "eos")
+            assert fold(events).content == "cassistant dd"
+            texts = [type(e).__name__ for e in events if not isinstance(e, Dropped) or e.text == end]
+            assert texts[-2:] == ["Malformed", "Dropped"], events
+            channels = resolved_channels(pipe(h, C), chunks, "eos")
+            assert channels[len(head):-1] == ["content"] * len(broken) and channels[-1] == DELIMITER
+
+
 def test_a_dropped_token_splits_neither_a_character_nor_a_stop_string():
     """A skipped special (`skip_special_tokens`) adds no text between the pieces of a character or of a stop string:
     they still join, as in the detokenized text vLLM matches stops on."""
