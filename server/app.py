@@ -201,7 +201,8 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
             thinking_budget=body.max_thinking_tokens, thinking=not thinking_off)
     except ApiError as e:
         if e.param == "max_thinking_tokens" and body.thinking_token_budget is not None:  # the field it was sent as
-            e.param, e.message = "thinking_token_budget", e.message.replace("max_thinking_tokens", e.param, 1)
+            e.param, e.message = "thinking_token_budget", e.message.replace("max_thinking_tokens",
+                                                                            "thinking_token_budget", 1)
         raise
     for c, k in zip(choices, constraints):
         c.constraint = k

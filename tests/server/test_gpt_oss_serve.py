@@ -111,10 +111,13 @@ def test_a_thinking_budget_is_refused_naming_its_field_on_every_api(gpt_oss_serv
     """gpt-oss's channels take no budget (documented): the 400 names the field the client sent."""
     hi = [{"role": "user", "content": "hi"}]
     for path, extra in [("/v1/chat/completions", {"messages": hi, "max_thinking_tokens": 3}),
+                        ("/v1/chat/completions", {"messages": hi, "thinking_token_budget": 3}),
                         ("/v1/responses", {"input": "hi", "max_thinking_tokens": 0})]:
         r = httpx.post(gpt_oss_server.url + path, timeout=30, json={"model": gpt_oss_server.model, "max_tokens": 4,
                                                                    **extra})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_thinking_tokens", (path, r.text)
+        [sent] = [k for k in extra if "think" in k]
+        assert r.status_code == 400 and r.json()["error"]["param"] == sent, (path, r.text)
+        assert r.json()["error"]["message"].startswith(sent), r.text
     r = httpx.post(gpt_oss_server.url + "/v1/messages", timeout=30, json={
         "model": gpt_oss_server.model, "max_tokens": 8, "messages": hi,
         "thinking": {"type": "enabled", "budget_tokens": 4}})
