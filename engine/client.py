@@ -123,7 +123,7 @@ def apply_lora_update(engine: Any, name: str, path: str | None) -> tuple[tuple[s
     if path is None:
         engine.unload_lora(name)
     else:
-        engine.load_lora(name, path, replace=engine.lora is not None and name in dict(engine.lora.listed()))
+        engine.load_lora(name, path, replace=engine.lora is not None and name in engine.lora.adapters)
     return engine.lora.listed()
 
 

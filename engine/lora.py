@@ -295,21 +295,21 @@ class LoRAStack:
         """Load adapter ``name`` from ``path`` into a free slot, or with ``replace`` into the slot of the adapter
         loaded under that name (vLLM's ``load_inplace``); its slot. The folder is read and checked before any slot
         changes, so an adapter that cannot be served leaves the ones served as they were."""
-        if replace:
-            self.slot(name)
-        elif name in self.adapters:
+        slot = self.slot(name) if replace else None
+        if not replace and name in self.adapters:
             raise ConfigError(f"LoRA adapter {name!r} is already loaded")
         adapter = read_adapter(name, path, self.model, self.targets, self.max_rank, self.shard)  # a bad path first
-        used = {slot for other, (slot, _) in self.adapters.items() if other != name}
-        free = [self.adapters[name][0]] if replace else [s for s in range(self.slots) if s not in used]
-        if not free:
-            raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
+        if slot is None:
+            used = {s for s, _ in self.adapters.values()}
+            slot = next((s for s in range(self.slots) if s not in used), None)
+            if slot is None:
+                raise ConfigError(f"LoRA adapter {name!r}: all {self.slots} adapter slots are in use (--max-loras)")
         for target, wrapped in self.targets.items():
-            wrapped.load(free[0], adapter.weights.get(target, []))
-        self.adapters[name] = (free[0], adapter.path)
+            wrapped.load(slot, adapter.weights.get(target, []))
+        self.adapters[name] = (slot, adapter.path)
         self._loads += 1
         self._roots[name] = hashlib.sha256(f"ember-lora\0{self._loads}\0{name}".encode()).digest()
-        return free[0]
+        return slot
 
     def remove(self, name: str) -> None:
         """Forget adapter ``name`` (its slot is reused by the next load)."""
