@@ -1,11 +1,13 @@
 """Streaming conversion of a Python call's keyword arguments (`a=1, b="x", c=[1, (2, 3)], d={"k": None})`) into the
 JSON object of its arguments, for pythonic tool calls.
 
-A character-level state machine, fed from just after the call's `(`: literals only (str with its escapes, int,
-float, True/False/None, list, tuple as a list, dict), never `eval`/`ast`. Strings stream out as they arrive; a number
-or name is buffered (bounded by `MAX_SCALAR`) until the character after it; a dict key is buffered (bounded) until
-its `:`. A key and its separator go out together with the first fragment of their value, so what has been sent is
-always a JSON prefix that `closers` can complete. Work is linear in the text fed.
+A character-level state machine, fed from just after the call's `(`: literals only (str with its escapes, in any
+quoting Python reads: `'`, `"`, triple quotes, `r`/`u` prefixes, adjacent literals joined; int, float with Python's
+number syntax, True/False/None, list, tuple as a list, dict), never `eval`/`ast`. Strings stream out as they arrive
+(a string's closing `"` waits for the next character that is not another literal joining it); a number or name is
+buffered (bounded by `MAX_SCALAR`) until the character after it; a dict key is buffered (bounded) until its `:`. A
+key and its separator go out together with the first fragment of their value, so what has been sent is always a JSON
+prefix that `closers` can complete. Work is linear in the text fed.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ _SIMPLE_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "a": "\a", "b": "\b", "f": "\
 _HEX_LEN = {"x": 2, "u": 4, "U": 8}
 _OCTAL = frozenset("01234567")
 _HEX = frozenset("0123456789abcdefABCDEF")
+_QUOTES = "\"'"
+_STR_PREFIXES = {"r": True, "R": True, "u": False, "U": False}      # prefix -> raw
+_STRING_MODES = ("open", "string", "escape", "joined", "prefix")
 
 
 @dataclass
@@ -42,11 +47,15 @@ class _Frame:
 
 
 def _number(text: str) -> str | None:
+    """JSON text of the Python int or float literal ``text`` (sign allowed), or None: `0123` is no literal, as in
+    Python (never read as 123 or 123.0)."""
     t = text.replace("_", "")
     try:
         return json.dumps(int(t, 0))
     except ValueError:
         pass
+    if not any(c in t for c in ".eE") or t.lstrip("+-")[:2].lower() in ("0x", "0o", "0b"):
+        return None
     try:
         v = float(t)
     except ValueError:
@@ -68,8 +77,12 @@ class PythonArgs:
 
     def __init__(self) -> None:
         self._frames = [_Frame("args", "key0")]
-        self._mode = ""                 # "" (structure) | "string" | "escape" | "scalar" | "ident"
+        self._mode = ""     # "" (structure) | "scalar" | "ident" | a string mode: "open" (its quote(s) seen, one
+        # or triple still unknown), "string", "escape", "joined" (a literal ended, another may join it), "prefix"
         self._quote = ""
+        self._triple = False
+        self._raw = False
+        self._quotes = 0                # quotes read at an "open" (1-2), or inside a triple-quoted string (1-2)
         self._buf = ""                  # scalar, keyword or escape being read
         self._capture: list[str] | None = None    # a dict key being read, as JSON text
         self._captured = 0
@@ -83,8 +96,20 @@ class PythonArgs:
 
     def closers(self) -> str:
         """JSON text that completes what was written (for a call that broke or was closed early)."""
-        tail = '"' if self._mode in ("string", "escape") and self._capture is None else ""
+        tail = '"' if self._mode in _STRING_MODES and self._capture is None else ""
         return tail + "".join(_JSON_CLOSER[f.kind] for f in reversed(self._frames))
+
+    def end(self) -> str:
+        """JSON text that completes the arguments where the text ended inside them, as a `)` there would: a number
+        or name being read is converted where it is a whole literal (else it stays in ``pending_raw``, with
+        ``error`` set), then `closers`."""
+        self._out = []
+        if self._mode == "scalar":
+            self._end_scalar()
+        elif self._mode == "string" and self._quotes:
+            self._emit(_json_chars(self._quote * self._quotes))
+            self._quotes = 0
+        return "".join(self._out) + self.closers()
 
     def feed(self, s: str) -> tuple[int, str]:
         self._out = []
@@ -92,22 +117,19 @@ class PythonArgs:
         while i < n and not self.done and self.error is None:
             mode = self._mode
             if mode == "string":
-                m = _STRING_STOP[self._quote].search(s, i)
-                j = m.start() if m else n
-                if j > i:
-                    self._emit(_json_chars(s[i:j]))
-                if m is None:
-                    i = n
-                elif s[j] == "\\":
-                    self._mode, self._buf = "escape", ""
-                    i = j + 1
-                else:
-                    self._emit('"')
-                    self._mode = ""
-                    i = j + 1
-                    self._value_done()
+                i = self._string(s, i)
             elif mode == "escape":
                 i = self._escape(s, i)
+            elif mode == "open":
+                i = self._open(s[i], i)
+            elif mode == "joined":
+                i = self._joined(s, i)
+            elif mode == "prefix":
+                if s[i] not in _QUOTES:
+                    self.error = f"unexpected {s[i]!r} in tool call arguments"
+                    break
+                self._part(s[i], _STR_PREFIXES[self._buf])
+                i += 1
             elif mode in ("scalar", "ident"):
                 j = i
                 while j < n and s[j] in _SCALAR:
@@ -116,6 +138,10 @@ class PythonArgs:
                 i = j
                 if len(self._buf) > MAX_SCALAR:
                     self.error = "literal too long"
+                elif i < n and mode == "scalar" and s[i] in _QUOTES and self._buf in _STR_PREFIXES:
+                    self._emit(self._begin() + '"')
+                    self._part(s[i], _STR_PREFIXES[self._buf])
+                    i += 1
                 elif i < n:
                     self._end_scalar()
             else:
@@ -167,8 +193,71 @@ class PythonArgs:
         self._emit(self._begin() + value)
         self._value_done()
 
+    def _part(self, quote: str, raw: bool) -> None:
+        """A string literal (or one more joined to it) opens with ``quote``."""
+        self._mode, self._quote, self._raw, self._triple, self._quotes, self._buf = "open", quote, raw, False, 1, ""
+
+    def _open(self, c: str, i: int) -> int:
+        """After a literal's opening quote(s): a third quote makes it triple-quoted, two then another character are an
+        empty literal."""
+        if c == self._quote:
+            if self._quotes == 1:
+                self._quotes = 2
+            else:
+                self._mode, self._triple, self._quotes = "string", True, 0
+            return i + 1
+        self._mode = "joined" if self._quotes == 2 else "string"
+        self._quotes = 0
+        return i
+
+    def _string(self, s: str, i: int) -> int:
+        quote = self._quote
+        if self._quotes:                                    # triple-quoted: quotes that may end it
+            if s[i] == quote:
+                self._quotes += 1
+                if self._quotes == 3:
+                    self._mode, self._quotes = "joined", 0
+                return i + 1
+            self._emit(_json_chars(quote * self._quotes))
+            self._quotes = 0
+        m = _STRING_STOP[quote].search(s, i)
+        j = m.start() if m else len(s)
+        if j > i:
+            self._emit(_json_chars(s[i:j]))
+        if m is None:
+            return j
+        if s[j] == "\\":
+            self._mode, self._buf = "escape", ""
+        elif self._triple:
+            self._quotes = 1
+        else:
+            self._mode = "joined"
+        return j + 1
+
+    def _joined(self, s: str, i: int) -> int:
+        """After a string literal: whitespace, then another literal joining it, or the string ends."""
+        c = s[i]
+        if c in _WS:
+            while i < len(s) and s[i] in _WS:
+                i += 1
+            return i
+        if c in _QUOTES:
+            self._part(c, False)
+            return i + 1
+        if c in _STR_PREFIXES:
+            self._mode, self._buf = "prefix", c
+            return i + 1
+        self._emit('"')
+        self._mode = ""
+        self._value_done()
+        return i
+
     def _escape(self, s: str, i: int) -> int:
         buf = self._buf
+        if self._raw:                                       # a raw string keeps the backslash and what follows it
+            self._emit(_json_chars("\\" + s[i]))
+            self._mode = "string"
+            return i + 1
         if not buf:
             c = s[i]
             if c in _SIMPLE_ESCAPES:
@@ -239,9 +328,9 @@ class PythonArgs:
             f.state = "keyval"
             self._capture, self._captured = [], 0
             st = "keyval"
-        if c in "\"'":
+        if c in _QUOTES:
             self._emit(self._begin() + '"')
-            self._mode, self._quote = "string", c
+            self._part(c, False)
             return i + 1
         if c in _SCALAR:
             self._mode, self._buf = "scalar", ""

@@ -4,8 +4,9 @@ as they stream (`parsers.python_literals.PythonArgs`: a character-level scanner,
 At the reply's start (only whitespace before it) a `[` may open the list: the `[`, the name and its `(` are withheld
 (bounded by `MAX_NAME`) until the `(` proves a call, else they are content and the whole reply stays content. After
 `<|python_start|>` the list is expected, and text that breaks it is Malformed. Once a call's name is out, a break
-in its arguments closes their JSON (so they stay valid) and the rest of the reply is Malformed; a call cut by the end
-of the output keeps the JSON prefix it streamed.
+in its arguments closes their JSON (so they stay valid) and the rest of the reply is Malformed. Arguments left open
+where the model ended its turn (or its `<|python_end|>` came) are closed as a `)` there would close them; a call cut by
+a length limit or a stop string keeps the JSON prefix it streamed.
 """
 from __future__ import annotations
 
@@ -42,8 +43,12 @@ class PythonicSyntax(ToolSyntax):
         if state == P_HEAD:
             self._release_head("tool call cut short")
         elif state == P_ARGS:
-            if not at_finish:
-                m.args(self._args.closers())
+            conv = self._args
+            if m.output_cut(at_finish):
+                m.drop(conv.pending_raw, "tool call cut short")
+            else:
+                m.args(conv.end())
+                m.malformed(conv.pending_raw, "malformed tool call")
             m.end_call()
 
     # ------------------------------------------------------------------------------------------- text handlers

@@ -4,6 +4,7 @@ True/False/None, lists, tuples, dicts), bare lists and `<|python_start|>` ones, 
 detection from the real templates, and the chunking properties (arguments compared as JSON values)."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ember.parsers.events import Dropped
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import ParserSetup, parse_all
 from ember.parsers.profiles import detect_profile, get_profile
@@ -67,12 +69,42 @@ def test_literals_become_json():
 @pytest.mark.parametrize("src, error", [("a=foo)", "not a literal"), ("1, 2)", "positional"),
                                         ("a=1 b=2)", "unexpected"), ("a=[1, 2)", "unexpected"),
                                         ("a=float('nan'))", "not a literal"), ("a='\\xZZ')", "bad escape"),
-                                        ("a={[1]: 2})", "unexpected"), ("a=" + "9" * 600 + ")", "too long")])
+                                        ("a={[1]: 2})", "unexpected"), ("a=" + "9" * 600 + ")", "too long"),
+                                        ("a=02134)", "not a literal"), ("a=[1, 007])", "not a literal"),
+                                        ("a='x' b'y')", "unexpected"), ("a='x' 1)", "unexpected")])
 def test_what_is_not_a_literal_is_an_error_and_the_json_sent_can_be_closed(src, error):
     conv = PythonArgs()
     n, text = conv.feed(src)
     assert conv.error is not None and error in conv.error and not conv.done
     json.loads("{" + text + conv.closers())
+
+
+QUOTINGS = ['"""print(1)\nprint("hi")\n"""', "'''it's'''", "'a' 'b'", '"a"\n  "b" \'c\'', r'r"C:\new\table"',
+            r"r'a\'b'", "u'x'", r"R'\d' U'\n'", '""""""', "''", '"" "x"', '"""a""b"""', "0_1.5", "00", "1e3", "-0x1F",
+            r"{'k' 'j': [r'\\']}"]
+
+
+@pytest.mark.parametrize("value", QUOTINGS)
+def test_every_quoting_and_number_python_reads_is_its_value(value):
+    """Triple quotes, raw and u prefixes, adjacent literals joined: the value Python's own parser reads."""
+    src = f"a={value}, b=1)"
+    conv = PythonArgs()
+    n, text = conv.feed(src)
+    assert conv.done and conv.error is None and n == len(src)
+    assert json.loads("{" + text) == {"a": as_json(ast.literal_eval(f"({value})")), "b": 1}
+
+
+def test_arguments_left_open_at_the_end_of_the_turn_are_closed_and_a_cut_keeps_its_prefix():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for body, want in [("[f(zip=1", {"zip": 1}), ("[f(i=[1, 2", {"i": [1, 2]}), ("[f(s='''a''", {"s": "a''"}),
+                       ("[f(s='a' ", {"s": "a"})]:
+        f = fold(run(machine("pythonic", IDS, tools=tools), [(6, START), (None, body), (8, "<|eot|>")]))
+        assert [(n, json.loads(a), ended) for n, a, ended in f.calls] == [("f", want, True)] and f.malformed == ""
+    f = fold(run(machine("pythonic", IDS, tools=tools), [(6, START), (None, "[f(i=[1, foo"), (8, "<|eot|>")]))
+    assert f.calls == [["f", '{"i": [1]}', True]] and f.malformed == "foo"
+    events = run(machine("pythonic", IDS, tools=tools), [(6, START), (None, "[f(i=[1, 23")], cut=True)
+    assert fold(events).calls == [["f", '{"i": [1', True]]
+    assert [e.text for e in events if isinstance(e, Dropped) and "cut short" in e.reason] == ["23"]
 
 
 def test_bare_list_of_calls_at_the_start(tok, setup):
@@ -160,6 +192,28 @@ def py_values():
                         | st.dictionaries(STRS, ch, max_size=3), max_leaves=6)
 
 
+def py_source(draw, v) -> str:
+    """Python source for ``v``, each string in a quoting drawn from those Python reads."""
+    if isinstance(v, str):
+        plain = repr(v)
+        form = draw(st.sampled_from(["repr", "triple", "joined", "raw", "u"]))
+        if form == "triple":
+            return plain[0] * 3 + plain[1:-1] + plain[0] * 3
+        if form == "joined":
+            cut = draw(st.integers(0, len(v)))
+            return repr(v[:cut]) + draw(st.sampled_from([" ", "\n "])) + repr(v[cut:])
+        if form == "raw" and plain[1:-1] == v:
+            return "r" + plain
+        return ("u" if form == "u" else "") + plain
+    if isinstance(v, list):
+        return "[" + ", ".join(py_source(draw, x) for x in v) + "]"
+    if isinstance(v, tuple):
+        return "(" + ", ".join(py_source(draw, x) for x in v) + ("," if len(v) == 1 else "") + ")"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{py_source(draw, k)}: {py_source(draw, x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
 def as_json(v):
     if isinstance(v, (list, tuple)):
         return [as_json(x) for x in v]
@@ -190,7 +244,7 @@ def test_chunking_properties(data, by_id):
         name = draw(NAMES)
         kwargs = draw(st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True), py_values(),
                                       max_size=3))
-        items.append(f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")")
+        items.append(f"{name}(" + ", ".join(f"{k}={py_source(draw, v)}" for k, v in kwargs.items()) + ")")
         calls_.append((name, as_json(kwargs)))
     body = draw(st.sampled_from(["", "\n"])) + "[" + draw(st.sampled_from([", ", ","])).join(items) + "]"
     segs = [(None, content), (IDS[START], START), (None, body), (IDS[END], END)] if wrapped else [(None, body)]

@@ -92,6 +92,9 @@ ROWS = [  # (what it checks, schema, as written, value, {family: value where it 
     ("untyped None", None, "None", "None", {"glm45": None}),
     ("untyped word", None, "hello world", "hello world", {}),
     ("untyped schema", {"description": "no type"}, "true", "true", {"glm45": True}),
+    ("untyped leading zeros", None, "02134", "02134", {}),
+    ("untyped py triple str", None, "'''a\nb'''", "'''a\nb'''", {"glm45": "a\nb"}),
+    ("py list leading zeros", ARRAY, "[1, 007]", "[1, 007]", {}),
     # 5: MiniMax-M2 and GLM strip a value's whitespace
     ("padded string", {"type": "string"}, "  a  b \t", "  a  b \t", {"minimax_m2": "a  b", "glm45": "a  b"}),
     ("newlines", {"type": "string"}, "\nx\n", "\nx\n", {"minimax_m2": "x", "glm45": "x"}),
