@@ -44,8 +44,8 @@ from .call_limit import first_call_only
 from .anthropic_encoder import MessageEncoder
 from .choice import ChoiceStep
 from .config import ServeConfig
-from .errors import (ApiError, anthropic_error_body, bad_request, is_anthropic_request, openai_error_body,
-                     validation_error)
+from .errors import (ANTHROPIC_REQUEST_ID, ApiError, anthropic_error_body, anthropic_style, bad_request,
+                     is_anthropic_request, openai_error_body, validation_error)
 from ember.grammar import GrammarError, check_tools
 from ember.parsers.initial import InitialState
 
@@ -575,7 +575,8 @@ def _error_response(request: Request, err: ApiError, headers: dict[str, str] | N
     asked with ``anthropic-version`` (an Anthropic SDK given a base URL ending in ``/v1`` asks ``/v1/v1/messages``)."""
     anthropic = is_anthropic_request(get_route_path(request.scope), request.headers) or (
         err.status == 404 and "anthropic-version" in request.headers and not _allowed_methods(request))
-    body = anthropic_error_body(err) if anthropic else openai_error_body(err)
+    request_id = request.scope.get("state", {}).get(ANTHROPIC_REQUEST_ID)
+    body = anthropic_error_body(err, request_id) if anthropic else openai_error_body(err)
     return JSONResponse(body, status_code=err.status, headers=headers)
 
 
@@ -658,25 +659,40 @@ class _LoadTracker:
             self.st.server_load -= 1
 
 
-class _RequestIdHeader:
-    """Pure ASGI middleware giving every HTTP response an ``X-Request-Id`` header: the request's own, else random
-    hex (vLLM's ``--enable-request-id-headers``)."""
+class _RequestIdHeaders:
+    """Pure ASGI middleware for response ID headers: an Anthropic request (`anthropic_style`) gets a ``request-id``
+    header (``req_`` and random hex, as Anthropic's API gives every response; also in its error bodies, through
+    ``scope["state"]``); with ``x_request_id`` every response gets an ``X-Request-Id`` header: the request's own, else
+    random hex (vLLM's ``--enable-request-id-headers``)."""
 
-    def __init__(self, app: Any):
+    def __init__(self, app: Any, x_request_id: bool):
         self.app = app
+        self.x_request_id = x_request_id
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+        headers = Headers(scope=scope)
+        added: list[tuple[str, str]] = []
+        if anthropic_style(get_route_path(scope), headers):
+            anthropic_id = f"req_{uuid.uuid4().hex}"
+            scope.setdefault("state", {})[ANTHROPIC_REQUEST_ID] = anthropic_id
+            added.append(("request-id", anthropic_id))
+        if self.x_request_id:
+            added.append(("X-Request-Id", headers.get("x-request-id") or uuid.uuid4().hex))
+        if not added:
+            await self.app(scope, receive, send)
+            return
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_ids(message: dict) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+                out = MutableHeaders(scope=message)
+                for name, value in added:
+                    out.append(name, value)
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_ids)
 
 
 async def _watch_engine(st: ServerState, exit_on_death: bool, poll_s: float = 0.2) -> None:
@@ -780,8 +796,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
                            allow_credentials=config.allow_credentials,
                            allow_methods=list(config.allowed_methods or ("*",)),
                            allow_headers=list(config.allowed_headers or ("*",)))
-    if config.enable_request_id_headers:
-        app.add_middleware(_RequestIdHeader)
+    app.add_middleware(_RequestIdHeaders, x_request_id=config.enable_request_id_headers)
     return app
 
 

@@ -44,14 +44,17 @@ def load_chat_template(value: str | None) -> str | None:
 Content = str | list[str]  # as the client sent it: one string, or its text parts' texts
 
 
-def _texts(parts: Iterable[Any], field: str, assistant: bool = False) -> list[str]:
+def _texts(parts: Iterable[Any], field: str, assistant: bool = False, references: bool = False) -> list[str]:
     """The texts of a message's content parts; an assistant's ``refusal`` parts are text to the template, as vLLM
-    reads them."""
+    reads them; with ``references`` (an Anthropic tool result), a ``tool_reference`` is its block's JSON."""
     out = []
     for i, part in enumerate(parts):
         kind = getattr(part, "type", None)
         if kind == "refusal" and assistant:
             out.append(part.refusal)
+            continue
+        if kind == "tool_reference" and references:
+            out.append(json.dumps({"type": "tool_reference", "tool_name": part.tool_name}, ensure_ascii=False))
             continue
         if kind != "text":
             only = " (refusal parts are an assistant's)" if kind == "refusal" else ""
@@ -185,7 +188,7 @@ def _tool_result_text(block: pa.ToolResultBlock, field: str) -> Content:
         return []
     if isinstance(block.content, str):
         return block.content
-    return _texts(block.content, f"{field}.content")
+    return _texts(block.content, f"{field}.content", references=True)
 
 
 def anthropic_messages(system: str | Sequence[pa.TextBlock] | None,

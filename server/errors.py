@@ -78,15 +78,29 @@ def openai_error_body(err: ApiError) -> dict[str, Any]:
     }
 
 
-def anthropic_error_body(err: ApiError) -> dict[str, Any]:
-    """Anthropic's error shape, which has no ``param``: the message names the field itself."""
+ANTHROPIC_REQUEST_ID = "anthropic_request_id"
+"""The key of an Anthropic request's ``request-id`` in its ASGI scope's ``state``."""
+
+
+def anthropic_error_body(err: ApiError, request_id: str | None = None) -> dict[str, Any]:
+    """Anthropic's error shape, which has no ``param`` (the message names the field itself), with the request's
+    ``request_id`` where it has one."""
     etype = _ANTHROPIC_TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
     message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
     message = err.anthropic_message or message
     body: dict[str, Any] = {"type": etype, "message": message}
     if err.details:
         body["details"] = err.details
-    return {"type": "error", "error": body}
+    out: dict[str, Any] = {"type": "error", "error": body}
+    if request_id is not None:
+        out["request_id"] = request_id
+    return out
+
+
+def anthropic_style(path: str, headers: Mapping[str, str]) -> bool:
+    """Whether a request may be answered in Anthropic's shape: a `/v1/messages` route, or any path asked with an
+    ``anthropic-version`` header (the Anthropic SDK sends it on every request)."""
+    return path.startswith("/v1/messages") or "anthropic-version" in headers
 
 
 def is_anthropic_request(path: str, headers: Mapping[str, str]) -> bool:

@@ -22,7 +22,13 @@ class TextBlock(_Lenient):
 
 
 class ImageBlock(_Lenient):
-    type: Literal["image", "document", "search_result", "container_upload"]
+    type: Literal["image", "document", "search_result", "container_upload", "browser_state"]
+
+
+class ToolReferenceBlock(_Lenient):
+    """A tool search result naming a tool (`defer_loading` tools are in the prompt from the start here)."""
+    type: Literal["tool_reference"]
+    tool_name: str
 
 
 class ToolUseBlock(_Lenient):
@@ -35,7 +41,8 @@ class ToolUseBlock(_Lenient):
 class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextBlock | ImageBlock | ToolReferenceBlock, Field(discriminator="type")]] | None = (
+        None)
     is_error: bool | None = Field(default=None, strict=True)
 
 
@@ -161,6 +168,10 @@ class _MessagesBase(_Lenient):
         return self
 
 
+class Metadata(_Lenient):
+    user_id: str | None = Field(default=None, max_length=256, strict=True)
+
+
 class MessagesRequest(_MessagesBase):
     max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = None
@@ -168,7 +179,8 @@ class MessagesRequest(_MessagesBase):
     temperature: float | None = Field(default=None, ge=0.0, le=100.0, strict=True)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(default=None, ge=-1, strict=True)
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63, strict=True)  # extension: reproducible sampling
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's first spelling of output_config.format

@@ -158,7 +158,8 @@ def test_error_examples_are_what_the_server_answers(live):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "usr", "content": "x"}]})
     assert r.status_code == 400 and r.json() == openai_example
     r = httpx.post(server.url + "/v1/messages", json={"model": "demo", "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 400 and r.json() == anthropic_example
+    assert re.fullmatch(r"req_[0-9a-f]{32}", anthropic_example["request_id"])
+    assert r.status_code == 400 and r.json() == {**anthropic_example, "request_id": r.headers["request-id"]}
 
 
 # --------------------------------------------------------------------------------------------------- deployment.md

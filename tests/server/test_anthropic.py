@@ -187,6 +187,23 @@ def test_errors_are_typed(demo_server, keyed_server):
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
+def test_every_anthropic_response_has_a_request_id_and_errors_carry_it(demo_server):
+    """Anthropic gives every response a `request-id` header and every error body a `request_id`; the SDK exposes
+    them as `_request_id` and `APIStatusError.request_id`. OpenAI routes get no such header."""
+    client = demo_server.anthropic()
+    raw = client.messages.with_raw_response.create(model=demo_server.model, max_tokens=2, messages=HI)
+    first = raw.parse()._request_id
+    assert re.fullmatch(r"req_[0-9a-f]{32}", first or "")
+    assert client.messages.create(model=demo_server.model, max_tokens=2, messages=HI)._request_id != first
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.create(model="claude-nope", max_tokens=5, messages=HI)
+    assert e.value.request_id == e.value.body["request_id"] and e.value.request_id.startswith("req_")
+    with client.messages.stream(model=demo_server.model, max_tokens=2, messages=HI) as stream:
+        assert stream.response.headers["request-id"].startswith("req_")
+    assert client.models.list()._request_id.startswith("req_")
+    assert "request-id" not in httpx.get(demo_server.url + "/v1/models", timeout=30).headers
+
+
 def test_models_list_and_retrieve_in_anthropic_shape(demo_server):
     client = demo_server.anthropic()
     page = client.models.list()
@@ -266,6 +283,11 @@ def test_a_message_that_fails_mid_stream_ends_with_the_error_event_only(demo_ser
     ({"tools": [WEATHER], "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      ["tool_choice.disable_parallel_tool_use"]),
     ({"seed": "7"}, ["'seed'"]),
+    ({"metadata": {"user_id": 123}}, ["metadata.user_id", "string"]),
+    ({"service_tier": "bogus"}, ["service_tier", "'auto'"]),
+    ({"messages": [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+                       {"type": "browser_state"}]}]}]}, ["messages[2].content[0].content[0].type", "'browser_state'"]),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": "yes"}]}]},
      ["messages[0].content[0].is_error"]),
     ({"messages": [{"role": "user", "content": ""}]}, ["messages[0].content", "non-empty"]),
@@ -450,7 +472,8 @@ def test_a_path_no_route_serves_answers_an_anthropic_client_in_its_shape(demo_se
     with pytest.raises(anthropic.NotFoundError) as e:
         anthropic.Anthropic(base_url=demo_server.url + "/v1", api_key="x", max_retries=0).messages.create(
             model=demo_server.model, max_tokens=1, messages=HI)
-    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+    assert e.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"},
+                            "request_id": e.value.request_id}
     plain = httpx.post(demo_server.url + "/v1/v1/messages", json={}, timeout=10)
     assert plain.status_code == 404 and plain.json()["error"]["type"] == "invalid_request_error"
     served = httpx.post(demo_server.url + "/v1/chat/completions", timeout=10, headers={"anthropic-version": "x"},

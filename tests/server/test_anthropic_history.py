@@ -83,3 +83,15 @@ def test_the_sdk_gets_the_400_for_an_unanswered_call(demo_server):
         demo_server.anthropic().messages.create(model=demo_server.model, max_tokens=4, messages=[
             {"role": "user", "content": "Weather?"}, CALLS, {"role": "user", "content": [TIME]}])
     assert "without `tool_result` blocks immediately after: toolu_1." in refused.value.body["error"]["message"]
+
+
+def test_a_tool_search_result_of_tool_references_reaches_the_template(qwen3_tokenizer):
+    """Claude Code's tool search answers with `tool_reference` blocks (the SDK's type): each becomes its block's JSON
+    in the tool message, beside the result's text; `defer_loading` tools are in the prompt from the start."""
+    qwen3 = _template("hf", "Qwen3-0.6B.jinja")
+    search = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "tool_search",
+                                                "input": {"query": "weather"}}]}
+    found = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+        {"type": "text", "text": "Found:"}, {"type": "tool_reference", "tool_name": "get_weather"}]}]}
+    text = _render(qwen3_tokenizer, qwen3, [{"role": "user", "content": "Weather?"}, search, found])
+    assert '<tool_response>\nFound:\n{"type": "tool_reference", "tool_name": "get_weather"}\n</tool_response>' in text
