@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from ember.engine.args import SettingValueError, add_flags, checked_by, from_namespace
 
 from .config import ServeConfig, parse_api_key
-from .vllm_argv import add_negations, config_argv, config_file, flag_names, fold_dotted
+from .vllm_argv import add_negations, config_argv, config_file, flag_names, fold_dotted, with_config_dotted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -217,11 +217,10 @@ def _refuse_unknown(parser: argparse.ArgumentParser, extras: list[str]) -> None:
                      f"unrecognized arguments: {' '.join(extras)}")
 
 
-def _applyconfig_file(path: str, parser: argparse.ArgumentParser) -> tuple[Any, dict[str, Any]]:
-    """Parse ``--config`` ``path`` and make its values ``parser``'s defaults, so that the command line wins. Returns
-    the model it names (its ``model`` key), which serves only where the command line names none, and the defaults
-    it replaced (by dest)."""
-    argv = config_argv(path, parser)
+def _applyconfig_file(path: str, argv: list[str], parser: argparse.ArgumentParser) -> tuple[Any, dict[str, Any]]:
+    """Parse the flags of ``--config`` ``path`` (``argv``, `config_argv`) and make their values ``parser``'s
+    defaults, so that the command line wins. Returns the model it names (its ``model`` key), which serves only where
+    the command line names none, and the defaults it replaced (by dest)."""
     try:
         parser.source = f" (in --config {path})"
         values, extras = parser.parse_known_args(fold_dotted(flag_names(argv, parser), parser))
@@ -268,9 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_model, from_config = None, {}
     if argv and argv[0] == "serve":
         path, rest = config_file(argv[1:], serve_parser)
-        argv = ["serve", *fold_dotted(flag_names(rest, serve_parser), serve_parser)]
+        cli = flag_names(rest, serve_parser)
         if path is not None:
-            config_model, from_config = _applyconfig_file(path, serve_parser)
+            from_file = config_argv(path, serve_parser)
+            cli = with_config_dotted(cli, flag_names(from_file, serve_parser))
+        argv = ["serve", *fold_dotted(cli, serve_parser)]
+        if path is not None:
+            config_model, from_config = _applyconfig_file(path, from_file, serve_parser)
     args, extras = parser.parse_known_args(argv)
     _refuse_unknown(serve_parser, extras)
     _command_line_wins_in_groups(args, serve_parser, argv[1:], from_config)

@@ -138,6 +138,21 @@ def fold_dotted(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
+def _dotted_base(arg: str) -> str | None:
+    """The flag of a dotted argument (``--x.key=v`` or ``--x.key``), else None."""
+    key = arg.partition("=")[0]
+    base, dot, _ = key.partition(".")
+    return base if arg.startswith("--") and dot else None
+
+
+def with_config_dotted(cli: list[str], config: list[str]) -> list[str]:
+    """``cli`` after the ``--config`` file's dotted keys (``config``, as `config_argv` writes them) of each flag the
+    command line gives dotted keys of too, so that `fold_dotted` merges both into one object, the command line's
+    keys winning, as vLLM merges them (else the command line's object would replace the file's whole)."""
+    bases = {b for b in map(_dotted_base, cli) if b is not None}
+    return [a for a in config if _dotted_base(a) in bases] + cli
+
+
 def _merge(into: dict[str, Any], update: dict[str, Any]) -> None:
     """``update`` set over ``into``, dict by dict (lists appended, as vLLM merges dotted flags)."""
     for k, v in update.items():
@@ -191,7 +206,9 @@ def config_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
             parser.error(f"argument --config: {path} names another config file ({value}); Ember reads one, as vLLM")
         if value is None:
             continue
-        if isinstance(value, bool):
+        if "." in flag:
+            out.append(f"{flag}={json.dumps(value)}")       # a key of a JSON flag: its JSON value
+        elif isinstance(value, bool):
             out.append(f"{flag}={'true' if value else 'false'}")
         elif isinstance(value, list):
             action = parser._option_string_actions.get(flag.partition(".")[0].replace("_", "-"))

@@ -381,6 +381,14 @@ def test_vllm_config_file_and_dotted_json_flags(tmp_path, monkeypatch, capsys):
                  "FULL_DECODE_ONLY"]) == 0
     assert json.loads(seen[-1].speculative_config) == {"method": "ngram", "num_speculative_tokens": 4,
                                                        "prompt_lookup_max": 3}
+    (tmp_path / "dotted.yaml").write_text("speculative-config.method: ngram\n"
+                                          "speculative_config.num_speculative_tokens: 2\n"
+                                          "speculative-config.prompt_lookup_max: 5\nhf-overrides.rope.ids: [1, 2]\n")
+    assert main(["serve", "--config", str(tmp_path / "dotted.yaml"), "--speculative-config.prompt_lookup_max", "3",
+                 "--hf-overrides.rope.factor", "2"]) == 0  # the file's dotted keys merged with the command line's
+    assert json.loads(seen[-1].speculative_config) == {"method": "ngram", "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 3}
+    assert json.loads(seen[-1].hf_overrides) == {"rope": {"ids": [1, 2], "factor": 2}}
     (tmp_path / "bad.yaml").write_text("max-model-len: lots\n")
     (tmp_path / "nested.yaml").write_text("config: other.yaml\nseed: 3\n")  # was read as nothing, silently
     for argv, said in ((["--config", str(tmp_path / "none.yaml")], "argument --config: cannot read"),
