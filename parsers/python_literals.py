@@ -63,6 +63,12 @@ def _number(text: str) -> str | None:
     return json.dumps(v) if math.isfinite(v) else None
 
 
+def _past_whitespace(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
 def _json_chars(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)[1:-1]
 
@@ -238,9 +244,7 @@ class PythonArgs:
         """After a string literal: whitespace, then another literal joining it, or the string ends."""
         c = s[i]
         if c in _WS:
-            while i < len(s) and s[i] in _WS:
-                i += 1
-            return i
+            return _past_whitespace(s, i)
         if c in _QUOTES:
             self._part(c, False)
             return i + 1
@@ -296,9 +300,7 @@ class PythonArgs:
     def _structure(self, s: str, i: int) -> int:
         c = s[i]
         if c in _WS:
-            while i < len(s) and s[i] in _WS:
-                i += 1
-            return i
+            return _past_whitespace(s, i)
         f = self._frames[-1]
         st = f.state
         if st in ("key0", "value0") and c == _CLOSER[f.kind]:
