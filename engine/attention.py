@@ -122,7 +122,7 @@ class TorchBackend:
             _batched(q, k_cache, v_cache, out, cu_seqlens_q[:-1].long(), qlens.long(), seq_lens, block_table,
                      softmax_scale, max_seqlen_k=max_seqlen_k, max_seqlen_q=max_seqlen_q, **opts)
             return out
-        short = (qlens <= SHORT_QUERY).nonzero().flatten()
+        short = ((qlens > 0) & (qlens <= SHORT_QUERY)).nonzero().flatten()   # an empty segment has no rows
         if short.numel() < qlens.numel():
             rest = (qlens > SHORT_QUERY).nonzero().flatten()
             for b in rest.tolist():

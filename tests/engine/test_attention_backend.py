@@ -31,7 +31,8 @@ OPTIONS = [{}, {"sliding_window": 9}, {"softcap": 3.0}, {"chunk": 16},
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "plain")
 @pytest.mark.parametrize("qlens,ctx", [([1, 1, 1, 1], [5, 40, 17, 0]), ([1, 7, 1, 33, 1], [30, 0, 63, 9, 1]),
-                                       ([2, 5, 1, 8, 3, 9], [10, 0, 40, 17, 64, 2])])
+                                       ([2, 5, 1, 8, 3, 9], [10, 0, 40, 17, 64, 2]),
+                                       ([20, 0], [0, 38]), ([0, 3, 0, 12], [5, 4, 0, 20])])  # empty segments
 def test_batched_short_queries_match_reference(qlens, ctx, options):
     """Decode rows and short chunks (speculative drafts, small prefill chunks) batched, longer ones per sequence:
     every row equals the per-sequence reference, with each attention variant."""
