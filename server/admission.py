@@ -125,11 +125,15 @@ def model_not_found(message: str) -> ApiError:
 
 
 def check_logprobs(st: ServerState, **asked: int | None) -> None:
-    """A 400 naming the field when a request asks for more alternatives per token than ``--max-logprobs``."""
+    """A 400 naming the field when a request asks for more alternatives per token than ``--max-logprobs`` (-1 asks
+    for the whole vocabulary)."""
     most = st.config.max_logprobs
     if most < 0:
         return
     for name, value in asked.items():
+        if value == -1:
+            raise bad_request(f"{name} -1 (the whole vocabulary) needs the server's --max-logprobs -1; it allows at "
+                              f"most {most}", param=name)
         if value is not None and value > most:
             raise bad_request(f"{name} may be at most {most} (the server's --max-logprobs), got {value}", param=name)
 

@@ -86,11 +86,15 @@ async def _chat_sse(st: ServerState, req: GenRequest, meta: ChunkMeta, run: Run,
 
 
 
-def _prompt_logprobs(body: po._SamplingFields) -> int | None:
-    """vLLM's `prompt_logprobs` (alternatives per prompt token), which come only in a non-streaming body."""
-    if body.prompt_logprobs is not None and body.stream:
-        raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
-    return body.prompt_logprobs
+def _prompt_logprobs(st: ServerState, body: po._SamplingFields) -> int | None:
+    """vLLM's `prompt_logprobs` (alternatives per prompt token; -1: the whole vocabulary), which come only in a
+    non-streaming body: a stream may ask for 0 (and gets none, as in vLLM), not for more."""
+    asked = body.prompt_logprobs
+    if asked is not None and body.stream:
+        if asked:
+            raise bad_request("prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+        return None
+    return st.runtime.model_info.vocab_size if asked == -1 else asked
 
 
 def _usage_options(body: po._SamplingFields, force: bool = False) -> tuple[bool, bool]:
@@ -176,12 +180,13 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser
     initial = setup.initial_state(prompt_ids)
+    scored_top = _prompt_logprobs(st, body)
     base = sampling_params(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias=logit_bias_ids(st, body.logit_bias), stop_token_ids=stop_ids(st, body.stop_token_ids),
-        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=_prompt_logprobs(body), lora=lora,
+        min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_logprobs=scored_top, lora=lora,
         defaults=rt.sampling_defaults, **extras)
     choices = []
     for i in range(body.n):
@@ -211,7 +216,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     meta = ChunkMeta(id=req.request_id, created=int(time.time()), model=model_label(st, lora),
                      logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
                      return_token_ids=body.return_token_ids, include_usage=include_usage,
-                     continuous_usage=continuous_usage, prompt_logprobs=body.prompt_logprobs,
+                     continuous_usage=continuous_usage, prompt_logprobs=scored_top,
                      tokens_as_ids=_tokens_as_ids(st, body), role=(role := _reply_role(st, body)),
                      echo=_echoed(body, role), named_tool=isinstance(body.tool_choice, po.NamedToolChoice))
     run = Run()
@@ -241,7 +246,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
     stop = body.stop_list
-    scored_top = _prompt_logprobs(body)
+    scored_top = _prompt_logprobs(st, body)
     choices, echoes, echo_offsets, prompt_total = [], [], [], 0
     echo_drop = rt.parser_plain.dropped_ids(body.skip_special_tokens)  # what the echo leaves out, as the output does
     for p_i, p in enumerate(prompts):

@@ -274,7 +274,7 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens `token_id:N` (default: the flag)
-    prompt_logprobs: int | None = Field(default=None, ge=0)  # at most --max-logprobs (checked per route)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # -1: all; at most --max-logprobs (checked per route)
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response's `id` after its prefix (an X-Request-Id header wins)
     response_format: ResponseFormat | None = None

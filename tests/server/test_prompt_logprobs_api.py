@@ -93,6 +93,29 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(demo_server, demo_hf):
         client.completions.create(model=demo_server.model, prompt=text, max_tokens=1,
                                   extra_body={"prompt_logprobs": 21})
     assert e.value.body["param"] == "prompt_logprobs"
+    for asked, said in ((-1, "--max-logprobs -1"), (-2, "greater than or equal to -1")):
+        with pytest.raises(openai.BadRequestError, match=said) as e:  # -1, the whole vocabulary, needs the server's
+            client.completions.create(model=demo_server.model, prompt=text, max_tokens=1,
+                                      extra_body={"prompt_logprobs": asked})
+        assert e.value.body["param"] == "prompt_logprobs"
+    # a stream may ask for 0 (vLLM's rule is "more than 0, or -1"): served, with no prompt logprobs in its chunks
+    chunks = list(client.chat.completions.create(model=demo_server.model, messages=messages, max_tokens=2,
+                                                 stream=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks and all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks)
+
+
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(demo_model_dir, demo_hf):
+    from ember.server.config import ServeConfig
+    from tests.server.conftest import served
+
+    config = ServeConfig(model_dir=demo_model_dir, served_model_name="wide", max_logprobs=-1, kv_cache_blocks=64)
+    with served(config) as srv:
+        text = "Once upon a time"
+        ids = srv.tokenizer.encode(text)
+        r = srv.openai().completions.create(model="wide", prompt=text, max_tokens=1, extra_body={"prompt_logprobs": -1})
+        vocab = srv.runtime.model_info.vocab_size
+        _check_vllm_shape(r.choices[0].model_extra["prompt_logprobs"], ids, _logp(demo_hf, ids), vocab,
+                          srv.runtime.token_bytes.token_bytes)
 
 
 def test_max_logprobs_bounds_every_logprobs_field(demo_server, demo_model_dir):
