@@ -386,7 +386,8 @@ class ShardedWeights:
         scale_name = module + fmt.scale_suffix
         with loader.open_safetensors(scale_file) as scales:
             scale = scales.get_tensor(scale_name)
-        if kept is None or fmt.granularity == "tensor" or (fmt.granularity == "channel" and kept[0] == 1):
+        if kept is None or scale.numel() == 1 or fmt.granularity == "tensor" or (fmt.granularity == "channel"
+                                                                                 and kept[0] == 1):
             yield scale_name, scale  # the whole of it covers any slice
             return
         dim, ranges = kept

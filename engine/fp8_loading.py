@@ -47,8 +47,9 @@ _WHOLE = -2
 @dataclass(frozen=True)
 class FP8Format:
     """How a checkpoint scales its e4m3 weights. ``granularity`` is ``"block"`` (a scale per ``block``), ``"channel"``
-    (per output row) or ``"tensor"`` (one per tensor); Ember keeps all three as a block grid, the latter two as
-    ``(1, CHANNEL)`` (a tensor's scale repeated per row). ``scale_suffix`` names the scale tensors in the files."""
+    (per output row; a scalar scale is a tensor's, as where config groups mix the two) or ``"tensor"`` (one per
+    tensor); Ember keeps all three as a block grid, the latter two as ``(1, CHANNEL)`` (a tensor's scale repeated per
+    row). ``scale_suffix`` names the scale tensors in the files."""
 
     granularity: str
     block: tuple[int, int]
@@ -96,7 +97,8 @@ def resolve_format(raw_config: dict[str, Any], model_dir: str | os.PathLike, qua
 def declared_quantization(raw_config: dict[str, Any], model_dir: str | os.PathLike) -> tuple[str, str] | None:
     """(vLLM's ``--quantization`` name, where it is declared) of the checkpoint's quantization, or None for an
     unquantized checkpoint: config.json's ``quantization_config`` (``quant_method``; ModelOpt's ``quant_algo``
-    FP8 -> ``modelopt``, NVFP4 -> ``modelopt_fp4``) or ModelOpt's ``hf_quant_config.json``."""
+    FP8 -> ``modelopt``, NVFP4 -> ``modelopt_fp4``), ModelOpt's ``hf_quant_config.json``, or the sidecar files
+    vLLM also reads, AutoGPTQ's ``quantize_config.json`` (``gptq``) and AutoAWQ's ``quant_config.json`` (``awq``)."""
     modelopt = {"FP8": "modelopt", "NVFP4": "modelopt_fp4"}
     qc = raw_config.get("quantization_config")
     if isinstance(qc, dict):
@@ -109,6 +111,15 @@ def declared_quantization(raw_config: dict[str, Any], model_dir: str | os.PathLi
     if legacy.exists():
         algo = _legacy_quant_algo(legacy)
         return modelopt.get(algo, f"modelopt ({algo})"), str(legacy)
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        sidecar = Path(model_dir) / name
+        if sidecar.exists():
+            try:
+                data = json.loads(sidecar.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                data = None
+            named = data.get("quant_method") if isinstance(data, dict) else None
+            return str(named or method), str(sidecar)
     return None
 
 
@@ -206,6 +217,8 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Format | None:
     if not specs or not all(w.get("type") == "float" and int(w.get("num_bits") or 0) == 8 for w in specs):
         return None
     strategies = {w.get("strategy") for w in specs}
+    if strategies == {"channel", "tensor"}:         # per config group, as vLLM reads them: each scale says which
+        strategies = {"channel"}
     if len(strategies) != 1:
         raise QuantizationError(f"{source}: FP8 config groups mix weight strategies {sorted(map(str, strategies))}")
     strategy = strategies.pop()
@@ -215,6 +228,23 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> FP8Format | None:
         return FP8Format(strategy, (1, fp8_block.CHANNEL), ".weight_scale", source)
     raise QuantizationError(f"{source}: compressed-tensors FP8 weight strategy {strategy!r} is not supported "
                             "(tensor, channel or block)")
+
+
+def weightless(qc: Any) -> bool:
+    """A compressed-tensors ``quantization_config`` that quantizes no weights (no config group): only its
+    ``kv_cache_scheme``, the per-layer ``k_scale`` / ``v_scale`` of an FP8 KV cache, which any checkpoint may carry."""
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors" and not qc.get("config_groups")
+
+
+def _check_kv_cache_scheme(qc: dict[str, Any], source: str) -> None:
+    """QuantizationError unless a compressed-tensors ``kv_cache_scheme`` is absent or FP8 (8-bit float, the one KV
+    cache quantization Ember has, `--kv-cache-dtype fp8`)."""
+    kv = qc.get("kv_cache_scheme")
+    if kv is None:
+        return
+    if not isinstance(kv, dict) or kv.get("type") != "float" or int(kv.get("num_bits") or 0) != 8:
+        raise QuantizationError(f"{source}: kv_cache_scheme {kv!r} is not supported (only 8-bit float, the FP8 KV "
+                                "cache)")
 
 
 def fp8_format(raw_config: dict[str, Any], model_dir: str | os.PathLike | None = None) -> FP8Format | None:
@@ -233,6 +263,7 @@ def fp8_format(raw_config: dict[str, Any], model_dir: str | os.PathLike | None =
                 return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", src)
             return FP8Format("block", _block(qc["weight_block_size"], src), SCALE, src)
         if method == "compressed-tensors":
+            _check_kv_cache_scheme(qc, src)
             return _compressed_tensors(qc, src)
         if method in (None, "modelopt") and qc.get("quant_algo") == "FP8":
             return FP8Format("tensor", (1, fp8_block.CHANNEL), ".weight_scale", src)
@@ -262,7 +293,7 @@ def scale_grid(scale: torch.Tensor, shape: list[int], fmt: FP8Format, module: st
     n = shape[0] if shape else 0
     if fmt.granularity == "channel" and scale.numel() == n and scale.dim() <= 2:
         return scale.float().reshape(n, 1)
-    if fmt.granularity == "tensor" and scale.numel() == 1:
+    if fmt.granularity in ("tensor", "channel") and scale.numel() == 1:
         return scale.float().reshape(1, 1).expand(n, 1).contiguous()
     if fmt.granularity == "block":
         check_scale_shape(shape, scale, fmt.block, module, source, fmt.scale_suffix)

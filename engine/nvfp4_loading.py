@@ -118,8 +118,10 @@ def read_quant_config(model_dir: str | os.PathLike | None, raw_config: dict[str,
             if not isinstance(data.get("quantization"), dict):
                 raise QuantizationError(f"{legacy}: no 'quantization' object")
             found.append(_parse_quant_dict(data["quantization"], str(legacy)))
+    from ember.engine.fp8_loading import weightless
+
     qc = raw_config.get("quantization_config")
-    if isinstance(qc, dict) and not is_fp8(raw_config):
+    if isinstance(qc, dict) and not is_fp8(raw_config) and not weightless(qc):
         src = str(Path(model_dir) / "config.json") if model_dir is not None else "config.json"
         found.append(_parse_quant_dict(qc, src + ":quantization_config"))
     if not found:

@@ -290,6 +290,20 @@ def test_an_unsupported_compressed_tensors_scheme_is_named(tmp_path, demo_model_
         Engine.from_pretrained(path, num_kv_blocks=8)
 
 
+@pytest.mark.parametrize("sidecar, body, method", [
+    ("quantize_config.json", {"bits": 4, "group_size": 128, "desc_act": False}, "gptq"),  # AutoGPTQ (TheBloke's)
+    ("quant_config.json", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}, "awq"),
+    ("quantize_config.json", {"bits": 4, "quant_method": "gptq_marlin"}, "gptq_marlin")])
+def test_a_method_declared_only_in_a_sidecar_file_is_named(tmp_path, demo_model_dir, sidecar, body, method):
+    """It was an "unexpected tensor" error about the first qweight/g_idx, naming no method."""
+    from ember.engine.nvfp4_loading import QuantizationError
+
+    path = _copy(demo_model_dir, tmp_path / "m")
+    (path / sidecar).write_text(json.dumps(body))
+    with pytest.raises(QuantizationError, match=rf"{sidecar}: quant_method '{method}' is not supported"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
 def test_a_checkpoint_json_file_that_is_not_utf8_is_named(tmp_path):
     """It was a bare UnicodeDecodeError, naming no file."""
     from ember.engine.checkpoint import CheckpointError, read_json

@@ -88,6 +88,32 @@ def test_checkpoint_kv_scales_reach_the_backend(scaled_dir, monkeypatch):
     assert {c[1:] for c in _Recording.calls} == {(None, None)}
 
 
+KV_ONLY = {"quant_method": "compressed-tensors", "format": "dense", "quantization_status": "compressed",
+           "config_groups": {}, "ignore": ["lm_head"],
+           "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                               "symmetric": True}}
+
+
+def test_a_compressed_tensors_config_of_only_kv_cache_scales_loads_them(tmp_path, demo_model_dir, monkeypatch):
+    """llm-compressor's FP8 KV cache without weight quantization (no config group, a kv_cache_scheme): the weights
+    load as they are and the scales reach the cache, as vLLM reads it; a KV scheme Ember has no cache for is named."""
+    import json
+
+    from ember.engine.nvfp4_loading import QuantizationError
+
+    monkeypatch.setenv("EMBER_ATTENTION", "torch")
+    _save(tmp_path, demo_model_dir, SCALES)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": KV_ONLY}))
+    eng = _engine(tmp_path, kv_cache_dtype="fp8", quantization="compressed-tensors")
+    assert [(a.self_attn.k_scale, a.self_attn.v_scale) for a in eng.runner.model.model.layers] == [(0.5, 0.25),
+                                                                                                    (2.0, 1.0)]
+    int8 = {**KV_ONLY, "kv_cache_scheme": {**KV_ONLY["kv_cache_scheme"], "type": "int"}}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": int8}))
+    with pytest.raises(QuantizationError, match="kv_cache_scheme .* is not supported"):
+        _engine(tmp_path, kv_cache_dtype="fp8")
+
+
 def test_fp8_cache_is_half_the_bytes_and_bad_settings_are_refused(plain_dir):
     full = _engine(plain_dir, num_kv_blocks=None, kv_cache_memory=1 << 20)
     fp8 = _engine(plain_dir, num_kv_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype="fp8")

@@ -31,8 +31,9 @@ COMPRESSED_TENSORS_CHANNEL = compressed_tensors_fp8("channel")
 def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLOCK, layout: str = "block") -> None:
     """The FP8 checkpoint of ``src`` (every decoder projection, experts included) and its dequantized twin.
     ``layout``: ``block`` (DeepSeek/Qwen releases: ``weight_scale_inv`` per ``block``), ``channel``
-    (compressed-tensors: ``weight_scale [N, 1]``) or ``tensor`` (ModelOpt: a scalar ``weight_scale``, declared in
-    ``hf_quant_config.json``)."""
+    (compressed-tensors: ``weight_scale [N, 1]``), ``tensor`` (ModelOpt: a scalar ``weight_scale``, declared in
+    ``hf_quant_config.json``) or ``mixed`` (compressed-tensors config groups: attention per channel, the rest per
+    tensor)."""
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     grid = {"block": block, "channel": (1, fp8_block.CHANNEL), "tensor": (fp8_block.CHANNEL, fp8_block.CHANNEL)}
@@ -40,9 +41,10 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLO
     for name, t in tensors.items():
         if ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight",
                                                  ".w3.weight")) and t.dim() == 2:
-            q = fp8_block.quantize(t, grid[layout])
+            own = ("channel" if ".self_attn." in name else "tensor") if layout == "mixed" else layout
+            q = fp8_block.quantize(t, grid[own])
             scale_name = name + "_scale_inv" if layout == "block" else name[: -len(".weight")] + ".weight_scale"
-            fp8[name], fp8[scale_name] = q.weight, q.scale.reshape(()) if layout == "tensor" else q.scale
+            fp8[name], fp8[scale_name] = q.weight, q.scale.reshape(()) if own == "tensor" else q.scale
             fp8[name[: -len(".weight")] + ".input_scale"] = torch.ones(())  # static activation scale: dropped
             ref[name] = q.dequantize()
         else:
@@ -59,6 +61,11 @@ def _write(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int] = BLO
                                       "weight_block_size": list(block)}
     elif layout == "channel":
         cfg["quantization_config"] = COMPRESSED_TENSORS_CHANNEL
+    elif layout == "mixed":
+        per_tensor = compressed_tensors_fp8("tensor")["config_groups"]["group_0"]
+        cfg["quantization_config"] = {**COMPRESSED_TENSORS_CHANNEL, "config_groups": {
+            "attention": {**COMPRESSED_TENSORS_CHANNEL["config_groups"]["group_0"], "targets": ["re:.*self_attn.*"]},
+            "rest": {**per_tensor, "targets": ["re:.*mlp.*"]}}}
     else:
         (fp8_dir / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
@@ -217,7 +224,7 @@ def test_a_broken_checkpoint_names_the_tensor(fp8_dirs, tmp_path, case):
         Engine.from_pretrained(tmp_path, device="cpu", dtype="float32", num_kv_blocks=8)
 
 
-@pytest.mark.parametrize("layout", ["channel", "tensor"])
+@pytest.mark.parametrize("layout", ["channel", "tensor", "mixed"])
 def test_per_channel_and_per_tensor_checkpoints_stay_fp8(tiny_moe_dir, tmp_path, layout):
     """compressed-tensors' per-channel FP8 and ModelOpt's per-tensor FP8 keep one byte per weight, with a scale per
     output row (a fused q/k/v carries each part's tensor scale on its rows); greedy tokens equal transformers' on
@@ -236,11 +243,13 @@ def test_per_channel_and_per_tensor_checkpoints_stay_fp8(tiny_moe_dir, tmp_path,
     assert ember_greedy(tmp_path / "fp8", ps) == expected
 
 
-def test_two_ranks_keep_per_channel_fp8_whole(tiny_moe_dir, tmp_path):
-    """A per-channel scale spans any K: every rank's slice of every projection and expert stays FP8."""
+@pytest.mark.parametrize("layout", ["channel", "mixed"])
+def test_two_ranks_keep_per_channel_fp8_whole(tiny_moe_dir, tmp_path, layout):
+    """A per-channel (or per-tensor) scale spans any K: every rank's slice of every projection and expert stays
+    FP8."""
     from ember.engine.fp8_loading import FP8Linear
 
-    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", layout="channel")
+    _write(tiny_moe_dir, tmp_path / "fp8", tmp_path / "ref", layout=layout)
 
     def check(engine):
         layer = engine.runner.model.model.layers[0]
