@@ -262,6 +262,7 @@ def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) ->
     user = schema.get("x-guidance")
     if isinstance(user, Mapping):
         x.update(user)
+    schema = _edited(schema, _bounded_hostname)
     if not lenient:
         return {**schema, "x-guidance": x}
     out = {**_readable_patterns(schema), "x-guidance": x}
@@ -270,6 +271,19 @@ def _with_options(schema: Mapping, options: Mapping[str, Any], lenient: bool) ->
         if not _schema_problem(_dumps(uncounted)):
             return uncounted
     return out
+
+
+HOSTNAME_MAX = 253
+"""RFC 1123's bound on a whole host name: llguidance's ``hostname`` format bounds each label (63) but not the name."""
+
+
+def _bounded_hostname(node: Mapping) -> Mapping:
+    """``node`` with ``format: hostname`` also bounded by `HOSTNAME_MAX` characters."""
+    if node.get("format") != "hostname":
+        return node
+    most = node.get("maxLength")
+    bounded = most if isinstance(most, int) and not isinstance(most, bool) and most < HOSTNAME_MAX else HOSTNAME_MAX
+    return {**node, "maxLength": bounded}
 
 
 def _dumps(schema: Mapping) -> str:
