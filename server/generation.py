@@ -17,7 +17,7 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Collection, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from ember.engine.client import EngineClient, EngineDeadError, ModelInfo
 from ember.engine.args import parse_json_object
@@ -283,17 +283,17 @@ def _end_reason(engine_reason: str | None) -> str:
     return {"stop": "eos", "length": "length", "abort": "abort", "error": "error"}.get(engine_reason or "", "eos")
 
 
-def _end(out: RequestOutput, params: SamplingParams | None = None, eos: Collection[int] = (),
+def _end(out: RequestOutput, params: SamplingParams | None = None, model_eos: int | None = None,
          stop_string: str | None = None) -> ChoiceEnd:
     """How a choice ended: by ``stop_string`` when its text completed one, else as the engine ended it; `stop_token`
-    is set when a token of ``params.stop_token_ids`` ended it, unless that token is an EOS (``eos``) the request did
-    not ignore, which vLLM reports as EOS."""
+    is the token that ended it, unless that is the model's EOS (the tokenizer's ``model_eos``) and the request did
+    not ignore EOS. As vLLM: the other end tokens of ``generation_config.json`` are stop tokens, reported by ID."""
     if stop_string is not None:
         return ChoiceEnd("stop_string", stop_string=stop_string, cached_tokens=out.num_cached_tokens)
     tid = out.stop_token_id
-    requested = params is not None and tid in params.stop_token_ids and (params.ignore_eos or tid not in eos)
+    eos = tid == model_eos and not (params is not None and params.ignore_eos)
     return ChoiceEnd(_end_reason(out.finish_reason), error=out.error,  # type: ignore[arg-type]
-                     cached_tokens=out.num_cached_tokens, rejected=out.rejected, stop_token=tid if requested else None)
+                     cached_tokens=out.num_cached_tokens, rejected=out.rejected, stop_token=None if eos else tid)
 
 
 async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Metrics | None = None
@@ -390,7 +390,7 @@ async def run_choice(rt: ModelRuntime, req: GenRequest, index: int, metrics: Met
                     step.finish_at = len(step.events)
                     finish(step, out.finish_reason or "stop")
                     flushed_stop = pipe.stopped and out.finish_reason not in ("error", "abort")  # at the flush
-                    end = step.end = _end(out, spec.params, rt.model_info.eos_token_ids,
+                    end = step.end = _end(out, spec.params, getattr(rt.tokenizer, "eos_token_id", None),
                                           pipe.matched_stop if flushed_stop else None)
                     yield step
                     return

@@ -309,17 +309,21 @@ def _stream_choices(srv, path: str, body: dict) -> list[dict]:
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_stop_reason_names_the_stop_string_or_token_that_ended_the_choice(demo_server, path):
-    """vLLM's `stop_reason`: the matched stop string, the `stop_token_ids` token, else null (EOS, even one listed
-    in `stop_token_ids`, and length); the stream's finishing chunk holds the body's. Chat chunks before it hold no
+    """vLLM's `stop_reason`: the matched stop string, the `stop_token_ids` token or another end token of
+    generation_config.json (the demo's `<|endoftext|>`), else null (the model's EOS, even one listed in
+    `stop_token_ids`, and length); the stream's finishing chunk holds the body's. Chat chunks before it hold no
     `stop_reason`, completion chunks hold null (as vLLM's)."""
     prompt = {"messages": [{"role": "user", "content": "x"}]} if path.endswith("chat/completions") else {"prompt": "x"}
     tok = demo_server.tokenizer
     a, b, c, eos_id = [*tok.convert_tokens_to_ids(["A", "B", "C"]), tok.eos_token_id]
+    other_end = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert other_end in demo_server.runtime.model_info.eos_token_ids and other_end != eos_id
     abc = _forced_demo([a, b, c], **prompt)
     eos = dict(logit_bias={str(eos_id): 100}, temperature=0, max_tokens=2, **prompt)  # the chat prompt holds EOS
+    end = dict(logit_bias={str(other_end): 100}, temperature=0, max_tokens=2, **prompt)
     cases = [(abc, {"stop": ["B"]}, "stop", "B"), (abc, {"stop_token_ids": [b]}, "stop", b),
              (eos, {}, "stop", None), (eos, {"stop_token_ids": [eos_id]}, "stop", None),
-             (abc, {}, "length", None)]
+             (end, {}, "stop", other_end), (abc, {}, "length", None)]
     for forced, extra, reason, stop_reason in cases:
         body = {**forced, **extra}
         choice = _post(demo_server, path, body)["choices"][0]
