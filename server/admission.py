@@ -235,7 +235,7 @@ def vllm_sampling_extras(st: ServerState, body: Any) -> dict[str, Any]:
     (checked against the vocabulary), `bad_words` (each tokenized alone and after a space, as a word is spelled
     inside text), `cache_salt`, `priority` (under ``--scheduling-policy priority``; otherwise a non-zero one is a
     400, as in vLLM). Beam search and per-request logits processors are not served: asking for either is a 400
-    naming the field (ignored, they would change the reply silently)."""
+    naming the field (ignored, they would change the reply silently). Tokenizes: call it off the event loop."""
     if body.use_beam_search:
         raise bad_request("beam search is not supported", param="use_beam_search")
     if body.logits_processors:

@@ -156,7 +156,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     lora = check_model(st, body.model)
     check_generates(st)
     check_logprobs(st, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
-    extras = vllm_sampling_extras(st, body)
+    extras = await asyncio.to_thread(vllm_sampling_extras, st, body)
     if body.n > st.config.max_n:
         raise bad_request(f"n may be at most {st.config.max_n}", param="n")
     messages = chat.openai_messages(body.messages)
@@ -241,7 +241,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     lora = check_model(st, body.model)
     check_generates(st)
     check_logprobs(st, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
-    extras = vllm_sampling_extras(st, body)
+    extras = await asyncio.to_thread(vllm_sampling_extras, st, body)
     prompts = body.prompts()
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")

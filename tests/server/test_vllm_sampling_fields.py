@@ -35,6 +35,34 @@ def test_bad_words_never_appear(demo_server):
     assert word_id in free and word_id not in banned
 
 
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_bad_words_are_tokenized_while_the_server_answers_others(demo_server, monkeypatch, path, body):
+    """A long bad_words list (100k words took 7 s to tokenize) must not stall /health or other clients' streams:
+    while its tokenization is held, /health still answers."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = demo_server.runtime.tokenizer
+    entered, answered, real = threading.Event(), threading.Event(), tok.encode
+
+    def held(text, **kw):
+        if text.strip() == "zzheld":
+            entered.set()
+            answered.wait(10)
+        return real(text, **kw)
+
+    monkeypatch.setattr(tok, "encode", held)
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(_post, demo_server, path, max_tokens=1, bad_words=["zzheld"], **body)
+        assert entered.wait(10)
+        try:
+            assert httpx.get(demo_server.url + "/health", timeout=3).status_code == 200
+        finally:
+            answered.set()
+        assert reply.result().status_code == 200
+
+
 def test_settings_that_ban_every_token_are_a_client_error(demo_server):
     """allowed_token_ids whose one token is a stop token banned until min_tokens: no token may be sampled. The
     reply is a 400 naming the settings (a stream ends with an invalid_request_error event), never a token outside
