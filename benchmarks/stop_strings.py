@@ -1,5 +1,6 @@
-"""Stop-string matching cost: `StopMatcher.feed` per token-sized piece of text, for a few stop lists, and the cost of
-building a matcher for one very long stop string. Prints a table.
+"""Stop-string matching cost: `StopMatcher.feed` per token-sized piece of text, for a few stop lists (up to 20k stop
+strings that start with common letters), and the cost of building a matcher for one very long stop string. Prints
+a table.
 
     python benchmarks/stop_strings.py [--tokens 20000] [--repeat 3]
 """
@@ -13,8 +14,10 @@ import tracemalloc
 from ember.parsers.stop import StopMatcher
 
 WORDS = "the quick brown fox jumps over a lazy dog and then END? no <ans wer stuff\n".split(" ")
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
 CASES = {"one: \\n\\n": ["\n\n"], "three: END! </answer> Observation:": ["END!", "</answer>", "Observation:"],
-         "one of 64 characters": ["x" * 64]}
+         "one of 64 characters": ["x" * 64],
+         "20000 starting with letters": [LETTERS[i % 26] + "QQ" + str(i) for i in range(20_000)]}
 
 
 def per_feed_us(stops: list[str], pieces: list[str], repeat: int) -> float:

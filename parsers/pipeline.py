@@ -24,7 +24,7 @@ from .initial import InitialState, initial_state
 from .machine import ParserMachine
 from .profiles import Profile, get_profile
 from .result import ParsedOutput, fold
-from .stop import StopMatcher
+from .stop import StopMatcher, StopStrings
 from .tokens import PromptContext, TokenBytes, Utf8Assembler, profile_delimiter_ids
 
 __all__ = ["OutputPipeline", "PipelineStep", "ParserSetup", "DELIMITER", "DROPPED", "PENDING", "parse_all"]
@@ -91,7 +91,7 @@ class OutputPipeline:
     the prompt's context the text continues (the legacy completions' ``text_offset``s follow it too)."""
 
     def __init__(self, tb: TokenBytes, profile: Profile, delimiter_ids: Mapping[str, int], initial: InitialState,
-                 *, stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 *, stop: Sequence[str] | StopStrings = (), include_stop_str_in_output: bool = False,
                  special_ids_to_drop: Collection[int] = (), tools: Sequence[dict] | None = None,
                  call_id: Callable[[int], str] | None = None, parse_tools: bool | None = None,
                  min_tokens: int = 0, ending_ids: Collection[int] = (),
@@ -120,7 +120,8 @@ class OutputPipeline:
         self.prompt_context = prompt_context
         self._asm = Utf8Assembler(prompt_context.tail)
         self._unspaced = not prompt_context.strip_space  # the leading space to drop is gone (or there is none)
-        self._stop = StopMatcher(stop, include_stop_str_in_output) if any(stop) else None
+        strings = StopStrings.of(stop)
+        self._stop = StopMatcher(strings, include_stop_str_in_output) if strings else None
         self._min_tokens = min_tokens  # a stop string ends the output only in a token past these (vLLM)
         self._count = 0  # tokens so far, counted only where there are stop strings (for min_tokens)
         self.stopped = False

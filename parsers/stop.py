@@ -8,30 +8,110 @@ match is the stop string that is complete first (the earliest end; of those, the
 result independent of how the text is chunked (vLLM takes the first listed of those found in one step's new text, so
 its pick depends on the tokens per step). Text fed with ``check=False`` (the tokens
 up to ``min_tokens``, as vLLM) is withheld the same way but cannot end a match: a stop string counts only when it
-ends in checked text. Each stop string is followed by a Knuth-Morris-Pratt automaton, so a call costs the text fed
-times the number of stop strings (amortized) and memory is linear in their length, however long they are.
+ends in checked text. The stop strings are one Aho-Corasick automaton (`StopStrings`, built once per request and
+shared by its choices), so a character fed costs the same however many stop strings there are (amortized), and
+memory is linear in their total length.
 """
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
-__all__ = ["StopMatcher"]
+__all__ = ["StopMatcher", "StopStrings"]
+
+
+class StopStrings:
+    """A request's stop strings (empty ones and repeats dropped) as an Aho-Corasick automaton: a trie of the strings
+    whose node is the longest suffix of the text read that begins one of them. Immutable; one per request, shared by
+    the matchers of its choices. A node whose one child was created right after it (a run of a single string) keeps
+    that child's character in an array, not a dict, so a long stop string costs a few words per character."""
+
+    __slots__ = ("stops", "starts", "_chain", "_kids", "_fail", "_first", "_anchor", "_depth")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+        self.starts = frozenset(s[0] for s in self.stops)
+        self._chain = array("l", [-1])   # node -> the code point of its one child, node + 1 (-1: see _kids)
+        self._kids: list[dict[str, int] | None] = [None]   # node -> its children by character, where not a chain
+        self._depth = array("l", [0])
+        self._first = array("l", [-1])   # node -> the first listed stop string ending there, or -1
+        for index, stop in enumerate(self.stops):
+            node = 0
+            for ch in stop:
+                child = self._child(node, ch)
+                node = self._add(node, ch) if child < 0 else child
+            if self._first[node] < 0:
+                self._first[node] = index
+        size = len(self._depth)
+        fail = self._fail = array("l", bytes(8 * size))     # node -> its longest proper suffix that is a node
+        order = [child for _, child in self._children(0)]
+        for node in order:                                   # breadth first: a node's fail before its children's
+            for ch, child in self._children(node):
+                f = fail[node]
+                while f and self._child(f, ch) < 0:
+                    f = fail[f]
+                fail[child] = max(self._child(f, ch), 0)
+                order.append(child)
+        first, anchor = self._first, array("l", bytes(8 * size))   # anchor: the deepest node with children on the
+        for node in order:                                         # node's suffix chain (itself included)
+            f = fail[node]
+            if first[f] >= 0 and (first[node] < 0 or first[f] < first[node]):
+                first[node] = first[f]                       # a stop string ending here via a suffix, listed earlier
+            anchor[node] = node if self._chain[node] >= 0 or self._kids[node] else anchor[f]
+        self._anchor = anchor
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    @classmethod
+    def of(cls, stops: "Sequence[str] | StopStrings") -> "StopStrings":
+        return stops if isinstance(stops, StopStrings) else cls(stops)
+
+    def _child(self, node: int, ch: str) -> int:
+        code = self._chain[node]
+        if code >= 0:
+            return node + 1 if code == ord(ch) else -1
+        kids = self._kids[node]
+        return kids.get(ch, -1) if kids else -1
+
+    def _children(self, node: int) -> list[tuple[str, int]]:
+        code = self._chain[node]
+        if code >= 0:
+            return [(chr(code), node + 1)]
+        kids = self._kids[node]
+        return list(kids.items()) if kids else []
+
+    def _add(self, node: int, ch: str) -> int:
+        child = len(self._depth)
+        chain, kids = self._chain, self._kids
+        if chain[node] < 0 and not kids[node] and child == node + 1:
+            chain[node] = ord(ch)
+        else:
+            if chain[node] >= 0:
+                kids[node], chain[node] = {chr(chain[node]): node + 1}, -1
+            if kids[node] is None:
+                kids[node] = {}
+            kids[node][ch] = child
+        chain.append(-1)
+        kids.append(None)
+        self._depth.append(self._depth[node] + 1)
+        self._first.append(-1)
+        return child
 
 
 class StopMatcher:
-    """Per request: ``feed(text)`` returns the text that can no longer be part of a match."""
+    """Per choice: ``feed(text)`` returns the text that can no longer be part of a match."""
 
-    __slots__ = ("stops", "include", "stopped", "matched", "_held", "_states", "_fails", "_firsts")
+    __slots__ = ("strings", "stops", "include", "stopped", "matched", "_held", "_node")
 
-    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
+    def __init__(self, stops: "Sequence[str] | StopStrings", include_stop_str_in_output: bool = False) -> None:
+        self.strings = StopStrings.of(stops)
+        self.stops = self.strings.stops
         self.include = include_stop_str_in_output
         self.stopped = False
         self.matched: str | None = None
         self._held = ""
-        self._states = [0] * len(self.stops)  # per stop string: how much of it the text so far ends with
-        self._fails = tuple(_prefix_function(s) for s in self.stops)
-        self._firsts = frozenset(s[0] for s in self.stops)
+        self._node = 0          # the automaton's node of the held text (it has children; 0: nothing held)
 
     @property
     def held(self) -> str:
@@ -41,32 +121,40 @@ class StopMatcher:
     def feed(self, text: str, check: bool = True) -> str:
         if self.stopped or not text:
             return ""
-        held = self._held
-        if not held:  # every automaton is at its start: skip to the first character that can begin a stop string
-            at = min((i for i in (text.find(c) for c in self._firsts) if i >= 0), default=-1)
+        a = self.strings
+        chain, kids, fail, first = a._chain, a._kids, a._fail, a._first
+        held, node = self._held, self._node
+        if not node:  # at the root: skip to the first character that can begin a stop string
+            starts = a.starts
+            at = next((i for i, ch in enumerate(text) if ch in starts), -1)
             if at < 0:
                 return text
             held, text = text[:at], text[at:]
         s = held + text
         base = len(held)
-        states, stops, fails = self._states, self.stops, self._fails
         for pos, ch in enumerate(text):
-            for i, stop in enumerate(stops):
-                k = states[i]
-                if k == 0 and ch != stop[0]:
-                    continue
-                while k and stop[k] != ch:
-                    k = fails[i][k - 1]
-                if stop[k] == ch:
-                    k += 1
-                if k == len(stop):
-                    if check:
-                        end = base + pos + 1
-                        self.stopped, self.matched, self._held = True, stop, ""
-                        return s[:end] if self.include else s[:end - k]
-                    k = fails[i][k - 1]
-                states[i] = k
-        keep = max(states)
+            code = ord(ch)
+            while True:
+                if chain[node] == code:
+                    node += 1
+                    break
+                children = kids[node]
+                child = children.get(ch) if children else None
+                if child is not None:
+                    node = child
+                    break
+                if not node:
+                    break
+                node = fail[node]
+            found = first[node]
+            if found >= 0 and check:
+                stop = a.stops[found]
+                end = base + pos + 1
+                self.stopped, self.matched, self._held, self._node = True, stop, "", 0
+                return s[:end] if self.include else s[:end - len(stop)]
+        node = a._anchor[node]
+        keep = a._depth[node]
+        self._node = node
         self._held = s[len(s) - keep:] if keep else ""
         return s[:len(s) - keep]
 
@@ -90,17 +178,4 @@ class StopMatcher:
 
     def _reset(self) -> None:
         self._held = ""
-        self._states = [0] * len(self.stops)
-
-
-def _prefix_function(s: str) -> tuple[int, ...]:
-    """For each prefix ``s[:j + 1]``, the length of its longest proper prefix that is also its suffix (KMP)."""
-    pi = [0] * len(s)
-    k = 0
-    for j in range(1, len(s)):
-        while k and s[j] != s[k]:
-            k = pi[k - 1]
-        if s[j] == s[k]:
-            k += 1
-        pi[j] = k
-    return tuple(pi)
+        self._node = 0

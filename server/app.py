@@ -48,6 +48,7 @@ from .errors import (ANTHROPIC_REQUEST_ID, ApiError, anthropic_error_body, anthr
                      is_anthropic_request, openai_error_body, validation_error)
 from ember.grammar import GrammarError, check_tools
 from ember.parsers.initial import InitialState
+from ember.parsers.stop import StopStrings
 
 from .generation import ChoiceSpec, GenRequest, ModelRuntime, make_pipeline, run_choices, sampling_params, seeded
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -177,6 +178,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = allowed_tokens(st, len(prompt_ids), requested, body.min_tokens)
     stop = body.stop_list
+    stops = await asyncio.to_thread(StopStrings, stop)  # one automaton for every choice, built off the event loop
     parse_tools = tools if tool_choice != "none" and rt.tools_enabled else None
     setup = rt.parser
     initial = setup.initial_state(prompt_ids)
@@ -190,7 +192,7 @@ async def chat_completions(body: po.ChatCompletionRequest, request: Request,
         defaults=rt.sampling_defaults, **extras)
     choices = []
     for i in range(body.n):
-        pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=body.include_stop_str_in_output,
+        pipe = make_pipeline(setup, initial, stop=stops, include_stop_str_in_output=body.include_stop_str_in_output,
                              tools=parse_tools, stop_token_ids=base.stop_token_ids,
                              skip_special_tokens=body.skip_special_tokens, min_tokens=body.min_tokens,
                              ignore_eos=body.ignore_eos)
@@ -246,6 +248,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
     if len(prompts) * body.n > st.config.max_n * 4:
         raise bad_request(f"at most {st.config.max_n * 4} choices (prompts times n) per request", param="n")
     stop = body.stop_list
+    stops = await asyncio.to_thread(StopStrings, stop)  # one automaton for every choice, built off the event loop
     scored_top = _prompt_logprobs(st, body)
     choices, echoes, echo_offsets, prompt_total = [], [], [], 0
     echo_drop = rt.parser_plain.dropped_ids(body.skip_special_tokens)  # what the echo leaves out, as the output does
@@ -287,7 +290,7 @@ async def completions(body: po.CompletionRequest, request: Request, _: None = De
             ignore_eos=body.ignore_eos, prompt_logprobs=_most(body.logprobs if body.echo else None, scored_top),
             lora=lora, defaults=rt.sampling_defaults, **extras)
         for j in range(body.n):
-            pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stop,
+            pipe = make_pipeline(rt.parser_plain, InitialState.CONTENT, stop=stops,
                                  include_stop_str_in_output=body.include_stop_str_in_output, tools=None,
                                  stop_token_ids=base.stop_token_ids, skip_special_tokens=body.skip_special_tokens,
                                  min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, prompt_ids=ids)

@@ -26,6 +26,7 @@ from ember.engine.params import RequestOutput, SamplingParams
 from ember.parsers.initial import InitialState
 from ember.parsers.pipeline import DELIMITER, PENDING, OutputPipeline, ParserSetup, PipelineStep
 from ember.parsers.profiles import Profile, detect_profile, get_profile
+from ember.parsers.stop import StopStrings
 from ember.parsers.tokens import PromptContext, TokenBytes
 
 from . import chat
@@ -253,12 +254,13 @@ class GenRequest:
         self.engine_id = self.engine_id or self.request_id
 
 
-def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str],
+def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[str] | StopStrings,
                   include_stop_str_in_output: bool, tools: Sequence[dict] | None,
                   stop_token_ids: Sequence[int] = (), skip_special_tokens: bool | None = None,
                   min_tokens: int = 0, ignore_eos: bool = False,
                   prompt_ids: Sequence[int] | None = None) -> OutputPipeline:
-    """A fresh pipeline for one choice; tool calls are parsed only when the request offers tools (not `none`). The
+    """A fresh pipeline for one choice (``stop`` built once as `StopStrings` is shared by a request's choices); tool
+    calls are parsed only when the request offers tools (not `none`). The
     text of a ``stop_token_ids`` token that ends the reply is left out, as EOS's is, unless
     ``include_stop_str_in_output`` (vLLM's rule). ``skip_special_tokens`` true also drops every special token that
     is not one of the parser's delimiters (`ParserSetup.dropped_ids`); unset or false keeps them as text. A stop
@@ -272,9 +274,10 @@ def make_pipeline(setup: ParserSetup, initial: InitialState, *, stop: Sequence[s
     context = PromptContext() if prompt_ids is None else PromptContext.of(setup.tb, prompt_ids, drop)
     if skip_special_tokens is False:
         drop -= passed
-    return setup.pipeline(initial=initial, stop=list(stop), include_stop_str_in_output=include_stop_str_in_output,
-                          min_tokens=min_tokens, tools=list(tools) if tools else None, call_id=new_call_id,
-                          parse_tools=bool(tools), special_ids_to_drop=drop, passed_ids=passed,
+    return setup.pipeline(initial=initial, stop=StopStrings.of(stop),
+                          include_stop_str_in_output=include_stop_str_in_output, min_tokens=min_tokens,
+                          tools=list(tools) if tools else None, call_id=new_call_id, parse_tools=bool(tools),
+                          special_ids_to_drop=drop, passed_ids=passed,
                           ending_ids=() if include_stop_str_in_output else frozenset(stop_token_ids),
                           prompt_context=context)
 

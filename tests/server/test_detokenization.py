@@ -384,7 +384,7 @@ def _completion_steps(runtime, ids: list[int], cuts: tuple[int, ...], stop: list
                          tools=None)
     req = GenRequest("cmpl-x", [ChoiceSpec([1], SamplingParams(max_tokens=len(ids), logprobs=0), pipe)])
     rt = SimpleNamespace(engine=SimpleNamespace(generate=generate), stopping=None, in_flight=set(),
-                         request_log=None, model_info=runtime.model_info)
+                         request_log=None, model_info=runtime.model_info, tokenizer=runtime.tokenizer)
 
     async def steps() -> list[ChoiceStep]:
         return [s async for s in run_choice(rt, req, 0)]
