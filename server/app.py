@@ -378,7 +378,8 @@ async def messages(body: pa.MessagesRequest, request: Request, _: None = Depends
                              top_k=body.top_k, min_p=None, seed=body.seed, presence_penalty=0.0,
                              frequency_penalty=0.0, repetition_penalty=None, logprobs=None, logit_bias=None,
                              lora=lora, defaults=rt.sampling_defaults)
-    pipe = make_pipeline(setup, initial, stop=stop, include_stop_str_in_output=False, tools=parse_tools)
+    pipe = make_pipeline(setup, initial, stop=await asyncio.to_thread(StopStrings, stop),
+                         include_stop_str_in_output=False, tools=parse_tools)
     fmt = body.output_config.format if body.output_config is not None else None
     rf = None if fmt is None else {"type": "json_schema", "json_schema": {"schema": fmt.schema_, "strict": True},
                                    "param": "output_config.format.schema"}
