@@ -28,7 +28,7 @@ from torch import nn
 
 from ember.engine.attention import AttentionMetadata
 from ember.engine.config import ConfigError, ModelConfig
-from ember.engine.models.layers import DecoderForCausalLM
+from ember.engine.models.layers import DecoderForCausalLM, float_weight
 
 _PREFIXES = ("bert.", "roberta.")
 _UNUSED = ("cls.", "lm_head.", "embeddings.position_ids")  # MLM heads and buffers a checkpoint may carry
@@ -227,7 +227,7 @@ class BertEncoderModel(nn.Module):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                                   f"{tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+            param.copy_(float_weight(tensor, name, source).to(param.dtype))
             filled.add(name)
         missing = sorted(set(params) - filled)
         if missing:

@@ -78,9 +78,22 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(variance + self.eps)).to(dtype)
 
 
+def float_weight(tensor: torch.Tensor, name: str, source: object) -> torch.Tensor:
+    """``tensor`` where it is floating point; an integer or bool tensor for an unquantized weight (a quantized
+    export whose config.json declares no quantization, or a broken file) is a ConfigError naming it and its dtype,
+    never cast and served."""
+    if not tensor.is_floating_point():
+        raise ConfigError(f"{source}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}, not floating "
+                          "point (a quantized checkpoint whose config.json declares no quantization?)")
+    return tensor
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor for RoPE types default, linear, llama3, yarn and
-    longrope."""
+    longrope; a rope_theta or scaling factor that is not a positive number is a ConfigError naming it (either would
+    make every logit NaN)."""
+    if not (math.isfinite(theta) and theta > 0):
+        raise ConfigError(f"config.json: rope_theta must be a positive number, got {theta}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv_freq, 1.0
@@ -90,6 +103,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None, max_positio
     if kind in ("linear", "llama3", "yarn") and scaling.get("factor") is None:
         raise ConfigError(f"config.json: {kind} RoPE scaling needs rope_scaling.factor")
     factor = float(scaling.get("factor", 1.0))
+    if not (math.isfinite(factor) and factor > 0):
+        raise ConfigError(f"config.json: rope_scaling.factor must be a positive number, got {scaling.get('factor')}")
     if kind == "linear":
         return inv_freq / factor, 1.0
     if kind == "llama3":
@@ -667,7 +682,7 @@ class DecoderForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dtype=dest.dtype))
+            dest.copy_(float_weight(tensor, name, source).to(dtype=dest.dtype))
             filled.setdefault(target, set()).add(name)
         for pname in params:
             missing = [n for n in _checkpoint_names(pname) if n not in filled.get(pname, ())]

@@ -30,6 +30,7 @@ from ember.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_sliding_windows,
+    float_weight,
 )
 from ember.engine.nvfp4_loading import QuantizationError
 from ember.kernels import moe_reference
@@ -341,7 +342,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dest.dtype))
+            dest.copy_(float_weight(tensor, name, source).to(dest.dtype))
             filled[(layer, which)] = -1
             return
         if len(rest) != 3 or rest[1] not in _PROJ:
@@ -361,7 +362,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor.to(dest.dtype))
+            dest.copy_(float_weight(tensor, name, source).to(dest.dtype))
         elif isinstance(q, FP8BlockTensor):
             self._place_fp8(q, e, part if which == "w13" else None, ex.inter, name, suffix, tensor, source)
         elif suffix == "weight":

@@ -269,6 +269,30 @@ def test_a_tensor_twice_or_a_missing_fused_part_is_named(tmp_path, demo_model_di
         Engine.from_pretrained(path, num_kv_blocks=8)
 
 
+@pytest.mark.parametrize("edit, said", [
+    ({"rope_theta": 0.0}, "rope_theta must be a positive number, got 0.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling.factor must be a positive number, got 0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": -2.0, "original_max_position_embeddings": 64}},
+     "rope_scaling.factor must be a positive number, got -2.0")])
+def test_a_rope_that_would_make_every_logit_nan_is_refused_by_name(tmp_path, demo_model_dir, edit, said):
+    """It started and answered every request from NaN logits."""
+    path = _copy(demo_model_dir, tmp_path / "m", lambda c: c.update(edit))
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool])
+def test_an_integer_weight_in_an_unquantized_checkpoint_is_refused_by_name(tmp_path, demo_model_dir, dtype):
+    """It was cast to float and served: a quantized export without its quantization_config answered nonsense."""
+    tensors = load_file(demo_model_dir / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = torch.ones_like(tensors[name], dtype=dtype)
+    path = _copy(demo_model_dir, tmp_path / "m")
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ConfigError, match=rf"tensor '{re.escape(name)}' is {str(dtype)[6:]}, not floating point"):
+        Engine.from_pretrained(path, num_kv_blocks=8)
+
+
 _W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"], "config_groups": {
     "group_0": {"targets": ["Linear"], "input_activations": None,
                 "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
