@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Mapping
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.datastructures import Headers, MutableHeaders
@@ -490,8 +490,11 @@ async def list_models(request: Request, _: None = Depends(require_api_key)) -> d
     return {"object": "list", "data": cards + [_model_card(st, n) for n in adapters]}
 
 
-async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict:
-    """The model's card: OpenAI's shape, or Anthropic's when the request carries ``anthropic-version``."""
+async def get_model(model_id: str, request: Request, _: None = Depends(require_api_key)) -> dict | Response:
+    """The model's card: OpenAI's shape, or Anthropic's when the request carries ``anthropic-version``. The list's
+    path with a trailing slash (no id) is redirected to the list, as FastAPI redirects vLLM's."""
+    if not model_id:
+        return RedirectResponse(str(request.url.replace(path=request.url.path.rstrip("/"))), status_code=307)
     st = state(request)
     lora = check_model(st, model_id)
     if "anthropic-version" in request.headers:
@@ -749,7 +752,7 @@ def create_app(runtime: ModelRuntime, config: ServeConfig, *, shutdown_engine: b
     app.state.ember = st
 
     app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", get_model, methods=["GET"], response_model=None)
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/messages", messages, methods=["POST"])

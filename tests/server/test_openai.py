@@ -49,6 +49,11 @@ def test_models_list(demo_server):
     assert client.models.retrieve("ember-demo").id == "ember-demo"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
+    for headers in ({}, {"anthropic-version": "2023-06-01"}):  # the list's path with a trailing slash is the list
+        slash = httpx.get(demo_server.url + "/v1/models/?limit=1", headers=headers, timeout=30)
+        assert slash.status_code == 307 and slash.headers["location"].endswith("/v1/models?limit=1")
+        listed = httpx.get(demo_server.url + "/v1/models/", headers=headers, timeout=30, follow_redirects=True)
+        assert [m["id"] for m in listed.json()["data"]] == ["ember-demo"], listed.text
 
 
 def test_chat_non_streaming_usage_counts_tokens(any_server):
