@@ -211,13 +211,14 @@ def typed_value(raw: str, types: tuple[str, ...], untyped: bool = False) -> str 
 
 
 def _number(v: str) -> str | None:
-    """JSON text of a finite number: ``v`` itself where it is JSON, else what int() or float() read (integral
-    floats as integers)."""
+    """JSON text of a number: ``v`` itself where it is a JSON number (also one past a double's range, `1e999`, which
+    a strict tool's grammar allows: it stays a number, as the JSON-argument families write it), else the finite
+    number int() or float() read (integral floats as integers)."""
     try:
-        num = json.loads(v)
+        num = json.loads(v, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         num = None
-    if isinstance(num, (int, float)) and not isinstance(num, bool) and math.isfinite(num):
+    if isinstance(num, (int, float)) and not isinstance(num, bool):
         return v
     try:
         return str(int(v))
