@@ -683,13 +683,20 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
     the parser streams the value as a string (an enum/const of strings as its literals), else JSON of its schema
     (of ``as_root``, the same schema as a root of its own, when given: see `_param_schema`); ``params`` is the tool's
     parameters schema, where the value's local references resolve.
-    ``lazy`` = (closer regex, suffix literal) when the closer is text: a text value never contains the closer (the
-    parser ends the value at its first occurrence) and ends lazily at the suffix; None when the closer is a token."""
+    ``lazy`` = (closer text, suffix literal) when the closer is text: a text value never contains the closer (the
+    parser ends the value at its first occurrence; an enum/const value holding it cannot be written: a `GrammarError`
+    in a strict schema, left out of a lenient one) and ends lazily at the suffix; None when the closer is a token."""
     if _is_text_param(schema, params or {}):
         schema = resolved(schema, params or {})
         values = schema.get("enum") if isinstance(schema.get("enum"), list) else \
             [schema["const"]] if "const" in schema else None
         if values is not None and all(isinstance(v, str) for v in values):
+            unwritable = [v for v in values if lazy is not None and lazy[0] in v]
+            if unwritable and not lenient:
+                raise GrammarError(f"value {unwritable[0]!r} cannot be written in this tool format: {lazy[0]!r} "
+                                   "would end it")
+            values = [v for v in values if v not in unwritable]
+        if values and all(isinstance(v, str) for v in values):
             return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
         lo = int(schema.get("minLength", 0) or 0)
         hi = schema.get("maxLength")
@@ -699,7 +706,7 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
         if lazy is None:
             g.add(term, text)
             return g.add(rule, f"{term} {close}")
-        closer, suffix = lazy
+        closer, suffix = re.escape(lazy[0]).replace("/", "\\/"), lazy[1]
         g.add(term, f"{text} & ~/(?s:.*){closer}(?s:.*)/")
         return g.add(rule, term, f"[suffix={suffix}]")
     g.add(rule + "_json", _json_rule(schema if as_root is None else as_root, lenient=lenient))
@@ -749,7 +756,7 @@ def _coder_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, closer: st
                  as_root: Mapping | None = None, params: Mapping | None = None) -> str:
     """Rule for one parameter value, ending with its ``pad + closer + "\\n"`` (Qwen3-Coder: ``\\n</parameter>\\n``)."""
     close = _lit(pad + closer + "\n")
-    return _tag_value(g, rule, schema, lenient, close, (re.escape(closer).replace("/", "\\/"), close), as_root, params)
+    return _tag_value(g, rule, schema, lenient, close, (closer, close), as_root, params)
 
 
 def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], str]) -> str | None:
@@ -769,7 +776,13 @@ def _param_set(g: _Lark, k: int, t: _Tool, param: Callable[[str, Mapping, str], 
     rows = [f'"" %if is_ones([0:{len(required)}])' if required else '""']
     for b, p in enumerate(names):
         ps = props[p] if isinstance(props[p], Mapping) else {}
-        rows.append(f'{param(p, ps, f"t{k}_p{b}")} {perm}::set_bit({b}) %if bit_clear({b})')
+        try:
+            written = param(p, ps, f"t{k}_p{b}")
+        except GrammarError as e:
+            if e.message.startswith("tools"):
+                raise
+            raise GrammarError(f"tools[{t.index}].function.parameters.properties.{p}: {e.message}") from None
+        rows.append(f'{written} {perm}::set_bit({b}) %if bit_clear({b})')
     g.add(f"{perm}::_", "\n    | ".join(rows))
     return f"{perm}::0x0"
 
@@ -809,7 +822,8 @@ def _glm_value(g: _Lark, d: _Delims, rule: str, schema: Mapping, lenient: bool,
                as_root: Mapping | None = None, params: Mapping | None = None) -> str:
     """Rule for one GLM argument value, ending with its ``</arg_value>`` (a token, or text where the vocabulary lacks
     it)."""
-    lazy = None if d.id("value_close") is not None else ("<\\/arg_value>", _lit(d.profile.terminals["value_close"]))
+    text = d.profile.terminals["value_close"]
+    lazy = None if d.id("value_close") is not None else (text, _lit(text))
     return _tag_value(g, rule, schema, lenient, d.ref("value_close"), lazy, as_root, params)
 
 

@@ -130,3 +130,24 @@ def test_parameter_names_that_cannot_be_written_are_refused(mm):
             "type": "object", "properties": {name: {"type": "string"}}}}}]
         with pytest.raises(GrammarError, match="odd_tool"):
             _plan(setup, "required", tools=tools)
+
+
+def test_an_enum_value_holding_the_text_closer_is_refused_strict_and_left_out_lenient(mm):
+    """`</parameter>` is text in this format, and the parser ends a value at its first one: an enum value holding it
+    came back as `""` (breaking the strict schema) with the rest leaked into content. Strict: a 400 naming the
+    parameter; lenient: the value is left out of the choices."""
+    tok, setup, backend = mm
+
+    def tools(strict: bool) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f", "strict": strict, "parameters": {
+            "type": "object", "properties": {"mode": {"type": "string", "enum": ["a</parameter>b", "ok"]}},
+            "required": ["mode"], "additionalProperties": False}}}]
+
+    with pytest.raises(GrammarError, match=r"tools\[0\]\.function\.parameters\.properties\.mode: value "
+                                           r"'a</parameter>b' cannot be written"):
+        _plan(setup, "required", tools=tools(True))
+    plan = _plan(setup, "required", tools=tools(False))
+    reply = "ok\n</think>\n\n<minimax:tool_call>\n" + invoke("f", mode="{}") + "</minimax:tool_call>" + EOT
+    assert _accepted(tok, backend, plan, reply.replace("{}", "ok"))
+    assert not _accepted(tok, backend, plan, reply.replace("{}", "a</parameter>b"))
+    assert not _accepted(tok, backend, plan, reply.replace("{}", ""))
