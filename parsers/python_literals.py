@@ -46,9 +46,13 @@ class _Frame:
     key: str = ""             # JSON text of the key of the next value (args, dict)
 
 
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
 def _number(text: str) -> str | None:
     """JSON text of the Python int or float literal ``text`` (sign allowed), or None: `0123` is no literal, as in
-    Python (never read as 123 or 123.0)."""
+    Python (never read as 123 or 123.0). A float past a double's range (`1e400`, which a strict tool's number
+    grammar allows) is its text where that is a JSON number, as the JSON-argument families write it."""
     t = text.replace("_", "")
     try:
         return json.dumps(int(t, 0))
@@ -60,7 +64,9 @@ def _number(text: str) -> str | None:
         v = float(t)
     except ValueError:
         return None
-    return json.dumps(v) if math.isfinite(v) else None
+    if math.isfinite(v):
+        return json.dumps(v)
+    return text if _JSON_NUMBER.fullmatch(text) else None
 
 
 def _past_whitespace(s: str, i: int) -> int:

@@ -81,7 +81,7 @@ def test_what_is_not_a_literal_is_an_error_and_the_json_sent_can_be_closed(src, 
 
 QUOTINGS = ['"""print(1)\nprint("hi")\n"""', "'''it's'''", "'a' 'b'", '"a"\n  "b" \'c\'', r'r"C:\new\table"',
             r"r'a\'b'", "u'x'", r"R'\d' U'\n'", '""""""', "''", '"" "x"', '"""a""b"""', "0_1.5", "00", "1e3", "-0x1F",
-            r"{'k' 'j': [r'\\']}"]
+            r"{'k' 'j': [r'\\']}", "1e400", "-32.5E4244"]  # past a double's range: the JSON number as written
 
 
 @pytest.mark.parametrize("value", QUOTINGS)
