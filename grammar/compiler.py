@@ -695,9 +695,9 @@ def _tag_value(g: _Lark, rule: str, schema: Mapping, lenient: bool, close: str, 
             if unwritable and not lenient:
                 raise GrammarError(f"value {unwritable[0]!r} cannot be written in this tool format: {lazy[0]!r} "
                                    "would end it")
-            values = [v for v in values if v not in unwritable]
-        if values and all(isinstance(v, str) for v in values):
-            return g.add(rule, "(" + " | ".join(_lit(v) for v in values) + ") " + close)
+            written = [v for v in values if v not in unwritable]
+            if written:
+                return g.add(rule, "(" + " | ".join(_lit(v) for v in written) + ") " + close)
         lo = int(schema.get("minLength", 0) or 0)
         hi = schema.get("maxLength")
         span = f"{{{lo},{int(hi)}}}" if hi is not None else (f"{{{lo},}}" if lo else "*")

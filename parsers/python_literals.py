@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["PythonArgs", "MAX_SCALAR"]
+__all__ = ["PythonArgs", "MAX_SCALAR", "JSON_NUMBER"]
 
 MAX_SCALAR = 512
 """A number, name, keyword or dict key longer than this is an error (bounds what is buffered)."""
@@ -46,7 +46,8 @@ class _Frame:
     key: str = ""             # JSON text of the key of the next value (args, dict)
 
 
-_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+"""A JSON (RFC 8259) number, whole."""
 
 
 def _number(text: str) -> str | None:
@@ -66,7 +67,7 @@ def _number(text: str) -> str | None:
         return None
     if math.isfinite(v):
         return json.dumps(v)
-    return text if _JSON_NUMBER.fullmatch(text) else None
+    return text if JSON_NUMBER.fullmatch(text) else None
 
 
 def _past_whitespace(s: str, i: int) -> int:

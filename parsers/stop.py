@@ -102,11 +102,10 @@ class StopStrings:
 class StopMatcher:
     """Per choice: ``feed(text)`` returns the text that can no longer be part of a match."""
 
-    __slots__ = ("strings", "stops", "include", "stopped", "matched", "_held", "_node")
+    __slots__ = ("strings", "include", "stopped", "matched", "_held", "_node")
 
     def __init__(self, stops: "Sequence[str] | StopStrings", include_stop_str_in_output: bool = False) -> None:
         self.strings = StopStrings.of(stops)
-        self.stops = self.strings.stops
         self.include = include_stop_str_in_output
         self.stopped = False
         self.matched: str | None = None

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 from urllib.parse import unquote
 
-from .python_literals import PythonArgs
+from .python_literals import JSON_NUMBER, PythonArgs
 
 
 _MAX_DEPTH = 64
@@ -214,11 +214,7 @@ def _number(v: str) -> str | None:
     """JSON text of a number: ``v`` itself where it is a JSON number (also one past a double's range, `1e999`, which
     a strict tool's grammar allows: it stays a number, as the JSON-argument families write it), else the finite
     number int() or float() read (integral floats as integers)."""
-    try:
-        num = json.loads(v, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        num = None
-    if isinstance(num, (int, float)) and not isinstance(num, bool):
+    if JSON_NUMBER.fullmatch(v):
         return v
     try:
         return str(int(v))
